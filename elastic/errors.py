@@ -1,0 +1,101 @@
+"""The one error tree of the project, and the one place that maps errors to exit codes.
+
+Every error raised on purpose by ``elastic`` or ``agent`` derives from
+:class:`ElasticError`. Third-party errors are translated at the boundary where
+they occur, with the original chained as ``__cause__``.
+
+Exit codes (documented for operators and scripts):
+
+====  ===========================================================
+0     success
+1     the job failed (a worker failed and the restart budget is spent)
+2     bad input: a flag, a config file, an environment variable
+3     the etcd store cannot be reached or answered with an error
+4     rendezvous failed (timed out, fenced off, duplicate node id)
+70    internal error (a bug: please report it with the log)
+====  ===========================================================
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_JOB_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_STORE = 3
+EXIT_RENDEZVOUS = 4
+EXIT_INTERNAL = 70
+
+
+class ElasticError(Exception):
+    """Base of every error this project raises on purpose."""
+
+    exit_code = EXIT_INTERNAL
+
+
+class ConfigError(ElasticError):
+    """Bad input from the user: a flag, an environment variable or a config file."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class StoreError(ElasticError):
+    """The key-value store (etcd) failed a request."""
+
+    exit_code = EXIT_STORE
+
+
+class StoreUnavailableError(StoreError):
+    """The store cannot be reached; the message names the endpoints tried."""
+
+
+class StoreTimeoutError(StoreError):
+    """A store request did not complete within its deadline."""
+
+
+class WatchCompactedError(StoreError):
+    """A watch asked for history the store has already compacted away.
+
+    The watcher must re-read the current state and watch again from there.
+    """
+
+    def __init__(self, message: str, compact_revision: int):
+        super().__init__(message)
+        self.compact_revision = compact_revision
+
+
+class LeaseLostError(StoreError):
+    """A lease expired or was revoked; keys written under it are gone."""
+
+
+class RendezvousError(ElasticError):
+    """The rendezvous could not produce a round for this node."""
+
+    exit_code = EXIT_RENDEZVOUS
+
+
+class RendezvousTimeoutError(RendezvousError):
+    """No round including this node was committed within the join timeout."""
+
+
+class FencedError(RendezvousError):
+    """A write was refused because its round is no longer the current round."""
+
+
+class DuplicateNodeError(RendezvousError):
+    """Another live agent is already registered under this node id."""
+
+
+class MalformedRecordError(RendezvousError):
+    """A key under the job's prefix holds something that is not a valid record."""
+
+    def __init__(self, key: str, problem: str):
+        super().__init__(f"malformed record at key {key!r}: {problem}")
+        self.key = key
+        self.problem = problem
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The process exit code for an error that ends a command."""
+    if isinstance(exc, ElasticError):
+        return exc.exit_code
+    return EXIT_INTERNAL

@@ -1,0 +1,116 @@
+"""Pure decisions of the rendezvous leader: (observed state, now, config) -> Decision.
+
+No I/O and no clock reads here: the leader's loop observes etcd, passes its own
+monotonic ``now``, and applies the result. Tests move time by passing another
+``now``.
+
+The rules, in order:
+
+* Nodes being drained are never candidates.
+* Before the first round: close when ``max`` nodes are present; or when at
+  least ``min`` are and no node has arrived for ``settle_s``. Otherwise wait.
+* With a round in place, a new round is needed when a member is gone (lease
+  expired), a member is drained, a restart was requested for the current round,
+  or nodes are waiting while the round has fewer than ``max`` members
+  (scale-up). Otherwise the round stands and extra nodes wait as standbys.
+* A new round keeps the survivors in their old order, then adds waiting nodes
+  in join order, up to ``max``. If it would include nodes that arrived less
+  than ``settle_s`` ago and is not full, it waits for them to settle, so a
+  burst of joins becomes one round. Losing a member needs no settling: the
+  survivors are known, and waiting would only delay recovery.
+* Fewer than ``min`` candidates: wait (the reason says how many are missing).
+"""
+
+from __future__ import annotations
+
+from elastic.rendezvous.api import Action, Decision, Observed, RendezvousConfig
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _settle(
+    members: list[str], observed: Observed, now: float, config: RendezvousConfig
+) -> float | None:
+    """When the newest not-yet-member among ``members`` will have settled, or
+    None if the round may close now."""
+    if len(members) >= config.max_nodes:
+        return None
+    current = set(observed.current.node_ids) if observed.current else set()
+    arrivals = [observed.first_seen.get(n, now) for n in members if n not in current]
+    if not arrivals:
+        return None
+    settled_at = max(arrivals) + config.settle_s
+    return settled_at if now < settled_at else None
+
+
+def _close_or_settle(
+    members: list[str], why: str, observed: Observed, now: float, config: RendezvousConfig
+) -> Decision:
+    if len(members) < config.min_nodes:
+        missing = config.min_nodes - len(members)
+        return Decision(
+            Action.WAIT,
+            f"{why}, but only {_plural(len(members), 'node')} available: waiting for "
+            f"{missing} more (min {config.min_nodes})",
+        )
+    settled_at = _settle(members, observed, now, config)
+    if settled_at is not None:
+        return Decision(
+            Action.WAIT,
+            f"{why}; {_plural(len(members), 'node')} ready (min {config.min_nodes}, "
+            f"max {config.max_nodes}), letting new arrivals settle for "
+            f"{settled_at - now:.2f} s",
+            wake_at=settled_at,
+        )
+    full = " (max reached)" if len(members) >= config.max_nodes else ""
+    return Decision(
+        Action.CLOSE_ROUND,
+        f"{why}; closing with {_plural(len(members), 'node')}{full}",
+        members=tuple(members),
+    )
+
+
+def decide(observed: Observed, now: float, config: RendezvousConfig) -> Decision:
+    """Decide whether the leader commits a new round now, and with whom."""
+    candidates = [n.node_id for n in observed.alive if n.node_id not in observed.draining]
+    current = observed.current
+
+    if current is None:
+        members = candidates[: config.max_nodes]
+        standby = len(candidates) - len(members)
+        why = "first round: " + _plural(len(candidates), "node") + " registered"
+        if standby:
+            why += f" ({standby} beyond max wait as standby)"
+        return _close_or_settle(members, why, observed, now, config)
+
+    alive = set(candidates)
+    survivors = [m for m in current.node_ids if m in alive]
+    joiners = [n for n in candidates if n not in set(current.node_ids)]
+    gone = [m for m in current.node_ids if m not in alive and m not in observed.draining]
+    drained = [m for m in current.node_ids if m in observed.draining]
+    restarts = [r for r in observed.restart_requests if r.round == current.number]
+
+    triggers = []
+    if gone:
+        triggers.append("lost " + ", ".join(gone))
+    if drained:
+        triggers.append("drained " + ", ".join(drained))
+    for r in restarts:
+        triggers.append(f"restart requested by {r.node_id}: {r.reason}")
+    room = config.max_nodes - len(survivors)
+    if joiners and room > 0:
+        triggers.append("joined " + ", ".join(joiners[:room]))
+
+    if not triggers:
+        standby = f", {_plural(len(joiners), 'standby')}" if joiners else ""
+        return Decision(
+            Action.WAIT,
+            f"round {current.number} stands with {_plural(len(survivors), 'member')}{standby}",
+        )
+    members = survivors + joiners[: max(room, 0)]
+    return _close_or_settle(
+        members, f"round {current.number}: " + "; ".join(triggers), observed, now, config
+    )
+

@@ -1,0 +1,277 @@
+"""The store interface: the small slice of etcd v3 the rest of the project uses.
+
+Nothing outside ``elastic/store`` talks to an etcd client library. Every call
+has a deadline; errors are the :mod:`elastic.errors` store errors, with the
+client library's error chained as the cause.
+
+Semantics follow etcd v3 exactly, so the in-memory fake used by unit tests and
+the etcd backend pass one contract suite (``tests/contract``):
+
+* Every successful write advances one global revision; a transaction is one
+  revision however many keys it touches.
+* A key's ``create_revision`` is the revision that created it, ``mod_revision``
+  the revision of its last write, ``version`` the number of writes since it was
+  created (0 means absent).
+* A lease removes every key attached to it when it expires or is revoked.
+* A watch started at revision R delivers every change with revision >= R, in
+  order, once, even across reconnects; if R has been compacted away the watch
+  ends with :class:`~elastic.errors.WatchCompactedError`.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import enum
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Sequence, Union
+
+DEFAULT_REQUEST_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One key as stored, with its revisions. ``lease`` is 0 when none is attached."""
+
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    lease: int = 0
+
+
+class EventType(enum.Enum):
+    """What a watch event did to its key."""
+
+    PUT = "put"
+    DELETE = "delete"
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """One change seen by a watch. For DELETE, ``kv.value`` is empty and
+    ``kv.mod_revision`` is the revision of the delete."""
+
+    type: EventType
+    kv: KeyValue
+
+    @property
+    def revision(self) -> int:
+        return self.kv.mod_revision
+
+
+class CompareTarget(enum.Enum):
+    VERSION = "version"
+    CREATE_REVISION = "create_revision"
+    MOD_REVISION = "mod_revision"
+    VALUE = "value"
+
+
+@dataclass(frozen=True)
+class Compare:
+    """A condition of a transaction: ``<target of key> <op> <operand>``.
+
+    Use the constructors below rather than building one by hand. An absent key
+    has version, create_revision and mod_revision 0 and never equals a value.
+    """
+
+    key: str
+    target: CompareTarget
+    op: str  # one of "==", "!=", "<", ">"
+    operand: Union[int, bytes]
+
+    def __post_init__(self) -> None:
+        if self.op not in ("==", "!=", "<", ">"):
+            raise ValueError(f"unknown compare operator {self.op!r}")
+
+    @staticmethod
+    def absent(key: str) -> "Compare":
+        return Compare(key, CompareTarget.VERSION, "==", 0)
+
+    @staticmethod
+    def version(key: str, op: str, version: int) -> "Compare":
+        return Compare(key, CompareTarget.VERSION, op, version)
+
+    @staticmethod
+    def mod_revision(key: str, op: str, revision: int) -> "Compare":
+        return Compare(key, CompareTarget.MOD_REVISION, op, revision)
+
+    @staticmethod
+    def create_revision(key: str, op: str, revision: int) -> "Compare":
+        return Compare(key, CompareTarget.CREATE_REVISION, op, revision)
+
+    @staticmethod
+    def value(key: str, op: str, value: bytes) -> "Compare":
+        return Compare(key, CompareTarget.VALUE, op, value)
+
+
+@dataclass(frozen=True)
+class Put:
+    """Write ``value`` at ``key``, attached to ``lease`` when it is not 0."""
+
+    key: str
+    value: bytes
+    lease: int = 0
+
+
+@dataclass(frozen=True)
+class Delete:
+    """Delete ``key``, or every key starting with it when ``prefix`` is true."""
+
+    key: str
+    prefix: bool = False
+
+
+@dataclass(frozen=True)
+class Get:
+    """Read ``key``, or every key starting with it when ``prefix`` is true."""
+
+    key: str
+    prefix: bool = False
+
+
+Op = Union[Put, Delete, Get]
+
+
+@dataclass(frozen=True)
+class TxnResult:
+    """Outcome of a transaction.
+
+    ``results`` has one entry per executed op: a list of KeyValue for Get, the
+    number of deleted keys for Delete, None for Put.
+    """
+
+    succeeded: bool
+    revision: int
+    results: tuple = ()
+
+
+class Session(abc.ABC):
+    """A lease kept alive in the background: the liveness of its owner.
+
+    Keys written with ``lease=session.lease_id`` vanish when the session dies.
+    ``lost`` is set once the lease is known to be gone (expired, revoked, or
+    keep-alive impossible for longer than the TTL); it is never cleared: a
+    node that lost its session opens a new one.
+    """
+
+    def __init__(self, lease_id: int, ttl_s: float):
+        self.lease_id = lease_id
+        self.ttl_s = ttl_s
+        self.lost = threading.Event()
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop the keep-alive and revoke the lease (best effort); sets ``lost``."""
+
+
+class Watch(abc.ABC):
+    """A running watch. Cancel it when done; cancelling twice is harmless."""
+
+    @abc.abstractmethod
+    def cancel(self) -> None: ...
+
+
+EventsCallback = Callable[[Sequence[WatchEvent]], None]
+ErrorCallback = Callable[[Exception], None]
+
+
+@dataclass
+class OpCounter:
+    """Counts store operations by kind, for benchmarks and tests (thread-safe)."""
+
+    counts: collections.Counter = field(default_factory=collections.Counter)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, kind: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[kind] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counts)
+
+
+class Store(abc.ABC):
+    """A consistent key-value store with revisions, leases and watches (etcd v3).
+
+    All methods are thread-safe. ``timeout_s`` defaults to the store's request
+    timeout. Requests that are safe to repeat (reads, puts, deletes, keep-alive,
+    revoke) are retried while the store is unavailable, within the deadline;
+    transactions and lease grants are not, since they may have taken effect.
+
+    Raises (every method): StoreUnavailableError, StoreTimeoutError, StoreError.
+    """
+
+    def __init__(self) -> None:
+        self.ops = OpCounter()
+
+    @abc.abstractmethod
+    def get(self, key: str, *, timeout_s: float | None = None) -> KeyValue | None:
+        """The key, or None if it does not exist."""
+
+    @abc.abstractmethod
+    def get_prefix(
+        self, prefix: str, *, timeout_s: float | None = None
+    ) -> tuple[list[KeyValue], int]:
+        """Every key starting with ``prefix``, sorted by key, and the store
+        revision they were read at (watch from ``revision + 1`` to miss nothing)."""
+
+    @abc.abstractmethod
+    def put(
+        self, key: str, value: bytes, *, lease: int = 0, timeout_s: float | None = None
+    ) -> int:
+        """Write the key; returns the revision of the write."""
+
+    @abc.abstractmethod
+    def delete(
+        self, key: str, *, prefix: bool = False, timeout_s: float | None = None
+    ) -> int:
+        """Delete the key (or prefix); returns how many keys were deleted."""
+
+    @abc.abstractmethod
+    def txn(
+        self,
+        compares: Sequence[Compare],
+        success: Sequence[Op],
+        failure: Sequence[Op] = (),
+        *,
+        timeout_s: float | None = None,
+    ) -> TxnResult:
+        """If every compare holds, run ``success``, otherwise ``failure``; atomically."""
+
+    @abc.abstractmethod
+    def session(self, ttl_s: float) -> Session:
+        """Grant a lease of ``ttl_s`` seconds and keep it alive until closed or lost."""
+
+    @abc.abstractmethod
+    def lease_time_to_live(self, lease_id: int, *, timeout_s: float | None = None) -> float:
+        """Seconds left on the lease; -1 if it has expired or never existed."""
+
+    @abc.abstractmethod
+    def watch(
+        self,
+        key: str,
+        on_events: EventsCallback,
+        *,
+        prefix: bool = False,
+        start_revision: int | None = None,
+        on_error: ErrorCallback | None = None,
+    ) -> Watch:
+        """Deliver changes of the key (or prefix) to ``on_events``, in revision
+        order, from a background thread. ``start_revision`` None means "changes
+        after now". ``on_error`` is called once if the watch ends for good
+        (WatchCompactedError); transient disconnects are retried internally.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Cancel watches, close sessions and release the connection."""
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

@@ -1,0 +1,164 @@
+"""The leader's pure decisions, driven with explicit times: no store, no sleeping."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.errors import ConfigError
+from elastic.rendezvous.api import (
+    Action,
+    Member,
+    NodeInfo,
+    Observed,
+    RendezvousConfig,
+    RestartRequest,
+    Round,
+    parse_nnodes,
+)
+from elastic.rendezvous.decisions import decide
+
+
+def cfg(min_nodes=2, max_nodes=4, settle_s=1.0):
+    return RendezvousConfig(job_id="j", min_nodes=min_nodes, max_nodes=max_nodes,
+                            settle_s=settle_s)
+
+
+def nodes(*ids):
+    return tuple(NodeInfo(node_id=i, host="127.0.0.1") for i in ids)
+
+
+def round_of(number, *ids):
+    return Round(number=number,
+                 members=tuple(Member(i, r, "127.0.0.1", 1) for r, i in enumerate(ids)),
+                 master_addr="127.0.0.1", master_port=1, reason="", leader=ids[0],
+                 created_at=0.0)
+
+
+class TestFirstRound:
+    def test_waits_below_min_and_says_how_many_are_missing(self):
+        d = decide(Observed(None, nodes("a"), {"a": 0.0}), 100.0, cfg(min_nodes=3))
+        assert d.action is Action.WAIT
+        assert "waiting for 2 more (min 3)" in d.reason
+        assert d.wake_at is None  # only a new node can change this
+
+    def test_closes_at_once_when_max_present(self):
+        d = decide(Observed(None, nodes("a", "b", "c", "d"), dict.fromkeys("abcd", 9.9)), 10.0,
+                   cfg())
+        assert d.action is Action.CLOSE_ROUND
+        assert d.members == ("a", "b", "c", "d")
+        assert "max reached" in d.reason
+
+    def test_min_present_waits_for_settle_window_from_last_arrival(self):
+        obs = Observed(None, nodes("a", "b"), {"a": 0.0, "b": 5.0})
+        d = decide(obs, 5.4, cfg(settle_s=1.0))
+        assert d.action is Action.WAIT
+        assert d.wake_at == pytest.approx(6.0)
+        d = decide(obs, 6.0, cfg(settle_s=1.0))
+        assert d.action is Action.CLOSE_ROUND
+        assert d.members == ("a", "b")
+
+    def test_extra_nodes_beyond_max_are_standbys_in_join_order(self):
+        obs = Observed(None, nodes("a", "b", "c", "d", "e"), dict.fromkeys("abcde", 0.0))
+        d = decide(obs, 0.0, cfg(max_nodes=3))
+        assert d.action is Action.CLOSE_ROUND
+        assert d.members == ("a", "b", "c")
+        assert "2 beyond max wait as standby" in d.reason
+
+    def test_draining_nodes_are_not_candidates(self):
+        obs = Observed(None, nodes("a", "b", "c"), dict.fromkeys("abc", 0.0),
+                       draining=frozenset({"b"}))
+        d = decide(obs, 10.0, cfg())
+        assert d.members == ("a", "c")
+
+
+class TestLaterRounds:
+    def test_healthy_round_stands_and_counts_standbys(self):
+        obs = Observed(round_of(3, "a", "b"), nodes("a", "b", "c"), {"c": 0.0})
+        d = decide(obs, 10.0, cfg(max_nodes=2))
+        assert d.action is Action.WAIT
+        assert d.reason == "round 3 stands with 2 members, 1 standby"
+
+    def test_lost_member_closes_at_once_with_survivors_in_old_order(self):
+        obs = Observed(round_of(3, "c", "a", "b"), nodes("a", "b"), {})
+        d = decide(obs, 10.0, cfg())
+        assert d.action is Action.CLOSE_ROUND
+        assert d.members == ("a", "b")  # c is gone; a and b keep their relative order
+        assert "lost c" in d.reason
+
+    def test_lost_member_takes_a_settled_standby_along(self):
+        obs = Observed(round_of(3, "a", "b"), nodes("a", "c", "d"), {"c": 0.0, "d": 0.5})
+        d = decide(obs, 10.0, cfg(max_nodes=2))
+        assert d.action is Action.CLOSE_ROUND
+        assert d.members == ("a", "c")  # c joined before d
+
+    def test_below_min_after_a_loss_waits(self):
+        obs = Observed(round_of(2, "a", "b", "c"), nodes("a"), {})
+        d = decide(obs, 10.0, cfg(min_nodes=2))
+        assert d.action is Action.WAIT
+        assert "lost b, c" in d.reason and "waiting for 1 more" in d.reason
+
+    def test_restart_request_for_current_round_gives_same_members(self):
+        obs = Observed(round_of(5, "b", "a"), nodes("a", "b"), {},
+                       restart_requests=(RestartRequest("a", 5, "worker 1 exited with 1"),))
+        d = decide(obs, 10.0, cfg())
+        assert d.action is Action.CLOSE_ROUND
+        assert d.members == ("b", "a")
+        assert "restart requested by a: worker 1 exited with 1" in d.reason
+
+    def test_stale_restart_request_is_ignored(self):
+        obs = Observed(round_of(5, "a", "b"), nodes("a", "b"), {},
+                       restart_requests=(RestartRequest("a", 4, "old"),))
+        assert decide(obs, 10.0, cfg()).action is Action.WAIT
+
+    def test_joiner_scales_up_after_settling(self):
+        obs = Observed(round_of(2, "a", "b"), nodes("a", "b", "c"), {"c": 10.0})
+        d = decide(obs, 10.5, cfg())
+        assert d.action is Action.WAIT and d.wake_at == pytest.approx(11.0)
+        d = decide(obs, 11.0, cfg())
+        assert d.action is Action.CLOSE_ROUND
+        assert d.members == ("a", "b", "c")
+        assert "joined c" in d.reason
+
+    def test_joiner_filling_max_needs_no_settling(self):
+        obs = Observed(round_of(2, "a", "b", "c"), nodes("a", "b", "c", "d"), {"d": 10.0})
+        d = decide(obs, 10.0, cfg())
+        assert d.action is Action.CLOSE_ROUND
+        assert d.members == ("a", "b", "c", "d")
+
+    def test_drained_member_leaves_in_the_next_round(self):
+        obs = Observed(round_of(2, "a", "b", "c"), nodes("a", "b", "c"), {},
+                       draining=frozenset({"b"}))
+        d = decide(obs, 10.0, cfg())
+        assert d.action is Action.CLOSE_ROUND
+        assert d.members == ("a", "c")
+        assert "drained b" in d.reason
+
+    def test_garbage_round_is_treated_as_no_round(self):
+        d = decide(Observed(None, nodes("a", "b"), {"a": 0.0, "b": 0.0}), 10.0, cfg())
+        assert d.action is Action.CLOSE_ROUND
+
+
+class TestParseNnodes:
+    @pytest.mark.parametrize("text,expected", [("3", (3, 3)), ("2:4", (2, 4)), ("1:1", (1, 1))])
+    def test_valid(self, text, expected):
+        assert parse_nnodes(text) == expected
+
+    @pytest.mark.parametrize("text,needle", [
+        ("3:2", "MIN (3) must not be greater than MAX (2)"),
+        ("0", "at least 1"),
+        ("a:b", "expected a node count"),
+        ("1:2:3", "expected a node count"),
+        ("-1:2", "expected a node count"),
+        ("", "expected a node count"),
+    ])
+    def test_invalid_is_refused_with_the_value(self, text, needle):
+        with pytest.raises(ConfigError) as info:
+            parse_nnodes(text)
+        assert needle in str(info.value)
+        assert repr(text) in str(info.value)
+
+    def test_config_validates_ids_and_times(self):
+        with pytest.raises(ConfigError, match="invalid job id"):
+            RendezvousConfig(job_id="a/b", min_nodes=1, max_nodes=1)
+        with pytest.raises(ConfigError, match="lease TTL"):
+            RendezvousConfig(job_id="j", min_nodes=1, max_nodes=1, lease_ttl_s=0.5)
