@@ -1,0 +1,1 @@
+"""The node agent (elasticd) and the operator's CLI (elasticctl). Never imports torch."""

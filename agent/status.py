@@ -1,0 +1,119 @@
+"""A job's status as read from etcd, and its rendering for humans.
+
+``collect`` returns plain data (what ``elasticctl status --json`` prints);
+``render`` turns it into the table an operator reads.
+"""
+
+from __future__ import annotations
+
+import time
+
+from elastic.errors import MalformedRecordError
+from elastic.rendezvous.api import NodeInfo, Round
+from elastic.rendezvous.keys import JobKeys
+from elastic.store.api import Store
+
+
+def collect(store: Store, job_id: str) -> dict:
+    """Read the job's keys once (one consistent revision) and summarise them.
+
+    Malformed records are reported under ``problems`` with their key rather
+    than failing the whole command.
+    """
+    keys = JobKeys(job_id)
+    kvs, revision = store.get_prefix(keys.prefix)
+    by_key = {kv.key: kv for kv in kvs}
+    problems: list[str] = []
+
+    current = None
+    round_kv = by_key.get(keys.round)
+    if round_kv is not None:
+        try:
+            current = Round.from_json(round_kv.key, round_kv.value, round_kv.version)
+        except MalformedRecordError as exc:
+            problems.append(str(exc))
+
+    registered: dict[str, NodeInfo] = {}
+    for kv in kvs:
+        if kv.key.startswith(keys.nodes):
+            try:
+                info = NodeInfo.from_json(kv.key, kv.value)
+                registered[info.node_id] = info
+            except MalformedRecordError as exc:
+                problems.append(str(exc))
+
+    leader_kv = by_key.get(keys.leader)
+    nodes = []
+    members = {m.node_id: m for m in current.members} if current else {}
+    for node_id in sorted(set(registered) | set(members),
+                          key=lambda n: (members[n].node_rank if n in members else 1 << 30, n)):
+        info, member = registered.get(node_id), members.get(node_id)
+        nodes.append({
+            "node_id": node_id,
+            "node_rank": member.node_rank if member else None,
+            "host": info.host if info else (member.host if member else ""),
+            "nproc": info.nproc if info else (member.nproc if member else 0),
+            "addr": info.addr if info else "",
+            "role": ("member" if info else "gone") if member else "standby",
+        })
+    return {
+        "job_id": job_id,
+        "revision": revision,
+        "leader": leader_kv.value.decode(errors="replace") if leader_kv else None,
+        "round": None if current is None else {
+            "number": current.number,
+            "world_size": current.world_size,
+            "nnodes": len(current.members),
+            "master_addr": current.master_addr,
+            "master_port": current.master_port,
+            "reason": current.reason,
+            "created_at": current.created_at,
+            "members": list(current.node_ids),
+        },
+        "nodes": nodes,
+        "problems": problems,
+    }
+
+
+def _ago(then: float, now: float) -> str:
+    seconds = max(0, int(now - then))
+    if seconds < 120:
+        return f"{seconds} s ago"
+    if seconds < 7200:
+        return f"{seconds // 60} min ago"
+    return f"{seconds // 3600} h ago"
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    """A plain left-aligned text table."""
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+             for r in [headers, *rows]]
+    return "\n".join(lines)
+
+
+def render(status: dict, now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    out = []
+    r = status["round"]
+    if r is None:
+        out.append(f"job {status['job_id']}: no round yet (leader: {status['leader'] or 'none'})")
+    else:
+        out.append(
+            f"job {status['job_id']}: round {r['number']}, {r['nnodes']} nodes, world size "
+            f"{r['world_size']}, leader {status['leader'] or 'none'}"
+        )
+        out.append(f"  master {r['master_addr']}:{r['master_port']}, formed "
+                   f"{_ago(r['created_at'], now)}")
+        out.append(f"  why: {r['reason']}")
+    if status["nodes"]:
+        rows = [[n["node_id"], "-" if n["node_rank"] is None else str(n["node_rank"]),
+                 n["role"], n["host"], str(n["nproc"]), n["addr"] or "-"]
+                for n in status["nodes"]]
+        out.append("")
+        out.append(table(["NODE", "RANK", "ROLE", "HOST", "NPROC", "AGENT"], rows))
+    else:
+        out.append("no nodes registered")
+    for p in status["problems"]:
+        out.append(f"problem: {p}")
+    return "\n".join(out)
