@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench protos clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,10 @@ test: setup
 
 bench: setup
 	$(PY) bench/rendezvous.py
+
+# Regenerate elastic/v1/*_pb2*.py* from protos/ (tests/unit/test_protos_fresh.py checks them).
+protos: setup
+	$(PY) tools/gen_protos.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

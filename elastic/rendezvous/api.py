@@ -19,6 +19,8 @@ from elastic.errors import ConfigError, MalformedRecordError
 DEFAULT_SETTLE_S = 1.0
 DEFAULT_LEASE_TTL_S = 5.0
 DEFAULT_JOIN_TIMEOUT_S = 600.0
+DEFAULT_MAX_RESTARTS = 3
+DEFAULT_RESTART_WINDOW_S = 3600.0
 
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -60,7 +62,9 @@ class RendezvousConfig:
 
     ``settle_s``: a round that could grow closes once ``min_nodes`` are present
     and no new node has arrived for this long. ``lease_ttl_s``: a node that
-    stops renewing its lease is considered gone after this long.
+    stops renewing its lease is considered gone after this long. The restart
+    budget: the job fails when more than ``max_restarts`` failures (worker
+    crashes, hangs; not membership changes) happen within ``restart_window_s``.
     """
 
     job_id: str
@@ -69,6 +73,8 @@ class RendezvousConfig:
     settle_s: float = DEFAULT_SETTLE_S
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    restart_window_s: float = DEFAULT_RESTART_WINDOW_S
 
     def __post_init__(self) -> None:
         validate_id("job id", self.job_id)
@@ -82,6 +88,15 @@ class RendezvousConfig:
             raise ConfigError(f"lease TTL {self.lease_ttl_s} s must be at least 1 s")
         if self.join_timeout_s <= 0:
             raise ConfigError(f"join timeout {self.join_timeout_s} s must be positive")
+        if self.max_restarts < 0:
+            raise ConfigError(f"max restarts {self.max_restarts} must not be negative")
+        if self.restart_window_s <= 0:
+            raise ConfigError(f"restart window {self.restart_window_s} s must be positive")
+
+    def job_settings(self) -> dict[str, Any]:
+        """The settings every agent of a job must agree on (stored under ``config``)."""
+        return {"min_nodes": self.min_nodes, "max_nodes": self.max_nodes,
+                "max_restarts": self.max_restarts, "restart_window_s": self.restart_window_s}
 
 
 def _load_object(key: str, raw: bytes) -> dict[str, Any]:
@@ -151,7 +166,10 @@ class Round:
     """A committed round: who trains, in what order, and where rank 0 listens.
 
     ``number`` equals the version of the ``round`` key in etcd (the fencing
-    token): every round write increments it by exactly one.
+    token): every round write increments it by exactly one. ``failures`` holds
+    the wall times of the failures counted against the restart budget. A round
+    with an ``outcome`` ("succeeded" or "failed") is the job's last: nobody
+    starts workers for it, and agents exit.
     """
 
     number: int
@@ -161,6 +179,8 @@ class Round:
     reason: str
     leader: str
     created_at: float  # wall-clock seconds, for humans
+    failures: tuple[float, ...] = ()
+    outcome: str = ""
 
     @property
     def world_size(self) -> int:
@@ -214,6 +234,8 @@ class Round:
             reason=str(obj.get("reason", "")),
             leader=str(obj.get("leader", "")),
             created_at=float(obj.get("created_at", 0.0)),
+            failures=tuple(float(t) for t in obj.get("failures", ())),
+            outcome=str(obj.get("outcome", "")),
         )
 
 
@@ -224,6 +246,7 @@ class RestartRequest:
     node_id: str  # who asks: a node id, or "elasticctl"
     round: int  # the round it is about; requests about older rounds are stale
     reason: str
+    failure: bool = False  # counts against the restart budget (a crash, a hang)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -235,6 +258,7 @@ class RestartRequest:
             node_id=_field(key, obj, "node_id", str),
             round=_field(key, obj, "round", int),
             reason=str(obj.get("reason", "")),
+            failure=bool(obj.get("failure", False)),
         )
 
 
@@ -243,6 +267,7 @@ class Action(enum.Enum):
 
     WAIT = "wait"  # nothing to commit now; look again at ``wake_at`` or on the next change
     CLOSE_ROUND = "close_round"  # commit a new round with ``members``
+    FAIL_JOB = "fail_job"  # the restart budget is spent: commit the job's failure
 
 
 @dataclass(frozen=True)
@@ -254,6 +279,7 @@ class Decision:
     reason: str
     members: tuple[str, ...] = ()
     wake_at: float | None = None
+    failures: tuple[float, ...] = ()  # the budget history the new round carries
 
 
 @dataclass(frozen=True)
@@ -261,7 +287,7 @@ class Observed:
     """What the leader knows when it decides.
 
     ``alive`` lists registered nodes in join order (etcd create revision).
-    ``first_seen`` maps node ids to the leader's monotonic time when it first
+    ``first_seen`` maps node ids to the leader's clock reading when it first
     saw them (nodes in the current round need no entry). ``current`` is None
     before the first round, or when the round key holds garbage.
     """

@@ -1,8 +1,10 @@
 """Pure decisions of the rendezvous leader: (observed state, now, config) -> Decision.
 
-No I/O and no clock reads here: the leader's loop observes etcd, passes its own
-monotonic ``now``, and applies the result. Tests move time by passing another
-``now``.
+No I/O and no clock reads here: the leader's loop observes etcd, passes its
+wall-clock ``now``, and applies the result. Tests move time by passing another
+``now``. (Wall time, not monotonic, because failure times in the round record
+are compared across leaders; a clock step can only stretch or shorten one
+settle window.)
 
 The rules, in order:
 
@@ -19,9 +21,16 @@ The rules, in order:
   burst of joins becomes one round. Losing a member needs no settling: the
   survivors are known, and waiting would only delay recovery.
 * Fewer than ``min`` candidates: wait (the reason says how many are missing).
+* A round that answers failures (restart requests marked as failures) counts
+  one failure against the budget; when the failures within the window exceed
+  ``max_restarts``, the job fails instead. Lost or joining nodes are
+  membership changes and never count.
+* A round with an outcome is final: nothing more is decided.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from elastic.rendezvous.api import Action, Decision, Observed, RendezvousConfig
 
@@ -76,6 +85,8 @@ def decide(observed: Observed, now: float, config: RendezvousConfig) -> Decision
     """Decide whether the leader commits a new round now, and with whom."""
     candidates = [n.node_id for n in observed.alive if n.node_id not in observed.draining]
     current = observed.current
+    if current is not None and current.outcome:
+        return Decision(Action.WAIT, f"job {current.outcome} in round {current.number}")
 
     if current is None:
         members = candidates[: config.max_nodes]
@@ -109,8 +120,18 @@ def decide(observed: Observed, now: float, config: RendezvousConfig) -> Decision
             Action.WAIT,
             f"round {current.number} stands with {_plural(len(survivors), 'member')}{standby}",
         )
+    why = f"round {current.number}: " + "; ".join(triggers)
+    failures = tuple(t for t in current.failures if now - t <= config.restart_window_s)
+    if any(r.failure for r in restarts):
+        failures += (now,)
+        if len(failures) > config.max_restarts:
+            return Decision(
+                Action.FAIL_JOB,
+                f"{why}; restart budget spent: {len(failures)} failures within "
+                f"{config.restart_window_s:.0f} s (max restarts {config.max_restarts})",
+                failures=failures,
+            )
     members = survivors + joiners[: max(room, 0)]
-    return _close_or_settle(
-        members, f"round {current.number}: " + "; ".join(triggers), observed, now, config
-    )
+    decision = _close_or_settle(members, why, observed, now, config)
+    return dataclasses.replace(decision, failures=failures)
 

@@ -14,6 +14,7 @@ class JobKeys:
         self.nodes = self.prefix + "nodes/"
         self.leader = self.prefix + "leader"
         self.round = self.prefix + "round"
+        self.config = self.prefix + "config"
         self.requests = self.prefix + "requests/"
         self.restart_requests = self.requests + "restart/"
         self.drain_requests = self.requests + "drain/"

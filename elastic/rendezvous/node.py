@@ -16,6 +16,9 @@ Protocol (keys in :mod:`elastic.rendezvous.keys`):
    round.
 4. Every node sees the committed round through its watch; nodes not in it wait
    as standbys for a later round.
+5. The job ends with a final round record carrying an ``outcome``: written by
+   the leader when the restart budget is spent, or by any member whose workers
+   all succeeded (:meth:`RendezvousNode.finish`), fenced like every round.
 
 All I/O happens on one loop thread per node; watch callbacks only post to its
 inbox. A lost session (e.g. the process was frozen past its TTL) is replaced by
@@ -24,6 +27,8 @@ a new one and the node registers again, as a newcomer.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import queue
 import threading
@@ -32,6 +37,7 @@ from typing import Callable
 from elastic import events
 from elastic.clock import SYSTEM_CLOCK, Clock
 from elastic.errors import (
+    ConfigError,
     DuplicateNodeError,
     FencedError,
     MalformedRecordError,
@@ -110,15 +116,23 @@ class RendezvousNode:
         return self.info.node_id
 
     @property
+    def lease_id(self) -> int | None:
+        """The lease of this node's live session (None while it has none)."""
+        session = self._session
+        return session.lease_id if session is not None and not session.lost.is_set() else None
+
+    @property
     def is_leader(self) -> bool:
         return self._leader == self.node_id
 
     def start(self) -> "RendezvousNode":
         """Register this node and start following the job's rounds.
 
-        Raises DuplicateNodeError if a live agent already holds this node id,
-        and the store errors if etcd cannot be reached.
+        Raises ConfigError if the job already runs with other settings or has
+        finished, DuplicateNodeError if a live agent already holds this node
+        id, and the store errors if etcd cannot be reached.
         """
+        self._check_job_settings()
         self._register()
         self._watches.append(
             self.store.watch(self.keys.round, self._poster("round"), start_revision=self._load_round() + 1,
@@ -155,15 +169,19 @@ class RendezvousNode:
 
     def wait_for_round(self, after: int = 0, timeout_s: float | None = None) -> Round:
         """Block until a round numbered above ``after`` that includes this node
-        is committed, and return it.
+        is committed, or the job has ended, and return that round (check its
+        ``outcome``).
 
         Raises RendezvousTimeoutError after ``timeout_s`` (default: the join
         timeout), saying what this node saw meanwhile.
         """
         timeout = self.config.join_timeout_s if timeout_s is None else timeout_s
-        r = self._wait(lambda r: r is not None and r.number > after
-                       and r.member(self.node_id) is not None, timeout)
-        if r is None or r.number <= after or r.member(self.node_id) is None:
+        def wanted(r: Round | None) -> bool:
+            return r is not None and (bool(r.outcome) or (
+                r.number > after and r.member(self.node_id) is not None))
+
+        r = self._wait(wanted, timeout)
+        if not wanted(r):
             latest = self.latest_round
             seen = (f"latest round {latest.number} has {list(latest.node_ids)}"
                     if latest else "no round has been committed yet")
@@ -178,13 +196,34 @@ class RendezvousNode:
         timeout passes; return the latest round either way."""
         return self._wait(lambda r: r is not None and r.number != known, timeout_s)
 
-    def request_restart(self, reason: str, round_number: int | None = None) -> None:
-        """Ask the leader for a new round with the same members (e.g. a worker
-        of this node failed). Requests about an older round are ignored."""
-        number = round_number if round_number is not None else (
-            self._round.number if self._round else 0)
-        req = RestartRequest(node_id=self.node_id, round=number, reason=reason)
-        self.store.put(f"{self.keys.restart_requests}{number:012d}-{self.node_id}", req.to_json())
+    def request_restart(self, reason: str, round_number: int, *, failure: bool) -> None:
+        """Ask the leader for a new round with the same members. ``failure``
+        counts it against the restart budget (a worker crashed or hung).
+        Requests about an older round are ignored by the leader."""
+        req = RestartRequest(node_id=self.node_id, round=round_number, reason=reason,
+                             failure=failure)
+        self.store.put(f"{self.keys.restart_requests}{round_number:012d}-{self.node_id}",
+                       req.to_json())
+
+    def finish(self, current: Round, outcome: str, reason: str) -> bool:
+        """End the job: commit a final round after ``current`` with ``outcome``.
+
+        Returns False (and changes nothing) if ``current`` is no longer the
+        latest round: the job moved on, so this node's view was stale.
+        """
+        final = dataclasses.replace(current, number=current.number + 1, outcome=outcome,
+                                    reason=reason, leader=self.node_id,
+                                    created_at=self.clock.wall())
+        result = self.store.txn(
+            [Compare.version(self.keys.round, "==", current.number)],
+            [Put(self.keys.round, final.to_json()),
+             events.event_op(self.keys, self.clock, self.node_id, final.number, "outcome",
+                             f"job {outcome}: {reason}")],
+        )
+        if result.succeeded:
+            log.info("job %s node %s: job %s in round %d: %s", self.config.job_id,
+                     self.node_id, outcome, final.number, reason)
+        return result.succeeded
 
     def fenced_put(self, key: str, value: bytes, round_number: int) -> int:
         """Write ``key`` only if ``round_number`` is still the current round.
@@ -207,7 +246,7 @@ class RendezvousNode:
         while not self._stopping.is_set():
             timeout = _SESSION_CHECK_S
             if wake_at is not None:
-                timeout = max(0.0, min(timeout, wake_at - self.clock.monotonic()))
+                timeout = max(0.0, min(timeout, wake_at - self.clock.wall()))
             try:
                 tag, payload = self._inbox.get(timeout=timeout)
             except queue.Empty:
@@ -258,6 +297,40 @@ class RendezvousNode:
             self._resync(which)
 
     # ------------------------------------------------------- registration
+
+    def _check_job_settings(self) -> None:
+        """The first agent records the job's settings; later ones must match."""
+        mine = self.config.job_settings()
+        result = self.store.txn([Compare.absent(self.keys.config)],
+                                [Put(self.keys.config, json.dumps(mine, sort_keys=True).encode())],
+                                [Get(self.keys.config), Get(self.keys.round)])
+        if result.succeeded:
+            return
+        stored_kv = result.results[0][0] if result.results[0] else None
+        round_kvs = result.results[1]
+        try:
+            stored = json.loads(stored_kv.value) if stored_kv else {}
+        except ValueError:
+            stored = None
+        if stored is not None and stored != mine:
+            diff = ", ".join(f"{k} {stored.get(k)!r} (this agent: {mine[k]!r})" for k in mine
+                             if stored.get(k) != mine[k])
+            raise ConfigError(
+                f"job {self.config.job_id} is already running with other settings: {diff}; "
+                "start this agent with the same settings or use another --job-id")
+        if stored is None:
+            log.error("job %s node %s: ignoring malformed record at key %r; overwriting it",
+                      self.config.job_id, self.node_id, self.keys.config)
+            self.store.put(self.keys.config, json.dumps(mine, sort_keys=True).encode())
+        if round_kvs:
+            try:
+                last = Round.from_json(self.keys.round, round_kvs[0].value, round_kvs[0].version)
+            except MalformedRecordError:
+                return
+            if last.outcome:
+                raise ConfigError(
+                    f"job {self.config.job_id} has already {last.outcome} (round {last.number}: "
+                    f"{last.reason}); use a new --job-id to run again")
 
     def _register(self) -> None:
         self._session = self.store.session(self.config.lease_ttl_s)
@@ -410,7 +483,7 @@ class RendezvousNode:
             self._nodes.pop(node_id, None)
             return
         if node_id not in self._nodes:
-            self._first_seen.setdefault(node_id, self.clock.monotonic())
+            self._first_seen.setdefault(node_id, self.clock.wall())
         self._nodes[node_id] = (info, create_revision)
 
     def _apply_request(self, key: str, value: bytes | None) -> None:
@@ -440,13 +513,18 @@ class RendezvousNode:
 
     def _lead(self) -> float | None:
         """Decide and apply; returns when to look again if nothing changes."""
-        decision = decide(self._observed(), self.clock.monotonic(), self.config)
+        decision = decide(self._observed(), self.clock.wall(), self.config)
         if decision.reason != self._last_reason:
             log.info("job %s node %s (leader): %s", self.config.job_id, self.node_id,
                      decision.reason)
             self._last_reason = decision.reason
         if decision.action is Action.CLOSE_ROUND:
             self._commit_round(decision)
+            return None
+        if decision.action is Action.FAIL_JOB and self._round is not None:
+            if not self.finish(dataclasses.replace(self._round, failures=decision.failures),
+                               "failed", decision.reason):
+                self._load_round()
             return None
         return decision.wake_at
 
@@ -462,7 +540,7 @@ class RendezvousNode:
         record = Round(
             number=number, members=members, master_addr=rank0.host,
             master_port=rank0.master_port, reason=decision.reason, leader=self.node_id,
-            created_at=self.clock.wall(),
+            created_at=self.clock.wall(), failures=decision.failures,
         )
         # Served and stale restart requests go in the same transaction: a
         # request is consumed exactly by the round that answers it.

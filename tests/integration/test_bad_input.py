@@ -74,6 +74,7 @@ def test_garbage_under_the_job_is_reported_with_its_key_and_nodes_carry_on(
     etcd_store.put(keys.node("bogus"), b"\xff\xfe")
     etcd_store.put(keys.restart_requests + "junk", b"[1, 2]")
     a = MemberProcess(etcd_endpoint, job_id, "a", "2")
+    a.wait_for(lambda o: o.get("event") == "registered")
     b = MemberProcess(etcd_endpoint, job_id, "b", "2")
     try:
         # The garbage round is replaced by a real one on top of it.

@@ -24,6 +24,8 @@ def members(etcd_endpoint, job_id):
         kw.setdefault("lease_ttl", LEASE_TTL)
         p = MemberProcess(etcd_endpoint, job_id, node_id, nnodes, **kw)
         started.append(p)
+        # One at a time, so join order (and so rank order) is the start order.
+        p.wait_for(lambda o: o.get("event") == "registered")
         return p
 
     yield start

@@ -162,3 +162,43 @@ class TestParseNnodes:
             RendezvousConfig(job_id="a/b", min_nodes=1, max_nodes=1)
         with pytest.raises(ConfigError, match="lease TTL"):
             RendezvousConfig(job_id="j", min_nodes=1, max_nodes=1, lease_ttl_s=0.5)
+
+
+class TestRestartBudget:
+    def failing(self, number, failures, now_failures=1):
+        reqs = tuple(RestartRequest(f"n{i}", number, "worker exited with 1", failure=True)
+                     for i in range(now_failures))
+        r = round_of(number, "a", "b")
+        r = Round(**{**r.__dict__, "failures": failures})
+        return Observed(r, nodes("a", "b"), {}, restart_requests=reqs)
+
+    def test_a_failure_is_counted_once_per_round_however_many_nodes_report_it(self):
+        d = decide(self.failing(3, (), now_failures=2), 100.0,
+                   RendezvousConfig("j", 2, 4, max_restarts=3))
+        assert d.action is Action.CLOSE_ROUND
+        assert d.failures == (100.0,)
+
+    def test_budget_spent_fails_the_job_with_the_reason(self):
+        d = decide(self.failing(5, (90.0, 95.0, 99.0)), 100.0,
+                   RendezvousConfig("j", 2, 4, max_restarts=3))
+        assert d.action is Action.FAIL_JOB
+        assert "restart budget spent: 4 failures within 3600 s (max restarts 3)" in d.reason
+
+    def test_failures_outside_the_window_are_forgotten(self):
+        d = decide(self.failing(5, (10.0, 20.0, 99.0)), 100.0,
+                   RendezvousConfig("j", 2, 4, max_restarts=2, restart_window_s=30.0))
+        assert d.action is Action.CLOSE_ROUND
+        assert d.failures == (99.0, 100.0)
+
+    def test_membership_changes_and_operator_restarts_do_not_count(self):
+        r = Round(**{**round_of(5, "a", "b", "c").__dict__, "failures": (99.0,)})
+        obs = Observed(r, nodes("a", "b"), {},
+                       restart_requests=(RestartRequest("elasticctl", 5, "operator"),))
+        d = decide(obs, 100.0, RendezvousConfig("j", 2, 4, max_restarts=1))
+        assert d.action is Action.CLOSE_ROUND
+        assert d.failures == (99.0,)
+
+    def test_a_finished_job_decides_nothing(self):
+        r = Round(**{**round_of(5, "a").__dict__, "outcome": "succeeded"})
+        d = decide(Observed(r, nodes("b", "c"), {"b": 0.0, "c": 0.0}), 100.0, cfg())
+        assert d.action is Action.WAIT and "job succeeded in round 5" in d.reason

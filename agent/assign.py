@@ -1,0 +1,52 @@
+"""What each worker of a round is told: torchrun's environment plus elasticd's own."""
+
+from __future__ import annotations
+
+from elastic.rendezvous.api import Round
+
+
+def worker_envs(round_: Round, node_id: str, *, job_id: str, restart_count: int,
+                max_restarts: int, agent_socket: str, checkpoint_dir: str | None,
+                hang_timeout_s: float, inherited_omp: str | None) -> list[dict[str, str]]:
+    """The environment of each local worker of ``node_id`` in ``round_``, by local rank.
+
+    Global ranks are dense and follow node ranks: a node's first rank is the
+    number of workers on the nodes before it (nodes may differ in nproc).
+    Raises ValueError if the node is not a member of the round.
+    """
+    me = round_.member(node_id)
+    if me is None:
+        raise ValueError(f"node {node_id} is not a member of round {round_.number}")
+    first_rank = sum(m.nproc for m in round_.members if m.node_rank < me.node_rank)
+    common = {
+        "WORLD_SIZE": str(round_.world_size),
+        "LOCAL_WORLD_SIZE": str(me.nproc),
+        "GROUP_RANK": str(me.node_rank),
+        "GROUP_WORLD_SIZE": str(len(round_.members)),
+        "ROLE_NAME": "default",
+        "ROLE_WORLD_SIZE": str(round_.world_size),
+        "MASTER_ADDR": round_.master_addr,
+        "MASTER_PORT": str(round_.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+        "TORCHELASTIC_RUN_ID": job_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "ELASTIC_ROUND": str(round_.number),
+        "ELASTIC_JOB_ID": job_id,
+        "ELASTIC_NODE_ID": node_id,
+        "ELASTIC_AGENT_SOCKET": agent_socket,
+        "ELASTIC_HANG_TIMEOUT_S": f"{hang_timeout_s:g}",
+        "PYTHONUNBUFFERED": "1",
+    }
+    if checkpoint_dir:
+        common["ELASTIC_CHECKPOINT_DIR"] = checkpoint_dir
+    if inherited_omp is None and me.nproc > 1:
+        # As torchrun: several workers on one node each using every core would
+        # oversubscribe it.
+        common["OMP_NUM_THREADS"] = "1"
+    envs = []
+    for local_rank in range(me.nproc):
+        rank = first_rank + local_rank
+        envs.append({**common, "RANK": str(rank), "LOCAL_RANK": str(local_rank),
+                     "ROLE_RANK": str(rank)})
+    return envs

@@ -1,0 +1,292 @@
+"""elasticd's configuration: one table of options, one frozen, validated object.
+
+Every option can be given three ways; the first one found wins:
+
+1. a command-line flag (``--hang-timeout 60``),
+2. an environment variable ``ELASTIC_`` + the option in upper snake case
+   (``ELASTIC_HANG_TIMEOUT=60``),
+3. a YAML file given with ``--config`` (or ``ELASTIC_CONFIG``), keys in snake
+   case (``hang_timeout: 60``),
+
+and otherwise the default. Unknown keys in the file are an error (a file that
+silently ignores a setting is worse than none); unknown ``ELASTIC_*``
+variables get a warning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import yaml
+
+from elastic.errors import ConfigError
+from elastic.rendezvous.api import (
+    DEFAULT_JOIN_TIMEOUT_S,
+    DEFAULT_LEASE_TTL_S,
+    DEFAULT_MAX_RESTARTS,
+    DEFAULT_RESTART_WINDOW_S,
+    DEFAULT_SETTLE_S,
+    RendezvousConfig,
+    parse_nnodes,
+    validate_id,
+)
+
+log = logging.getLogger(__name__)
+
+# Variables the agent sets for its workers: not options, never warned about.
+WORKER_ENV = {"ELASTIC_ROUND", "ELASTIC_AGENT_SOCKET", "ELASTIC_CHECKPOINT_DIR",
+              "ELASTIC_JOB_ID", "ELASTIC_NODE_ID", "ELASTIC_PRELOAD", "ELASTIC_HANG_TIMEOUT_S"}
+
+
+def _positive(kind: type) -> Callable[[str, Any], Any]:
+    def parse(name: str, raw: Any) -> Any:
+        try:
+            value = kind(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"--{name} {raw!r}: expected a {kind.__name__}") from None
+        if value <= 0:
+            raise ConfigError(f"--{name} {raw!r}: must be greater than 0")
+        return value
+    return parse
+
+
+def _non_negative(kind: type) -> Callable[[str, Any], Any]:
+    def parse(name: str, raw: Any) -> Any:
+        try:
+            value = kind(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"--{name} {raw!r}: expected a {kind.__name__}") from None
+        if value < 0:
+            raise ConfigError(f"--{name} {raw!r}: must not be negative")
+        return value
+    return parse
+
+
+def _text(name: str, raw: Any) -> str:
+    return str(raw)
+
+
+def _flag(name: str, raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"--{name} {raw!r}: expected true or false")
+
+
+def _host_port(name: str, raw: Any) -> str:
+    text = str(raw)
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"--{name} {raw!r}: expected HOST:PORT, e.g. 0.0.0.0:29401")
+    return text
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # the flag without dashes; env and file keys derive from it
+    parse: Callable[[str, Any], Any]
+    default: Any
+    help: str
+    metavar: str | None = None
+    is_flag: bool = False
+
+    @property
+    def key(self) -> str:
+        return self.name.replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return "ELASTIC_" + self.key.upper()
+
+
+OPTIONS = [
+    Option("etcd", _text, None, "etcd endpoints, comma-separated (http://host:2379,...)", "URLS"),
+    Option("standalone", _flag, False, "start a private etcd on a free loopback port",
+           is_flag=True),
+    Option("job-id", _text, None, "the job's id: every agent of a job uses the same", "ID"),
+    Option("nnodes", _text, None, "number of nodes, N or MIN:MAX", "MIN[:MAX]"),
+    Option("nproc-per-node", _positive(int), 1, "workers per node", "N"),
+    Option("node-id", _text, None, "this node's id (default: <hostname>-<pid>)", "ID"),
+    Option("max-restarts", _non_negative(int), DEFAULT_MAX_RESTARTS,
+           "failures allowed within --restart-window before the job fails", "N"),
+    Option("restart-window", _positive(float), DEFAULT_RESTART_WINDOW_S,
+           "the window of the restart budget", "SECONDS"),
+    Option("checkpoint-dir", _text, None, "where workers save and find checkpoints", "DIR"),
+    Option("hang-timeout", _non_negative(float), 300.0,
+           "a worker without heartbeat or progress this long is hung (0: never judged)",
+           "SECONDS"),
+    Option("lease-ttl", _positive(float), DEFAULT_LEASE_TTL_S,
+           "a node silent this long is considered gone", "SECONDS"),
+    Option("settle", _non_negative(float), DEFAULT_SETTLE_S,
+           "wait this long without new arrivals before closing a round below max", "SECONDS"),
+    Option("join-timeout", _positive(float), DEFAULT_JOIN_TIMEOUT_S,
+           "give up when no round includes this node for this long", "SECONDS"),
+    Option("listen", _host_port, "0.0.0.0:0", "address of the agent's gRPC server", "HOST:PORT"),
+    Option("advertise-addr", _text, None,
+           "address peers and workers reach this node at (default: its host name; "
+           "127.0.0.1 with --standalone)", "HOST"),
+    Option("log-dir", _text, None, "per-round worker logs (default: a temp dir)", "DIR"),
+    Option("stop-grace", _non_negative(float), 5.0,
+           "after SIGTERM, wait this long before SIGKILL of a worker", "SECONDS"),
+    Option("prestart", _flag, True,
+           "keep warm workers (torch imported) ready for fast restarts; --no-prestart to turn off",
+           is_flag=True),
+    Option("connect-timeout", _positive(float), 5.0, "give up reaching etcd after this long",
+           "SECONDS"),
+]
+_BY_KEY = {o.key: o for o in OPTIONS}
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Everything elasticd needs, validated. Build it with :func:`load`."""
+
+    job_id: str
+    etcd: str | None
+    standalone: bool
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    node_id: str
+    max_restarts: int
+    restart_window_s: float
+    checkpoint_dir: str | None
+    hang_timeout_s: float
+    lease_ttl_s: float
+    settle_s: float
+    join_timeout_s: float
+    listen: str
+    advertise_addr: str
+    log_dir: str
+    stop_grace_s: float
+    prestart: bool
+    connect_timeout_s: float
+    script: str | None
+    module: str | None
+    script_args: tuple[str, ...]
+
+    def rendezvous(self) -> RendezvousConfig:
+        return RendezvousConfig(
+            job_id=self.job_id, min_nodes=self.min_nodes, max_nodes=self.max_nodes,
+            settle_s=self.settle_s, lease_ttl_s=self.lease_ttl_s,
+            join_timeout_s=self.join_timeout_s, max_restarts=self.max_restarts,
+            restart_window_s=self.restart_window_s)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="elasticd",
+        description="Per-node agent of an elastic, fault-tolerant PyTorch training job.",
+        epilog="Every option also reads ELASTIC_<OPTION> (e.g. ELASTIC_HANG_TIMEOUT) and the "
+               "--config YAML file (e.g. hang_timeout: 60); flags win over the environment, "
+               "which wins over the file. Exit codes: 0 job succeeded, 1 job failed, "
+               "2 bad input, 3 etcd unreachable, 4 rendezvous failed.")
+    p.add_argument("--config", default=None, metavar="FILE", help="YAML file of options")
+    for o in OPTIONS:
+        if o.is_flag:
+            p.add_argument(f"--{o.name}", dest=o.key, action=argparse.BooleanOptionalAction,
+                           default=None, help=o.help)
+        else:
+            p.add_argument(f"--{o.name}", dest=o.key, default=None, metavar=o.metavar,
+                           help=o.help)
+    p.add_argument("-m", "--module", dest="as_module", action="store_true",
+                   help="run SCRIPT as a module, like python -m")
+    p.add_argument("script", nargs="?", metavar="SCRIPT", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
+    return p
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path!r}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path!r} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path!r}: expected a mapping of options")
+    allowed = set(_BY_KEY) | {"script", "module", "script_args"}
+    unknown = sorted(str(k).replace("-", "_") for k in data
+                     if str(k).replace("-", "_") not in allowed)
+    if unknown:
+        raise ConfigError(f"config file {path!r}: unknown option(s) {', '.join(unknown)}; "
+                          f"known: {', '.join(sorted(allowed))}")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> AgentConfig:
+    """Parse flags, environment and config file into a validated AgentConfig.
+
+    Raises ConfigError naming the offending option and value.
+    """
+    environ = os.environ if environ is None else environ
+    args = parser().parse_args(argv)
+    config_path = args.config or environ.get("ELASTIC_CONFIG")
+    file_values = _read_file(config_path) if config_path else {}
+
+    known_env = {o.env for o in OPTIONS} | {"ELASTIC_CONFIG"} | WORKER_ENV
+    for name in sorted(environ):
+        if name.startswith("ELASTIC_") and name not in known_env:
+            log.warning("Ignoring unknown environment variable %s (not an elasticd option)", name)
+
+    def value(o: Option) -> Any:
+        given = getattr(args, o.key)
+        if given is not None:
+            return o.parse(o.name, given)
+        if o.env in environ:
+            return o.parse(o.name, environ[o.env])
+        if o.key in file_values:
+            return o.parse(o.name, file_values[o.key])
+        return o.default
+
+    v = {o.key: value(o) for o in OPTIONS}
+
+    if not v["job_id"]:
+        raise ConfigError("--job-id is required (or ELASTIC_JOB_ID, or job_id in --config)")
+    validate_id("job id", v["job_id"])
+    if not v["nnodes"]:
+        raise ConfigError("--nnodes is required: N or MIN:MAX")
+    min_nodes, max_nodes = parse_nnodes(v["nnodes"])
+    if v["standalone"] and v["etcd"]:
+        raise ConfigError("give either --etcd or --standalone, not both")
+    if not v["standalone"] and not v["etcd"]:
+        raise ConfigError("no etcd given: use --etcd URL[,URL...] or --standalone")
+    node_id = v["node_id"] or f"{socket.gethostname()}-{os.getpid()}"
+    validate_id("node id", node_id)
+
+    script, as_module = args.script, args.as_module
+    script_args = tuple(args.script_args)
+    if script is None:
+        script = file_values.get("script")
+        as_module = bool(file_values.get("module", as_module))
+        script_args = tuple(str(a) for a in file_values.get("script_args", ()))
+    if not script:
+        raise ConfigError("no training script given: elasticd [options] SCRIPT [ARGS...]")
+    if not as_module and not os.path.isfile(script):
+        raise ConfigError(f"training script {script!r} not found (working directory "
+                          f"{os.getcwd()})")
+
+    advertise = v["advertise_addr"] or ("127.0.0.1" if v["standalone"] else socket.getfqdn())
+    log_dir = v["log_dir"] or os.path.join(tempfile.gettempdir(), "elastic", v["job_id"], node_id)
+    return AgentConfig(
+        job_id=v["job_id"], etcd=v["etcd"], standalone=v["standalone"], min_nodes=min_nodes,
+        max_nodes=max_nodes, nproc_per_node=v["nproc_per_node"], node_id=node_id,
+        max_restarts=v["max_restarts"], restart_window_s=v["restart_window"],
+        checkpoint_dir=os.path.abspath(v["checkpoint_dir"]) if v["checkpoint_dir"] else None,
+        hang_timeout_s=v["hang_timeout"], lease_ttl_s=v["lease_ttl"], settle_s=v["settle"],
+        join_timeout_s=v["join_timeout"], listen=v["listen"], advertise_addr=advertise,
+        log_dir=log_dir, stop_grace_s=v["stop_grace"], prestart=v["prestart"],
+        connect_timeout_s=v["connect_timeout"],
+        script=None if as_module else os.path.abspath(script),
+        module=script if as_module else None, script_args=script_args)

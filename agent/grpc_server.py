@@ -1,0 +1,357 @@
+"""The agent's gRPC servers: health, status and control over TCP; the worker channel over a Unix socket.
+
+:class:`AgentServer` serves
+
+* on ``listen`` (``HOST:PORT``, TCP): the standard ``grpc.health.v1.Health``
+  service (Kubernetes gRPC probes and peer agents use it) and ``elastic.v1.Agent``
+  (status and control for elasticctl and peers);
+* on ``worker_socket`` (a Unix socket path): ``elastic.v1.WorkerChannel``, the
+  heartbeats of this node's own workers.
+
+These are two ``grpc.server`` instances, not one listening on both addresses:
+a gRPC server serves every registered service on every port, which would
+let any host that reaches ``--listen`` fake heartbeats of a hung worker, and
+the workers' heartbeats get a thread pool that busy peers cannot exhaust.
+
+The servicers only delegate to an :class:`AgentControl` and a
+:class:`HeartbeatSink`; an :class:`~elastic.errors.ElasticError` they raise
+reaches the caller as the gRPC status :func:`grpc_code_for` picks, with the
+error's message as details.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import stat
+import threading
+from concurrent import futures
+from typing import Any, Callable, Protocol, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from elastic.errors import (
+    ConfigError,
+    ElasticError,
+    RendezvousError,
+    StoreError,
+    StoreTimeoutError,
+    StoreUnavailableError,
+)
+from elastic.v1 import agent_pb2, agent_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+AGENT_SERVICE = agent_pb2.DESCRIPTOR.services_by_name["Agent"].full_name  # "elastic.v1.Agent"
+WORKER_CHANNEL_SERVICE = agent_pb2.DESCRIPTOR.services_by_name["WorkerChannel"].full_name
+# The health entries set_serving() flips: the server as a whole and the Agent service.
+HEALTH_SERVICES = (health.OVERALL_HEALTH, AGENT_SERVICE)
+
+# sun_path is 108 bytes on Linux, including the terminating NUL.
+_MAX_UNIX_PATH_BYTES = 107
+
+_SERVER_OPTIONS = [
+    # gRPC sets SO_REUSEPORT by default; without this a second agent on the same
+    # port would bind "successfully" and steal half of the connections.
+    ("grpc.so_reuseport", 0),
+    # Peers' HealthWatchers send keepalive pings every few seconds on otherwise
+    # silent Watch streams to notice a frozen agent; do not punish them for it.
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
+class AgentControl(Protocol):
+    """What the ``elastic.v1.Agent`` service asks of the agent.
+
+    Each method may raise :class:`~elastic.errors.ElasticError`; the caller
+    then receives the gRPC status :func:`grpc_code_for` maps it to.
+    """
+
+    def status(self) -> agent_pb2.AgentStatusResponse:
+        """The agent's current state, round and workers."""
+        ...
+
+    def drain(self, reason: str) -> tuple[bool, str]:
+        """Ask the agent to leave the job at the next round boundary: (accepted, message)."""
+        ...
+
+    def request_restart(self, reason: str) -> tuple[bool, int]:
+        """Ask for a new round with the same members: (accepted, round it was requested for)."""
+        ...
+
+
+class HeartbeatSink(Protocol):
+    """Where the ``elastic.v1.WorkerChannel`` service delivers worker heartbeats."""
+
+    def heartbeat(self, request: agent_pb2.WorkerChannelHeartbeatRequest) -> bool:
+        """Record one heartbeat; returns True when the worker should stop (stop_requested)."""
+        ...
+
+
+def grpc_code_for(exc: BaseException) -> grpc.StatusCode:
+    """The gRPC status code a caller receives for ``exc`` raised while serving its call.
+
+    The one place that maps the error tree to gRPC codes: bad input is
+    INVALID_ARGUMENT; the store being down is UNAVAILABLE (and a store
+    deadline DEADLINE_EXCEEDED), which tells callers the call is safe to retry
+    with backoff; a rendezvous refusal (fenced, duplicate node, no round) is
+    FAILED_PRECONDITION: not retryable until the job's state changes. Any
+    other error, ``ElasticError`` itself included, is a bug: INTERNAL.
+    """
+    if isinstance(exc, ConfigError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, StoreTimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    if isinstance(exc, StoreUnavailableError):
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, StoreError):
+        # Lease lost, compacted watch: the agent recovers from these by itself.
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, RendezvousError):  # FencedError among them
+        return grpc.StatusCode.FAILED_PRECONDITION
+    return grpc.StatusCode.INTERNAL
+
+
+_T = TypeVar("_T")
+
+
+def _serve_call(context: grpc.ServicerContext, method: str, fn: Callable[..., _T], *args: Any) -> _T:
+    """Run the delegate ``fn``; abort the call with the mapped status if it raises."""
+    try:
+        return fn(*args)
+    except ElasticError as exc:
+        code = grpc_code_for(exc)
+        log = logger.error if code == grpc.StatusCode.INTERNAL else logger.warning
+        log("The agent could not serve %s from %s: %s (%s).", method, context.peer(), exc, code.name)
+        context.abort(code, str(exc))
+    except Exception as exc:  # noqa: BLE001 (an unexpected error is a bug; the caller gets INTERNAL)
+        logger.exception("The agent failed serving %s from %s with an unexpected error.",
+                         method, context.peer())
+        context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+    raise AssertionError("unreachable: context.abort raises")
+
+
+class _AgentServicer(agent_pb2_grpc.AgentServicer):
+    def __init__(self, control: AgentControl):
+        self._control = control
+
+    def Status(self, request, context):  # noqa: N802 (gRPC method name)
+        return _serve_call(context, "Status", self._control.status)
+
+    def Drain(self, request, context):  # noqa: N802
+        logger.info("The agent received a drain request from %s: %s.", context.peer(), request.reason)
+        accepted, message = _serve_call(context, "Drain", self._control.drain, request.reason)
+        return agent_pb2.AgentDrainResponse(accepted=accepted, message=message)
+
+    def RequestRestart(self, request, context):  # noqa: N802
+        logger.info("The agent received a restart request from %s: %s.", context.peer(), request.reason)
+        accepted, round_ = _serve_call(
+            context, "RequestRestart", self._control.request_restart, request.reason
+        )
+        return agent_pb2.AgentRequestRestartResponse(accepted=accepted, round=round_)
+
+
+class _WorkerChannelServicer(agent_pb2_grpc.WorkerChannelServicer):
+    def __init__(self, sink: HeartbeatSink):
+        self._sink = sink
+
+    def Heartbeat(self, request, context):  # noqa: N802
+        stop = _serve_call(context, "Heartbeat", self._sink.heartbeat, request)
+        return agent_pb2.WorkerChannelHeartbeatResponse(stop_requested=bool(stop))
+
+
+def _split_listen(listen: str) -> tuple[str, int]:
+    """("HOST", PORT) of ``listen``; raises ConfigError when it is not HOST:PORT."""
+    host, sep, port_text = listen.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+        raise ConfigError(f"--listen must be HOST:PORT (port 0 picks a free one), got {listen!r}")
+    return host, int(port_text)
+
+
+def _prepare_socket_path(path: str) -> None:
+    """Make ``path`` bindable: create its directory, remove a stale socket left by a dead agent.
+
+    Raises ConfigError when the path is too long for a Unix socket, is not a
+    socket, or another live process is serving on it.
+    """
+    if len(os.fsencode(path)) > _MAX_UNIX_PATH_BYTES:
+        raise ConfigError(
+            f"worker socket path {path!r} is longer than {_MAX_UNIX_PATH_BYTES} bytes, "
+            "the limit of a Unix socket address"
+        )
+    # 0o700: nobody else may reach the socket in the window before it is chmod-ed.
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise ConfigError(f"worker socket path {path!r} exists and is not a socket; refusing to remove it")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError as exc:
+            if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+                raise ConfigError(f"cannot probe worker socket {path!r}: {exc}") from exc
+        else:
+            raise ConfigError(
+                f"worker socket {path!r} is in use by another process (another agent on this node?)"
+            )
+    logger.info("Removing the stale worker socket %s left by an earlier agent.", path)
+    os.unlink(path)
+
+
+class AgentServer:
+    """The agent's gRPC endpoints (see the module docstring), started and stopped together.
+
+    Health starts NOT_SERVING; :meth:`set_serving` flips it. Not restartable:
+    after :meth:`stop`, build a new one.
+    """
+
+    def __init__(
+        self,
+        listen: str,
+        worker_socket: str,
+        control: AgentControl,
+        heartbeats: HeartbeatSink,
+        max_workers: int = 8,
+    ):
+        """Validate the addresses; nothing is bound until :meth:`start`.
+
+        ``listen`` is ``HOST:PORT`` (port 0 picks a free port); ``max_workers``
+        is the size of each server's thread pool. Raises ConfigError on a
+        malformed ``listen`` or a non-positive ``max_workers``.
+        """
+        self._host, self._port = _split_listen(listen)
+        if max_workers < 1:
+            raise ConfigError(f"max_workers must be at least 1, got {max_workers}")
+        self._listen = listen
+        self._socket_path = os.path.abspath(worker_socket)
+        self._control = control
+        self._heartbeats = heartbeats
+        self._max_workers = max_workers
+        self._health = health.HealthServicer()
+        self.set_serving(False)
+        self._tcp: grpc.Server | None = None
+        self._unix: grpc.Server | None = None
+        self._executors: list[futures.ThreadPoolExecutor] = []
+        self._bound_port: int | None = None
+        self._started = False
+        self._lock = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        """``HOST:PORT`` of the TCP endpoint, with the port actually bound. Only after :meth:`start`."""
+        if self._bound_port is None:
+            raise ElasticError("AgentServer.address is known only after start()")
+        return f"{self._host}:{self._bound_port}"
+
+    @property
+    def worker_socket(self) -> str:
+        """The absolute path of the workers' Unix socket."""
+        return self._socket_path
+
+    def start(self) -> None:
+        """Bind both endpoints and start serving.
+
+        Raises ConfigError when an address cannot be bound (port in use,
+        socket path unusable); nothing is left running then.
+        """
+        with self._lock:
+            if self._started:
+                raise ElasticError("AgentServer.start() called twice; build a new one to serve again")
+            self._started = True
+            self._executors = [
+                futures.ThreadPoolExecutor(self._max_workers, thread_name_prefix=name)
+                for name in ("agent-grpc", "agent-workers")
+            ]
+            tcp = grpc.server(self._executors[0], options=_SERVER_OPTIONS)
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, tcp)
+            agent_pb2_grpc.add_AgentServicer_to_server(_AgentServicer(self._control), tcp)
+            unix = grpc.server(self._executors[1])
+            agent_pb2_grpc.add_WorkerChannelServicer_to_server(
+                _WorkerChannelServicer(self._heartbeats), unix
+            )
+            try:
+                port = self._bind(tcp, unix)
+                tcp.start()
+                unix.start()
+            except BaseException:
+                tcp.stop(None)
+                unix.stop(None)
+                self._shutdown_executors()
+                raise
+            self._restrict_socket()
+            self._tcp, self._unix, self._bound_port = tcp, unix, port
+        logger.info("The agent serves health and elastic.v1.Agent on %s and its workers on unix:%s.",
+                    self.address, self._socket_path)
+
+    def _bind(self, tcp: grpc.Server, unix: grpc.Server) -> int:
+        """Bind both endpoints; returns the TCP port. Raises ConfigError."""
+        try:
+            port = tcp.add_insecure_port(self._listen)
+        except RuntimeError as exc:  # grpc reports a failed bind this way
+            raise ConfigError(f"cannot listen on {self._listen!r}: {exc}") from exc
+        if port == 0:  # older grpc returns 0 instead of raising
+            raise ConfigError(f"cannot listen on {self._listen!r}: the address could not be bound")
+        _prepare_socket_path(self._socket_path)
+        try:
+            bound = unix.add_insecure_port(f"unix:{self._socket_path}")
+        except RuntimeError as exc:
+            raise ConfigError(f"cannot listen on worker socket {self._socket_path!r}: {exc}") from exc
+        if bound == 0:
+            raise ConfigError(f"cannot listen on worker socket {self._socket_path!r}")
+        return port
+
+    def _shutdown_executors(self) -> None:
+        # grpc does not own the executors it is given; their idle threads would outlive it.
+        for executor in self._executors:
+            executor.shutdown(wait=False, cancel_futures=True)
+        self._executors = []
+
+    def _restrict_socket(self) -> None:
+        # Only this user (the agent and the workers it spawns) may talk to the workers' channel.
+        try:
+            os.chmod(self._socket_path, 0o600)
+        except OSError as exc:
+            logger.warning("Could not restrict worker socket %s to its owner: %s.", self._socket_path, exc)
+
+    def set_serving(self, healthy: bool) -> None:
+        """Report SERVING (True) or NOT_SERVING (False) for "" and "elastic.v1.Agent".
+
+        Watchers are notified at once. Ignored after :meth:`stop` began.
+        """
+        status = (health_pb2.HealthCheckResponse.SERVING if healthy
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in HEALTH_SERVICES:
+            self._health.set(service, status)
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Report NOT_SERVING, then stop both servers, letting calls in flight finish for ``grace_s``.
+
+        Returns when both servers have stopped; removes the worker socket.
+        Idempotent; a no-op before :meth:`start`.
+        """
+        with self._lock:
+            tcp, unix = self._tcp, self._unix
+            self._tcp = self._unix = None
+        if tcp is None or unix is None:
+            return
+        # Watchers see NOT_SERVING before their streams break, so peers can tell
+        # a graceful stop from a crash.
+        self._health.enter_graceful_shutdown()
+        stopped = [tcp.stop(grace_s), unix.stop(grace_s)]
+        for event in stopped:
+            event.wait(grace_s + 1.0)
+        self._shutdown_executors()
+        try:
+            if stat.S_ISSOCK(os.lstat(self._socket_path).st_mode):
+                os.unlink(self._socket_path)
+        except FileNotFoundError:
+            pass
+        logger.info("The agent stopped serving on %s and unix:%s.", self.address, self._socket_path)

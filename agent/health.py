@@ -1,0 +1,72 @@
+"""Worker health: what the agent knows of each worker, and the pure hang verdict.
+
+A worker is judged only once it has spoken: a script that never sends a
+heartbeat (plain torch, no ``elastic`` library) is never called hung. Once it
+has, it is hung when
+
+* no heartbeat arrived for ``hang_timeout_s`` (the process is frozen, e.g.
+  SIGSTOP, or its heartbeat thread is stuck), or
+* it reported progress before and no step has completed for ``hang_timeout_s``
+  (deadlock, a collective stuck on a dead peer), unless it announced a
+  checkpoint save that is still within its announced time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class WorkerHealth:
+    """Mutable record the agent's loop keeps per local rank (times: monotonic s)."""
+
+    local_rank: int
+    rank: int
+    started_at: float
+    last_heartbeat_at: float | None = None
+    last_progress_at: float | None = None
+    step: int = -1
+    saving_until: float = 0.0
+    steps: list[tuple[float, int]] = field(default_factory=list)  # recent (time, step)
+
+    def on_heartbeat(self, now: float, step: int, saving_for_s: float) -> None:
+        self.last_heartbeat_at = now
+        if step > self.step:
+            self.step = step
+            self.last_progress_at = now
+            self.steps.append((now, step))
+            del self.steps[:-20]
+        self.saving_until = now + saving_for_s if saving_for_s > 0 else 0.0
+
+    def step_rate(self) -> float:
+        """Steps per second over the recent heartbeats (0 until two are known)."""
+        if len(self.steps) < 2:
+            return 0.0
+        (t0, s0), (t1, s1) = self.steps[0], self.steps[-1]
+        return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+def hung_workers(workers: list[WorkerHealth], now: float, hang_timeout_s: float
+                 ) -> list[tuple[WorkerHealth, str]]:
+    """The workers judged hung at ``now``, each with a reason for the log.
+
+    ``hang_timeout_s`` 0 turns hang detection off.
+    """
+    if hang_timeout_s <= 0:
+        return []
+    verdicts = []
+    for w in workers:
+        if w.last_heartbeat_at is None:
+            continue
+        silent = now - w.last_heartbeat_at
+        if silent > hang_timeout_s:
+            verdicts.append((w, f"rank {w.rank} sent no heartbeat for {silent:.1f} s "
+                                f"(hang timeout {hang_timeout_s:g} s)"))
+            continue
+        if w.last_progress_at is None or now < w.saving_until:
+            continue
+        stalled = now - w.last_progress_at
+        if stalled > hang_timeout_s:
+            verdicts.append((w, f"rank {w.rank} made no progress for {stalled:.1f} s after "
+                                f"step {w.step} (hang timeout {hang_timeout_s:g} s)"))
+    return verdicts

@@ -1,0 +1,255 @@
+"""Client side of an agent's TCP endpoint, for elasticctl and peer agents.
+
+One-shot calls (:func:`query_status`, :func:`check_health`,
+:func:`request_drain`, :func:`request_restart`) and a :class:`HealthWatcher`
+that follows one peer's ``grpc.health.v1`` status as it changes.
+
+Channels are cached per address (:func:`close_channels` closes them), with
+short reconnect backoff so a restarted peer is reachable again within about a
+second, and keepalive pings so a frozen peer (SIGSTOP, lost network) breaks
+its watch streams within seconds instead of never.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from elastic.errors import ConfigError, ElasticError
+from elastic.v1 import agent_pb2, agent_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 1.0
+# Control verbs may make the agent write a request to etcd before it answers.
+DEFAULT_CONTROL_TIMEOUT_S = 5.0
+
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+    # A frozen peer still ACKs TCP (its kernel runs); only an unanswered HTTP/2
+    # ping shows it is gone: detected in keepalive_time + keepalive_timeout.
+    # The agent's server allows pings this often (agent/grpc_server.py).
+    ("grpc.keepalive_time_ms", 2_000),
+    ("grpc.keepalive_timeout_ms", 2_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    # Agents talk to each other directly, never through an HTTP proxy from the environment.
+    ("grpc.enable_http_proxy", 0),
+]
+# Codes that mean "cannot reach the agent now", not "the agent said no".
+_UNREACHABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+class PeerHealth(enum.StrEnum):
+    """A peer agent's health as seen from here; the values are plain strings."""
+
+    SERVING = "SERVING"
+    """The agent and its workers are healthy."""
+    NOT_SERVING = "NOT_SERVING"
+    """The agent answers but reports itself unhealthy (workers failed, stopping, starting)."""
+    UNREACHABLE = "UNREACHABLE"
+    """No answer within the timeout, or the connection or watch stream broke."""
+    UNKNOWN = "UNKNOWN"
+    """The agent answered without a usable status (service not registered, other error)."""
+
+
+_channels: dict[str, grpc.Channel] = {}
+_channels_lock = threading.Lock()
+
+
+def _channel(addr: str) -> grpc.Channel:
+    with _channels_lock:
+        channel = _channels.get(addr)
+        if channel is None:
+            channel = grpc.insecure_channel(addr, options=_CHANNEL_OPTIONS)
+            _channels[addr] = channel
+        return channel
+
+
+def close_channels() -> None:
+    """Close every cached channel; later calls open new ones. Breaks running watchers' streams."""
+    with _channels_lock:
+        channels = list(_channels.values())
+        _channels.clear()
+    for channel in channels:
+        channel.close()
+
+
+def _health_from_status(status: int) -> PeerHealth:
+    if status == health_pb2.HealthCheckResponse.SERVING:
+        return PeerHealth.SERVING
+    if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+        return PeerHealth.NOT_SERVING
+    return PeerHealth.UNKNOWN
+
+
+def _rpc_error(addr: str, method: str, exc: grpc.RpcError) -> ElasticError:
+    """Translate a failed call into the error tree, keeping the agent's message."""
+    code = exc.code()
+    message = f"agent at {addr} failed {method}: {code.name}: {exc.details()}"
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ConfigError(message)
+    return ElasticError(message)
+
+
+def query_status(addr: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> agent_pb2.AgentStatusResponse | None:
+    """The status of the agent at ``addr`` (``HOST:PORT``), or None when it cannot be reached in time.
+
+    Raises ElasticError (ConfigError for INVALID_ARGUMENT) when the agent
+    answers with an error, e.g. UNIMPLEMENTED when no agent serves there.
+    """
+    stub = agent_pb2_grpc.AgentStub(_channel(addr))
+    try:
+        return stub.Status(agent_pb2.AgentStatusRequest(), timeout=timeout_s)
+    except grpc.RpcError as exc:
+        if exc.code() in _UNREACHABLE_CODES:
+            logger.debug("The agent at %s did not answer Status: %s.", addr, exc.code().name)
+            return None
+        raise _rpc_error(addr, "Status", exc) from exc
+
+
+def check_health(addr: str, timeout_s: float = DEFAULT_TIMEOUT_S, service: str = "") -> PeerHealth:
+    """One ``grpc.health.v1`` Check of ``service`` ("" = the whole agent) at ``addr``. Never raises.
+
+    Returns UNREACHABLE when no answer came within ``timeout_s``, UNKNOWN when
+    the service is not registered there or the call failed otherwise.
+    """
+    stub = health_pb2_grpc.HealthStub(_channel(addr))
+    try:
+        response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+    except grpc.RpcError as exc:
+        if exc.code() in _UNREACHABLE_CODES:
+            return PeerHealth.UNREACHABLE
+        logger.debug("Health check of %r at %s failed: %s: %s.", service, addr, exc.code().name, exc.details())
+        return PeerHealth.UNKNOWN
+    return _health_from_status(response.status)
+
+
+def request_drain(addr: str, reason: str, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> tuple[bool, str]:
+    """Ask the agent at ``addr`` to leave the job at the next round boundary: (accepted, message).
+
+    Not retried (the caller decides whether repeating is safe). Raises
+    ElasticError when the agent is unreachable or answers with an error
+    (ConfigError for INVALID_ARGUMENT).
+    """
+    stub = agent_pb2_grpc.AgentStub(_channel(addr))
+    try:
+        response = stub.Drain(agent_pb2.AgentDrainRequest(reason=reason), timeout=timeout_s)
+    except grpc.RpcError as exc:
+        raise _rpc_error(addr, "Drain", exc) from exc
+    return response.accepted, response.message
+
+
+def request_restart(addr: str, reason: str, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> tuple[bool, int]:
+    """Ask the agent at ``addr`` for a new round with the same members: (accepted, round).
+
+    ``round`` is the round the restart was requested for. Not retried: a
+    repeated request could restart the group twice. Raises like :func:`request_drain`.
+    """
+    stub = agent_pb2_grpc.AgentStub(_channel(addr))
+    try:
+        response = stub.RequestRestart(
+            agent_pb2.AgentRequestRestartRequest(reason=reason), timeout=timeout_s
+        )
+    except grpc.RpcError as exc:
+        raise _rpc_error(addr, "RequestRestart", exc) from exc
+    return response.accepted, response.round
+
+
+class HealthWatcher:
+    """Follows one peer's health with the ``grpc.health.v1`` Watch stream in a daemon thread.
+
+    ``on_change(status)`` is called from that thread with a :class:`PeerHealth`
+    (a str) each time the observed status differs from the last one, the first
+    observation included; UNREACHABLE when the stream cannot be opened or
+    breaks. It then reconnects with exponential backoff from
+    ``initial_backoff_s`` to ``max_backoff_s``. An exception from ``on_change``
+    is logged and does not stop the watcher.
+    """
+
+    def __init__(
+        self,
+        addr: str,
+        on_change: Callable[[str], None],
+        *,
+        service: str = "",
+        initial_backoff_s: float = 0.1,
+        max_backoff_s: float = 2.0,
+    ):
+        self._addr = addr
+        self._on_change = on_change
+        self._service = service
+        self._initial_backoff_s = initial_backoff_s
+        self._max_backoff_s = max_backoff_s
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._call: grpc.Call | None = None
+        self._status: PeerHealth | None = None
+        self._thread = threading.Thread(target=self._run, name=f"health-watch-{addr}", daemon=True)
+
+    @property
+    def status(self) -> PeerHealth | None:
+        """The last status seen, None before the first."""
+        return self._status
+
+    def start(self) -> HealthWatcher:
+        """Start watching; returns self."""
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 1.0) -> None:
+        """Stop watching and wait up to ``timeout_s`` for the thread; no on_change call follows."""
+        self._stopped.set()
+        with self._lock:
+            call = self._call
+        if call is not None:
+            call.cancel()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    def _observe(self, status: PeerHealth) -> None:
+        if status == self._status or self._stopped.is_set():
+            return
+        logger.info("Health of the agent at %s changed from %s to %s.",
+                    self._addr, self._status or "nothing seen", status)
+        self._status = status
+        try:
+            self._on_change(status)
+        except Exception:  # noqa: BLE001 (a broken callback must not end the watch)
+            logger.exception("The health callback for the agent at %s failed.", self._addr)
+
+    def _run(self) -> None:
+        backoff_s = self._initial_backoff_s
+        request = health_pb2.HealthCheckRequest(service=self._service)
+        while not self._stopped.is_set():
+            try:
+                # Looked up each time: close_channels() may have replaced the cached channel.
+                call = health_pb2_grpc.HealthStub(_channel(self._addr)).Watch(request)
+                with self._lock:
+                    self._call = call
+                if self._stopped.is_set():  # stop() ran before the call was visible to it
+                    call.cancel()
+                    break
+                for response in call:
+                    backoff_s = self._initial_backoff_s
+                    self._observe(_health_from_status(response.status))
+                why = "the stream ended"
+            except grpc.RpcError as exc:
+                why = f"{exc.code().name}: {exc.details()}"
+            except ValueError as exc:  # the channel was closed under us
+                why = str(exc)
+            if self._stopped.is_set():
+                break
+            logger.debug("Health watch of the agent at %s broke (%s); retrying in %.1f s.",
+                         self._addr, why, backoff_s)
+            self._observe(PeerHealth.UNREACHABLE)
+            self._stopped.wait(backoff_s)
+            backoff_s = min(backoff_s * 2, self._max_backoff_s)
+        with self._lock:
+            self._call = None

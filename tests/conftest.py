@@ -1,0 +1,66 @@
+"""Shared fixtures: one real etcd server per test session, a store per test, unique job ids.
+
+Tests that use ``etcd_server`` (directly or through ``etcd_endpoint`` or
+``etcd_store``) are marked ``integration`` automatically, so
+``pytest -m "not integration"`` runs the fast tier without starting etcd.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+_ETCD_FIXTURES = frozenset({"etcd_server", "etcd_endpoint", "etcd_store"})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _ETCD_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory):
+    """A single-member etcd on loopback, shared by the whole session.
+
+    Its data directory and log live under pytest's temporary directory, so
+    the log of a failed run can be read afterwards.
+    """
+    from elastic.store.server import EtcdServer
+
+    workdir = tmp_path_factory.mktemp("etcd")
+    server = EtcdServer(
+        data_dir=str(workdir / "data"),
+        log_path=str(workdir / "etcd.log"),
+        unsafe_no_fsync=True,  # tests do not survive power loss; fsync only slows them
+    )
+    server.start(timeout_s=20.0)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def etcd_endpoint(etcd_server) -> str:
+    """The client URL of the session's etcd server, e.g. ``http://127.0.0.1:23791``."""
+    return etcd_server.endpoint
+
+
+@pytest.fixture
+def etcd_store(etcd_endpoint):
+    """An :class:`~elastic.store.etcd.EtcdStore` on the session's server, closed after the test."""
+    from elastic.store.etcd import EtcdStore
+
+    store = EtcdStore(etcd_endpoint)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def job_id() -> str:
+    """A job id no other test uses, so tests sharing one etcd never see each other's keys."""
+    return "test-" + uuid.uuid4().hex[:8]
