@@ -86,6 +86,7 @@ class Agent:
         self.last_failure = ""
         self.outcome_reason = ""
         self.peer_watcher: HealthWatcher | None = None
+        self.peer_unhealthy: tuple[str, float] | None = None  # (node, since) NOT_SERVING
         self.joining_since = clock.monotonic()
         self._workers_lock = threading.Lock()
         self._last_status_at = 0.0
@@ -235,6 +236,12 @@ class Agent:
                                         self.config.hang_timeout_s)
             if verdicts:
                 self._fail_round("; ".join(reason for _, reason in verdicts))
+                return
+            if self.peer_unhealthy is not None:
+                peer, since = self.peer_unhealthy
+                if self.clock.monotonic() - since > self.config.lease_ttl_s:
+                    self._fail_round(f"peer {peer} has reported its workers unhealthy "
+                                     f"(NOT_SERVING) for over {self.config.lease_ttl_s:g} s")
         elif state in (S.JOINING,) and self.rounds_started == 0:
             waited = self.clock.monotonic() - self.joining_since
             if waited > self.config.join_timeout_s:
@@ -243,11 +250,16 @@ class Agent:
                     f"in a round within {self.config.join_timeout_s:.0f} s")
 
     def _on_peer(self, node_id: str, status: str) -> None:
-        if self.lifecycle.state is S.RUNNING and status == "NOT_SERVING":
-            self._fail_round(f"peer {node_id} reports its workers unhealthy (NOT_SERVING)")
+        # Agents are briefly NOT_SERVING at every round change while their
+        # workers restart: only a peer that stays so for a lease TTL is unhealthy.
+        if status == "NOT_SERVING":
+            self.peer_unhealthy = self.peer_unhealthy or (node_id, self.clock.monotonic())
+        else:
+            self.peer_unhealthy = None
 
     def _watch_peer(self, r: Round | None) -> None:
         """Watch the health of the next node in the ring (O(1) checks per node)."""
+        self.peer_unhealthy = None
         if self.peer_watcher is not None:
             self.peer_watcher.stop()
             self.peer_watcher = None
@@ -257,7 +269,8 @@ class Agent:
         peer = r.members[(me.node_rank + 1) % len(r.members)]
         if peer.addr:
             self.peer_watcher = HealthWatcher(
-                peer.addr, lambda status, n=peer.node_id: self.inbox.put(("peer", (n, status))))
+                peer.addr, lambda status, n=peer.node_id: self.inbox.put(("peer", (n, status)))
+            ).start()
 
     def _finish(self, final: Round) -> None:
         if self.lifecycle.state in (S.RUNNING, S.STARTING):

@@ -1,4 +1,4 @@
-"""The agent's gRPC servers: health, status and control over TCP; the worker channel over a Unix socket.
+"""The agent's gRPC servers: health, status and control on TCP; worker heartbeats on a Unix socket.
 
 :class:`AgentServer` serves
 
@@ -120,16 +120,19 @@ def grpc_code_for(exc: BaseException) -> grpc.StatusCode:
 _T = TypeVar("_T")
 
 
-def _serve_call(context: grpc.ServicerContext, method: str, fn: Callable[..., _T], *args: Any) -> _T:
+def _serve_call(
+    context: grpc.ServicerContext, method: str, fn: Callable[..., _T], *args: Any
+) -> _T:
     """Run the delegate ``fn``; abort the call with the mapped status if it raises."""
     try:
         return fn(*args)
     except ElasticError as exc:
         code = grpc_code_for(exc)
         log = logger.error if code == grpc.StatusCode.INTERNAL else logger.warning
-        log("The agent could not serve %s from %s: %s (%s).", method, context.peer(), exc, code.name)
+        log("The agent could not serve %s from %s: %s (%s).",
+            method, context.peer(), exc, code.name)
         context.abort(code, str(exc))
-    except Exception as exc:  # noqa: BLE001 (an unexpected error is a bug; the caller gets INTERNAL)
+    except Exception as exc:  # noqa: BLE001 (a bug: the caller gets INTERNAL, the log the trace)
         logger.exception("The agent failed serving %s from %s with an unexpected error.",
                          method, context.peer())
         context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
@@ -144,12 +147,14 @@ class _AgentServicer(agent_pb2_grpc.AgentServicer):
         return _serve_call(context, "Status", self._control.status)
 
     def Drain(self, request, context):  # noqa: N802
-        logger.info("The agent received a drain request from %s: %s.", context.peer(), request.reason)
+        logger.info("The agent received a drain request from %s: %s.",
+                    context.peer(), request.reason)
         accepted, message = _serve_call(context, "Drain", self._control.drain, request.reason)
         return agent_pb2.AgentDrainResponse(accepted=accepted, message=message)
 
     def RequestRestart(self, request, context):  # noqa: N802
-        logger.info("The agent received a restart request from %s: %s.", context.peer(), request.reason)
+        logger.info("The agent received a restart request from %s: %s.",
+                    context.peer(), request.reason)
         accepted, round_ = _serve_call(
             context, "RequestRestart", self._control.request_restart, request.reason
         )
@@ -191,7 +196,9 @@ def _prepare_socket_path(path: str) -> None:
     except FileNotFoundError:
         return
     if not stat.S_ISSOCK(mode):
-        raise ConfigError(f"worker socket path {path!r} exists and is not a socket; refusing to remove it")
+        raise ConfigError(
+            f"worker socket path {path!r} exists and is not a socket; refusing to remove it"
+        )
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         try:
             probe.connect(path)
@@ -246,7 +253,7 @@ class AgentServer:
 
     @property
     def address(self) -> str:
-        """``HOST:PORT`` of the TCP endpoint, with the port actually bound. Only after :meth:`start`."""
+        """``HOST:PORT`` of the TCP endpoint with the port actually bound; after :meth:`start`."""
         if self._bound_port is None:
             raise ElasticError("AgentServer.address is known only after start()")
         return f"{self._host}:{self._bound_port}"
@@ -264,7 +271,7 @@ class AgentServer:
         """
         with self._lock:
             if self._started:
-                raise ElasticError("AgentServer.start() called twice; build a new one to serve again")
+                raise ElasticError("AgentServer.start() called twice; build a new one instead")
             self._started = True
             self._executors = [
                 futures.ThreadPoolExecutor(self._max_workers, thread_name_prefix=name)
@@ -288,8 +295,8 @@ class AgentServer:
                 raise
             self._restrict_socket()
             self._tcp, self._unix, self._bound_port = tcp, unix, port
-        logger.info("The agent serves health and elastic.v1.Agent on %s and its workers on unix:%s.",
-                    self.address, self._socket_path)
+        logger.info("The agent serves health and elastic.v1.Agent on %s and its workers on "
+                    "unix:%s.", self.address, self._socket_path)
 
     def _bind(self, tcp: grpc.Server, unix: grpc.Server) -> int:
         """Bind both endpoints; returns the TCP port. Raises ConfigError."""
@@ -303,7 +310,9 @@ class AgentServer:
         try:
             bound = unix.add_insecure_port(f"unix:{self._socket_path}")
         except RuntimeError as exc:
-            raise ConfigError(f"cannot listen on worker socket {self._socket_path!r}: {exc}") from exc
+            raise ConfigError(
+                f"cannot listen on worker socket {self._socket_path!r}: {exc}"
+            ) from exc
         if bound == 0:
             raise ConfigError(f"cannot listen on worker socket {self._socket_path!r}")
         return port
@@ -319,7 +328,8 @@ class AgentServer:
         try:
             os.chmod(self._socket_path, 0o600)
         except OSError as exc:
-            logger.warning("Could not restrict worker socket %s to its owner: %s.", self._socket_path, exc)
+            logger.warning("Could not restrict worker socket %s to its owner: %s.",
+                           self._socket_path, exc)
 
     def set_serving(self, healthy: bool) -> None:
         """Report SERVING (True) or NOT_SERVING (False) for "" and "elastic.v1.Agent".
@@ -332,7 +342,7 @@ class AgentServer:
             self._health.set(service, status)
 
     def stop(self, grace_s: float = 1.0) -> None:
-        """Report NOT_SERVING, then stop both servers, letting calls in flight finish for ``grace_s``.
+        """Report NOT_SERVING, then stop both servers; calls in flight get ``grace_s`` to finish.
 
         Returns when both servers have stopped; removes the worker socket.
         Idempotent; a no-op before :meth:`start`.

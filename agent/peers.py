@@ -20,7 +20,7 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from elastic.errors import ConfigError, ElasticError
+from elastic.errors import AgentUnreachableError, ConfigError, ElasticError
 from elastic.v1 import agent_pb2, agent_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -34,10 +34,13 @@ _CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1_000),
     # A frozen peer still ACKs TCP (its kernel runs); only an unanswered HTTP/2
-    # ping shows it is gone: detected in keepalive_time + keepalive_timeout.
-    # The agent's server allows pings this often (agent/grpc_server.py).
+    # ping shows it is gone: detected within about keepalive_time + ping_timeout
+    # (5 s). gRPC 1.85 times keepalive pings out by ping_timeout_ms (default 60 s),
+    # not by keepalive_timeout_ms alone, so both are set. The agent's server
+    # allows pings this often (agent/grpc_server.py).
     ("grpc.keepalive_time_ms", 2_000),
-    ("grpc.keepalive_timeout_ms", 2_000),
+    ("grpc.keepalive_timeout_ms", 3_000),
+    ("grpc.http2.ping_timeout_ms", 3_000),
     ("grpc.http2.max_pings_without_data", 0),
     # Agents talk to each other directly, never through an HTTP proxy from the environment.
     ("grpc.enable_http_proxy", 0),
@@ -93,13 +96,17 @@ def _rpc_error(addr: str, method: str, exc: grpc.RpcError) -> ElasticError:
     """Translate a failed call into the error tree, keeping the agent's message."""
     code = exc.code()
     message = f"agent at {addr} failed {method}: {code.name}: {exc.details()}"
+    if code in _UNREACHABLE_CODES:
+        return AgentUnreachableError(f"agent at {addr} did not answer {method} ({code.name})")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return ConfigError(message)
     return ElasticError(message)
 
 
-def query_status(addr: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> agent_pb2.AgentStatusResponse | None:
-    """The status of the agent at ``addr`` (``HOST:PORT``), or None when it cannot be reached in time.
+def query_status(
+    addr: str, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> agent_pb2.AgentStatusResponse | None:
+    """The status of the agent at ``addr`` (``HOST:PORT``); None when unreachable in time.
 
     Raises ElasticError (ConfigError for INVALID_ARGUMENT) when the agent
     answers with an error, e.g. UNIMPLEMENTED when no agent serves there.
@@ -126,12 +133,15 @@ def check_health(addr: str, timeout_s: float = DEFAULT_TIMEOUT_S, service: str =
     except grpc.RpcError as exc:
         if exc.code() in _UNREACHABLE_CODES:
             return PeerHealth.UNREACHABLE
-        logger.debug("Health check of %r at %s failed: %s: %s.", service, addr, exc.code().name, exc.details())
+        logger.debug("Health check of %r at %s failed: %s: %s.",
+                     service, addr, exc.code().name, exc.details())
         return PeerHealth.UNKNOWN
     return _health_from_status(response.status)
 
 
-def request_drain(addr: str, reason: str, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> tuple[bool, str]:
+def request_drain(
+    addr: str, reason: str, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S
+) -> tuple[bool, str]:
     """Ask the agent at ``addr`` to leave the job at the next round boundary: (accepted, message).
 
     Not retried (the caller decides whether repeating is safe). Raises
@@ -146,7 +156,9 @@ def request_drain(addr: str, reason: str, timeout_s: float = DEFAULT_CONTROL_TIM
     return response.accepted, response.message
 
 
-def request_restart(addr: str, reason: str, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> tuple[bool, int]:
+def request_restart(
+    addr: str, reason: str, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S
+) -> tuple[bool, int]:
     """Ask the agent at ``addr`` for a new round with the same members: (accepted, round).
 
     ``round`` is the round the restart was requested for. Not retried: a

@@ -1,12 +1,16 @@
-"""A job's status as read from etcd, and its rendering for humans.
+"""A job's status as read from etcd and the agents, and its rendering for humans.
 
 ``collect`` returns plain data (what ``elasticctl status --json`` prints);
-``render`` turns it into the table an operator reads.
+``render`` turns it into the table an operator reads. Each agent's state comes
+from the agent itself over gRPC when it answers (live), else from the
+``status/<node>`` record it last published in etcd.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from elastic.errors import MalformedRecordError
 from elastic.rendezvous.api import NodeInfo, Round
@@ -14,8 +18,31 @@ from elastic.rendezvous.keys import JobKeys
 from elastic.store.api import Store
 
 
-def collect(store: Store, job_id: str) -> dict:
-    """Read the job's keys once (one consistent revision) and summarise them.
+def _agent_from_grpc(addr: str, timeout_s: float) -> dict | None:
+    from agent import peers  # grpc is loaded only when agents are queried
+    from elastic.errors import ElasticError
+
+    try:
+        resp = peers.query_status(addr, timeout_s=timeout_s)
+    except ElasticError:
+        return None
+    if resp is None:
+        return None
+    workers = [{"local_rank": w.local_rank, "rank": w.rank, "pid": w.pid, "state": w.state,
+                "last_step": w.last_step, "step_rate": w.step_rate,
+                "heartbeat_age_s": w.heartbeat_age_s, "exit_code": w.exit_code}
+               for w in resp.workers]
+    return {"source": "agent", "state": resp.state, "round": resp.round,
+            "node_rank": resp.node_rank if resp.node_rank >= 0 else None,
+            "workers": workers, "restarts": resp.restarts, "last_failure": resp.last_failure,
+            "last_step": max((w["last_step"] for w in workers), default=-1),
+            "step_rate": min((w["step_rate"] for w in workers), default=0.0)}
+
+
+def collect(store: Store, job_id: str, query_agents: bool = True,
+            agent_timeout_s: float = 1.0) -> dict:
+    """Read the job's keys once (one consistent revision) and summarise them,
+    asking each registered agent for its live status when ``query_agents``.
 
     Malformed records are reported under ``problems`` with their key rather
     than failing the whole command.
@@ -42,6 +69,23 @@ def collect(store: Store, job_id: str) -> dict:
             except MalformedRecordError as exc:
                 problems.append(str(exc))
 
+    published: dict[str, dict] = {}
+    for kv in kvs:
+        if kv.key.startswith(keys.status):
+            try:
+                record = json.loads(kv.value)
+                if not isinstance(record, dict):
+                    raise ValueError("not an object")
+                published[keys.node_id_of(kv.key)] = {"source": "etcd", **record}
+            except ValueError as exc:
+                problems.append(f"malformed record at key {kv.key!r}: {exc}")
+    live: dict[str, dict | None] = {}
+    addrs = {n: i.addr for n, i in registered.items() if i.addr}
+    if query_agents and addrs:
+        with ThreadPoolExecutor(max_workers=min(16, len(addrs))) as pool:
+            answers = pool.map(lambda a: _agent_from_grpc(a, agent_timeout_s), addrs.values())
+            live = dict(zip(addrs, answers))
+
     leader_kv = by_key.get(keys.leader)
     nodes = []
     members = {m.node_id: m for m in current.members} if current else {}
@@ -55,6 +99,7 @@ def collect(store: Store, job_id: str) -> dict:
             "nproc": info.nproc if info else (member.nproc if member else 0),
             "addr": info.addr if info else "",
             "role": ("member" if info else "gone") if member else "standby",
+            "agent": live.get(node_id) or published.get(node_id),
         })
     return {
         "job_id": job_id,
@@ -69,6 +114,8 @@ def collect(store: Store, job_id: str) -> dict:
             "reason": current.reason,
             "created_at": current.created_at,
             "members": list(current.node_ids),
+            "outcome": current.outcome,
+            "failures": len(current.failures),
         },
         "nodes": nodes,
         "problems": problems,
@@ -98,6 +145,10 @@ def render(status: dict, now: float | None = None) -> str:
     r = status["round"]
     if r is None:
         out.append(f"job {status['job_id']}: no round yet (leader: {status['leader'] or 'none'})")
+    elif r["outcome"]:
+        out.append(f"job {status['job_id']}: {r['outcome'].upper()} in round {r['number']}, "
+                   f"{_ago(r['created_at'], now)}")
+        out.append(f"  why: {r['reason']}")
     else:
         out.append(
             f"job {status['job_id']}: round {r['number']}, {r['nnodes']} nodes, world size "
@@ -107,11 +158,20 @@ def render(status: dict, now: float | None = None) -> str:
                    f"{_ago(r['created_at'], now)}")
         out.append(f"  why: {r['reason']}")
     if status["nodes"]:
-        rows = [[n["node_id"], "-" if n["node_rank"] is None else str(n["node_rank"]),
-                 n["role"], n["host"], str(n["nproc"]), n["addr"] or "-"]
-                for n in status["nodes"]]
+        rows = []
+        for n in status["nodes"]:
+            a = n["agent"] or {}
+            workers = a.get("workers") or []
+            rows.append([
+                n["node_id"], "-" if n["node_rank"] is None else str(n["node_rank"]), n["role"],
+                a.get("state", "?"), n["host"],
+                f"{sum(w['state'] == 'running' for w in workers)}/{n['nproc']}",
+                str(a.get("last_step", "-")) if a.get("last_step", -1) >= 0 else "-",
+                f"{a['step_rate']:.2f}/s" if a.get("step_rate") else "-",
+                str(a.get("restarts", "-")), a.get("last_failure") or "-"])
         out.append("")
-        out.append(table(["NODE", "RANK", "ROLE", "HOST", "NPROC", "AGENT"], rows))
+        out.append(table(["NODE", "RANK", "ROLE", "STATE", "HOST", "WORKERS", "STEP", "RATE",
+                          "RESTARTS", "LAST FAILURE"], rows))
     else:
         out.append("no nodes registered")
     for p in status["problems"]:

@@ -12,6 +12,7 @@ Exit codes (documented for operators and scripts):
 2     bad input: a flag, a config file, an environment variable
 3     the etcd store cannot be reached or answered with an error
 4     rendezvous failed (timed out, fenced off, duplicate node id)
+5     an agent asked over gRPC could not be reached
 70    internal error (a bug: please report it with the log)
 ====  ===========================================================
 """
@@ -23,6 +24,7 @@ EXIT_JOB_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_STORE = 3
 EXIT_RENDEZVOUS = 4
+EXIT_AGENT_UNREACHABLE = 5
 EXIT_INTERNAL = 70
 
 
@@ -65,6 +67,12 @@ class WatchCompactedError(StoreError):
 
 class LeaseLostError(StoreError):
     """A lease expired or was revoked; keys written under it are gone."""
+
+
+class AgentUnreachableError(ElasticError):
+    """An agent's gRPC server did not answer (down, frozen, or the address is wrong)."""
+
+    exit_code = EXIT_AGENT_UNREACHABLE
 
 
 class RendezvousError(ElasticError):

@@ -57,6 +57,7 @@ def generate(out_dir: Path, protos: list[Path]) -> None:
 
     Raises ``RuntimeError`` with protoc's output when it fails.
     """
+    out_dir.mkdir(parents=True, exist_ok=True)
     # A subprocess keeps protoc's global state and its messages out of this process.
     cmd = [
         sys.executable, "-m", "grpc_tools.protoc",

@@ -98,10 +98,19 @@ def _is_python_script(path: str) -> bool:
     return head.startswith(b"#!") and b"python" in head.split(b"\n", 1)[0]
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def _free_ports(host: str, count: int) -> list[int]:
+    """Ports free right now; held open together so they differ. Another
+    process may still take one before etcd binds it (start retries then)."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _parent_death_guard():
@@ -221,13 +230,13 @@ class EtcdServer:
             self._workdir = tempfile.mkdtemp(prefix="elastic-etcd-")
         deadline = time.monotonic() + timeout_s
         for attempt in range(1, _PORT_RETRIES + 1):
-            if not self._fixed_ports and (attempt > 1 or self._client_port is None):
-                self._client_port = _free_port(self._host)
-                self._peer_port = _free_port(self._host)
-            elif self._peer_port is None:
-                self._peer_port = _free_port(self._host)
-            elif self._client_port is None:
-                self._client_port = _free_port(self._host)
+            missing = self._client_port is None or self._peer_port is None
+            if not self._fixed_ports and (attempt > 1 or missing):
+                self._client_port, self._peer_port = _free_ports(self._host, 2)
+            elif missing:
+                client, peer = _free_ports(self._host, 2)
+                self._client_port = self._client_port or client
+                self._peer_port = self._peer_port or peer
             self._spawn(binary)
             outcome = self._wait_ready(deadline)
             if outcome == "ready":
@@ -241,10 +250,10 @@ class EtcdServer:
             logger.info("etcd ports %d/%d were taken; retrying with new ones.",
                         self._client_port, self._peer_port)
         why = "exited" if outcome == "exited" else f"did not become ready within {timeout_s:.1f} s"
-        message = (f"embedded etcd at {self.endpoint} {why}; last lines of its log "
-                   f"({self.log_path}):\n{self._log_tail()}")
-        if self._given_log_path is None and self._given_data_dir is None:
-            self.stop()  # nothing of ours worth keeping: the log tail is in the message
+        kept = f" ({self._given_log_path})" if self._given_log_path else ""
+        message = (f"embedded etcd at {self.endpoint} {why}; last lines of its log{kept}:\n"
+                   f"{self._log_tail()}")
+        self.stop()  # removes only our temp dir; the log tail is in the message
         raise StoreUnavailableError(message)
 
     def stop(self) -> None:

@@ -81,3 +81,91 @@ class MemberProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+class AgentProcess:
+    """``elasticd`` (``python -m agent.daemon``) as a child process, output collected."""
+
+    def __init__(self, endpoint: str | None, job_id: str, node_id: str, nnodes: str,
+                 script_args: list[str], *, nproc: int = 2, lease_ttl: float = 2.0,
+                 hang_timeout: float = 5.0, extra: tuple[str, ...] = (),
+                 script: str = "examples/ddp.py"):
+        self.node_id = node_id
+        store = ["--etcd", endpoint] if endpoint else ["--standalone"]
+        cmd = [sys.executable, "-m", "agent.daemon", *store, "--job-id", job_id,
+               "--node-id", node_id, "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+               "--lease-ttl", str(lease_ttl), "--hang-timeout", str(hang_timeout),
+               "--settle", "0.3", "--stop-grace", "2", "--advertise-addr", "127.0.0.1",
+               "--listen", "127.0.0.1:0", *extra, script, *script_args]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.output: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.output.append(line)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.output)
+
+    def wait_output(self, needle: str, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while needle not in self.text:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.node_id}: {needle!r} not seen within {timeout_s} s; "
+                                     f"output tail:\n{''.join(self.output[-40:])}")
+            time.sleep(0.05)
+
+    def wait_exit(self, timeout_s: float = 60.0) -> int:
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.node_id} did not exit within {timeout_s} s; output "
+                                 f"tail:\n{''.join(self.output[-40:])}") from None
+        self._reader.join(timeout=5)
+        return code
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            self.proc.kill()
+            self.proc.wait()
+
+
+def read_progress(path) -> list[dict]:
+    """The JSON lines examples/ddp.py appends per step (missing file: none yet)."""
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def wait_progress(path, predicate, timeout_s: float = 60.0) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = read_progress(path)
+        if predicate(records):
+            return records
+        if time.monotonic() > deadline:
+            raise AssertionError(f"progress never matched within {timeout_s} s; last records: "
+                                 f"{records[-5:]}")
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,1 @@
+"""Worker-side runtime: the part of `elastic` that runs inside training processes."""

@@ -1,0 +1,240 @@
+"""The first code a worker process runs: preload torch, wait for an assignment, run the script.
+
+    python -u -m elastic.worker.bootstrap
+
+The node agent's supervisor starts workers through this module so that a
+restart does not pay for ``import torch`` (seconds) on its critical path: a
+*warm* worker imports the modules in ``ELASTIC_PRELOAD`` ahead of need and
+then blocks on stdin until the agent hands it a round's assignment.
+
+Protocol (the agent's side is ``agent.supervisor``):
+
+- Environment at start (set by the supervisor, not seen by the script):
+  ``ELASTIC_PRELOAD``: comma-separated modules to import ahead of time
+  (default ``torch,torch.distributed``; empty for a cold start, where
+  preloading would only delay the script); ``ELASTIC_BOOTSTRAP_STATUS_FD``:
+  a file descriptor that receives one JSON line ``{"ready": true, "pid": P,
+  "preload_s": S}`` once preloading is done, and is then closed;
+  ``ELASTIC_BOOTSTRAP_PARENT_PID``: the agent's pid.
+- stdin: exactly one JSON line, ``{"env": {...}, "argv": [...],
+  "script": path | null, "module": name | null, "cwd": dir}``. ``env`` is the
+  complete environment the script sees (it replaces ``os.environ``); ``argv``
+  are the arguments after the script or module name. After reading it, stdin
+  is re-pointed to ``/dev/null``. EOF before a full line (the agent is gone or
+  discards this warm worker) exits 0 without a word.
+
+Promises: the script runs as ``python -u script.py ARGS`` (or ``python -u -m
+module ARGS``) would run it in ``cwd`` with ``env``: same ``sys.argv``,
+``sys.path[0]``, ``__name__ == "__main__"`` and the same exit status
+(``SystemExit`` codes as given, 1 with a traceback for an uncaught exception,
+death by SIGINT for an uncaught ``KeyboardInterrupt``, 2 for a script file
+that cannot be opened). Environment variables read only when the interpreter
+or torch starts (``PYTHONPATH``, ``OMP_NUM_THREADS``, ...) are those of the
+warm process, not of the assignment; the supervisor starts a worker cold when
+they differ. The worker gets SIGKILL when the thread of the agent that spawned
+it dies (``PR_SET_PDEATHSIG``), so no worker outlives a killed agent.
+"""
+
+from __future__ import annotations
+
+import builtins
+import ctypes
+import importlib
+import importlib.machinery
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+import types
+
+DEFAULT_PRELOAD = "torch,torch.distributed"
+PRELOAD_ENV = "ELASTIC_PRELOAD"
+STATUS_FD_ENV = "ELASTIC_BOOTSTRAP_STATUS_FD"
+PARENT_PID_ENV = "ELASTIC_BOOTSTRAP_PARENT_PID"
+
+_PR_SET_PDEATHSIG = 1
+# Cap on the assignment line: an environment is a few KiB; anything near this is not ours.
+_MAX_ASSIGNMENT_BYTES = 16 * 1024 * 1024
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when the spawning agent thread dies."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return  # without prctl the agent's stop() still reaps us; nothing better to do
+    parent = os.environ.get(PARENT_PID_ENV)
+    # The agent may have died between fork and prctl; then nobody would ever kill us.
+    if parent and parent.isdigit() and os.getppid() != int(parent):
+        os._exit(0)
+
+
+def _preload(modules: str) -> float:
+    started = time.monotonic()
+    for name in (m.strip() for m in modules.split(",")):
+        if name:
+            importlib.import_module(name)
+    return time.monotonic() - started
+
+
+def _report_ready(preload_s: float) -> None:
+    fd_text = os.environ.get(STATUS_FD_ENV, "")
+    if not fd_text.isdigit():
+        return
+    fd = int(fd_text)
+    line = json.dumps({"ready": True, "pid": os.getpid(), "preload_s": round(preload_s, 3)})
+    try:
+        os.write(fd, line.encode() + b"\n")
+    except OSError:
+        pass  # the agent stopped listening; the assignment (or EOF) still decides
+    finally:
+        try:
+            os.close(fd)  # the script and its children must not inherit it
+        except OSError:
+            pass
+
+
+def _read_assignment() -> dict | None:
+    """The assignment from fd 0, or None at EOF. Reads byte-wise from the fd so
+    no Python-level buffer of ``sys.stdin`` holds data the script could see."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = os.read(0, 65536)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        size += len(chunk)
+        if b"\n" in chunk or size > _MAX_ASSIGNMENT_BYTES:
+            break
+    line = b"".join(chunks).split(b"\n", 1)[0]
+    assignment = json.loads(line)
+    if not isinstance(assignment, dict):
+        raise ValueError("the assignment is not a JSON object")
+    if (assignment.get("script") is None) == (assignment.get("module") is None):
+        raise ValueError("the assignment names neither or both of script and module")
+    return assignment
+
+
+def _detach_stdin() -> None:
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    try:
+        os.dup2(devnull, 0)
+    finally:
+        os.close(devnull)
+
+
+def _apply(assignment: dict) -> None:
+    os.environ.clear()
+    os.environ.update({str(k): str(v) for k, v in assignment.get("env", {}).items()})
+    cwd = assignment.get("cwd")
+    if cwd:
+        os.chdir(cwd)
+    args = [str(a) for a in assignment.get("argv", [])]
+    script = assignment.get("script")
+    if script is not None:
+        sys.argv = [script, *args]
+        first = os.path.dirname(os.path.realpath(script))
+    else:
+        # runpy replaces argv[0] with the module's file, as -m does.
+        sys.argv = [assignment["module"], *args]
+        first = os.getcwd()
+    # With -P / PYTHONSAFEPATH, Python prepends nothing, so there is nothing to replace.
+    if not sys.flags.safe_path:
+        if sys.path:
+            sys.path[0] = first
+        else:
+            sys.path.insert(0, first)
+
+
+def _report_uncaught(exc: BaseException) -> None:
+    """Print ``exc`` as the interpreter prints an uncaught exception of ``python script.py``:
+    without the frames of this module and of runpy above the script's own."""
+    ours = {__file__, runpy.__file__, "<frozen runpy>"}
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in ours:
+        tb = tb.tb_next
+    # The default hook prints the exception's own __traceback__, not the tb argument.
+    exc = exc.with_traceback(tb)
+    sys.excepthook(type(exc), exc, tb)
+
+
+def _run_file(path: str) -> None:
+    """Run a script file as ``python path`` does.
+
+    Not ``runpy.run_path``: that leaves ``__file__`` as given (Python makes it
+    absolute), sets ``sys.argv[0]`` to its argument and puts the old
+    ``__main__`` back when the script returns, while atexit handlers and
+    multiprocessing's spawn still expect the script's ``__main__``.
+    """
+    path = os.path.abspath(path)
+    with open(path, "rb") as f:
+        source = f.read()
+    code = compile(source, path, "exec", dont_inherit=True)
+    main_module = types.ModuleType("__main__")
+    main_module.__file__ = path
+    main_module.__cached__ = None
+    main_module.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+    main_module.__builtins__ = builtins
+    sys.modules["__main__"] = main_module
+    exec(code, main_module.__dict__)
+
+
+def _run(assignment: dict) -> None:
+    script = assignment.get("script")
+    if script is None:
+        # What ``python -m`` itself calls: __main__ stays the module, argv[0] its file.
+        runpy._run_module_as_main(assignment["module"], alter_argv=True)
+        return
+    if not os.path.exists(script):
+        print(f"{sys.executable}: can't open file {os.path.abspath(script)!r}: "
+              f"[Errno 2] No such file or directory", file=sys.stderr)
+        sys.exit(2)
+    if os.path.isfile(script):
+        _run_file(script)
+        return
+    # A directory or zip with __main__.py: run_path puts it on sys.path itself.
+    if sys.path and not sys.flags.safe_path:
+        del sys.path[0]
+    runpy.run_path(script, run_name="__main__")
+
+
+def main() -> None:
+    """Run one worker; returns normally only when the script did (exit status 0)."""
+    _die_with_parent()
+    preload_s = _preload(os.environ.get(PRELOAD_ENV, DEFAULT_PRELOAD))
+    _report_ready(preload_s)
+    try:
+        assignment = _read_assignment()
+    except (ValueError, OSError) as exc:
+        print(f"elastic.worker.bootstrap: bad assignment from the agent: {exc}", file=sys.stderr)
+        sys.exit(2)
+    if assignment is None:
+        sys.exit(0)
+    _detach_stdin()
+    _apply(assignment)
+    try:
+        _run(assignment)
+    except SystemExit:
+        raise  # the interpreter turns it into the exit status, exactly as for a plain script
+    except KeyboardInterrupt as exc:
+        _report_uncaught(exc)
+        # As CPython does for an uncaught KeyboardInterrupt: die by SIGINT, so the
+        # parent sees a signal death (-2), not exit status 1.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        sys.exit(130)  # only if SIGINT could not be delivered
+    except BaseException as exc:  # noqa: BLE001 - the script's error, reported as Python would
+        _report_uncaught(exc)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

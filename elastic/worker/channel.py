@@ -1,0 +1,110 @@
+"""The worker's end of the local channel to its agent: heartbeats over a Unix socket.
+
+Does not import torch, so it can be used (and tested) without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+
+from elastic.v1 import agent_pb2, agent_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_CHANNEL_OPTIONS = [
+    # The agent may restart while its workers live on; reconnect within about a second.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+]
+# The agent is restarting or busy: normal, and the next heartbeat will tell.
+_TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+class WorkerChannelClient:
+    """Sends this worker's heartbeats to the agent's ``elastic.v1.WorkerChannel`` at a Unix socket.
+
+    Thread-safe. Every call waits at most ``timeout_s`` seconds.
+    """
+
+    def __init__(self, socket_path: str, timeout_s: float = 1.0):
+        self._target = f"unix:{socket_path}"
+        self._timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(self._target, options=_CHANNEL_OPTIONS)
+        self._stub = agent_pb2_grpc.WorkerChannelStub(self._channel)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._last_failure: grpc.StatusCode | None = None
+
+    def heartbeat(
+        self,
+        rank: int,
+        local_rank: int,
+        pid: int,
+        round: int,  # noqa: A002 (the proto field's name)
+        step: int,
+        saving_for_s: float = 0.0,
+    ) -> bool:
+        """Tell the agent this worker is alive at ``step`` (-1 before the first) of ``round``.
+
+        ``saving_for_s`` > 0 says a checkpoint save runs for up to that many
+        seconds, during which the agent does not judge progress. Returns
+        stop_requested: True when the agent is stopping this round and the
+        worker should exit.
+
+        Never raises for a failed call: when the agent cannot be reached
+        (it may be restarting), answers with an error, or this client is
+        closed, returns False; the failure is logged once per kind (debug for
+        unreachable, warning otherwise).
+        """
+        request = agent_pb2.WorkerChannelHeartbeatRequest(
+            rank=rank, local_rank=local_rank, pid=pid, round=round, step=step,
+            saving_for_s=saving_for_s,
+        )
+        with self._lock:
+            if self._closed:
+                logger.debug("Heartbeat of rank %d dropped: the channel to the agent is closed.",
+                             rank)
+                return False
+            stub = self._stub
+        try:
+            response = stub.Heartbeat(request, timeout=self._timeout_s)
+        except grpc.RpcError as exc:
+            self._note_failure(exc, rank, pid, round)
+            return False
+        except ValueError:  # close() ran while this call was starting
+            return False
+        if self._last_failure is not None:
+            logger.debug("Rank %d (pid %d, round %d) reaches the agent at %s again.",
+                         rank, pid, round, self._target)
+            self._last_failure = None
+        return response.stop_requested
+
+    def _note_failure(self, exc: grpc.RpcError, rank: int, pid: int, round_: int) -> None:
+        code = exc.code()
+        if code == self._last_failure:
+            return
+        self._last_failure = code
+        if code in _TRANSIENT_CODES:
+            logger.debug("Heartbeat of rank %d (pid %d, round %d) to the agent at %s failed: %s; "
+                         "the agent may be restarting.", rank, pid, round_, self._target, code.name)
+        else:
+            logger.warning("Heartbeat of rank %d (pid %d, round %d) to the agent at %s failed: "
+                           "%s: %s.", rank, pid, round_, self._target, code.name, exc.details())
+
+    def close(self) -> None:
+        """Close the channel; later heartbeats return False. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._channel.close()
+
+    def __enter__(self) -> WorkerChannelClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

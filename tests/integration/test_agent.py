@@ -1,0 +1,195 @@
+"""elasticd end to end: real agents, real DDP workers (gloo), a real etcd, real kills."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from elastic.rendezvous.keys import JobKeys
+from elastic.rendezvous.api import Round
+from tests.integration.procs import REPO, AgentProcess, alive, read_progress, wait_progress
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+
+@pytest.fixture
+def agents(etcd_endpoint, job_id):
+    started: list[AgentProcess] = []
+
+    def start(node_id: str, script_args: list[str], nnodes: str = "2", **kw) -> AgentProcess:
+        a = AgentProcess(etcd_endpoint, job_id, node_id, nnodes, script_args, **kw)
+        started.append(a)
+        return a
+
+    yield start
+    for a in started:
+        a.stop()
+
+
+def final_round(store, job_id) -> Round:
+    kv = store.get(JobKeys(job_id).round)
+    return Round.from_json(kv.key, kv.value, kv.version)
+
+
+def train_args(tmp_path, steps=40, step_time=0.05, extra=()):
+    progress = tmp_path / "progress.jsonl"
+    return progress, ["--steps", str(steps), "--step-time", str(step_time),
+                      "--progress-file", str(progress), *extra]
+
+
+def test_worker_sigkill_restarts_the_group_and_the_job_completes(agents, tmp_path, etcd_store,
+                                                                  job_id):
+    progress, args = train_args(tmp_path)
+    a, b = agents("a", args), agents("b", args)
+    records = wait_progress(progress, lambda rs: any(r["step"] >= 5 for r in rs))
+    victim = next(r["pid"] for r in records if r["rank"] == 3)
+    os.kill(victim, signal.SIGKILL)
+    assert a.wait_exit(120) == 0, a.text
+    assert b.wait_exit(30) == 0, b.text
+    records = read_progress(progress)
+    assert {r["restart"] for r in records} >= {0, 1}
+    last = [r for r in records if r["restart"] >= 1]
+    assert max(r["step"] for r in last) == 39 and {r["world"] for r in last} == {4}
+    final = final_round(etcd_store, job_id)
+    assert final.outcome == "succeeded"
+    assert "killed by signal 9" in a.text + b.text
+    assert f"pid {victim}" in a.text + b.text
+
+
+def test_worker_sigstop_is_detected_as_a_hang(agents, tmp_path, job_id):
+    progress, args = train_args(tmp_path, steps=30)
+    a, b = agents("a", args, hang_timeout=3), agents("b", args, hang_timeout=3)
+    records = wait_progress(progress, lambda rs: any(r["step"] >= 5 for r in rs))
+    frozen = next(r["pid"] for r in records if r["rank"] == 1)
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        assert a.wait_exit(120) == 0, a.text
+        assert b.wait_exit(30) == 0
+    finally:
+        if alive(frozen):
+            os.kill(frozen, signal.SIGKILL)
+    assert "sent no heartbeat" in a.text or "made no progress" in a.text + b.text
+    assert not alive(frozen), "the hung worker must have been killed"
+    assert any(r["restart"] >= 1 for r in read_progress(progress))
+
+
+def test_agent_sigkill_survivor_reforms_alone_and_no_worker_is_left(agents, tmp_path, job_id):
+    progress, args = train_args(tmp_path, steps=60)
+    a = agents("a", args, nnodes="1:2")
+    b = agents("b", args, nnodes="1:2")
+    records = wait_progress(progress, lambda rs: any(r["step"] >= 3 and r["world"] == 4
+                                                     for r in rs))
+    b_pids = {r["pid"] for r in records if r["world"] == 4 and r["rank"] >= 2}
+    b.proc.kill()  # the agent: its workers must die with it
+    deadline = time.monotonic() + 3
+    while any(alive(p) for p in b_pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in b_pids), "workers outlived their SIGKILLed agent"
+    assert a.wait_exit(150) == 0, a.text
+    after = [r for r in read_progress(progress) if r["world"] == 2]
+    assert after and max(r["step"] for r in after) == 59
+    assert "lost b" in a.text
+
+
+def test_frozen_node_survivor_reforms(agents, tmp_path, job_id):
+    progress, args = train_args(tmp_path, steps=60)
+    a = agents("a", args, nnodes="1:2")
+    b = agents("b", args, nnodes="1:2")
+    records = wait_progress(progress, lambda rs: any(r["step"] >= 3 and r["world"] == 4
+                                                     for r in rs))
+    b_pids = {r["pid"] for r in records if r["world"] == 4 and r["rank"] >= 2}
+    frozen = [b.proc.pid, *b_pids]
+    for pid in frozen:  # the whole node: agent and workers
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        assert a.wait_exit(150) == 0, a.text
+    finally:
+        for pid in frozen:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    after = [r for r in read_progress(progress) if r["world"] == 2]
+    assert after and max(r["step"] for r in after) == 59
+    assert "lost b" in a.text
+
+
+def test_node_joining_mid_run_is_included(agents, tmp_path):
+    progress, args = train_args(tmp_path, steps=80)
+    a = agents("a", args, nnodes="1:2")
+    wait_progress(progress, lambda rs: any(r["step"] >= 3 and r["world"] == 2 for r in rs))
+    b = agents("b", args, nnodes="1:2")
+    wait_progress(progress, lambda rs: any(r["world"] == 4 for r in rs))
+    assert a.wait_exit(150) == 0, a.text
+    assert b.wait_exit(30) == 0, b.text
+    assert "joined b" in a.text
+
+
+def test_restart_budget_spent_fails_every_agent_with_the_reason(agents, tmp_path, job_id):
+    _, args = train_args(tmp_path, steps=50, extra=("--crash", "1:2", "--crash-always"))
+    a = agents("a", args, extra=("--max-restarts", "1"))
+    b = agents("b", args, extra=("--max-restarts", "1"))
+    assert a.wait_exit(150) == 1, a.text
+    assert b.wait_exit(30) == 1, b.text
+    for agent in (a, b):
+        assert "restart budget spent" in agent.text
+
+
+def test_incompatible_settings_for_a_running_job_are_refused(agents, tmp_path, etcd_endpoint,
+                                                             job_id):
+    _, args = train_args(tmp_path, steps=1000)
+    a = agents("a", args, nnodes="2")
+    a.wait_output("registered with the rendezvous")
+    other = subprocess.run(
+        [sys.executable, "-m", "agent.daemon", "--etcd", etcd_endpoint, "--job-id", job_id,
+         "--nnodes", "2:4", "examples/ddp.py"], cwd=REPO, capture_output=True, text=True,
+        timeout=60)
+    assert other.returncode == 2
+    assert "already running with other settings" in other.stderr
+    assert "max_nodes 2 (this agent: 4)" in other.stderr
+
+
+@pytest.mark.parametrize("argv,code,needle", [
+    (["--standalone", "--job-id", "j", "--nnodes", "1", "missing.py"], 2,
+     "training script 'missing.py' not found"),
+    (["--standalone", "--job-id", "j", "--nnodes", "1", "--nproc-per-node", "-2",
+      "examples/ddp.py"], 2, "--nproc-per-node '-2': must be greater than 0"),
+    (["--etcd", "http://127.0.0.1:1", "--job-id", "j", "--nnodes", "1", "--connect-timeout",
+      "1", "examples/ddp.py"], 3, "127.0.0.1:1"),
+])
+def test_bad_input_is_one_clear_line(argv, code, needle):
+    out = subprocess.run([sys.executable, "-m", "agent.daemon", *argv], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == code, out.stderr
+    assert needle in out.stderr
+    assert "Traceback" not in out.stderr
+    errors = [line for line in out.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, out.stderr
+
+
+def test_status_shows_agents_workers_and_failures(agents, tmp_path, etcd_endpoint, job_id):
+    progress, args = train_args(tmp_path, steps=400, extra=("--crash", "0:3"))
+    a = agents("a", args, nnodes="1")
+    wait_progress(progress, lambda rs: any(r["restart"] == 1 and r["step"] >= 8 for r in rs))
+    time.sleep(2.5)  # one status publication period
+    out = subprocess.run([sys.executable, "-m", "agent.ctl", "status", "--json", "--etcd",
+                          etcd_endpoint, "--job-id", job_id], cwd=REPO, capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    [node] = data["nodes"]
+    assert node["agent"]["state"] == "RUNNING"
+    assert node["agent"]["restarts"] == 1
+    assert "exited with 13" in node["agent"]["last_failure"]
+    assert [w["state"] for w in node["agent"]["workers"]] == ["running", "running"]
+    assert all(w["last_step"] >= 8 for w in node["agent"]["workers"])
+    assert node["agent"]["step_rate"] > 0
+    events = subprocess.run([sys.executable, "-m", "agent.ctl", "events", "--etcd",
+                             etcd_endpoint, "--job-id", job_id], cwd=REPO, capture_output=True,
+                            text=True, timeout=30)
+    assert "RUNNING -> STOPPING: worker rank 0" in events.stdout
+    a.stop()

@@ -1,0 +1,340 @@
+"""AgentServer, agent.peers and the worker channel client against real in-process gRPC servers."""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+import pytest
+
+from agent import peers
+from agent.grpc_server import AgentServer, grpc_code_for
+from agent.peers import HealthWatcher, PeerHealth
+from elastic.errors import (
+    ConfigError,
+    DuplicateNodeError,
+    ElasticError,
+    FencedError,
+    LeaseLostError,
+    StoreTimeoutError,
+    StoreUnavailableError,
+)
+from elastic.net import free_port
+from elastic.v1 import agent_pb2, agent_pb2_grpc
+from elastic.worker.channel import WorkerChannelClient
+
+pytestmark = pytest.mark.timeout(20)
+
+
+class RecordingControl:
+    """An AgentControl that answers fixed values and records what it was asked."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []
+        self.error: BaseException | None = None
+
+    def _maybe_fail(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def status(self) -> agent_pb2.AgentStatusResponse:
+        self.calls.append(("status", ""))
+        self._maybe_fail()
+        return agent_pb2.AgentStatusResponse(
+            job_id="job-1", node_id="node-a", state="RUNNING", round=3, node_rank=0,
+            world_size=4, restarts=1, last_failure="worker 2 exited with 1", version="0.1.0",
+            workers=[agent_pb2.WorkerStatus(local_rank=0, rank=0, pid=4242, state="running",
+                                            last_step=17, step_rate=2.5, heartbeat_age_s=0.3)],
+        )
+
+    def drain(self, reason: str) -> tuple[bool, str]:
+        self.calls.append(("drain", reason))
+        self._maybe_fail()
+        return True, "leaving at the next round boundary"
+
+    def request_restart(self, reason: str) -> tuple[bool, int]:
+        self.calls.append(("request_restart", reason))
+        self._maybe_fail()
+        return True, 3
+
+
+class RecordingSink:
+    """A HeartbeatSink that keeps every heartbeat and answers ``stop_requested``."""
+
+    def __init__(self):
+        self.requests: list[agent_pb2.WorkerChannelHeartbeatRequest] = []
+        self.stop_requested = False
+        self.error: BaseException | None = None
+
+    def heartbeat(self, request: agent_pb2.WorkerChannelHeartbeatRequest) -> bool:
+        self.requests.append(request)
+        if self.error is not None:
+            raise self.error
+        return self.stop_requested
+
+
+@pytest.fixture
+def sock_dir():
+    # Not tmp_path: a Unix socket path must stay under 108 bytes.
+    path = tempfile.mkdtemp(prefix="elastic-test-", dir="/tmp")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def control():
+    return RecordingControl()
+
+
+@pytest.fixture
+def sink():
+    return RecordingSink()
+
+
+@pytest.fixture
+def server(sock_dir, control, sink):
+    srv = AgentServer("127.0.0.1:0", os.path.join(sock_dir, "run", "worker.sock"), control, sink,
+                      max_workers=4)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop(grace_s=0.1)
+        peers.close_channels()
+
+
+def _wait_for(q: queue.Queue, timeout_s: float = 3.0):
+    return q.get(timeout=timeout_s)
+
+
+# --- Agent service --------------------------------------------------------------------------------
+
+def test_status_round_trip(server, control):
+    status = peers.query_status(server.address)
+
+    assert status == control.status()
+    assert (status.node_id, status.round, status.world_size) == ("node-a", 3, 4)
+    assert status.workers[0].pid == 4242 and status.workers[0].last_step == 17
+
+
+def test_drain_and_restart_round_trip(server, control):
+    assert peers.request_drain(server.address, "hardware maintenance", timeout_s=2.0) == (
+        True, "leaving at the next round boundary")
+    assert peers.request_restart(server.address, "operator asked", timeout_s=2.0) == (True, 3)
+    assert control.calls == [("drain", "hardware maintenance"),
+                             ("request_restart", "operator asked")]
+
+
+def test_address_reports_the_bound_port(server):
+    host, port = server.address.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0
+
+
+@pytest.mark.parametrize("error, code", [
+    (ConfigError("bad reason"), grpc.StatusCode.INVALID_ARGUMENT),
+    (FencedError("round 3 is not current"), grpc.StatusCode.FAILED_PRECONDITION),
+    (StoreUnavailableError("etcd down"), grpc.StatusCode.UNAVAILABLE),
+    (StoreTimeoutError("etcd slow"), grpc.StatusCode.DEADLINE_EXCEEDED),
+    (ElasticError("plain"), grpc.StatusCode.INTERNAL),
+    (ValueError("a bug"), grpc.StatusCode.INTERNAL),
+])
+def test_control_errors_arrive_as_mapped_grpc_codes(server, control, error, code):
+    control.error = error
+    with grpc.insecure_channel(server.address) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            agent_pb2_grpc.AgentStub(channel).Drain(agent_pb2.AgentDrainRequest(reason="r"),
+                                                    timeout=2)
+    assert info.value.code() == code
+    assert str(error) in info.value.details()
+
+
+def test_peer_helpers_translate_agent_errors(server, control):
+    control.error = ConfigError("reason must not be empty")
+    with pytest.raises(ConfigError, match="reason must not be empty"):
+        peers.request_drain(server.address, "", timeout_s=2.0)
+
+    control.error = FencedError("round 3 is not current")
+    with pytest.raises(ElasticError, match="FAILED_PRECONDITION: round 3 is not current"):
+        peers.request_restart(server.address, "r", timeout_s=2.0)
+
+
+def test_grpc_code_for_covers_the_error_tree():
+    assert grpc_code_for(LeaseLostError("gone")) == grpc.StatusCode.UNAVAILABLE
+    assert grpc_code_for(DuplicateNodeError("node-a")) == grpc.StatusCode.FAILED_PRECONDITION
+    assert grpc_code_for(KeyError("x")) == grpc.StatusCode.INTERNAL
+
+
+# --- Health ---------------------------------------------------------------------------------------
+
+def test_health_follows_set_serving(server):
+    assert peers.check_health(server.address) == "NOT_SERVING"
+
+    server.set_serving(True)
+    assert peers.check_health(server.address) == "SERVING"
+    assert peers.check_health(server.address, service="elastic.v1.Agent") == PeerHealth.SERVING
+
+    server.set_serving(False)
+    assert peers.check_health(server.address) == "NOT_SERVING"
+    assert peers.check_health(server.address, service="no.such.Service") == "UNKNOWN"
+
+
+def test_health_watcher_reports_changes_and_reconnects(sock_dir, control, sink):
+    first = AgentServer("127.0.0.1:0", os.path.join(sock_dir, "a.sock"), control, sink)
+    first.start()
+    seen: queue.Queue[str] = queue.Queue()
+    watcher = HealthWatcher(first.address, seen.put,
+                            initial_backoff_s=0.05, max_backoff_s=0.2).start()
+    second = None
+    try:
+        assert _wait_for(seen) == "NOT_SERVING"
+        first.set_serving(True)
+        assert _wait_for(seen) == "SERVING"
+        first.set_serving(False)
+        assert _wait_for(seen) == "NOT_SERVING"
+        first.set_serving(True)
+        assert _wait_for(seen) == "SERVING"
+
+        first.stop(grace_s=0.1)  # graceful: NOT_SERVING first, then the stream breaks
+        assert _wait_for(seen) == "NOT_SERVING"
+        assert _wait_for(seen) == "UNREACHABLE"
+
+        second = AgentServer(first.address, os.path.join(sock_dir, "b.sock"), control, sink)
+        second.start()
+        assert _wait_for(seen) == "NOT_SERVING"
+        second.set_serving(True)
+        assert _wait_for(seen) == "SERVING"
+        assert watcher.status == PeerHealth.SERVING
+    finally:
+        started = time.monotonic()
+        watcher.stop()
+        assert time.monotonic() - started < 1.5
+        assert not watcher._thread.is_alive()
+        first.stop(grace_s=0)
+        if second is not None:
+            second.stop(grace_s=0)
+        peers.close_channels()
+    assert seen.empty()
+
+
+def test_unreachable_peer_is_reported_within_the_timeout():
+    addr = f"127.0.0.1:{free_port()}"  # nobody listens there
+
+    started = time.monotonic()
+    assert peers.check_health(addr, timeout_s=0.5) == "UNREACHABLE"
+    assert peers.query_status(addr, timeout_s=0.5) is None
+    assert time.monotonic() - started < 1.5
+    with pytest.raises(ElasticError, match="UNAVAILABLE"):
+        peers.request_drain(addr, "r", timeout_s=0.5)
+    peers.close_channels()
+
+
+def test_health_watcher_of_unreachable_peer_says_so_and_stops_quickly():
+    seen: queue.Queue[str] = queue.Queue()
+    watcher = HealthWatcher(f"127.0.0.1:{free_port()}", seen.put, max_backoff_s=0.1).start()
+    try:
+        assert _wait_for(seen) == "UNREACHABLE"
+    finally:
+        started = time.monotonic()
+        watcher.stop()
+        assert time.monotonic() - started < 1.5
+        peers.close_channels()
+    assert seen.empty()  # UNREACHABLE once, not once per retry
+
+
+# --- Worker channel -------------------------------------------------------------------------------
+
+def test_heartbeats_reach_the_sink_over_the_unix_socket(server, sink):
+    with WorkerChannelClient(server.worker_socket, timeout_s=2.0) as client:
+        stop = client.heartbeat(rank=5, local_rank=1, pid=777, round=3, step=41, saving_for_s=12.5)
+        assert stop is False
+        sink.stop_requested = True
+        assert client.heartbeat(5, 1, 777, 3, 42) is True
+
+    first, second = sink.requests
+    assert (first.rank, first.local_rank, first.pid, first.round, first.step,
+            first.saving_for_s) == (5, 1, 777, 3, 41, 12.5)
+    assert (second.step, second.saving_for_s) == (42, 0.0)
+
+
+def test_worker_socket_is_private_and_services_are_separated(server):
+    assert stat.S_IMODE(os.stat(server.worker_socket).st_mode) == 0o600
+    # Heartbeats are not accepted from the network, and control is not on the workers' socket.
+    with grpc.insecure_channel(server.address) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            agent_pb2_grpc.WorkerChannelStub(channel).Heartbeat(
+                agent_pb2.WorkerChannelHeartbeatRequest(), timeout=2)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    with grpc.insecure_channel(f"unix:{server.worker_socket}") as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            agent_pb2_grpc.AgentStub(channel).Status(agent_pb2.AgentStatusRequest(), timeout=2)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_heartbeat_sink_error_does_not_raise_in_the_worker(server, sink):
+    sink.error = ValueError("agent bug")
+    with WorkerChannelClient(server.worker_socket) as client:
+        assert client.heartbeat(0, 0, 1, 1, 1) is False
+
+
+def test_heartbeat_to_a_missing_socket_returns_false_quickly(sock_dir):
+    client = WorkerChannelClient(os.path.join(sock_dir, "nobody.sock"), timeout_s=0.5)
+    try:
+        started = time.monotonic()
+        assert client.heartbeat(0, 0, os.getpid(), 1, -1) is False
+        assert client.heartbeat(0, 0, os.getpid(), 1, -1) is False
+        assert time.monotonic() - started < 1.5
+    finally:
+        client.close()
+    assert client.heartbeat(0, 0, os.getpid(), 1, -1) is False  # closed: still no exception
+
+
+# --- Binding --------------------------------------------------------------------------------------
+
+def test_stale_socket_is_replaced_and_foreign_files_are_refused(sock_dir, control, sink):
+    stale = os.path.join(sock_dir, "stale.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as leftover:
+        leftover.bind(stale)  # closed without unlink: what a killed agent leaves behind
+    srv = AgentServer("127.0.0.1:0", stale, control, sink)
+    srv.start()
+    try:
+        with WorkerChannelClient(stale) as client:
+            assert client.heartbeat(0, 0, 1, 1, 1) is False
+        assert len(sink.requests) == 1
+
+        # A live agent's socket is not stolen, and its port is not shared.
+        with pytest.raises(ConfigError, match="in use"):
+            AgentServer("127.0.0.1:0", stale, control, sink).start()
+        with pytest.raises(ConfigError, match="cannot listen"):
+            AgentServer(srv.address, os.path.join(sock_dir, "other.sock"), control, sink).start()
+    finally:
+        srv.stop(grace_s=0)
+    assert not os.path.exists(stale)
+
+    regular = os.path.join(sock_dir, "notes.txt")
+    with open(regular, "w") as f:
+        f.write("not a socket")
+    with pytest.raises(ConfigError, match="not a socket"):
+        AgentServer("127.0.0.1:0", regular, control, sink).start()
+    assert os.path.exists(regular)
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1", ":80", "host:http", "host:70000"])
+def test_malformed_listen_address_is_a_config_error(listen, control, sink):
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        AgentServer(listen, "/tmp/unused.sock", control, sink)
+
+
+def test_grpc_modules_do_not_import_torch():
+    code = ("import sys, agent.grpc_server, agent.peers, elastic.worker.channel; "
+            "sys.exit('torch' in sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
