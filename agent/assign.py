@@ -7,7 +7,7 @@ from elastic.rendezvous.api import Round
 
 def worker_envs(round_: Round, node_id: str, *, job_id: str, restart_count: int,
                 max_restarts: int, agent_socket: str, checkpoint_dir: str | None,
-                hang_timeout_s: float, inherited_omp: str | None) -> list[dict[str, str]]:
+                hang_timeout_s: float) -> list[dict[str, str]]:
     """The environment of each local worker of ``node_id`` in ``round_``, by local rank.
 
     Global ranks are dense and follow node ranks: a node's first rank is the
@@ -36,17 +36,22 @@ def worker_envs(round_: Round, node_id: str, *, job_id: str, restart_count: int,
         "ELASTIC_NODE_ID": node_id,
         "ELASTIC_AGENT_SOCKET": agent_socket,
         "ELASTIC_HANG_TIMEOUT_S": f"{hang_timeout_s:g}",
-        "PYTHONUNBUFFERED": "1",
     }
     if checkpoint_dir:
         common["ELASTIC_CHECKPOINT_DIR"] = checkpoint_dir
-    if inherited_omp is None and me.nproc > 1:
-        # As torchrun: several workers on one node each using every core would
-        # oversubscribe it.
-        common["OMP_NUM_THREADS"] = "1"
     envs = []
     for local_rank in range(me.nproc):
         rank = first_rank + local_rank
         envs.append({**common, "RANK": str(rank), "LOCAL_RANK": str(local_rank),
                      "ROLE_RANK": str(rank)})
     return envs
+
+
+def startup_env(nproc: int, environ: dict[str, str]) -> dict[str, str]:
+    """Variables every worker of this node gets in every round, read when the
+    interpreter or torch starts (so warm workers must be started with them)."""
+    if nproc > 1 and "OMP_NUM_THREADS" not in environ:
+        # As torchrun: several workers on one node each using every core would
+        # oversubscribe it.
+        return {"OMP_NUM_THREADS": "1"}
+    return {}

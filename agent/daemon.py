@@ -21,7 +21,7 @@ import tempfile
 import threading
 
 from agent import config as agent_config
-from agent.assign import worker_envs
+from agent.assign import startup_env, worker_envs
 from agent.grpc_server import AgentServer
 from agent.health import WorkerHealth, hung_workers
 from agent.lifecycle import AgentState, Lifecycle, Transition
@@ -51,6 +51,8 @@ S = AgentState
 # nothing else wakes it.
 _TICK_S = 0.2
 _STATUS_EVERY_S = 2.0
+# Scripts that never report a step get their next warm set after this long.
+_WARM_DELAY_S = 10.0
 
 
 def _socket_path(job_id: str, node_id: str) -> str:
@@ -76,13 +78,15 @@ class Agent:
             entrypoint=Entrypoint(script=config.script, module=config.module,
                                   args=config.script_args),
             log_dir=config.log_dir, stop_grace_s=config.stop_grace_s,
-            prestart=config.prestart, on_exit=lambda e: self.inbox.put(("exit", e)))
+            prestart=config.prestart, on_exit=lambda e: self.inbox.put(("exit", e)),
+            worker_env=startup_env(config.nproc_per_node, dict(os.environ)))
         self.server = AgentServer(config.listen, self.socket_path, control=self, heartbeats=self)
         self.rdzv: RendezvousNode | None = None
         self.round: Round | None = None  # the round this node's workers belong to
         self.workers: dict[int, WorkerHealth] = {}
         self.exits: dict[int, WorkerExit] = {}
         self.rounds_started = 0
+        self.warm_pending = False
         self.last_failure = ""
         self.outcome_reason = ""
         self.peer_watcher: HealthWatcher | None = None
@@ -184,14 +188,16 @@ class Agent:
                            max_restarts=self.config.max_restarts,
                            agent_socket=self.socket_path,
                            checkpoint_dir=self.config.checkpoint_dir,
-                           hang_timeout_s=self.config.hang_timeout_s,
-                           inherited_omp=os.environ.get("OMP_NUM_THREADS"))
+                           hang_timeout_s=self.config.hang_timeout_s)
         now = self.clock.monotonic()
         with self._workers_lock:
             self.workers = {i: WorkerHealth(local_rank=i, rank=int(env["RANK"]), started_at=now)
                             for i, env in enumerate(envs)}
             self.exits = {}
-        self.supervisor.start_round(r.number, envs)
+        # The next warm set waits until this round trains (see _check_workers):
+        # importing torch meanwhile would slow this round's start on small nodes.
+        self.supervisor.start_round(r.number, envs, warm_next=False)
+        self.warm_pending = True
         self.server.set_serving(True)
         self._watch_peer(r)
         self.lifecycle.to(S.RUNNING, f"{len(envs)} workers started", r.number)
@@ -231,6 +237,7 @@ class Agent:
     def _check_workers(self) -> None:
         state = self.lifecycle.state
         if state is S.RUNNING:
+            self._warm_next_set()
             with self._workers_lock:
                 verdicts = hung_workers(list(self.workers.values()), self.clock.monotonic(),
                                         self.config.hang_timeout_s)
@@ -248,6 +255,19 @@ class Agent:
                 raise RendezvousTimeoutError(
                     f"job {self.config.job_id}: node {self.config.node_id} was not included "
                     f"in a round within {self.config.join_timeout_s:.0f} s")
+
+    def _warm_next_set(self) -> None:
+        """Warm the next workers once this round's workers all made a step, or
+        after a while for scripts that never report one."""
+        if not self.warm_pending:
+            return
+        with self._workers_lock:
+            workers = list(self.workers.values())
+        now = self.clock.monotonic()
+        if all(w.step >= 0 for w in workers) or any(now - w.started_at > _WARM_DELAY_S
+                                                    for w in workers):
+            self.warm_pending = False
+            self.supervisor.warm_up()
 
     def _on_peer(self, node_id: str, status: str) -> None:
         # Agents are briefly NOT_SERVING at every round change while their
@@ -315,7 +335,7 @@ class Agent:
             w = self.workers.get(req.local_rank)
             current = self.round is not None and req.round == self.round.number
             if w is not None and current:
-                w.on_heartbeat(self.clock.monotonic(), req.step, req.saving_for_s)
+                w.on_heartbeat(self.clock.monotonic(), req.step, req.saving_for_s, req.exiting)
         return not current or self.lifecycle.state is not S.RUNNING
 
     def status(self) -> agent_pb2.AgentStatusResponse:

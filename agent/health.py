@@ -9,6 +9,8 @@ has, it is hung when
 * it reported progress before and no step has completed for ``hang_timeout_s``
   (deadlock, a collective stuck on a dead peer), unless it announced a
   checkpoint save that is still within its announced time.
+
+A worker that said it is exiting (its script ended) is not judged any more.
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ class WorkerHealth:
     last_progress_at: float | None = None
     step: int = -1
     saving_until: float = 0.0
+    exiting: bool = False  # the script ended; shutdown is not judged
     steps: list[tuple[float, int]] = field(default_factory=list)  # recent (time, step)
 
-    def on_heartbeat(self, now: float, step: int, saving_for_s: float) -> None:
+    def on_heartbeat(self, now: float, step: int, saving_for_s: float,
+                     exiting: bool = False) -> None:
         self.last_heartbeat_at = now
+        self.exiting = self.exiting or exiting
         if step > self.step:
             self.step = step
             self.last_progress_at = now
@@ -56,7 +61,7 @@ def hung_workers(workers: list[WorkerHealth], now: float, hang_timeout_s: float
         return []
     verdicts = []
     for w in workers:
-        if w.last_heartbeat_at is None:
+        if w.last_heartbeat_at is None or w.exiting:
             continue
         silent = now - w.last_heartbeat_at
         if silent > hang_timeout_s:

@@ -75,6 +75,13 @@ class AgentUnreachableError(ElasticError):
     exit_code = EXIT_AGENT_UNREACHABLE
 
 
+class WorkerSpawnError(ElasticError):
+    """A worker process could not be started (missing interpreter, no file
+    descriptors, unwritable log directory). The cause is chained."""
+
+    exit_code = EXIT_JOB_FAILED
+
+
 class RendezvousError(ElasticError):
     """The rendezvous could not produce a round for this node."""
 
@@ -100,6 +107,29 @@ class MalformedRecordError(RendezvousError):
         super().__init__(f"malformed record at key {key!r}: {problem}")
         self.key = key
         self.problem = problem
+
+
+class CheckpointError(ElasticError):
+    """A checkpoint could not be saved, verified or restored."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A save failed; nothing was committed and the previous checkpoint is intact.
+
+    The message names the directory being written and the OS error (e.g.
+    ``[Errno 28] No space left on device``); ``directory`` and ``errno`` carry
+    them for code (``errno`` is None when the cause was not an OS error).
+    """
+
+    def __init__(self, message: str, directory: str, errno: int | None = None):
+        super().__init__(message)
+        self.directory = directory
+        self.errno = errno
+
+
+class CheckpointCorruptError(CheckpointError):
+    """Committed checkpoints exist but none passed verification (a missing,
+    truncated or corrupt file, or missing metadata); the message names them."""
 
 
 def exit_code_for(exc: BaseException) -> int:

@@ -442,6 +442,9 @@ class RendezvousNode:
             except MalformedRecordError as exc:
                 self._report_bad(exc, version)
         with self._cond:
+            if (parsed is not None and self._round is not None
+                    and parsed.number == self._round.number):
+                return  # our own commit, applied already, now echoed by the watch
             self._round_version = version if value is not None else 0
             if parsed is not None or value is None:
                 self._round = parsed

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65lastic/v1/agent.proto\x12\nelastic.v1\"\x14\n\x12\x41gentStatusRequest\"\x9e\x01\n\x0cWorkerStatus\x12\x12\n\nlocal_rank\x18\x01 \x01(\x05\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12\r\n\x05state\x18\x04 \x01(\t\x12\x11\n\tlast_step\x18\x05 \x01(\x03\x12\x11\n\tstep_rate\x18\x06 \x01(\x01\x12\x17\n\x0fheartbeat_age_s\x18\x07 \x01(\x01\x12\x11\n\texit_code\x18\x08 \x01(\x05\"\xdf\x01\n\x13\x41gentStatusResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\r\n\x05round\x18\x04 \x01(\x03\x12\x11\n\tnode_rank\x18\x05 \x01(\x05\x12\x12\n\nworld_size\x18\x06 \x01(\x05\x12)\n\x07workers\x18\x07 \x03(\x0b\x32\x18.elastic.v1.WorkerStatus\x12\x10\n\x08restarts\x18\x08 \x01(\x05\x12\x14\n\x0clast_failure\x18\t \x01(\t\x12\x0f\n\x07version\x18\n \x01(\t\"#\n\x11\x41gentDrainRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"7\n\x12\x41gentDrainResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\",\n\x1a\x41gentRequestRestartRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\">\n\x1b\x41gentRequestRestartResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05round\x18\x02 \x01(\x03\"\x81\x01\n\x1dWorkerChannelHeartbeatRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12\r\n\x05round\x18\x04 \x01(\x03\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x14\n\x0csaving_for_s\x18\x06 \x01(\x01\"8\n\x1eWorkerChannelHeartbeatResponse\x12\x16\n\x0estop_requested\x18\x01 \x01(\x08\x32\xfd\x01\n\x05\x41gent\x12I\n\x06Status\x12\x1e.elastic.v1.AgentStatusRequest\x1a\x1f.elastic.v1.AgentStatusResponse\x12\x46\n\x05\x44rain\x12\x1d.elastic.v1.AgentDrainRequest\x1a\x1e.elastic.v1.AgentDrainResponse\x12\x61\n\x0eRequestRestart\x12&.elastic.v1.AgentRequestRestartRequest\x1a\'.elastic.v1.AgentRequestRestartResponse2s\n\rWorkerChannel\x12\x62\n\tHeartbeat\x12).elastic.v1.WorkerChannelHeartbeatRequest\x1a*.elastic.v1.WorkerChannelHeartbeatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65lastic/v1/agent.proto\x12\nelastic.v1\"\x14\n\x12\x41gentStatusRequest\"\x9e\x01\n\x0cWorkerStatus\x12\x12\n\nlocal_rank\x18\x01 \x01(\x05\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12\r\n\x05state\x18\x04 \x01(\t\x12\x11\n\tlast_step\x18\x05 \x01(\x03\x12\x11\n\tstep_rate\x18\x06 \x01(\x01\x12\x17\n\x0fheartbeat_age_s\x18\x07 \x01(\x01\x12\x11\n\texit_code\x18\x08 \x01(\x05\"\xdf\x01\n\x13\x41gentStatusResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\r\n\x05round\x18\x04 \x01(\x03\x12\x11\n\tnode_rank\x18\x05 \x01(\x05\x12\x12\n\nworld_size\x18\x06 \x01(\x05\x12)\n\x07workers\x18\x07 \x03(\x0b\x32\x18.elastic.v1.WorkerStatus\x12\x10\n\x08restarts\x18\x08 \x01(\x05\x12\x14\n\x0clast_failure\x18\t \x01(\t\x12\x0f\n\x07version\x18\n \x01(\t\"#\n\x11\x41gentDrainRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"7\n\x12\x41gentDrainResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\",\n\x1a\x41gentRequestRestartRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\">\n\x1b\x41gentRequestRestartResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05round\x18\x02 \x01(\x03\"\x92\x01\n\x1dWorkerChannelHeartbeatRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12\r\n\x05round\x18\x04 \x01(\x03\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x14\n\x0csaving_for_s\x18\x06 \x01(\x01\x12\x0f\n\x07\x65xiting\x18\x07 \x01(\x08\"8\n\x1eWorkerChannelHeartbeatResponse\x12\x16\n\x0estop_requested\x18\x01 \x01(\x08\x32\xfd\x01\n\x05\x41gent\x12I\n\x06Status\x12\x1e.elastic.v1.AgentStatusRequest\x1a\x1f.elastic.v1.AgentStatusResponse\x12\x46\n\x05\x44rain\x12\x1d.elastic.v1.AgentDrainRequest\x1a\x1e.elastic.v1.AgentDrainResponse\x12\x61\n\x0eRequestRestart\x12&.elastic.v1.AgentRequestRestartRequest\x1a\'.elastic.v1.AgentRequestRestartResponse2s\n\rWorkerChannel\x12\x62\n\tHeartbeat\x12).elastic.v1.WorkerChannelHeartbeatRequest\x1a*.elastic.v1.WorkerChannelHeartbeatResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,11 +46,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_AGENTREQUESTRESTARTRESPONSE']._serialized_start=587
   _globals['_AGENTREQUESTRESTARTRESPONSE']._serialized_end=649
   _globals['_WORKERCHANNELHEARTBEATREQUEST']._serialized_start=652
-  _globals['_WORKERCHANNELHEARTBEATREQUEST']._serialized_end=781
-  _globals['_WORKERCHANNELHEARTBEATRESPONSE']._serialized_start=783
-  _globals['_WORKERCHANNELHEARTBEATRESPONSE']._serialized_end=839
-  _globals['_AGENT']._serialized_start=842
-  _globals['_AGENT']._serialized_end=1095
-  _globals['_WORKERCHANNEL']._serialized_start=1097
-  _globals['_WORKERCHANNEL']._serialized_end=1212
+  _globals['_WORKERCHANNELHEARTBEATREQUEST']._serialized_end=798
+  _globals['_WORKERCHANNELHEARTBEATRESPONSE']._serialized_start=800
+  _globals['_WORKERCHANNELHEARTBEATRESPONSE']._serialized_end=856
+  _globals['_AGENT']._serialized_start=859
+  _globals['_AGENT']._serialized_end=1112
+  _globals['_WORKERCHANNEL']._serialized_start=1114
+  _globals['_WORKERCHANNEL']._serialized_end=1229
 # @@protoc_insertion_point(module_scope)

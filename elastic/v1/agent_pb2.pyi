@@ -83,20 +83,22 @@ class AgentRequestRestartResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., round: _Optional[int] = ...) -> None: ...
 
 class WorkerChannelHeartbeatRequest(_message.Message):
-    __slots__ = ("rank", "local_rank", "pid", "round", "step", "saving_for_s")
+    __slots__ = ("rank", "local_rank", "pid", "round", "step", "saving_for_s", "exiting")
     RANK_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SAVING_FOR_S_FIELD_NUMBER: _ClassVar[int]
+    EXITING_FIELD_NUMBER: _ClassVar[int]
     rank: int
     local_rank: int
     pid: int
     round: int
     step: int
     saving_for_s: float
-    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., saving_for_s: _Optional[float] = ...) -> None: ...
+    exiting: bool
+    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., saving_for_s: _Optional[float] = ..., exiting: _Optional[bool] = ...) -> None: ...
 
 class WorkerChannelHeartbeatResponse(_message.Message):
     __slots__ = ("stop_requested",)

@@ -207,6 +207,12 @@ def _run(assignment: dict) -> None:
 def main() -> None:
     """Run one worker; returns normally only when the script did (exit status 0)."""
     _die_with_parent()
+    fd_text = os.environ.get(STATUS_FD_ENV, "")
+    if fd_text.isdigit():
+        try:  # nothing a preloaded module starts may keep the agent's status pipe open
+            os.set_inheritable(int(fd_text), False)
+        except OSError:
+            pass
     preload_s = _preload(os.environ.get(PRELOAD_ENV, DEFAULT_PRELOAD))
     _report_ready(preload_s)
     try:

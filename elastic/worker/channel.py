@@ -47,13 +47,15 @@ class WorkerChannelClient:
         round: int,  # noqa: A002 (the proto field's name)
         step: int,
         saving_for_s: float = 0.0,
+        exiting: bool = False,
     ) -> bool:
         """Tell the agent this worker is alive at ``step`` (-1 before the first) of ``round``.
 
         ``saving_for_s`` > 0 says a checkpoint save runs for up to that many
         seconds, during which the agent does not judge progress. Returns
         stop_requested: True when the agent is stopping this round and the
-        worker should exit.
+        worker should exit. ``exiting`` says the script ended: from then on
+        the agent does not judge this worker's silence.
 
         Never raises for a failed call: when the agent cannot be reached
         (it may be restarting), answers with an error, or this client is
@@ -62,7 +64,7 @@ class WorkerChannelClient:
         """
         request = agent_pb2.WorkerChannelHeartbeatRequest(
             rank=rank, local_rank=local_rank, pid=pid, round=round, step=step,
-            saving_for_s=saving_for_s,
+            saving_for_s=saving_for_s, exiting=exiting,
         )
         with self._lock:
             if self._closed:

@@ -62,6 +62,10 @@ class _Heartbeat:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=2)
+        # Interpreter shutdown can take seconds (torch, gloo): tell the agent
+        # this silence is an exit, not a hang.
+        self.client.heartbeat(self.rank, self.local_rank, os.getpid(), self.round, self.step,
+                              exiting=True)
         self.client.close()
 
 

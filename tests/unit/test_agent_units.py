@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from agent import config as agent_config
-from agent.assign import worker_envs
+from agent.assign import startup_env, worker_envs
 from agent.health import WorkerHealth, hung_workers
 from agent.lifecycle import AgentState, IllegalTransition, Lifecycle
 from elastic.errors import ConfigError
@@ -136,6 +136,12 @@ class TestHang:
         w.on_heartbeat(30.0, 5, 60.0)
         assert hung_workers([w], 31.0, 5) == []
 
+    def test_an_exiting_worker_is_not_judged(self):
+        w = WorkerHealth(local_rank=0, rank=0, started_at=0.0)
+        w.on_heartbeat(10.0, 5, 0.0)
+        w.on_heartbeat(11.0, 5, 0.0, exiting=True)
+        assert hung_workers([w], 100.0, 5) == []
+
     def test_zero_timeout_turns_detection_off(self):
         w = WorkerHealth(local_rank=0, rank=0, started_at=0.0)
         w.on_heartbeat(0.0, 1, 0.0)
@@ -152,7 +158,7 @@ def test_worker_envs_follow_node_ranks_with_uneven_nproc():
     r = Round(number=4, members=(Member("a", 0, "h0", 2), Member("b", 1, "h1", 3)),
               master_addr="h0", master_port=2345, reason="", leader="a", created_at=0)
     envs = worker_envs(r, "b", job_id="j", restart_count=2, max_restarts=5, agent_socket="/s",
-                       checkpoint_dir="/ck", hang_timeout_s=60, inherited_omp=None)
+                       checkpoint_dir="/ck", hang_timeout_s=60)
     assert [e["RANK"] for e in envs] == ["2", "3", "4"]
     assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2"]
     e = envs[0]
@@ -161,7 +167,12 @@ def test_worker_envs_follow_node_ranks_with_uneven_nproc():
     assert e["TORCHELASTIC_RESTART_COUNT"] == "2" and e["TORCHELASTIC_MAX_RESTARTS"] == "5"
     assert e["TORCHELASTIC_RUN_ID"] == "j" and e["ELASTIC_ROUND"] == "4"
     assert e["ELASTIC_CHECKPOINT_DIR"] == "/ck" and e["ELASTIC_AGENT_SOCKET"] == "/s"
-    assert e["OMP_NUM_THREADS"] == "1"
     with pytest.raises(ValueError):
         worker_envs(r, "zzz", job_id="j", restart_count=0, max_restarts=0, agent_socket="",
-                    checkpoint_dir=None, hang_timeout_s=0, inherited_omp="4")
+                    checkpoint_dir=None, hang_timeout_s=0)
+
+
+def test_startup_env_limits_threads_only_for_several_workers_unless_set():
+    assert startup_env(2, {}) == {"OMP_NUM_THREADS": "1"}
+    assert startup_env(1, {}) == {}
+    assert startup_env(4, {"OMP_NUM_THREADS": "8"}) == {}

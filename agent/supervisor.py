@@ -1,0 +1,789 @@
+"""The node agent's worker supervisor: start a round's workers, watch them, stop them.
+
+Every worker runs ``python -u -m elastic.worker.bootstrap`` (see that module
+for the protocol) in its own session and process group, so ``stop()`` reaches
+the worker's children too. With ``prestart`` the supervisor keeps a pool of
+*warm* workers that have already imported torch and wait for an assignment on
+stdin; a round takes them and the next set starts warming at once, so a
+restart does not wait for ``import torch``. A round takes a warm worker only if
+it would see the same *startup* variables (``PYTHON*``, ``LD_*``, ``OMP_*``,
+``TORCH_*``, ...: read when the interpreter or torch starts, too late to change
+afterwards); otherwise that rank starts cold. The next warm set is started
+with ``worker_env`` and the startup variables the last round set for all its
+ranks (e.g. the ``OMP_NUM_THREADS=1`` of several workers per node), so from
+the second round on they match even when the agent does not pass them in
+``worker_env``.
+
+Threads: processes are spawned only by one long-lived spawner thread, because
+Linux sends a child's ``PR_SET_PDEATHSIG`` when the *thread* that forked it
+ends, not the process; callers may use any thread. Each worker has two output
+readers, a reader of its bootstrap's status pipe and a waiter that reaps it
+the moment it exits and calls ``on_exit`` (from that waiter thread: ``on_exit``
+should only hand the exit over, e.g. to a queue; calling stop() from it works
+but holds up other exits until that stop() returns).
+
+Never imports torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, NamedTuple
+
+import elastic
+from elastic.errors import WorkerSpawnError
+
+log = logging.getLogger(__name__)
+
+BOOTSTRAP_MODULE = "elastic.worker.bootstrap"
+# Must match elastic.worker.bootstrap; not imported from there, as the elastic.worker
+# package may import torch.
+_PRELOAD_ENV = "ELASTIC_PRELOAD"
+_STATUS_FD_ENV = "ELASTIC_BOOTSTRAP_STATUS_FD"
+_PARENT_PID_ENV = "ELASTIC_BOOTSTRAP_PARENT_PID"
+
+WARM_FAILURE_LIMIT = 3  # consecutive deaths of unassigned warm workers before going cold
+# Variables read when the interpreter, the dynamic loader, OpenMP/MKL or torch start.
+STARTUP_ENV_PREFIXES = ("PYTHON", "LD_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_",
+                        "TORCH_", "PYTORCH_")
+_KILL_WAIT_S = 3.0  # after SIGKILL: only a process stuck in the kernel takes longer
+_OUTPUT_DRAIN_S = 0.2  # how long on_exit waits for a dead worker's last lines
+_CALLBACK_WAIT_S = 2.0  # how long stop() waits for on_exit of the workers it stopped
+_SPAWN_TIMEOUT_S = 30.0
+_WARM_TAIL_LINES = 50  # output kept from a warm worker before it has a log file
+_POLL_S = 0.02
+
+
+@dataclass(frozen=True)
+class Entrypoint:
+    """What every worker runs: a script path or a module name (exactly one), and its arguments.
+
+    Raises ValueError if neither or both of ``script`` and ``module`` are given.
+    """
+
+    script: str | None = None
+    module: str | None = None
+    args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if (self.script is None) == (self.module is None):
+            raise ValueError("an entrypoint needs exactly one of script and module")
+        object.__setattr__(self, "args", tuple(str(a) for a in self.args))
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    """How one worker of a round ended.
+
+    ``exit_code`` is the process's exit status, or 128 + the signal number
+    (as a shell reports it) when ``signal`` is set. ``at`` is
+    ``time.monotonic()`` when it was reaped. ``stopped`` is true when the exit
+    follows ``stop()``: not a failure of the worker.
+    """
+
+    round: int
+    local_rank: int
+    rank: int
+    pid: int
+    exit_code: int
+    signal: int | None
+    at: float
+    stopped: bool = False
+
+
+class WorkerStatus(NamedTuple):
+    """One worker of the current (or last) round, for status reports."""
+
+    local_rank: int
+    rank: int
+    pid: int
+    alive: bool
+
+
+class WarmStatus(NamedTuple):
+    """One warm worker; ``ready`` once it has imported what it preloads."""
+
+    pid: int
+    ready: bool
+
+
+@dataclass(eq=False)
+class _Worker:
+    """One child process, warm (no round yet) or assigned to a round."""
+
+    proc: subprocess.Popen
+    startup_env: dict[str, str]  # what the interpreter started with, less the bootstrap's own
+    status_fd: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    label: str = "warm"
+    round: int | None = None
+    local_rank: int = -1
+    rank: int = -1
+    ready: bool = False
+    exited: bool = False
+    discarded: bool = False  # killed by the supervisor while warm: not a failure
+    stop_requested: bool = False
+    exit: WorkerExit | None = None
+    log_file: object | None = None
+    open_streams: int = 2
+    pending: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=_WARM_TAIL_LINES))
+    reaped: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)  # on_exit has returned
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def assigned(self) -> bool:
+        return self.round is not None
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """The place of one worker in a round."""
+
+    round: int
+    local_rank: int
+    rank: int
+    round_dir: str
+
+
+@dataclass(eq=False)
+class _Round:
+    number: int
+    workers: list[_Worker]
+    stopped: bool = False
+
+
+class _Spawner:
+    """A long-lived thread that runs every spawn, so PDEATHSIG never fires while the agent lives."""
+
+    def __init__(self, name: str):
+        self._jobs: queue.Queue = queue.Queue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        """Queue ``fn(*args)``; raises RuntimeError once closed."""
+        if self._closed:
+            raise RuntimeError("the spawner thread has been closed")
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def close(self, timeout_s: float) -> None:
+        """Run what is queued, then end the thread."""
+        self._closed = True
+        self._jobs.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+                future.set_exception(exc)
+
+
+def _startup_differences(a: dict[str, str], b: dict[str, str]) -> list[str]:
+    keys = {k for k in (*a, *b) if k.startswith(STARTUP_ENV_PREFIXES)}
+    return sorted(k for k in keys if a.get(k) != b.get(k))
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    """Signal a worker's process group, which may outlive its leader (the worker's children).
+
+    Once the leader is reaped and the group empty, its id could in principle name a new
+    group; pids cycle through the whole pid space before that, and stop() signals only
+    groups of the round it is stopping, so the window is the few seconds of one stop().
+    """
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone (PermissionError: its id was reused by someone else's)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of the group is still running (zombies do not count: a
+    container's PID 1 may never reap orphans)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return True
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
+
+
+class WorkerSupervisor:
+    """Starts, watches and stops the ``nproc`` workers of this node, one round at a time.
+
+    ``on_exit`` gets a :class:`WorkerExit` for every assigned worker that ends,
+    from a supervisor thread, promptly (the reaping is immediate; the call waits
+    at most 0.2 s for the worker's last output). Warm workers that die before
+    they get a round are replaced, not reported. Output of every worker goes to
+    ``sys.stdout`` line by line as ``[rank R]: line`` (``[warm]: `` before it
+    has a round) and to ``log_dir/round-<N>/rank-<R>.log`` as ``stdout: line``
+    or ``stderr: line``.
+
+    ``worker_env`` holds variables every worker gets in every round, on top of
+    ``os.environ`` (``OMP_NUM_THREADS`` and the like): warm workers start with
+    them, so even the first round can use warm workers when it sets startup
+    variables. ``start_round``'s environments are added on top of both.
+    """
+
+    def __init__(self, *, job_id: str, node_id: str, nproc: int, entrypoint: Entrypoint,
+                 log_dir: str, stop_grace_s: float = 5.0, prestart: bool = True,
+                 on_exit: Callable[[WorkerExit], None] | None = None,
+                 python: str = sys.executable, worker_env: Mapping[str, str] | None = None):
+        if nproc < 1:
+            raise ValueError(f"nproc must be at least 1, got {nproc}")
+        if stop_grace_s < 0:
+            raise ValueError(f"stop_grace_s must not be negative, got {stop_grace_s}")
+        self.job_id = job_id
+        self.node_id = node_id
+        self.nproc = nproc
+        self.entrypoint = entrypoint
+        self.log_dir = log_dir
+        self.stop_grace_s = stop_grace_s
+        self.prestart = prestart
+        self.python = python
+        self.worker_env = dict(worker_env or {})
+        self._on_exit = on_exit
+        # The bootstrap runs with -m from here, so it imports even if elastic is not installed.
+        self._package_root = os.path.dirname(os.path.dirname(os.path.abspath(elastic.__file__)))
+        self._lock = threading.Lock()
+        self._stop_lock = threading.Lock()  # one stop() at a time; a second waits, then no-ops
+        self._echo_lock = threading.Lock()
+        self._warm: list[_Worker] = []
+        self._round: _Round | None = None
+        self._live: set[_Worker] = set()  # spawned, and their threads not all done
+        self._pid_history: list[int] = []
+        self._learned_env: dict[str, str] = {}  # startup variables the last round set everywhere
+        self._warm_failures = 0
+        self._warm_disabled = False
+        self._closed = False
+        self._spawner = _Spawner(f"elastic-spawner-{node_id}")
+
+    # ------------------------------------------------------------ public API
+
+    @property
+    def warm_enabled(self) -> bool:
+        """Whether rounds take warm workers (prestart on, and warm workers not failing)."""
+        return self.prestart and not self._warm_disabled
+
+    def warm_up(self) -> None:
+        """Start warm workers until ``nproc`` are warm; returns at once (they warm in the
+        background). Does nothing without prestart, after repeated warm failures, or
+        after shutdown()."""
+        with self._lock:
+            if not self.warm_enabled or self._closed:
+                return
+            try:
+                self._spawner.submit(self._fill_warm_pool)
+            except RuntimeError:
+                return
+
+    def start_round(self, round_number: int, envs: list[dict[str, str]], *,
+                    warm_next: bool = True) -> None:
+        """Start one worker per local rank; ``envs[i]`` is added to ``os.environ`` for local rank i.
+
+        Returns once every worker process exists (not once the scripts run).
+        ``warm_next`` starts warming the next set at once; pass False to call
+        warm_up() later, when the new round's start-up no longer competes for
+        the CPU.
+        Raises ValueError if ``len(envs) != nproc``, RuntimeError if a worker of the
+        previous round is still alive (call stop() first) or after shutdown(),
+        WorkerSpawnError if a process or the round's log directory cannot be created
+        (the workers already started then belong to the round: stop() ends them).
+        Call start_round and stop from one thread (the agent's loop).
+        """
+        if len(envs) != self.nproc:
+            raise ValueError(f"start_round needs {self.nproc} environments, got {len(envs)}")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the supervisor has been shut down")
+            previous = self._round
+        if previous is not None and not previous.stopped:
+            alive = [w.pid for w in previous.workers if not w.exited]
+            if alive:
+                raise RuntimeError(f"round {previous.number} still has live workers {alive}; "
+                                   f"stop() it before starting round {round_number}")
+            self.stop()  # its workers are gone; this only sweeps what they left behind
+        future = self._spawner.submit(self._start_round_now, round_number,
+                                      [dict(e) for e in envs])
+        try:
+            future.result(timeout=_SPAWN_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise WorkerSpawnError(f"round {round_number}: workers were not started within "
+                                   f"{_SPAWN_TIMEOUT_S:.0f} s") from exc
+        if warm_next:
+            self.warm_up()
+
+    def stop(self, timeout_s: float | None = None) -> list[WorkerExit]:
+        """Stop the current round's workers and everything in their process groups.
+
+        SIGTERM (and SIGCONT, so a stopped process sees it) to every worker's
+        group, up to ``timeout_s`` (default ``stop_grace_s``) to exit, then
+        SIGKILL. Returns the exit of every worker of the round in local-rank
+        order, once all are reaped and their ``on_exit`` calls have returned
+        (bounded: grace + a few seconds). Returns [] if no round is running.
+        """
+        grace_s = self.stop_grace_s if timeout_s is None else timeout_s
+        with self._stop_lock:
+            with self._lock:
+                rnd = self._round
+                if rnd is None or rnd.stopped:
+                    return []
+                rnd.stopped = True
+                workers = list(rnd.workers)
+            running = 0
+            for w in workers:
+                with w.lock:
+                    w.stop_requested = True
+                    running += not w.exited
+            log.info("job %s node %s round %d: stopping %d running workers (grace %.1f s).",
+                     self.job_id, self.node_id, rnd.number, running, grace_s)
+            started = time.monotonic()
+            for w in workers:
+                _signal_group(w.pid, signal.SIGTERM)
+                _signal_group(w.pid, signal.SIGCONT)
+            if not self._wait_quiet(workers, started + grace_s):
+                stubborn = [w.rank for w in workers if not w.exited or _group_alive(w.pid)]
+                log.warning("job %s node %s round %d: workers of ranks %s (or their children) "
+                            "outlived the %.1f s grace period; killing them.", self.job_id,
+                            self.node_id, rnd.number, stubborn, grace_s)
+                for w in workers:
+                    _signal_group(w.pid, signal.SIGKILL)
+                if not self._wait_quiet(workers, time.monotonic() + _KILL_WAIT_S):
+                    log.error("job %s node %s round %d: processes of ranks %s survived SIGKILL "
+                              "for %.0f s (stuck in the kernel?).", self.job_id, self.node_id,
+                              rnd.number, [w.rank for w in workers if not w.reaped.is_set()],
+                              _KILL_WAIT_S)
+            me = threading.current_thread()
+            deadline = time.monotonic() + _CALLBACK_WAIT_S
+            for w in workers:
+                if me not in w.threads:
+                    w.done.wait(max(0.0, deadline - time.monotonic()))
+            log.info("job %s node %s round %d: workers stopped in %.2f s.", self.job_id,
+                     self.node_id, rnd.number, time.monotonic() - started)
+            return [w.exit for w in workers if w.exit is not None]
+
+    def shutdown(self) -> None:
+        """stop(), then kill the warm pool and end the supervisor's threads. Idempotent;
+        afterwards no process this supervisor started is alive (bounded wait)."""
+        with self._lock:
+            already = self._closed
+            self._closed = True
+        if not already:
+            self._spawner.close(_SPAWN_TIMEOUT_S)  # lets a start_round in progress finish first
+        self.stop()
+        with self._lock:
+            warm, self._warm = self._warm, []
+        for w in warm:
+            with w.lock:
+                w.discarded = True
+            _signal_group(w.pid, signal.SIGKILL)
+        deadline = time.monotonic() + _KILL_WAIT_S
+        for w in warm:
+            w.done.wait(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            live = list(self._live)
+        for w in live:
+            for t in w.threads:
+                if t is not threading.current_thread():
+                    t.join(max(0.0, deadline - time.monotonic()))
+        if not already:
+            log.info("job %s node %s: worker supervisor shut down.", self.job_id, self.node_id)
+
+    def workers(self) -> list[WorkerStatus]:
+        """The workers of the current round (or of the last one, once stopped), by local rank."""
+        with self._lock:
+            rnd = self._round
+        if rnd is None:
+            return []
+        return [WorkerStatus(w.local_rank, w.rank, w.pid, not w.exited) for w in rnd.workers]
+
+    def warm_workers(self) -> list[WarmStatus]:
+        """The warm workers waiting for a round."""
+        with self._lock:
+            return [WarmStatus(w.pid, w.ready) for w in self._warm if not w.exited]
+
+    def pids(self) -> list[int]:
+        """Every process this supervisor has started, warm or not, alive or not, in order."""
+        with self._lock:
+            return list(self._pid_history)
+
+    # ------------------------------------------------------------ spawner thread only
+
+    def _fill_warm_pool(self) -> None:
+        with self._lock:
+            if not self.warm_enabled or self._closed:
+                return
+            missing = self.nproc - sum(1 for w in self._warm if not w.exited)
+            env = {**self._base_env(), **self._learned_env}
+            for _ in range(missing):
+                try:
+                    self._warm.append(self._spawn(env, preload=None))
+                except WorkerSpawnError as exc:
+                    log.warning("job %s node %s: could not start a warm worker: %s",
+                                self.job_id, self.node_id, exc)
+                    return
+
+    def _start_round_now(self, number: int, envs: list[dict[str, str]]) -> None:
+        round_dir = os.path.join(self.log_dir, f"round-{number}")
+        try:
+            os.makedirs(round_dir, exist_ok=True)
+        except OSError as exc:
+            raise WorkerSpawnError(f"cannot create the log directory {round_dir}: {exc}") from exc
+        base = self._base_env()
+        rnd = _Round(number, [])
+        with self._lock:
+            warm = [w for w in self._warm if not w.exited] if self.warm_enabled else []
+            self._warm = [w for w in self._warm if w not in warm]
+        differing: set[str] = set()  # startup variables that made warm workers unusable
+        cold_ranks: list[int] = []
+        started = time.monotonic()
+        try:
+            for local_rank, extra in enumerate(envs):
+                env = {**base, **extra}
+                slot = _Slot(number, local_rank, int(extra.get("RANK", local_rank)), round_dir)
+                assignment = {"env": env, "argv": list(self.entrypoint.args),
+                              "script": self.entrypoint.script,
+                              "module": self.entrypoint.module, "cwd": os.getcwd()}
+                line = (json.dumps(assignment) + "\n").encode()
+                worker = None
+                while warm and worker is None:
+                    candidate = warm.pop(0)
+                    differ = _startup_differences(candidate.startup_env, env)
+                    if differ:
+                        differing.update(differ)
+                        self._discard(candidate)
+                    elif self._assign_warm(candidate, slot, line):
+                        worker = candidate
+                if worker is None:
+                    with self._lock:
+                        worker = self._spawn(env, preload="", slot=slot)
+                    self._send(worker, line)
+                    cold_ranks.append(slot.rank)
+                rnd.workers.append(worker)
+        finally:
+            # Even after a failed spawn the round owns what it started, so stop() ends it.
+            with self._lock:
+                self._warm = warm + self._warm  # more warm than ranks: keep the rest
+                self._round = rnd
+        with self._lock:
+            if self.prestart:
+                common = None
+                for extra in envs:
+                    mine = {k: v for k, v in extra.items() if k.startswith(STARTUP_ENV_PREFIXES)}
+                    common = mine if common is None else {
+                        k: v for k, v in common.items() if mine.get(k) == v}
+                self._learned_env = common or {}
+        if cold_ranks and differing:
+            log.info("job %s node %s round %d: ranks %s start cold: the round changes %s, which "
+                     "the warm workers read when they started; the next warm workers start with "
+                     "the new values.", self.job_id, self.node_id, number, cold_ranks,
+                     ", ".join(sorted(differing)))
+        elif cold_ranks and self.warm_enabled:
+            log.info("job %s node %s round %d: ranks %s start cold: no warm worker was left.",
+                     self.job_id, self.node_id, number, cold_ranks)
+        log.info("job %s node %s round %d: started %d workers (pids %s, %d cold) in %.3f s.",
+                 self.job_id, self.node_id, number, len(rnd.workers),
+                 [w.pid for w in rnd.workers], len(cold_ranks), time.monotonic() - started)
+
+    def _spawn(self, env: dict[str, str], preload: str | None,
+               slot: _Slot | None = None) -> _Worker:
+        """Start a bootstrap process (caller holds self._lock, on the spawner thread).
+
+        ``preload`` None keeps the bootstrap's default (a warm worker); "" imports
+        nothing ahead (a cold one, whose script imports what it needs itself).
+        With ``slot`` the worker belongs to that round from the start, so even an
+        instant death is reported as the rank's exit."""
+        read_fd, write_fd = os.pipe()
+        child_env = dict(env)
+        child_env[_STATUS_FD_ENV] = str(write_fd)
+        child_env[_PARENT_PID_ENV] = str(os.getpid())
+        if preload is not None:
+            child_env[_PRELOAD_ENV] = preload
+        try:
+            proc = subprocess.Popen(
+                [self.python, "-u", "-m", BOOTSTRAP_MODULE], cwd=self._package_root,
+                env=child_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, start_new_session=True, pass_fds=(write_fd,))
+        except OSError as exc:
+            os.close(read_fd)
+            raise WorkerSpawnError(f"cannot start {self.python} -m {BOOTSTRAP_MODULE}: "
+                                   f"{exc}") from exc
+        finally:
+            os.close(write_fd)
+        startup_env = dict(env)
+        if preload is not None:
+            startup_env[_PRELOAD_ENV] = preload
+        w = _Worker(proc=proc, startup_env=startup_env, status_fd=read_fd)
+        if slot is not None:
+            self._bind(w, slot)
+        w.threads = [
+            threading.Thread(target=self._pump, args=(w, proc.stdout, "stdout"),
+                             name=f"elastic-worker-{proc.pid}-stdout", daemon=True),
+            threading.Thread(target=self._pump, args=(w, proc.stderr, "stderr"),
+                             name=f"elastic-worker-{proc.pid}-stderr", daemon=True),
+            threading.Thread(target=self._watch, args=(w,),
+                             name=f"elastic-worker-{proc.pid}-waiter", daemon=True),
+            # Apart from the waiter: a child that inherited the status pipe must not delay
+            # the news of the worker's exit.
+            threading.Thread(target=self._read_status, args=(w,),
+                             name=f"elastic-worker-{proc.pid}-status", daemon=True),
+        ]
+        for t in w.threads:
+            t.start()
+        self._live.add(w)
+        self._pid_history.append(w.pid)
+        return w
+
+    def _bind(self, w: _Worker, slot: _Slot) -> None:
+        """Make ``w`` the worker of ``slot`` (caller holds ``w.lock`` or owns ``w`` alone)."""
+        w.round, w.local_rank, w.rank, w.label = slot.round, slot.local_rank, slot.rank, \
+            f"rank {slot.rank}"
+        path = os.path.join(slot.round_dir, f"rank-{slot.rank}.log")
+        try:
+            w.log_file = open(path, "a", encoding="utf-8", errors="replace")
+            for stream, text in w.pending:  # what it printed while warm (torch's warnings)
+                w.log_file.write(f"{stream}: {text}\n")
+            w.log_file.flush()
+        except OSError as exc:
+            log.warning("job %s node %s round %d: cannot write the log of rank %d to %s: %s",
+                        self.job_id, self.node_id, slot.round, slot.rank, path, exc)
+            w.log_file = None
+        w.pending.clear()
+        self._close_log_if_done(w)
+
+    def _assign_warm(self, w: _Worker, slot: _Slot, line: bytes) -> bool:
+        """Give warm ``w`` its round; False if it died before it could take it."""
+        with w.lock:
+            if w.exited:
+                return False
+            self._bind(w, slot)
+        if self._send(w, line):
+            return True
+        with w.lock:
+            if w.exit is not None:
+                return True  # already reported as the rank's exit: it stays the rank's worker
+            # Its death will be handled as a warm worker's, not as a failure of the round.
+            w.round, w.label = None, "warm"
+            if w.log_file is not None:
+                w.log_file.close()
+                w.log_file = None
+        return False
+
+    @staticmethod
+    def _send(w: _Worker, line: bytes) -> bool:
+        """Write the assignment to ``w``'s stdin; False if it is no longer reading."""
+        try:
+            w.proc.stdin.write(line)
+            w.proc.stdin.close()
+        except OSError:  # BrokenPipeError: it died (or is dying) before reading it
+            try:
+                w.proc.stdin.close()
+            except (OSError, ValueError):
+                pass
+            return False
+        return True
+
+    def _discard(self, w: _Worker) -> None:
+        with w.lock:
+            w.discarded = True
+        _signal_group(w.pid, signal.SIGKILL)
+
+    # ------------------------------------------------------------ per-worker threads
+
+    def _pump(self, w: _Worker, stream, name: str) -> None:
+        """Copy one output stream of ``w`` to the agent's stdout and the rank's log file."""
+        try:
+            for raw in iter(lambda: stream.readline(65536), b""):
+                text = raw.decode("utf-8", "replace").rstrip("\n")
+                with w.lock:
+                    label = w.label
+                    if w.log_file is not None:
+                        try:
+                            w.log_file.write(f"{name}: {text}\n")
+                            w.log_file.flush()
+                        except (OSError, ValueError):
+                            pass
+                    elif not w.assigned:
+                        w.pending.append((name, text))
+                self._echo(f"[{label}]: {text}\n")
+        finally:
+            stream.close()
+            with w.lock:
+                w.open_streams -= 1
+                self._close_log_if_done(w)
+
+    @staticmethod
+    def _close_log_if_done(w: _Worker) -> None:
+        if w.open_streams == 0 and w.log_file is not None:
+            try:
+                w.log_file.close()
+            except OSError:
+                pass
+            w.log_file = None
+
+    def _echo(self, line: str) -> None:
+        out = sys.stdout
+        if out is None:
+            return
+        with self._echo_lock:
+            try:
+                out.write(line)
+                out.flush()
+            except (OSError, ValueError):
+                pass  # the agent's stdout is closed or full; the log file still has it
+
+    def _watch(self, w: _Worker) -> None:
+        """Reap ``w`` the moment it exits and report the exit."""
+        returncode = w.proc.wait()
+        at = time.monotonic()
+        sig = -returncode if returncode < 0 else None
+        with w.lock:
+            w.exited = True
+            if w.assigned:
+                w.exit = WorkerExit(round=w.round, local_rank=w.local_rank, rank=w.rank,
+                                    pid=w.pid, exit_code=128 + sig if sig else returncode,
+                                    signal=sig, at=at, stopped=w.stop_requested)
+        w.reaped.set()
+        try:
+            # So the agent's log shows a worker's last lines before the news of its death;
+            # bounded, because the worker's children may hold the pipes open.
+            for t in w.threads[:2]:
+                t.join(_OUTPUT_DRAIN_S)
+            if w.exit is not None:
+                self._report(w.exit)
+            else:
+                self._on_warm_exit(w, returncode)
+        finally:
+            w.done.set()
+            for t in w.threads[:2]:
+                t.join()  # ends when its group is gone; stop() and shutdown() see to that
+            with self._lock:
+                self._live.discard(w)
+
+    def _read_status(self, w: _Worker) -> None:
+        """Learn when ``w`` has preloaded: one JSON line on its status pipe, then EOF."""
+        data = b""
+        try:
+            while chunk := os.read(w.status_fd, 4096):
+                data += chunk
+        except OSError:
+            pass
+        finally:
+            os.close(w.status_fd)
+        try:
+            ready = bool(json.loads(data.split(b"\n", 1)[0]).get("ready")) if data else False
+        except ValueError:
+            ready = False
+        if not ready:
+            return
+        with w.lock:
+            w.ready = True
+            assigned = w.assigned
+        if not assigned:
+            with self._lock:
+                self._warm_failures = 0
+            log.debug("job %s node %s: warm worker pid %d is ready.", self.job_id, self.node_id,
+                      w.pid)
+
+    def _report(self, e: WorkerExit) -> None:
+        how = f"was killed by signal {e.signal}" if e.signal else f"exited with code {e.exit_code}"
+        level = logging.INFO if e.stopped or e.exit_code == 0 else logging.WARNING
+        log.log(level, "job %s node %s round %d: worker rank %d (local rank %d, pid %d) %s%s.",
+                self.job_id, self.node_id, e.round, e.rank, e.local_rank, e.pid, how,
+                " after stop()" if e.stopped else "")
+        if self._on_exit is None:
+            return
+        try:
+            self._on_exit(e)
+        except Exception:  # noqa: BLE001 - a broken callback must not kill the waiter
+            log.exception("job %s node %s round %d: on_exit raised for worker rank %d.",
+                          self.job_id, self.node_id, e.round, e.rank)
+
+    def _on_warm_exit(self, w: _Worker, returncode: int) -> None:
+        with self._lock:
+            if w in self._warm:
+                self._warm.remove(w)
+            if w.discarded or self._closed:
+                log.debug("job %s node %s: discarded warm worker pid %d is gone.", self.job_id,
+                          self.node_id, w.pid)
+                return
+            self._warm_failures += 1
+            failures = self._warm_failures
+            if failures >= WARM_FAILURE_LIMIT:
+                self._warm_disabled = True
+        with w.lock:
+            tail = " | ".join(text for _, text in list(w.pending)[-5:])
+        if failures >= WARM_FAILURE_LIMIT:
+            log.warning("job %s node %s: %d warm workers in a row died before they got a round "
+                        "(the last, pid %d, with status %d; its last output: %s); workers start "
+                        "cold from now on.", self.job_id, self.node_id, failures, w.pid,
+                        returncode, tail or "none")
+            return
+        log.warning("job %s node %s: warm worker pid %d died with status %d before it got a "
+                    "round (its last output: %s); starting another.", self.job_id, self.node_id,
+                    w.pid, returncode, tail or "none")
+        self.warm_up()
+
+    # ------------------------------------------------------------ helpers
+
+    def _base_env(self) -> dict[str, str]:
+        """What every worker's environment starts from, before its round adds its own."""
+        return {**os.environ, "PYTHONUNBUFFERED": "1", **self.worker_env}
+
+    def _wait_quiet(self, workers: list[_Worker], deadline: float) -> bool:
+        """Wait until every worker is reaped and its group has no running process."""
+        while True:
+            pending = [w for w in workers if not w.reaped.is_set()]
+            if not pending and not any(_group_alive(w.pid) for w in workers):
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if pending:
+                pending[0].reaped.wait(min(left, _POLL_S))
+            else:
+                time.sleep(min(left, _POLL_S))

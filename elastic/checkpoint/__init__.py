@@ -1,0 +1,112 @@
+"""Sharded, verified, fenced, asynchronous checkpoints that reshard on load.
+
+Use::
+
+    ckpt = Checkpointer(model=model, optimizer=opt, scheduler=sched)  # root: $ELASTIC_CHECKPOINT_DIR
+    start = ckpt.restore()                       # 0 on a fresh start
+    sampler.load_state_dict(ckpt.data_state or {})
+    for step in range(start, steps):
+        train_step()
+        if step % 100 == 99:
+            ckpt.save(step, data_state=sampler.state_dict())   # blocks only to copy to CPU
+    ckpt.close()                                 # waits for the last save
+
+What a checkpoint holds and how it reshards: :mod:`elastic.checkpoint.state`.
+The directory layout, manifests and checksums: :mod:`elastic.checkpoint.layout`.
+
+Saving (every rank; one save in flight at a time, over a gloo group of its own)
+-------------------------------------------------------------------------------
+1. Stage: copy this rank's tensors to CPU memory (training blocks only here).
+2. In the background, rank 0 removes stale temporaries and creates
+   ``<root>/.tmp-step-<step>-round-<round>/``; every rank writes its DCP
+   shards, its ``rank-<r>.pt`` and then ``manifest-<r>.json`` (each file's
+   size and CRC-32), all fsynced. Any rank's failure fails the save on every
+   rank and rank 0 removes the temporary directory.
+3. Every rank verifies its share of all files (manifests complete for the
+   world size, ``.metadata`` present, every listed file with its size and
+   CRC-32).
+4. Rank 0 renames the directory to ``<root>/step-<step:012d>/`` and fsyncs the
+   root, then calls ``commit_log.commit(entry)``, and only after the log
+   accepted it writes ``COMMITTED`` (json: step, round, world_size, path,
+   time) into the directory, then prunes old checkpoints. The outcome is
+   broadcast, so every rank's ``wait()`` or next ``save()`` raises the same
+   error, or none.
+
+The marker follows the commit log, not the other way round, so that a marker
+always means "this was committed": a zombie of an old round that loses the
+fence, or a crash between the rename and the log, leaves an unmarked
+directory that nothing will load, and no cleanup after losing the fence is
+needed (a cleanup by path after losing it could hit a directory the current
+round has put there since).
+
+What restore trusts (the rule)
+------------------------------
+Let L be ``commit_log.latest()``. Restore tries, in this order:
+
+1. L's directory, with or without a marker (the log is the authority; the
+   marker may be missing after a crash right after the log's commit);
+2. then every directory that carries a ``COMMITTED`` marker and is older
+   than L, newest first (with no L: every marked directory, newest first).
+
+It loads the first one that verifies (complete manifests, ``.metadata``,
+every listed file with its recorded size and CRC-32; each rank checks a
+share of the files, so the cost is one read of the checkpoint spread over the
+ranks, at disk speed). Each failed candidate is logged as a warning naming
+the file at fault. A directory newer than L is never loaded, marked or not.
+Rank 0 lists the candidates and broadcasts them; the verification results
+are gathered on every rank, so all ranks load the same one. Committed
+checkpoints that all fail verification raise ``CheckpointCorruptError``
+rather than silently starting from step 0; no checkpoint at all returns 0.
+
+The invariant: the previous commit-log entry's directory is never written,
+renamed or deleted by a later save until a newer entry has replaced it (and
+retention always keeps the latest entry and the newest ``keep`` committed
+ones), so a crash at any point leaves the previous committed checkpoint
+intact and loadable, and nothing committed is lost.
+
+Retention and cleanup (rank 0)
+------------------------------
+After each commit: keep the newest ``keep`` committed directories and the
+latest entry's; delete older ones and unmarked directories newer than the
+latest entry (see :func:`layout.retention_victims`). At the start of each
+save: delete ``.trash-*`` and temporaries of older rounds or of this round's
+older steps. Deletion is a rename to ``.trash-*`` first, so a half-deleted
+directory is never mistaken for a checkpoint.
+
+Failpoints (``ELASTIC_FAILPOINT``, see :mod:`elastic.failpoints`):
+``ckpt.before_shards``, ``ckpt.write``, ``ckpt.mid_write``,
+``ckpt.after_shards_before_commit``, ``ckpt.after_rename_before_commit_log``.
+
+Everything but :class:`Checkpointer` imports without torch, so the agent and
+elasticctl can read commit logs and layouts.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from elastic.checkpoint.api import CommitEntry, CommitLog
+from elastic.checkpoint.commit import FileCommitLog
+from elastic.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
+
+if TYPE_CHECKING:
+    from elastic.checkpoint.checkpointer import Checkpointer
+
+__all__ = [
+    "Checkpointer",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointWriteError",
+    "CommitEntry",
+    "CommitLog",
+    "FileCommitLog",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # Checkpointer needs torch; import it on first use so the control plane never does.
+    if name == "Checkpointer":
+        from elastic.checkpoint.checkpointer import Checkpointer
+
+        return Checkpointer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,593 @@
+"""Checkpointer: sharded, verified, fenced, optionally asynchronous saves, and restore.
+
+The commit protocol and the restore rule are written down once, in the
+docstring of :mod:`elastic.checkpoint`; this module implements them.
+
+Every rank runs the same sequence of checkpoint-group collectives in the same
+order, whatever fails locally: a local failure travels as a value in the next
+collective (never as a skipped call), so ranks cannot fall out of step, and
+every rank ends a save or a restore with the same outcome.
+
+Why ``dcp.save`` in a thread of our own instead of ``dcp.async_save``: the
+verification and the commit must follow the write in the same background
+task, with collectives of their own, and a failure anywhere must surface
+once, from :meth:`Checkpointer.wait` or the next :meth:`Checkpointer.save`.
+Staging uses DCP's ``DefaultStager`` (what ``async_save`` uses).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import datetime
+import errno as errno_module
+import logging
+import os
+import shutil
+import time
+import uuid
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from elastic.checkpoint import layout, state
+from elastic.checkpoint.api import CommitEntry, CommitLog
+from elastic.checkpoint.commit import FileCommitLog
+from elastic.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointWriteError,
+    ConfigError,
+    FencedError,
+)
+from elastic.failpoints import failpoint
+
+log = logging.getLogger(__name__)
+
+ENV_CHECKPOINT_DIR = "ELASTIC_CHECKPOINT_DIR"
+# A save's duration announced to the agent: a fixed allowance for collectives,
+# fsync and commit plus the shard at a pessimistic per-rank write rate.
+_SAVE_FIXED_S = 60.0
+_SAVE_BYTES_PER_S = 100 * 2**20
+
+
+def _default_on_saving() -> Callable[[float], None]:
+    try:
+        from elastic.worker import runtime
+    except ImportError:
+        return lambda seconds: None
+    return runtime.saving
+
+
+class Checkpointer:
+    """Saves and restores a training job's state under one checkpoint root.
+
+    Construct it on every rank, after the process group is initialized and in
+    the same order relative to other ``new_group`` calls: it creates a gloo
+    group of its own (unless ``process_group`` is given) so checkpoint
+    collectives never interleave with training collectives. Without an
+    initialized process group it runs as a single rank.
+
+    ``model`` is a module or a list of chunks (pipeline stages); ``optimizer``
+    an optimizer or, for several chunks, one per chunk; ``scheduler`` a
+    scheduler or a list. ``root`` defaults to ``$ELASTIC_CHECKPOINT_DIR``;
+    ``commit_log`` to a :class:`FileCommitLog` in the root. ``on_saving(s)``
+    is called with an estimate in seconds when a save starts and with 0 when
+    it ends (default: ``elastic.worker.runtime.saving``, which suspends the
+    agent's hang detection). ``timeout_s`` bounds each collective of the
+    group this object creates.
+
+    Raises :class:`ConfigError` for a missing root or bad arguments, and
+    :class:`CheckpointError` when torch's object collectives cannot work
+    (they need numpy). Not thread-safe: call it from the training thread.
+    """
+
+    def __init__(self, root: str | None = None, *, model: nn.Module | Sequence[nn.Module],
+                 optimizer: Any = None, scheduler: Any = None, keep: int = 3,
+                 commit_log: CommitLog | None = None, process_group: Any = None,
+                 on_saving: Callable[[float], None] | None = None,
+                 verify_checksums: bool = True, timeout_s: float = 1800.0):
+        root = root or os.environ.get(ENV_CHECKPOINT_DIR)
+        if not root:
+            raise ConfigError(f"no checkpoint directory: pass root= or set {ENV_CHECKPOINT_DIR}")
+        if keep < 1:
+            raise ConfigError(f"keep must be at least 1, got {keep}")
+        try:
+            self._chunks = state.make_chunks(model, optimizer)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"bad checkpoint arguments: {exc}") from exc
+        if scheduler is None:
+            self._schedulers: list[Any] = []
+        else:
+            self._schedulers = list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
+        self.root = os.path.abspath(root)
+        self.keep = keep
+        self.verify_checksums = verify_checksums
+        self._commit_log = commit_log if commit_log is not None else FileCommitLog(self.root)
+        self._on_saving = on_saving if on_saving is not None else _default_on_saving()
+        self._round = int(os.environ.get("ELASTIC_ROUND", "0") or 0)
+        self._group = _Group.create(process_group, timeout_s)
+        self._stager = DefaultStager(StagingOptions(
+            use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
+            use_async_staging=False, use_non_blocking_copy=False))
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="elastic-checkpoint")
+        self._inflight: concurrent.futures.Future | None = None
+        self._unusable: set[str] = set()  # directories the last restore skipped as unverifiable
+        self._closed = False
+        self.data_state: Any = None
+        self.extras: Any = None
+        self.restored_path: str | None = None
+        os.makedirs(self.root, exist_ok=True)
+
+    # --- public API ---------------------------------------------------------------------------
+
+    def save(self, step: int, *, data_state: Any = None, extras: Any = None,
+             async_: bool = True) -> None:
+        """Checkpoint the state as of ``step`` (the step just completed); every rank calls it.
+
+        First waits for the previous save and re-raises its failure (this
+        save is then not started). Then copies this rank's shard to CPU
+        memory (training blocks only for that copy), and writes, verifies
+        and commits it in the background when ``async_``, or before
+        returning otherwise. ``data_state`` (e.g. a sampler's state_dict) and
+        ``extras`` are small picklable objects restored per rank.
+
+        Raises :class:`CheckpointWriteError` when the write or its
+        verification fails (the temporary directory is removed; the previous
+        checkpoint stays the latest; training can go on and save again),
+        :class:`elastic.errors.FencedError` when the commit log refuses this
+        round, and :class:`CheckpointError` for other failures.
+        """
+        self._check_open()
+        self.wait()
+        staged = self._stage(int(step), data_state, extras)
+        if async_:
+            self._inflight = self._executor.submit(self._persist, staged)
+        else:
+            self._persist(staged)
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until the save in flight (if any) finished; re-raise its failure once.
+
+        Raises :class:`CheckpointError` when it is still running after
+        ``timeout_s`` (it stays in flight), or the save's own error.
+        """
+        future = self._inflight
+        if future is None:
+            return
+        try:
+            future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise CheckpointError(f"rank {self._group.rank}: the checkpoint save in flight "
+                                  f"did not finish within {timeout_s} s") from None
+        finally:
+            if future.done():
+                self._inflight = None
+
+    def restore(self) -> int:
+        """Load the latest committed checkpoint that verifies; every rank calls it.
+
+        Returns the step to resume from: the saved step + 1, or 0 when there
+        is no committed checkpoint (a fresh start). Sets :attr:`data_state`,
+        :attr:`extras` and :attr:`restored_path`. Candidates that fail
+        verification are logged (naming the file) and skipped for the
+        previous committed one.
+
+        Raises :class:`CheckpointCorruptError` when committed checkpoints
+        exist but none verifies (starting from scratch is not silently done),
+        and :class:`CheckpointError` when loading a verified one fails (e.g.
+        the model's parameters do not match the checkpoint's).
+        """
+        self._check_open()
+        self.wait()
+        started = time.monotonic()
+        chosen, candidates = self._choose()
+        if chosen is None:
+            if candidates:
+                raise CheckpointCorruptError(
+                    f"rank {self._group.rank}: none of the committed checkpoints under "
+                    f"{self.root} verifies ({', '.join(candidates)}); see the warnings above "
+                    f"for the files at fault")
+            log.log(self._level, "Rank %d found no committed checkpoint under %s in round %d; "
+                    "starting from step 0.", self._group.rank, self.root, self._round)
+            self.data_state = self.extras = self.restored_path = None
+            return 0
+        step = self._load(chosen)
+        log.log(self._level, "Rank %d restored checkpoint step %d from %s in round %d in %.2f s; "
+                "resuming at step %d.", self._group.rank, step, chosen, self._round,
+                 time.monotonic() - started, step + 1)
+        return step + 1
+
+    def close(self) -> None:
+        """Wait for the save in flight (re-raising its failure) and release the
+        background thread and the staging memory. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._executor.shutdown(wait=True)
+            self._stager.close()
+
+    # --- save, in the caller's thread ---------------------------------------------------------
+
+    def _stage(self, step: int, data_state: Any, extras: Any) -> "_Staged":
+        tensors = state.collect(self._chunks)
+        nbytes = state.local_nbytes(tensors.state_dict)
+        self._announce(_SAVE_FIXED_S + nbytes / _SAVE_BYTES_PER_S)
+        try:
+            started = time.monotonic()
+            staged = self._stager.stage(tensors.state_dict)
+            local = state.capture_local(step=step, rank=self._group.rank,
+                                        world_size=self._group.size, schedulers=self._schedulers,
+                                        data_state=data_state, extras=extras)
+        except BaseException:
+            self._announce(0.0)
+            raise
+        log.debug("Rank %d staged %d bytes for checkpoint step %d of round %d in %.3f s.",
+                  self._group.rank, nbytes, step, self._round, time.monotonic() - started)
+        return _Staged(step=step, state_dict=staged, local=local, nbytes=nbytes)
+
+    # --- save, in the background (or the caller's thread when synchronous) --------------------
+
+    def _persist(self, staged: "_Staged") -> None:
+        step, rank = staged.step, self._group.rank
+        tmp = os.path.join(self.root, layout.tmp_dir_name(step, self._round))
+        started = time.monotonic()
+        try:
+            failpoint("ckpt.before_shards")
+            failure = self._capture(lambda: self._prepare(tmp, step)) if rank == 0 else None
+            failure = self._group.broadcast(failure, "preparing the save")
+            if failure is not None:
+                raise failure.error(step, tmp)
+            failure = self._capture(lambda: self._write(staged, tmp))
+            gathered = self._group.all_gather(failure, "collecting write results")
+            failures = list(dict.fromkeys(f for f in gathered if f))  # one DCP failure shows on all
+            if failures:
+                self._discard_on_rank0(tmp)
+                raise failures[0].error(step, tmp, more=len(failures) - 1)
+            failpoint("ckpt.after_shards_before_commit")
+            problems = layout.verify(tmp, checksums=self.verify_checksums, part=rank,
+                                     parts=self._group.size)
+            problems = [p for ps in self._group.all_gather(problems, "verifying") for p in ps]
+            if problems:
+                self._discard_on_rank0(tmp)
+                raise CheckpointWriteError(
+                    f"checkpoint step {step} written to {tmp} failed verification: "
+                    f"{'; '.join(map(str, problems[:5]))}", tmp)
+            failure = self._capture(lambda: self._commit(staged, tmp)) if rank == 0 else None
+            failure = self._group.broadcast(failure, "committing")
+            if failure is not None:
+                raise failure.error(step, tmp)
+            log.log(self._level, "Rank %d saved checkpoint step %d in round %d (%d bytes of its "
+                    "own) in %.2f s.", rank, step, self._round, staged.nbytes, time.monotonic() - started)
+        except BaseException as exc:
+            log.error("Rank %d failed to save checkpoint step %d in round %d: %s", rank, step,
+                      self._round, exc)
+            raise
+        finally:
+            self._announce(0.0)
+
+    def _prepare(self, tmp: str, step: int) -> None:
+        """Rank 0: remove stale temporaries (this job's saves are serialized, so no
+        save in flight owns them) and create this save's directory afresh."""
+        for name in layout.stale_temporaries(os.listdir(self.root), step, self._round):
+            log.info("Rank 0 removes %s, left by a crashed or abandoned save, before saving "
+                     "step %d in round %d.", name, step, self._round)
+            self._remove(os.path.join(self.root, name))
+        os.makedirs(tmp)
+
+    def _write(self, staged: "_Staged", tmp: str) -> None:
+        """Every rank: DCP shards, then this rank's state file and manifest, all fsynced."""
+        writer = _RecordingWriter(tmp)
+        dcp.save(staged.state_dict, storage_writer=writer, process_group=self._group.pg,
+                 no_dist=self._group.pg is None)
+        rank = self._group.rank
+        local_name = layout.rank_state_name(rank)
+        layout.write_durably(os.path.join(tmp, local_name), staged.local)
+        names = [*writer.written, local_name] + ([layout.METADATA_FILE] if rank == 0 else [])
+        layout.write_manifest(tmp, layout.Manifest(
+            rank=rank, world_size=self._group.size, step=staged.step, round=self._round,
+            files={name: layout.file_digest(os.path.join(tmp, name)) for name in names}))
+        layout.fsync_dir(tmp)
+
+    def _commit(self, staged: "_Staged", tmp: str) -> None:
+        """Rank 0: rename into place, record in the commit log, mark, prune."""
+        name = layout.step_dir_name(staged.step)
+        final = os.path.join(self.root, name)
+        if os.path.lexists(final):
+            latest = self._commit_log.latest()
+            if latest is not None and latest.path == name and name not in self._unusable:
+                raise CheckpointWriteError(f"checkpoint step {staged.step} is already the latest "
+                                           f"committed one ({final}); not replacing it", tmp)
+            # A save that crashed after its rename, a fenced one, or one that this job's
+            # restore found unusable (possibly the latest: it was skipped for an older
+            # one, which stays intact). Never loaded, so it can make way.
+            log.warning("Rank 0 moves aside %s (an uncommitted or unusable checkpoint of the same "
+                        "step) to commit step %d in round %d.", final, staged.step, self._round)
+            self._remove(final)
+        os.rename(tmp, final)
+        layout.fsync_dir(self.root)
+        failpoint("ckpt.after_rename_before_commit_log")
+        entry = CommitEntry(step=staged.step, round=self._round, world_size=self._group.size,
+                            path=name, time=time.time())
+        try:
+            self._commit_log.commit(entry)
+        except FencedError:
+            # Leave the directory as it is, unmarked: after losing the fence, removing a
+            # path could remove what the current round has put there in the meantime.
+            log.error("Rank 0: the commit of checkpoint step %d in round %d was fenced off; %s "
+                      "stays without a COMMITTED marker and is never restored.",
+                      staged.step, self._round, final)
+            raise
+        try:
+            layout.write_marker(final, entry)
+        except OSError as exc:
+            log.warning("Rank 0 committed checkpoint step %d in round %d but could not write its "
+                        "COMMITTED marker (%s); the commit log still names it.",
+                        staged.step, self._round, exc)
+        self._retain(entry)
+
+    def _retain(self, latest: CommitEntry) -> None:
+        victims = layout.retention_victims(layout.list_checkpoints(self.root), self.keep, latest)
+        for name in victims:
+            log.info("Rank 0 removes checkpoint %s (keeping the last %d committed) after "
+                     "committing step %d in round %d.", name, self.keep, latest.step, self._round)
+            try:
+                self._remove(os.path.join(self.root, name))
+            except OSError as exc:
+                log.warning("Rank 0 could not remove old checkpoint %s (%s); it will be retried "
+                            "after the next commit.", name, exc)
+
+    def _remove(self, path: str) -> None:
+        """Take a directory out of view atomically (rename to ``.trash-*``), then delete it;
+        a crash in between leaves only trash, which the next save removes."""
+        trash = os.path.join(self.root, f"{layout.TRASH_PREFIX}{os.path.basename(path)}-"
+                                        f"{uuid.uuid4().hex[:8]}")
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def _discard_on_rank0(self, tmp: str) -> None:
+        if self._group.rank != 0 or not os.path.lexists(tmp):
+            return
+        try:
+            self._remove(tmp)
+        except OSError as exc:
+            log.warning("Rank 0 could not remove the failed save's directory %s (%s); the next "
+                        "save removes it.", tmp, exc)
+
+    # --- restore ------------------------------------------------------------------------------
+
+    def _choose(self) -> tuple[str | None, list[str]]:
+        """Rank 0 lists the candidates in order and broadcasts them; all ranks verify
+        each one together (each its share of the files) until one passes. Every
+        rank sees the same gathered problems, so all choose the same directory."""
+        rank = self._group.rank
+        self._unusable = set()
+        listing: Any = None
+        if rank == 0:
+            try:
+                latest = self._commit_log.latest()
+                listing = layout.restore_candidates(layout.list_checkpoints(self.root), latest)
+            except Exception as exc:  # noqa: BLE001 - sent to all ranks, re-raised below
+                listing = f"reading the commit log failed: {exc!r}"
+        listing = self._group.broadcast(listing, "choosing a checkpoint")
+        if isinstance(listing, str):
+            raise CheckpointError(f"rank {rank}: cannot choose a checkpoint under {self.root}: "
+                                  f"{listing}")
+        for index, name in enumerate(listing):
+            problems = layout.verify(os.path.join(self.root, name), checksums=self.verify_checksums,
+                                     part=rank, parts=self._group.size)
+            problems = [p for ps in self._group.all_gather(problems, "verifying") for p in ps]
+            if not problems:
+                return name, listing
+            self._unusable.add(name)
+            if rank == 0:
+                fallback = (f"falling back to {listing[index + 1]}" if index + 1 < len(listing)
+                            else "no older committed checkpoint is left")
+                for problem in problems:
+                    log.warning("Rank 0 skips checkpoint %s in round %d: %s; %s.", name,
+                                self._round, problem, fallback)
+        return None, listing
+
+    def _load(self, name: str) -> int:
+        path = os.path.join(self.root, name)
+        rank = self._group.rank
+        manifests, _ = layout.read_manifests(path)
+        saved_world, step = manifests[0].world_size, manifests[0].step
+        same_world = saved_world == self._group.size
+        try:
+            tensors = state.collect(self._chunks)
+            dcp.load(tensors.state_dict, storage_reader=dcp.FileSystemReader(path),
+                     process_group=self._group.pg, no_dist=self._group.pg is None)
+            state.apply(self._chunks, tensors)
+            with open(os.path.join(path, layout.rank_state_name(rank if same_world else 0)),
+                      "rb") as f:
+                local = state.load_local(f.read())
+            state.restore_schedulers(self._schedulers, local["schedulers"])
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - translated at the boundary
+            raise CheckpointError(f"rank {rank}: loading checkpoint {path} failed: "
+                                  f"{_first_line(exc)}") from exc
+        if same_world:
+            state.restore_rng(local["rng"])
+        else:
+            state.seed_rng(state.derived_seed(local["seed_base"], step, rank))
+            log.info("Rank %d resumes step %d of a checkpoint saved by %d ranks with %d ranks in "
+                     "round %d: its RNGs are seeded from (saved seed, step, rank), and the data "
+                     "position and extras are rank 0's.", rank, step, saved_world,
+                     self._group.size, self._round)
+        self.data_state = local["data_state"]
+        self.extras = local["extras"]
+        self.restored_path = path
+        return step
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _capture(self, action: Callable[[], None]) -> "_Failure | None":
+        """Run a local step; turn its failure into a value that can travel in a
+        collective, so that every rank still makes the next collective call."""
+        try:
+            action()
+        except FencedError as exc:
+            return _Failure(self._group.rank, str(exc), None, fenced=True)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - re-raised on every rank
+            return _Failure.of(self._group.rank, exc)
+        return None
+
+    def _announce(self, seconds: float) -> None:
+        try:
+            self._on_saving(seconds)
+        except Exception as exc:  # noqa: BLE001 - a telemetry hook must not break a save
+            log.warning("Rank %d: the on_saving hook failed (%s); the save goes on.",
+                        self._group.rank, exc)
+
+    @property
+    def _level(self) -> int:
+        """Routine news at INFO from rank 0 only: one line per event, not one per rank."""
+        return logging.INFO if self._group.rank == 0 else logging.DEBUG
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed")
+
+
+@dataclasses.dataclass
+class _Staged:
+    step: int
+    state_dict: dict[str, Any]  # a CPU copy, owned by the save
+    local: bytes                # this rank's serialized non-tensor state
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failure:
+    """A failure on one rank, in a form that pickles through an object collective."""
+
+    rank: int
+    message: str
+    errno: int | None
+    fenced: bool = False
+
+    @classmethod
+    def of(cls, rank: int, exc: BaseException) -> "_Failure":
+        """Describe ``exc`` as seen on ``rank``; when it wraps another rank's OS
+        error (DCP spreads one rank's failure to all), name that rank."""
+        found = _find_os_error(exc, rank)
+        if found is not None:
+            origin, os_error = found
+            where = f" ({os_error.filename})" if os_error.filename else ""
+            code = errno_module.errorcode.get(os_error.errno, os_error.errno)
+            return cls(origin, f"[Errno {os_error.errno} {code}] {os_error.strerror}{where}",
+                       os_error.errno)
+        return cls(rank, _first_line(exc), None)
+
+    def error(self, step: int, directory: str, more: int = 0) -> Exception:
+        if self.fenced:
+            return FencedError(self.message)
+        others = f" (and on {more} more rank(s))" if more else ""
+        return CheckpointWriteError(f"saving checkpoint step {step} into {directory} failed on "
+                                    f"rank {self.rank}{others}: {self.message}",
+                                    directory, self.errno)
+
+
+def _find_os_error(exc: BaseException, rank: int) -> tuple[int, OSError] | None:
+    """The first OSError in an exception's cause chain or in DCP's per-rank
+    failures, with the rank it happened on."""
+    seen = set()
+    pending: list[tuple[int, BaseException | None]] = [(rank, exc)]
+    while pending:
+        origin, current = pending.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno is not None:
+            return origin, current
+        if isinstance(current, CheckpointException):
+            pending.extend((r, failure[0]) for r, failure in sorted(current.failures.items()))
+        pending.extend([(origin, current.__cause__), (origin, current.__context__)])
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    if isinstance(exc, CheckpointException):
+        inner = [failure[0] for _, failure in sorted(exc.failures.items())]
+        if inner:
+            return f"{type(inner[0]).__name__}: {_first_line(inner[0])}"
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+class _RecordingWriter(dcp.FileSystemWriter):
+    """DCP's file writer, remembering which files this rank wrote (for its
+    manifest) and hosting the write-path failpoints."""
+
+    def __init__(self, path: str):
+        super().__init__(path, single_file_per_rank=True, sync_files=True, overwrite=False)
+        self.written: list[str] = []
+
+    def write_data(self, plan, planner):
+        failpoint("ckpt.write")
+        future = super().write_data(plan, planner)
+        self.written = sorted({result.storage_data.relative_path for result in future.value()})
+        if self.written:
+            failpoint("ckpt.mid_write")
+        return future
+
+
+class _Group:
+    """The checkpoint process group and the object collectives run over it."""
+
+    def __init__(self, pg: Any, rank: int, size: int):
+        self.pg = pg
+        self.rank = rank
+        self.size = size
+
+    @classmethod
+    def create(cls, process_group: Any, timeout_s: float) -> "_Group":
+        if not (dist.is_available() and dist.is_initialized()):
+            # DCP warns at every call that it runs in a single process; that is the intent here.
+            warnings.filterwarnings("ignore", category=UserWarning,
+                                    message="torch.distributed is disabled, unavailable or uninit")
+            return cls(None, 0, 1)
+        try:
+            import numpy  # noqa: F401 - torch's object collectives call tensor.numpy()
+        except ImportError as exc:
+            raise CheckpointError("distributed checkpoints need numpy: torch's object "
+                                  "collectives, which DCP uses, fail without it") from exc
+        pg = process_group
+        if pg is None:
+            pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(pg, dist.get_rank(pg), dist.get_world_size(pg))
+
+    def all_gather(self, obj: Any, what: str) -> list[Any]:
+        if self.pg is None:
+            return [obj]
+        gathered: list[Any] = [None] * self.size
+        try:
+            dist.all_gather_object(gathered, obj, group=self.pg)
+        except RuntimeError as exc:
+            raise self._lost(what, exc) from exc
+        return gathered
+
+    def broadcast(self, obj: Any, what: str) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if self.pg is None:
+            return obj
+        box = [obj]
+        try:
+            dist.broadcast_object_list(box, group=self.pg, group_src=0)
+        except RuntimeError as exc:
+            raise self._lost(what, exc) from exc
+        return box[0]
+
+    def _lost(self, what: str, exc: BaseException) -> CheckpointError:
+        return CheckpointError(f"rank {self.rank}: the checkpoint group failed while {what} "
+                               f"(a peer probably died): {_first_line(exc)}")

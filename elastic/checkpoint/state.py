@@ -1,0 +1,222 @@
+"""What a checkpoint holds, and how it is taken from and put back into live objects.
+
+Tensor state (models and optimizers) goes through DCP's state-dict helpers,
+so every key is a fully qualified parameter name whatever wraps the model
+(DDP, FSDP2's ``fully_shard``, a pipeline stage that kept only its layers):
+
+- ``model.<fqn>``: parameters and buffers (DTensor shards under FSDP2);
+- ``optim.state.<fqn>.<name>`` and ``optim.param_groups.<fqn>.<option>``: the
+  optimizer, flattened per parameter (``flatten_optimizer_state_dict``) so a
+  checkpoint saved with S pipeline stages loads with S' stages: each rank
+  saves and loads exactly the FQNs its chunks own.
+
+Everything else is this rank's own state, serialized with ``torch.save`` into
+``rank-<r>.pt``: RNG states (torch CPU; CUDA for the current device when CUDA
+is in use; python ``random``; numpy's global generator when numpy is
+importable), LR scheduler states, the step, the caller's data position and
+extras. On restore at the same world size each rank gets its own file back,
+which makes the resumed run bitwise identical to an uninterrupted one. At
+another world size every rank reads rank 0's file for the schedulers, data
+position and extras (the usual case: they are the same on every rank) and
+seeds its RNGs from a value derived from (rank 0's saved torch seed, step,
+new rank): reproducible for a given resume, different on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import io
+import random
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from elastic.errors import CheckpointError
+
+try:  # numpy is optional here (torch's object collectives need it, see checkpointer.py)
+    import numpy
+except ImportError:  # pragma: no cover - depends on the environment
+    numpy = None
+
+LOCAL_FORMAT = 1
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One model chunk and the optimizers of its parameters."""
+
+    model: nn.Module
+    optimizers: tuple[torch.optim.Optimizer, ...]
+
+
+def make_chunks(model: nn.Module | Sequence[nn.Module],
+                optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+                ) -> list[Chunk]:
+    """Pair model chunks with optimizers: one model takes every optimizer;
+    several chunks (pipeline stages) take one optimizer each, in order.
+
+    Raises TypeError/ValueError for anything else.
+    """
+    models = list(model) if isinstance(model, (list, tuple)) else [model]
+    if not models or not all(isinstance(m, nn.Module) for m in models):
+        raise TypeError(f"model must be an nn.Module or a non-empty list of them, got {model!r}")
+    if optimizer is None:
+        optimizers: list[torch.optim.Optimizer] = []
+    elif isinstance(optimizer, (list, tuple)):
+        optimizers = list(optimizer)
+    else:
+        optimizers = [optimizer]
+    if not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a list of them, got {optimizer!r}")
+    if len(models) == 1:
+        return [Chunk(models[0], tuple(optimizers))]
+    if optimizers and len(optimizers) != len(models):
+        raise ValueError(f"{len(models)} model chunks need one optimizer each, got {len(optimizers)}")
+    return [Chunk(m, (optimizers[i],) if optimizers else ()) for i, m in enumerate(models)]
+
+
+@dataclasses.dataclass
+class TensorState:
+    """``{"model": {...}, "optim": {...}}`` plus which keys each chunk owns."""
+
+    state_dict: dict[str, dict[str, Any]]
+    keys: list[tuple[list[str], list[str]]]  # per chunk: (model keys, optimizer keys)
+
+
+def collect(chunks: Sequence[Chunk]) -> TensorState:
+    """The live, FQN-keyed state of every chunk (tensors are the live ones, not copies).
+
+    An optimizer without state yet gets it initialized by DCP's helper (a
+    step with zero gradients and a zero learning rate), so there are slots
+    to save or to load into. Raises CheckpointError when two chunks claim the
+    same FQN.
+    """
+    model_sd: dict[str, Any] = {}
+    optim_sd: dict[str, Any] = {}
+    keys = []
+    for index, chunk in enumerate(chunks):
+        msd = get_model_state_dict(chunk.model, options=_OPTIONS)
+        osd = (get_optimizer_state_dict(chunk.model, chunk.optimizers, options=_OPTIONS)
+               if chunk.optimizers else {})
+        clash = sorted((msd.keys() & model_sd.keys()) | (osd.keys() & optim_sd.keys()))
+        if clash:
+            raise CheckpointError(f"model chunk {index} shares keys with an earlier chunk, "
+                                  f"e.g. {clash[:3]}; chunks must own disjoint parameters")
+        model_sd.update(msd)
+        optim_sd.update(osd)
+        keys.append((list(msd), list(osd)))
+    return TensorState({"model": model_sd, "optim": optim_sd}, keys)
+
+
+def apply(chunks: Sequence[Chunk], state: TensorState) -> None:
+    """Load a state filled in by ``dcp.load`` back into the chunks (strict keys)."""
+    for chunk, (model_keys, optim_keys) in zip(chunks, state.keys):
+        set_model_state_dict(chunk.model, {k: state.state_dict["model"][k] for k in model_keys},
+                             options=_OPTIONS)
+        if chunk.optimizers:
+            set_optimizer_state_dict(chunk.model, chunk.optimizers,
+                                     {k: state.state_dict["optim"][k] for k in optim_keys},
+                                     options=_OPTIONS)
+
+
+def local_nbytes(state_dict: Any) -> int:
+    """Bytes of tensor data this rank holds in a state dict (its shards only)."""
+    if isinstance(state_dict, DTensor):
+        return state_dict.to_local().nbytes
+    if isinstance(state_dict, torch.Tensor):
+        return state_dict.nbytes
+    if isinstance(state_dict, dict):
+        return sum(local_nbytes(v) for v in state_dict.values())
+    if isinstance(state_dict, (list, tuple)):
+        return sum(local_nbytes(v) for v in state_dict)
+    return 0
+
+
+# --- rank-local state ------------------------------------------------------------------------
+
+
+def capture_local(*, step: int, rank: int, world_size: int, schedulers: Sequence[Any],
+                  data_state: Any, extras: Any) -> bytes:
+    """This rank's non-tensor state, serialized now (so later mutation by the
+    training loop cannot leak into a save still being written)."""
+    cuda_rng = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda_rng = torch.cuda.get_rng_state()  # current device: one GPU per worker
+    record = {
+        "format": LOCAL_FORMAT,
+        "step": step,
+        "rank": rank,
+        "world_size": world_size,
+        "seed_base": torch.initial_seed(),
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "cuda": cuda_rng,
+            "python": random.getstate(),
+            "numpy": numpy.random.get_state() if numpy is not None else None,
+        },
+        "schedulers": [copy.deepcopy(s.state_dict()) for s in schedulers],
+        "data_state": copy.deepcopy(data_state),
+        "extras": copy.deepcopy(extras),
+    }
+    buffer = io.BytesIO()
+    torch.save(record, buffer)
+    return buffer.getvalue()
+
+
+def load_local(data: bytes) -> dict[str, Any]:
+    """Parse a ``rank-<r>.pt`` file's bytes.
+
+    ``weights_only=False``: the file holds the caller's arbitrary data
+    position and extras; the checkpoint directory is trusted like the code.
+    """
+    record = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    if not isinstance(record, dict) or record.get("format") != LOCAL_FORMAT:
+        raise CheckpointError("unknown rank state format")
+    return record
+
+
+def restore_rng(rng: dict[str, Any]) -> None:
+    """Put back exactly the saved RNG states (same world size, same rank)."""
+    torch.set_rng_state(rng["torch"])
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    random.setstate(rng["python"])
+    if numpy is not None and rng.get("numpy") is not None:
+        numpy.random.set_state(rng["numpy"])
+
+
+def derived_seed(seed_base: int, step: int, rank: int) -> int:
+    """A 63-bit seed for ``rank`` when resuming ``step`` at another world size."""
+    digest = hashlib.sha256(f"elastic-rng/{seed_base}/{step}/{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def seed_rng(seed: int) -> None:
+    """Seed every generator from one seed (torch seeds all CUDA devices lazily)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    if numpy is not None:
+        numpy.random.seed(seed % (1 << 32))
+
+
+def restore_schedulers(schedulers: Sequence[Any], states: Sequence[dict]) -> None:
+    """Load scheduler ``i`` from ``states[i]``; with fewer saved states than
+    schedulers (another pipeline layout), the extra ones take the first state.
+    """
+    if schedulers and not states:
+        raise CheckpointError(f"the checkpoint holds no LR scheduler state for {len(schedulers)} "
+                              f"scheduler(s)")
+    for index, scheduler in enumerate(schedulers):
+        scheduler.load_state_dict(states[index] if index < len(states) else states[0])

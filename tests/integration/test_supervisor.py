@@ -1,0 +1,357 @@
+"""The worker supervisor with real worker processes: environment, output, exits, stop, warm pool.
+
+Worker scripts are written into tmp_path by each test. Most tests preload nothing
+(or only ``json``) so they run in well under a second; only the warm-versus-cold
+test pays for real ``import torch``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from agent.supervisor import Entrypoint, WorkerExit, WorkerSupervisor
+
+pytestmark = pytest.mark.integration
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _alive(pid: int) -> bool:
+    """Running, stopped or sleeping; a zombie counts as dead (this sandbox's PID 1 never
+    reaps orphans, so a killed grandchild may linger as one)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat[stat.rfind(b")") + 2:].split()[0] not in (b"Z", b"X")
+
+
+def _wait(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        time.sleep(0.01)
+
+
+def _envs(n: int, **extra: str) -> list[dict[str, str]]:
+    return [{"RANK": str(10 + i), "LOCAL_RANK": str(i), "WORLD_SIZE": str(n),
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", **extra} for i in range(n)]
+
+
+class Exits:
+    """on_exit collector."""
+
+    def __init__(self):
+        self.seen: list[WorkerExit] = []
+        self._cond = threading.Condition()
+
+    def __call__(self, e: WorkerExit) -> None:
+        with self._cond:
+            self.seen.append(e)
+            self._cond.notify_all()
+
+    def wait(self, n: int, timeout_s: float = 10.0) -> list[WorkerExit]:
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(self.seen) >= n, timeout_s):
+                raise AssertionError(f"expected {n} exits within {timeout_s} s, got {self.seen}")
+            return sorted(self.seen, key=lambda e: e.local_rank)
+
+
+@pytest.fixture
+def supervise(tmp_path):
+    """Build a supervisor for a script text; shut down after the test, which must leave
+    no process behind."""
+    made: list[WorkerSupervisor] = []
+
+    def make(script: str, nproc: int = 1, **kw) -> tuple[WorkerSupervisor, Exits]:
+        path = tmp_path / f"worker{len(made)}.py"
+        path.write_text(textwrap.dedent(script))
+        exits = Exits()
+        kw.setdefault("prestart", False)
+        kw.setdefault("stop_grace_s", 1.0)
+        entrypoint = Entrypoint(script=str(path), args=tuple(kw.pop("args", ())))
+        sup = WorkerSupervisor(job_id="job-t", node_id="node-a", nproc=nproc,
+                               entrypoint=entrypoint, log_dir=str(tmp_path / "logs"),
+                               on_exit=exits, **kw)
+        made.append(sup)
+        return sup, exits
+
+    yield make
+    for sup in made:
+        sup.shutdown()
+        left = [pid for pid in sup.pids() if _alive(pid)]
+        assert not left, f"processes left behind: {left}"
+
+
+def test_env_argv_and_output_reach_the_agent_and_the_round_log(supervise, tmp_path, capfd,
+                                                                monkeypatch):
+    monkeypatch.setenv("AGENT_WIDE", "inherited")
+    sup, exits = supervise("""
+        import os, sys
+        print("RANK=%s LOCAL_RANK=%s WORLD_SIZE=%s AGENT_WIDE=%s" % (os.environ["RANK"],
+              os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"], os.environ["AGENT_WIDE"]))
+        print("argv=%s stdin=%r name=%s" % (sys.argv[1:], sys.stdin.read(), __name__))
+        print("to stderr", file=sys.stderr)
+        """, nproc=2, args=("--lr", "0.1"))
+    sup.start_round(7, _envs(2))
+    got = exits.wait(2)
+    assert [(e.round, e.rank, e.exit_code, e.signal, e.stopped) for e in got] == \
+        [(7, 10, 0, None, False), (7, 11, 0, None, False)]
+    out = capfd.readouterr().out
+    for rank, local in ((10, 0), (11, 1)):
+        assert f"[rank {rank}]: RANK={rank} LOCAL_RANK={local} WORLD_SIZE=2 " \
+               f"AGENT_WIDE=inherited\n" in out
+        assert f"[rank {rank}]: argv=['--lr', '0.1'] stdin='' name=__main__\n" in out
+        log_text = (tmp_path / "logs" / "round-7" / f"rank-{rank}.log").read_text()
+        assert f"stdout: RANK={rank} LOCAL_RANK={local}" in log_text
+        assert "stderr: to stderr\n" in log_text
+        assert "[rank" not in log_text
+    assert [(w.local_rank, w.rank, w.alive) for w in sup.workers()] == \
+        [(0, 10, False), (1, 11, False)]
+
+
+def test_module_entrypoint_runs_like_python_dash_m(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "trainmod.py").write_text(
+        "import sys\nprint('argv0=' + sys.argv[0], 'path0=' + sys.path[0], flush=True)\n"
+        "sys.exit(5)\n")
+    exits = Exits()
+    sup = WorkerSupervisor(job_id="job-t", node_id="node-a", nproc=1,
+                           entrypoint=Entrypoint(module="trainmod"), log_dir=str(tmp_path / "l"),
+                           prestart=False, on_exit=exits)
+    try:
+        sup.start_round(1, _envs(1))
+        assert exits.wait(1)[0].exit_code == 5
+        log_text = (tmp_path / "l" / "round-1" / "rank-10.log").read_text()
+        assert f"argv0={tmp_path / 'trainmod.py'} path0={tmp_path}" in log_text
+    finally:
+        sup.shutdown()
+
+
+def test_exit_codes_and_signals_are_reported_within_half_a_second(supervise, tmp_path):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    sup, exits = supervise(f"""
+        import os, sys, time
+        mode = ["ok", "three", "raise", "hang"][int(os.environ["LOCAL_RANK"])]
+        with open(os.path.join({str(marks)!r}, mode), "w") as f:
+            f.write(repr(time.monotonic()))
+        if mode == "three":
+            sys.exit(3)
+        if mode == "raise":
+            raise RuntimeError("a bug in the training script")
+        if mode == "hang":
+            time.sleep(1000)
+        """, nproc=4)
+    sup.start_round(1, _envs(4))
+    _wait(lambda: (marks / "hang").exists(), 10, "the hanging rank started")
+    hang_pid = sup.workers()[3].pid
+    killed_at = time.monotonic()
+    os.kill(hang_pid, signal.SIGKILL)
+    got = exits.wait(4)
+    assert [(e.local_rank, e.exit_code, e.signal, e.stopped) for e in got] == [
+        (0, 0, None, False), (1, 3, None, False), (2, 1, None, False),
+        (3, 128 + signal.SIGKILL, signal.SIGKILL, False)]
+    for e, mode in zip(got[:3], ["ok", "three", "raise"]):
+        exited_at = float((marks / mode).read_text())
+        assert e.at - exited_at < 0.5, f"{mode}: reported {e.at - exited_at:.3f} s after exit"
+    assert got[3].at - killed_at < 0.5
+    assert got[3].pid == hang_pid
+    log_text = (tmp_path / "logs" / "round-1" / "rank-12.log").read_text()
+    assert "stderr: RuntimeError: a bug in the training script" in log_text
+    assert "bootstrap" not in log_text  # the traceback is the script's, as under plain python
+
+
+def test_stop_kills_term_ignoring_and_sigstopped_workers_and_their_children(supervise,
+                                                                           tmp_path):
+    sup, exits = supervise(f"""
+        import os, signal, subprocess, time
+        local = os.environ["LOCAL_RANK"]
+        if local == "0":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # A child in the worker's process group that ignores SIGTERM as well.
+        child = subprocess.Popen(["sh", "-c", "trap '' TERM; exec sleep 1000"])
+        with open(os.path.join({str(tmp_path)!r}, "child-" + local), "w") as f:
+            f.write(str(child.pid))
+        while True:
+            time.sleep(0.05)
+        """, nproc=2, stop_grace_s=0.5)
+    sup.start_round(3, _envs(2))
+    children = [int(_wait(lambda i=i: (tmp_path / f"child-{i}").exists() and
+                          (tmp_path / f"child-{i}").read_text(), 10, f"child of rank {i}"))
+                for i in range(2)]
+    pids = [w.pid for w in sup.workers()]
+    os.kill(pids[1], signal.SIGSTOP)
+    _wait(lambda: open(f"/proc/{pids[1]}/stat").read().split(")")[-1].split()[0] == "T", 5,
+          "worker 1 stopped")
+    started = time.monotonic()
+    got = sup.stop()
+    took = time.monotonic() - started
+    assert 0.4 < took < 0.5 + 3.0, took  # waited out the grace, then no longer than needed
+    assert [(e.local_rank, e.signal, e.stopped) for e in got] == [
+        (0, signal.SIGKILL, True), (1, signal.SIGTERM, True)]
+    assert not [p for p in pids + children if _alive(p)]
+    assert sorted(e.local_rank for e in exits.wait(2)) == [0, 1]  # delivered before stop returned
+    assert all(e.stopped for e in exits.seen)
+    assert sup.stop() == []  # idempotent
+
+
+def test_a_warm_restart_starts_the_script_faster_than_a_cold_one(supervise, tmp_path):
+    script = f"""
+        import torch  # the cost a warm worker has already paid
+        import os, time
+        with open(os.path.join({str(tmp_path)!r}, "mark-" + os.environ["ROUND"]), "w") as f:
+            f.write(repr(time.monotonic()))
+        """
+
+    def time_to_script(sup, exits, number: int) -> float:
+        t0 = time.monotonic()
+        sup.start_round(number, _envs(1, ROUND=str(number)))
+        mark = tmp_path / f"mark-{number}"
+        _wait(lambda: mark.exists() and mark.read_text(), 30, f"round {number} ran")
+        exits.wait(number if sup.prestart else 1, timeout_s=30)
+        sup.stop()
+        return float(mark.read_text()) - t0
+
+    cold_sup, cold_exits = supervise(script, prestart=False)
+    cold = time_to_script(cold_sup, cold_exits, 1)
+    cold_sup.shutdown()
+
+    warm_sup, warm_exits = supervise(script, prestart=True)
+    warm_sup.warm_up()
+    time_to_script(warm_sup, warm_exits, 1)  # the first round takes the first warm set
+    _wait(lambda: [w for w in warm_sup.warm_workers() if w.ready], 30, "next set warm")
+    warm_pid = warm_sup.warm_workers()[0].pid
+    warm = time_to_script(warm_sup, warm_exits, 2)
+    assert warm_sup.workers()[0].pid == warm_pid
+    print(f"\nstart_round -> first line of the script: cold {cold:.3f} s, warm {warm:.3f} s")
+    assert warm < 0.6 * cold, (warm, cold)
+
+
+def test_warm_worker_deaths_are_not_failures_and_a_broken_pool_goes_cold(supervise, tmp_path,
+                                                                         monkeypatch):
+    monkeypatch.setenv("ELASTIC_PRELOAD", "json")  # warm in milliseconds
+    sup, exits = supervise("import os; print('ran', os.environ['RANK'])", nproc=2,
+                           prestart=True)
+    sup.warm_up()
+    first = _wait(lambda: len(sup.warm_workers()) == 2 and all(
+        w.ready for w in sup.warm_workers()) and sup.warm_workers(), 10, "pool warm")
+    os.kill(first[0].pid, signal.SIGKILL)
+    _wait(lambda: first[0].pid not in [w.pid for w in sup.warm_workers()] and
+          len(sup.warm_workers()) == 2, 10, "the dead warm worker replaced")
+    assert sup.warm_enabled
+    assert exits.seen == []
+
+    # Preloading fails from now on: three deaths in a row, then rounds start cold.
+    monkeypatch.setenv("ELASTIC_PRELOAD", "no_such_module_for_elastic_tests")
+    for w in sup.warm_workers():
+        os.kill(w.pid, signal.SIGKILL)
+    _wait(lambda: not sup.warm_enabled, 15, "warm workers given up")
+    assert exits.seen == []
+    sup.start_round(1, _envs(2))
+    assert [e.exit_code for e in exits.wait(2)] == [0, 0]
+    assert sup.warm_workers() == []
+
+
+def test_a_round_sets_startup_variables_so_it_starts_cold_and_the_next_set_learns_them(
+        supervise, tmp_path, monkeypatch):
+    monkeypatch.setenv("ELASTIC_PRELOAD", "json")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    sup, exits = supervise("import os; print('omp', os.environ['OMP_NUM_THREADS'])",
+                           prestart=True)
+    sup.warm_up()
+    before = _wait(lambda: sup.warm_workers(), 10, "a warm worker")[0].pid
+    sup.start_round(1, _envs(1, OMP_NUM_THREADS="1"))
+    assert sup.workers()[0].pid != before  # its interpreter started without OMP_NUM_THREADS
+    exits.wait(1)
+    sup.stop()
+    again = _wait(lambda: sup.warm_workers(), 10, "the next warm worker")[0].pid
+    sup.start_round(2, _envs(1, OMP_NUM_THREADS="1"))
+    assert sup.workers()[0].pid == again
+    exits.wait(2)
+    assert "stdout: omp 1" in (tmp_path / "logs" / "round-2" / "rank-10.log").read_text()
+
+
+def test_shutdown_leaves_no_process_and_is_idempotent(supervise, tmp_path, monkeypatch):
+    monkeypatch.setenv("ELASTIC_PRELOAD", "json")
+    sup, exits = supervise("import time\nwhile True: time.sleep(0.05)", nproc=2, prestart=True)
+    sup.warm_up()
+    sup.start_round(1, _envs(2))
+    _wait(lambda: len(sup.warm_workers()) == 2, 10, "the next warm set")
+    sup.shutdown()
+    sup.shutdown()
+    assert len(sup.pids()) >= 4
+    for pid in sup.pids():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert all(e.stopped for e in exits.wait(2))
+    with pytest.raises(RuntimeError):
+        sup.start_round(2, _envs(2))
+
+
+def test_workers_started_from_a_short_lived_thread_outlive_it(supervise):
+    # PDEATHSIG follows the spawning *thread*; the supervisor spawns from its own.
+    sup, _ = supervise("import time\nwhile True: time.sleep(0.05)")
+    t = threading.Thread(target=sup.start_round, args=(1, _envs(1)))
+    t.start()
+    t.join()
+    time.sleep(0.3)
+    assert _alive(sup.workers()[0].pid)
+
+
+def test_round_misuse_is_refused(supervise):
+    sup, _ = supervise("import time\nwhile True: time.sleep(0.05)", nproc=2)
+    with pytest.raises(ValueError):
+        sup.start_round(1, _envs(1))
+    sup.start_round(1, _envs(2))
+    with pytest.raises(RuntimeError):
+        sup.start_round(2, _envs(2))
+    with pytest.raises(ValueError):
+        Entrypoint(script="a.py", module="a")
+
+
+DRIVER = """
+import json, os, sys, time
+sys.path.insert(0, {repo!r})
+from agent.supervisor import Entrypoint, WorkerSupervisor
+sup = WorkerSupervisor(job_id="job-t", node_id="node-a", nproc=2,
+                       entrypoint=Entrypoint(script={script!r}), log_dir={logs!r}, prestart=True)
+sup.warm_up()
+sup.start_round(1, [{{"RANK": "0"}}, {{"RANK": "1"}}])
+while len(sup.warm_workers()) < 2:
+    time.sleep(0.01)
+print(json.dumps(sup.pids()), flush=True)
+time.sleep(1000)
+"""
+
+
+def test_a_killed_agent_takes_its_workers_along(tmp_path):
+    script = tmp_path / "forever.py"
+    script.write_text("import time\nwhile True: time.sleep(0.05)\n")
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER.format(repo=REPO, script=str(script), logs=str(tmp_path / "logs")))
+    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE,
+                            env={**os.environ, "ELASTIC_PRELOAD": "json"}, text=True)
+    try:
+        pids = json.loads(proc.stdout.readline())
+        assert len(pids) == 4 and all(_alive(p) for p in pids)
+        proc.kill()
+        proc.wait()
+        _wait(lambda: not [p for p in pids if _alive(p)], 2.0, f"workers {pids} died")
+    finally:
+        proc.kill()
+        proc.wait()
