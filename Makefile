@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 demo: setup
-	$(PY) examples/demo_rendezvous.py
+	$(PY) examples/demo.py
 
 test: setup
 	$(PY) -m pytest -q

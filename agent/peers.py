@@ -228,8 +228,11 @@ class HealthWatcher:
     def _observe(self, status: PeerHealth) -> None:
         if status == self._status or self._stopped.is_set():
             return
-        logger.info("Health of the agent at %s changed from %s to %s.",
-                    self._addr, self._status or "nothing seen", status)
+        # Peers flip to NOT_SERVING and back at every round change: only
+        # losing a peer is worth an operator's attention.
+        logger.log(logging.WARNING if status == PeerHealth.UNREACHABLE else logging.DEBUG,
+                   "Health of the agent at %s changed from %s to %s.",
+                   self._addr, self._status or "nothing seen", status)
         self._status = status
         try:
             self._on_change(status)

@@ -726,8 +726,11 @@ class WorkerSupervisor:
         if not assigned:
             with self._lock:
                 self._warm_failures = 0
-            log.debug("job %s node %s: warm worker pid %d is ready.", self.job_id, self.node_id,
-                      w.pid)
+                ready_now = sum(1 for x in self._warm if x.ready and not x.exited)
+            # Once per set, so an operator (or a benchmark) knows a restart is fast now.
+            level = logging.INFO if ready_now == self.nproc else logging.DEBUG
+            log.log(level, "job %s node %s: warm worker pid %d is ready (%d of %d warm).",
+                    self.job_id, self.node_id, w.pid, ready_now, self.nproc)
 
     def _report(self, e: WorkerExit) -> None:
         how = f"was killed by signal {e.signal}" if e.signal else f"exited with code {e.exit_code}"

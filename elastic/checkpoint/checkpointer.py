@@ -80,8 +80,11 @@ class Checkpointer:
     ``commit_log`` to a :class:`FileCommitLog` in the root. ``on_saving(s)``
     is called with an estimate in seconds when a save starts and with 0 when
     it ends (default: ``elastic.worker.runtime.saving``, which suspends the
-    agent's hang detection). ``timeout_s`` bounds each collective of the
-    group this object creates.
+    agent's hang detection). ``verify_checksums`` makes commit and restore
+    compare CRC-32s, not only sizes. ``timeout_s`` bounds each collective of
+    the group this object creates. ``root`` must be one file system shared by
+    all ranks (every rank verifies files that others wrote, and resharding
+    reads any rank's shards).
 
     Raises :class:`ConfigError` for a missing root or bad arguments, and
     :class:`CheckpointError` when torch's object collectives cannot work
@@ -141,13 +144,14 @@ class Checkpointer:
 
         Raises :class:`CheckpointWriteError` when the write or its
         verification fails (the temporary directory is removed; the previous
-        checkpoint stays the latest; training can go on and save again),
+        checkpoint stays the latest; training can go on and save again) or
+        when ``step`` is already the latest committed checkpoint,
         :class:`elastic.errors.FencedError` when the commit log refuses this
         round, and :class:`CheckpointError` for other failures.
         """
         self._check_open()
         self.wait()
-        staged = self._stage(int(step), data_state, extras)
+        staged = self._stage(int(step), data_state, extras, copy=async_)
         if async_:
             self._inflight = self._executor.submit(self._persist, staged)
         else:
@@ -219,13 +223,17 @@ class Checkpointer:
 
     # --- save, in the caller's thread ---------------------------------------------------------
 
-    def _stage(self, step: int, data_state: Any, extras: Any) -> "_Staged":
+    def _stage(self, step: int, data_state: Any, extras: Any, copy: bool) -> "_Staged":
+        """Take the state to save. ``copy``: a CPU copy that training may not touch
+        (async; DefaultStager keeps its buffers for the next save, so this is one
+        copy of the shard, allocated once); otherwise the live tensors, which stay
+        still because the caller blocks until the save is done."""
         tensors = state.collect(self._chunks)
         nbytes = state.local_nbytes(tensors.state_dict)
         self._announce(_SAVE_FIXED_S + nbytes / _SAVE_BYTES_PER_S)
         try:
             started = time.monotonic()
-            staged = self._stager.stage(tensors.state_dict)
+            staged = self._stager.stage(tensors.state_dict) if copy else tensors.state_dict
             local = state.capture_local(step=step, rank=self._group.rank,
                                         world_size=self._group.size, schedulers=self._schedulers,
                                         data_state=data_state, extras=extras)
@@ -266,9 +274,11 @@ class Checkpointer:
             failure = self._capture(lambda: self._commit(staged, tmp)) if rank == 0 else None
             failure = self._group.broadcast(failure, "committing")
             if failure is not None:
+                self._discard_on_rank0(tmp)  # still there when the rename was not reached
                 raise failure.error(step, tmp)
             log.log(self._level, "Rank %d saved checkpoint step %d in round %d (%d bytes of its "
-                    "own) in %.2f s.", rank, step, self._round, staged.nbytes, time.monotonic() - started)
+                    "own) in %.2f s.", rank, step, self._round, staged.nbytes,
+                    time.monotonic() - started)
         except BaseException as exc:
             log.error("Rank %d failed to save checkpoint step %d in round %d: %s", rank, step,
                       self._round, exc)
@@ -337,7 +347,8 @@ class Checkpointer:
         self._retain(entry)
 
     def _retain(self, latest: CommitEntry) -> None:
-        victims = layout.retention_victims(layout.list_checkpoints(self.root), self.keep, latest)
+        victims = layout.retention_victims(layout.list_checkpoints(self.root), self.keep, latest,
+                                           unusable=self._unusable)
         for name in victims:
             log.info("Rank 0 removes checkpoint %s (keeping the last %d committed) after "
                      "committing step %d in round %d.", name, self.keep, latest.step, self._round)

@@ -349,12 +349,15 @@ def restore_candidates(checkpoints: Iterable[CheckpointDir], latest: CommitEntry
 
 
 def retention_victims(checkpoints: Iterable[CheckpointDir], keep: int,
-                      latest: CommitEntry | None, protect: Iterable[str] = ()) -> list[str]:
+                      latest: CommitEntry | None, protect: Iterable[str] = (),
+                      unusable: Iterable[str] = ()) -> list[str]:
     """The checkpoint directories to delete so that ``keep`` committed ones remain.
 
-    Committed means marked, or named by the latest entry. Kept: the ``keep``
-    newest committed ones, the latest entry's directory and ``protect``
-    (e.g. one being loaded), always. Deleted: every other directory older
+    Committed means marked, or named by the latest entry; ``unusable`` ones
+    (which failed verification) do not count towards ``keep``, so they never
+    push out a good one. Kept: the ``keep`` newest committed ones, the latest
+    entry's directory and ``protect`` (e.g. one being loaded), always.
+    Deleted: every other directory older
     than the oldest kept committed one, and unmarked directories newer than
     the latest entry (saves that crashed after their rename or were fenced
     off: never committed). Unmarked directories between kept ones stay until
@@ -365,7 +368,9 @@ def retention_victims(checkpoints: Iterable[CheckpointDir], keep: int,
         raise ValueError(f"keep must be at least 1, got {keep}")
     checkpoints = sorted(checkpoints, key=lambda d: d.step)
     latest_name = latest.path if latest is not None else None
-    committed = [d for d in checkpoints if d.marked or d.name == latest_name]
+    unusable = set(unusable)
+    committed = [d for d in checkpoints
+                 if (d.marked or d.name == latest_name) and d.name not in unusable]
     kept = {d.name for d in committed[-keep:]} | set(protect)
     if latest_name is not None:
         kept.add(latest_name)

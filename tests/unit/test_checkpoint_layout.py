@@ -229,6 +229,15 @@ def test_retention_protects_and_handles_unmarked():
         layout.retention_victims(found, 0, entry(3))
 
 
+def test_retention_does_not_count_unusable_checkpoints():
+    # 2 failed verification at restore; the job resumed from 1 and committed 3 and 4
+    found = dirs((1, True), (2, True), (3, True), (4, True))
+    assert layout.retention_victims(found, 3, entry(4)) == [layout.step_dir_name(1)]
+    assert layout.retention_victims(found, 3, entry(4), unusable=[layout.step_dir_name(2)]) == []
+    assert layout.retention_victims(found, 2, entry(4), unusable=[layout.step_dir_name(2)]) == [
+        layout.step_dir_name(s) for s in (1, 2)]
+
+
 def test_stale_temporaries():
     names = [".tmp-step-5-round-2", ".tmp-step-10-round-2", ".tmp-step-12-round-2",
              ".tmp-step-20-round-1", ".tmp-step-3-round-3", ".trash-step-000000000001-ab",
