@@ -2,7 +2,8 @@
 
 Use::
 
-    ckpt = Checkpointer(model=model, optimizer=opt, scheduler=sched)  # root: $ELASTIC_CHECKPOINT_DIR
+    # root defaults to $ELASTIC_CHECKPOINT_DIR
+    ckpt = Checkpointer(model=model, optimizer=opt, scheduler=sched)
     start = ckpt.restore()                       # 0 on a fresh start
     sampler.load_state_dict(ckpt.data_state or {})
     for step in range(start, steps):

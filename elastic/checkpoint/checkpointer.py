@@ -21,6 +21,7 @@ import concurrent.futures
 import dataclasses
 import datetime
 import errno as errno_module
+import importlib.util
 import logging
 import os
 import shutil
@@ -108,7 +109,8 @@ class Checkpointer:
         if scheduler is None:
             self._schedulers: list[Any] = []
         else:
-            self._schedulers = list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
+            self._schedulers = (list(scheduler) if isinstance(scheduler, (list, tuple))
+                                else [scheduler])
         self.root = os.path.abspath(root)
         self.keep = keep
         self.verify_checksums = verify_checksums
@@ -568,11 +570,10 @@ class _Group:
             warnings.filterwarnings("ignore", category=UserWarning,
                                     message="torch.distributed is disabled, unavailable or uninit")
             return cls(None, 0, 1)
-        try:
-            import numpy  # noqa: F401 - torch's object collectives call tensor.numpy()
-        except ImportError as exc:
+        if importlib.util.find_spec("numpy") is None:
+            # torch's object collectives, which DCP uses, call tensor.numpy() on receipt.
             raise CheckpointError("distributed checkpoints need numpy: torch's object "
-                                  "collectives, which DCP uses, fail without it") from exc
+                                  "collectives, which DCP uses, fail without it")
         pg = process_group
         if pg is None:
             pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))

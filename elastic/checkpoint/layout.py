@@ -233,7 +233,8 @@ def read_manifests(directory: str) -> tuple[list[Manifest], list[Problem]]:
     return manifests, problems
 
 
-def verify(directory: str, *, checksums: bool = True, part: int = 0, parts: int = 1) -> list[Problem]:
+def verify(directory: str, *, checksums: bool = True, part: int = 0,
+           parts: int = 1) -> list[Problem]:
     """The problems that make a checkpoint directory unusable; empty when it verifies.
 
     Checks that every rank's manifest is there and consistent, that DCP's
@@ -249,7 +250,8 @@ def verify(directory: str, *, checksums: bool = True, part: int = 0, parts: int 
         return problems if part == 0 else []
     listed = sorted((name, digest) for m in manifests for name, digest in m.files.items())
     if METADATA_FILE not in {name for name, _ in listed}:
-        problems.append(Problem(os.path.join(directory, METADATA_FILE), "not listed in any manifest"))
+        problems.append(Problem(os.path.join(directory, METADATA_FILE),
+                                "not listed in any manifest"))
     names = [name for name, _ in listed]
     for name in sorted({n for n in names if names.count(n) > 1}):
         problems.append(Problem(os.path.join(directory, name), "listed by more than one rank"))
@@ -327,11 +329,13 @@ def list_checkpoints(root: str) -> list[CheckpointDir]:
     for name in names:
         step = parse_step_dir(name)
         if step is not None and os.path.isdir(os.path.join(root, name)):
-            found.append(CheckpointDir(step, name, read_marker(os.path.join(root, name)) is not None))
+            marked = read_marker(os.path.join(root, name)) is not None
+            found.append(CheckpointDir(step, name, marked))
     return sorted(found, key=lambda d: d.step)
 
 
-def restore_candidates(checkpoints: Iterable[CheckpointDir], latest: CommitEntry | None) -> list[str]:
+def restore_candidates(checkpoints: Iterable[CheckpointDir],
+                       latest: CommitEntry | None) -> list[str]:
     """The directories restore may load, in the order it tries them.
 
     First the commit log's latest (whether or not it has a marker: the log is

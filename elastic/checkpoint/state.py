@@ -79,11 +79,13 @@ def make_chunks(model: nn.Module | Sequence[nn.Module],
     else:
         optimizers = [optimizer]
     if not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a list of them, got {optimizer!r}")
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a list of them, "
+                        f"got {optimizer!r}")
     if len(models) == 1:
         return [Chunk(models[0], tuple(optimizers))]
     if optimizers and len(optimizers) != len(models):
-        raise ValueError(f"{len(models)} model chunks need one optimizer each, got {len(optimizers)}")
+        raise ValueError(f"{len(models)} model chunks need one optimizer each, "
+                         f"got {len(optimizers)}")
     return [Chunk(m, (optimizers[i],) if optimizers else ()) for i, m in enumerate(models)]
 
 

@@ -356,6 +356,9 @@ class RendezvousNode:
                     "registering again", self.config.job_id, self.node_id, self.config.lease_ttl_s)
         self._drop_leadership()
         self._leader = None
+        # If the lease only looked lost (keep-alives failed, yet etcd kept it),
+        # revoke it, or the old registration would block the new one.
+        self._session.close()
         self._register()
         self._campaign()
 

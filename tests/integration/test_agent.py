@@ -193,3 +193,35 @@ def test_status_shows_agents_workers_and_failures(agents, tmp_path, etcd_endpoin
                             text=True, timeout=30)
     assert "RUNNING -> STOPPING: worker rank 0" in events.stdout
     a.stop()
+
+
+def test_drain_takes_a_node_out_and_the_job_goes_on(agents, tmp_path, etcd_endpoint, job_id):
+    progress, args = train_args(tmp_path, steps=80)
+    a = agents("a", args, nnodes="1:2")
+    b = agents("b", args, nnodes="1:2")
+    wait_progress(progress, lambda rs: any(r["step"] >= 3 and r["world"] == 4 for r in rs))
+    out = subprocess.run([sys.executable, "-m", "agent.ctl", "drain", "b", "--json", "--etcd",
+                          etcd_endpoint, "--job-id", job_id], cwd=REPO, capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"requested": "drain", "node_id": "b"}
+    assert b.wait_exit(60) == 0, b.text
+    assert "DRAINING" in b.text
+    assert a.wait_exit(150) == 0, a.text
+    assert "drained b" in a.text
+    after = [r for r in read_progress(progress) if r["world"] == 2]
+    assert after and max(r["step"] for r in after) == 79
+
+
+def test_operator_restart_is_not_a_failure(agents, tmp_path, etcd_endpoint, etcd_store, job_id):
+    progress, args = train_args(tmp_path, steps=60)
+    a = agents("a", args, nnodes="1", extra=("--max-restarts", "0"))
+    wait_progress(progress, lambda rs: any(r["step"] >= 3 for r in rs))
+    out = subprocess.run([sys.executable, "-m", "agent.ctl", "restart", "--reason", "new data",
+                          "--etcd", etcd_endpoint, "--job-id", job_id], cwd=REPO,
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert a.wait_exit(150) == 0, a.text  # with a budget of 0, a counted failure would end it
+    assert "restart requested by elasticctl: new data" in a.text
+    assert any(r["restart"] == 1 for r in read_progress(progress))
+    assert final_round(etcd_store, job_id).failures == ()

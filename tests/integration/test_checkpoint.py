@@ -2,13 +2,12 @@
 pipeline stages), async saves, crashes at every failpoint, damaged shards, a full
 disk and a fenced commit.
 
-This file is also the worker: ``python test_checkpoint.py TASKS_JSON`` runs a list
-of tasks as one rank (RANK, WORLD_SIZE and the store file come from the
-environment) and prints one JSON line per finished task, so a test still sees
-what a worker did before an injected crash. Starting a process costs seconds here
-(``import torch`` and DCP on 2 cores), so one module fixture runs all scenarios
-in seven launches, several tasks per launch, and the tests check its results.
-The worker part comes first and runs before pytest is imported.
+Workers are real processes forked from a multiprocessing *forkserver* that has
+imported torch, DCP and this module once: each launch then costs a fork and a
+gloo rendezvous instead of seconds of ``import torch`` per rank on 2 cores. Each
+forked worker is a fresh process (nothing of earlier launches is in it). A worker
+runs a list of tasks and writes one JSON line per finished task to its stdout
+file, so a test still sees what a worker did before an injected crash.
 
 ENOSPC is tested twice: on a real, tiny tmpfs (``mount -t tmpfs``, which needs
 root; when the mount is refused that test is skipped with the reason, never
@@ -20,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
 import random
 import shutil
@@ -29,12 +29,292 @@ import time
 import traceback
 import uuid
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-THIS_FILE = os.path.abspath(__file__)
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+LAUNCH_TIMEOUT_S = 60.0
 
 
 # =====================================================================================
-# The worker side
+# The test side: launching groups of worker processes
+# =====================================================================================
+
+
+def _process_entry(rank: int, world_size: int, store: str, tasks: list[dict], out_path: str,
+                   err_path: str) -> None:
+    """The forked worker's first code: its own stdout/stderr files and environment."""
+    for fd, path in ((1, out_path), (2, err_path)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    for name in ("ELASTIC_FAILPOINT", "ELASTIC_AGENT_SOCKET", "ELASTIC_CHECKPOINT_DIR"):
+        os.environ.pop(name, None)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), CKPT_TEST_STORE=store,
+                      ELASTIC_ROUND="0")
+    import torch
+
+    torch.set_num_threads(1)  # 2 cores, several ranks
+    worker_main(tasks)
+
+
+_CONTEXT = None
+
+
+def _context():
+    global _CONTEXT
+    if _CONTEXT is None:
+        _CONTEXT = multiprocessing.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed.checkpoint",
+                                         "torch.distributed.fsdp",
+                                         "elastic.checkpoint.checkpointer", __name__])
+    return _CONTEXT
+
+
+class Rank:
+    """What one worker process did: exit code, results by task id, stderr."""
+
+    def __init__(self, rank: int, returncode: int, results: dict, stderr: str):
+        self.rank = rank
+        self.returncode = returncode
+        self.results = results
+        self.stderr = stderr
+
+    def __repr__(self) -> str:
+        return f"Rank({self.rank}, rc={self.returncode}, tasks={sorted(self.results)})"
+
+
+def launch(workdir, world_size: int, tasks: list[dict], *,
+           crash_expected: bool = False) -> list[Rank]:
+    """Run ``tasks`` in ``world_size`` fresh worker processes joined over gloo."""
+    ctx = _context()
+    tag = uuid.uuid4().hex[:8]
+    store = os.path.join(str(workdir), f"store-{tag}")
+    paths = [(os.path.join(str(workdir), f"{tag}-{rank}.out"),
+              os.path.join(str(workdir), f"{tag}-{rank}.err")) for rank in range(world_size)]
+    procs = [ctx.Process(target=_process_entry, args=(rank, world_size, store, tasks, *paths[rank]))
+             for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    for proc in procs:
+        proc.join(timeout=max(0.1, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    ranks = []
+    for rank, (proc, (out, err)) in enumerate(zip(procs, paths)):
+        with open(out) as f:
+            lines = [json.loads(line) for line in f.read().splitlines() if line.startswith("{")]
+        with open(err) as f:
+            stderr = f.read()
+        ranks.append(Rank(rank, proc.exitcode, {x["id"]: x["result"] for x in lines}, stderr))
+    if not crash_expected:
+        for r in ranks:
+            assert r.returncode == 0, \
+                f"rank {r.rank} failed (rc {r.returncode}):\n{r.stderr[-6000:]}"
+    return ranks
+
+
+def run(workdir, world_size: int, task: dict, **kwargs) -> list[dict]:
+    """One task in a fresh group: its per-rank results."""
+    task = dict(task, id="task")
+    return [r.results["task"] for r in launch(workdir, world_size, [task], **kwargs)]
+
+
+def mount_tmpfs(path: str, size: str) -> str | None:
+    """Mount a tmpfs at ``path``; None on success, else why not."""
+    os.makedirs(path, exist_ok=True)
+    if shutil.which("mount") is None:
+        return "no mount command"
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path],
+                          capture_output=True, text=True)
+    if proc.returncode == 0:
+        return None
+    return proc.stderr.strip() or f"mount exited {proc.returncode}"
+
+
+def damage(directory: str, kind: str) -> str:
+    """Truncate rank 1's shard or flip one bit in rank 0's; the damaged file's path."""
+    path = os.path.join(directory, "__1_0.distcp" if kind == "truncate" else "__0_0.distcp")
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        if kind == "truncate":
+            f.truncate(size // 2)
+        else:
+            f.seek(size // 2)
+            byte = f.read(1)[0]
+            f.seek(size // 2)
+            f.write(bytes([byte ^ 0x04]))
+    return path
+
+
+# =====================================================================================
+# Tests
+# =====================================================================================
+
+
+def test_ddp_resume_is_bitwise_identical(tmp_path):
+    root = str(tmp_path / "ckpt")
+    reference = run(tmp_path, 2, {"task": "ddp", "root": root, "save_at": 2})
+    resumed = run(tmp_path, 2, {"task": "ddp", "root": root, "save_at": None})
+    for rank, (ref, res) in enumerate(zip(reference, resumed)):
+        assert ref["start"] == 0 and res["start"] == 3
+        assert res["digest"] == ref["digest"], "weights/optimizer/scheduler differ after resume"
+        assert res["torch_rand"] == ref["torch_rand"] and res["py_rand"] == ref["py_rand"]
+        assert res["restored_data_state"] == {"rank": rank, "samples": 24}
+        assert res["restored_extras"] == {"note": "hello", "rank": rank}
+    # each rank got its own RNG back, not rank 0's
+    assert reference[0]["torch_rand"] != reference[1]["torch_rand"]
+
+
+def test_fsdp2_reshards_from_2_to_1_and_3_ranks(tmp_path):
+    root = str(tmp_path / "ckpt")
+    saved = run(tmp_path, 2, {"task": "fsdp", "root": root, "save": True})
+    assert saved[0]["start"] == 0 and saved[0]["full"] == saved[1]["full"]
+    loaded = (run(tmp_path, 1, {"task": "fsdp", "root": root, "save": False})
+              + run(tmp_path, 3, {"task": "fsdp", "root": root, "save": False}))
+    assert len(loaded) == 4
+    for rank in loaded:
+        assert rank["start"] == 2
+        assert rank["full"] == saved[0]["full"]
+
+
+def union(ranks: list[dict]) -> dict:
+    merged = {}
+    for rank in ranks:
+        assert not merged.keys() & rank["owned"].keys(), "stages must own disjoint FQNs"
+        merged.update(rank["owned"])
+    return merged
+
+
+def test_pipeline_2_stages_load_into_1_rank(tmp_path):
+    root = str(tmp_path / "ckpt")
+    saved = union(run(tmp_path, 2, {"task": "pipeline", "root": root, "chunks_per_rank": 1,
+                                    "save": True}))
+    assert any(k.startswith("model.head.") for k in saved)
+    assert any(k.startswith("optim.state.layers.") for k in saved)
+    loaded = run(tmp_path, 1, {"task": "pipeline", "root": root, "chunks_per_rank": 2,
+                               "save": False})
+    assert loaded[0]["start"] == 5
+    assert union(loaded) == saved
+
+
+def test_pipeline_1_rank_loads_into_2_stages(tmp_path):
+    root = str(tmp_path / "ckpt")
+    saved = union(run(tmp_path, 1, {"task": "pipeline", "root": root, "chunks_per_rank": 2,
+                                    "save": True}))
+    loaded = run(tmp_path, 2, {"task": "pipeline", "root": root, "chunks_per_rank": 1,
+                               "save": False})
+    assert [r["start"] for r in loaded] == [5, 5]
+    assert all(r["owned"] for r in loaded)
+    assert union(loaded) == saved
+
+
+def test_async_save_blocks_only_for_staging_and_one_in_flight(tmp_path):
+    for r in run(tmp_path, 2, {"task": "async", "root": str(tmp_path / "ckpt")}):
+        # loose: the call returns well before the background write ends
+        assert r["call_s"] < r["total_s"] / 2, r
+        # with every write slowed by 1 s, save() still returns at once ...
+        assert r["slow_call_s"] < 0.8, r
+        # ... the next save first waits for it, which is then committed ...
+        assert r["second_call_s"] >= 0.9, r
+        assert r["latest_after_second_call"] == 1
+        # ... and the staged copy was a real copy: mutating the live tensors after
+        # save() returned did not leak into the checkpoint being written
+        assert r["step1_on_disk"] == r["before_mutation"] != r["after_mutation"]
+        assert r["step2_on_disk"] == r["after_mutation"]
+        # the agent hears of each save with an estimate, and of its end with 0
+        assert len(r["announced_first"]) == 2 and r["announced_first"][0] > 0
+        assert r["announced_first"][1] == 0 and r["announced"][-1] == 0
+        # keep=2: step 0 was pruned after step 2 was committed
+        assert r["dirs"] == ["step-000000000001", "step-000000000002"]
+
+
+@pytest.mark.parametrize("name, async_save", [
+    ("ckpt.before_shards", True),
+    ("ckpt.mid_write", False),
+    ("ckpt.after_shards_before_commit", True),
+    ("ckpt.after_rename_before_commit_log", False),
+])
+def test_crash_at_failpoint_restores_previous_checkpoint(tmp_path, name, async_save):
+    root = str(tmp_path / "ckpt")
+    crashed = launch(tmp_path, 2, [{"id": "crash", "task": "crash", "root": root,
+                                    "failpoint": name, "async_save": async_save}],
+                     crash_expected=True)
+    # the failpoint itself ended the run, not some other error
+    assert crashed[0].returncode == 1, crashed[0].stderr[-3000:]
+    assert f"elastic failpoint {name}: exit" in crashed[0].stderr
+    assert all(r.returncode != 0 for r in crashed)
+    restored = run(tmp_path, 2, {"task": "check_restore", "root": root})
+    for before, after in zip(crashed, restored):
+        assert after["start"] == 2, after
+        assert after["digest"] == before.results["crash"]["digest"], \
+            "the previous checkpoint is not intact"
+        assert after["data_state"] == {"step": 1}
+        # training goes on and saves the same step again, over whatever the crash left
+        assert after["latest_after_save"] == 2
+        assert after["hidden_after_save"] == []
+        assert after["step1_verifies"]
+
+
+@pytest.mark.parametrize("kind", ["truncate", "bitflip"])
+def test_damaged_latest_falls_back_to_previous(tmp_path, kind):
+    root = str(tmp_path / "ckpt")
+    saved = run(tmp_path, 2, {"task": "two_saves", "root": root})
+    path = damage(os.path.join(root, "step-000000000002"), kind)
+    ranks = launch(tmp_path, 2, [{"id": "check", "task": "check_restore", "root": root}])
+    for before, after in zip(saved, (r.results["check"] for r in ranks)):
+        assert after["start"] == 2, after
+        assert after["digest"] == before["digest"]
+        assert after["latest_after_save"] == 2  # the damaged latest was replaced
+        assert after["step1_verifies"]
+    word = "truncated" if kind == "truncate" else "corrupt: CRC-32"
+    warnings = [line for line in ranks[0].stderr.splitlines()
+                if line.startswith("WARNING") and path in line]
+    assert warnings and word in warnings[0], "the warning must name the damaged file and why"
+
+
+def check_enospc(ranks: list[dict], failing_rank: int | None) -> None:
+    for r in ranks:
+        assert r["errno"] == 28, r
+        assert "No space left on device" in r["error"] and ".tmp-step-2-round-0" in r["error"], r
+        if failing_rank is not None:
+            assert f"on rank {failing_rank}" in r["error"], r
+        assert r["latest_after_failure"] == 1 and r["step1_verifies_after_failure"]
+        assert r["hidden_after_failure"] == []
+        assert r["latest_after_retry"] == 3  # training went on and saved again
+
+
+def test_enospc_on_a_full_tmpfs(tmp_path):
+    disk = str(tmp_path / "tiny-disk")
+    why_not = mount_tmpfs(disk, "2m")
+    if why_not is not None:
+        pytest.skip(f"cannot mount a tmpfs here ({why_not}); "
+                    f"test_enospc_injected_on_one_rank covers ENOSPC by failpoint")
+    try:
+        ranks = run(tmp_path, 2, {"task": "enospc", "root": os.path.join(disk, "ckpt"),
+                                  "fill": disk})
+    finally:
+        subprocess.run(["umount", "-l", disk], check=False)
+    check_enospc(ranks, failing_rank=None)
+
+
+def test_enospc_injected_on_one_rank(tmp_path):
+    ranks = run(tmp_path, 2, {"task": "enospc", "root": str(tmp_path / "ckpt"), "fill": None})
+    check_enospc(ranks, failing_rank=1)
+
+
+def test_fenced_commit_leaves_latest_in_place(tmp_path):
+    for r in run(tmp_path, 2, {"task": "fenced", "root": str(tmp_path / "ckpt")}):
+        assert "refused" in r["fenced_error"]
+        assert r["latest_after_fence"] == {"step": 1, "round": 3}
+        assert r["zombie_dir_exists"] and r["zombie_dir_marked"] is False
+        assert r["restored_start"] == 2 and r["restored_digest"] == r["digest_step1"]
+        assert r["latest_after_resave"] == {"step": 2, "round": 3}
+
+
+# =====================================================================================
+# The worker side: tasks that one rank runs
 # =====================================================================================
 
 
@@ -165,7 +445,8 @@ class Worker:
         from torch.distributed.fsdp import fully_shard
 
         torch.manual_seed(0 if save else 4242)
-        model = nn.Sequential(nn.Linear(8, 18), nn.ReLU(), nn.Linear(18, 7))  # 7 rows: uneven shards
+        # 7 output rows: shards of uneven size at world sizes 2 and 3
+        model = nn.Sequential(nn.Linear(8, 18), nn.ReLU(), nn.Linear(18, 7))
         mesh = init_device_mesh("cpu", (self.world_size,))
         for layer in model:
             if isinstance(layer, nn.Linear):
@@ -462,298 +743,3 @@ def worker_main(tasks: list[dict]) -> None:
             os._exit(3)
         emit(task_id, result)
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    worker_main(json.loads(sys.argv[1]))
-    sys.exit(0)
-
-
-# =====================================================================================
-# The test side (pytest is imported only here: workers do not pay for it)
-# =====================================================================================
-
-import pytest  # noqa: E402
-
-pytestmark = pytest.mark.timeout(300)
-LAUNCH_TIMEOUT_S = 90.0
-
-
-class Rank:
-    """What one worker process did: exit code, results by task id, stderr."""
-
-    def __init__(self, rank: int, returncode: int, results: dict, stderr: str):
-        self.rank = rank
-        self.returncode = returncode
-        self.results = results
-        self.stderr = stderr
-
-    def __repr__(self) -> str:
-        return f"Rank({self.rank}, rc={self.returncode}, tasks={sorted(self.results)})"
-
-
-def launch(workdir, world_size: int, tasks: list[dict], *, crash_expected: bool = False) -> list[Rank]:
-    """Run ``tasks`` in ``world_size`` fresh worker processes joined over gloo."""
-    tag = uuid.uuid4().hex[:8]
-    procs = []
-    for rank in range(world_size):
-        env = dict(os.environ, PYTHONPATH=REPO, RANK=str(rank), WORLD_SIZE=str(world_size),
-                   CKPT_TEST_STORE=os.path.join(str(workdir), f"store-{tag}"),
-                   ELASTIC_ROUND="0", OMP_NUM_THREADS="1")
-        env.pop("ELASTIC_FAILPOINT", None)
-        env.pop("ELASTIC_AGENT_SOCKET", None)
-        out = open(os.path.join(str(workdir), f"{tag}-{rank}.out"), "w+")
-        err = open(os.path.join(str(workdir), f"{tag}-{rank}.err"), "w+")
-        proc = subprocess.Popen([sys.executable, THIS_FILE, json.dumps(tasks)], cwd=REPO,
-                                env=env, stdout=out, stderr=err)
-        procs.append((proc, out, err))
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    ranks = []
-    for rank, (proc, out, err) in enumerate(procs):
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for other, _, _ in procs:
-                other.kill()
-            proc.wait()
-        out.seek(0)
-        err.seek(0)
-        lines = [json.loads(line) for line in out.read().splitlines() if line.startswith("{")]
-        ranks.append(Rank(rank, proc.returncode, {x["id"]: x["result"] for x in lines}, err.read()))
-        out.close()
-        err.close()
-    if not crash_expected:
-        for r in ranks:
-            assert r.returncode == 0, f"rank {r.rank} failed (rc {r.returncode}):\n{r.stderr[-6000:]}"
-    return ranks
-
-
-class Runs:
-    """Every launch's ranks, and each task's per-rank results by task id."""
-
-    def __init__(self):
-        self.launches: dict[str, list[Rank]] = {}
-        self.tmpfs_problem: str | None = None
-        self.damaged: dict[str, str] = {}
-
-    def add(self, name: str, ranks: list[Rank]) -> None:
-        self.launches[name] = ranks
-
-    def __getitem__(self, task_id: str) -> list[dict]:
-        for ranks in self.launches.values():
-            if task_id in ranks[0].results:
-                return [r.results[task_id] for r in ranks]
-        raise KeyError(f"no launch reported task {task_id!r}: {self.launches}")
-
-
-FAILPOINTS = [  # (failpoint, async save)
-    ("ckpt.before_shards", True),
-    ("ckpt.mid_write", False),
-    ("ckpt.after_shards_before_commit", True),
-    ("ckpt.after_rename_before_commit_log", False),
-]
-DAMAGES = ["truncate", "bitflip"]
-
-
-def mount_tmpfs(path: str, size: str) -> str | None:
-    """Mount a tmpfs at ``path``; None on success, else why not."""
-    os.makedirs(path, exist_ok=True)
-    if shutil.which("mount") is None:
-        return "no mount command"
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path],
-                          capture_output=True, text=True)
-    return None if proc.returncode == 0 else (proc.stderr.strip() or f"mount exited {proc.returncode}")
-
-
-def damage(directory: str, kind: str) -> str:
-    """Truncate rank 1's shard or flip one bit in rank 0's; the damaged file's path."""
-    path = os.path.join(directory, "__1_0.distcp" if kind == "truncate" else "__0_0.distcp")
-    size = os.path.getsize(path)
-    with open(path, "r+b") as f:
-        if kind == "truncate":
-            f.truncate(size // 2)
-        else:
-            f.seek(size // 2)
-            byte = f.read(1)[0]
-            f.seek(size // 2)
-            f.write(bytes([byte ^ 0x04]))
-    return path
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    work = tmp_path_factory.mktemp("ckpt")
-    root = {name: str(work / name) for name in
-            ["ddp", "fsdp", "pp2", "pp1", "async", "fenced", "enospc-injected", *DAMAGES,
-             *(name for name, _ in FAILPOINTS)]}
-    tiny_disk = str(work / "tiny-disk")
-    result = Runs()
-    result.tmpfs_problem = mount_tmpfs(tiny_disk, "2m")
-    try:
-        # Four launches end in a crash; other ws=2 tasks ride along before it.
-        riders = [
-            [{"id": "ddp_reference", "task": "ddp", "root": root["ddp"], "save_at": 2},
-             {"id": "fsdp_save", "task": "fsdp", "root": root["fsdp"], "save": True},
-             {"id": "pp_save2", "task": "pipeline", "root": root["pp2"], "chunks_per_rank": 1,
-              "save": True}],
-            [{"id": f"saved_{kind}", "task": "two_saves", "root": root[kind]} for kind in DAMAGES]
-            + [{"id": "async", "task": "async", "root": root["async"]}],
-            [{"id": "enospc_injected", "task": "enospc", "root": root["enospc-injected"],
-              "fill": None}]
-            + ([{"id": "enospc_tmpfs", "task": "enospc", "root": os.path.join(tiny_disk, "ckpt"),
-                 "fill": tiny_disk}] if result.tmpfs_problem is None else []),
-            [{"id": "fenced", "task": "fenced", "root": root["fenced"]}],
-        ]
-        for (name, async_save), tasks in zip(FAILPOINTS, riders):
-            crash = {"id": f"crash_{name}", "task": "crash", "root": root[name],
-                     "failpoint": name, "async_save": async_save}
-            result.add(f"crash_{name}", launch(work, 2, tasks + [crash], crash_expected=True))
-    finally:
-        if result.tmpfs_problem is None:
-            subprocess.run(["umount", "-l", tiny_disk], check=False)
-    result.damaged = {kind: damage(os.path.join(root[kind], "step-000000000002"), kind)
-                      for kind in DAMAGES}
-    result.add("one", launch(work, 1, [
-        {"id": "fsdp_load1", "task": "fsdp", "root": root["fsdp"], "save": False},
-        {"id": "pp_load1", "task": "pipeline", "root": root["pp2"], "chunks_per_rank": 2,
-         "save": False},
-        {"id": "pp_save1", "task": "pipeline", "root": root["pp1"], "chunks_per_rank": 2,
-         "save": True}]))
-    result.add("three", launch(work, 3, [
-        {"id": "fsdp_load3", "task": "fsdp", "root": root["fsdp"], "save": False}]))
-    result.add("final", launch(work, 2, [
-        {"id": "ddp_resume", "task": "ddp", "root": root["ddp"], "save_at": None},
-        {"id": "pp_load2", "task": "pipeline", "root": root["pp1"], "chunks_per_rank": 1,
-         "save": False}]
-        + [{"id": f"check_{name}", "task": "check_restore", "root": root[name]}
-           for name in [*(n for n, _ in FAILPOINTS), *DAMAGES]]))
-    return result
-
-
-def test_ddp_resume_is_bitwise_identical(runs):
-    reference, resumed = runs["ddp_reference"], runs["ddp_resume"]
-    for rank, (ref, res) in enumerate(zip(reference, resumed)):
-        assert ref["start"] == 0 and res["start"] == 3
-        assert res["digest"] == ref["digest"], "weights/optimizer/scheduler differ after resume"
-        assert res["torch_rand"] == ref["torch_rand"] and res["py_rand"] == ref["py_rand"]
-        assert res["restored_data_state"] == {"rank": rank, "samples": 24}
-        assert res["restored_extras"] == {"note": "hello", "rank": rank}
-    # each rank got its own RNG back, not rank 0's
-    assert reference[0]["torch_rand"] != reference[1]["torch_rand"]
-
-
-def test_fsdp2_reshards_from_2_to_1_and_3_ranks(runs):
-    saved = runs["fsdp_save"]
-    assert saved[0]["start"] == 0 and saved[0]["full"] == saved[1]["full"]
-    loaded = runs["fsdp_load1"] + runs["fsdp_load3"]
-    assert len(loaded) == 4
-    for rank in loaded:
-        assert rank["start"] == 2
-        assert rank["full"] == saved[0]["full"]
-
-
-def union(ranks: list[dict]) -> dict:
-    merged = {}
-    for rank in ranks:
-        assert not merged.keys() & rank["owned"].keys(), "stages must own disjoint FQNs"
-        merged.update(rank["owned"])
-    return merged
-
-
-def test_pipeline_2_stages_load_into_1_rank(runs):
-    saved = union(runs["pp_save2"])
-    assert any(k.startswith("model.head.") for k in saved)
-    assert any(k.startswith("optim.state.layers.") for k in saved)
-    assert runs["pp_load1"][0]["start"] == 5
-    assert union(runs["pp_load1"]) == saved
-
-
-def test_pipeline_1_rank_loads_into_2_stages(runs):
-    saved = union(runs["pp_save1"])
-    loaded = runs["pp_load2"]
-    assert [r["start"] for r in loaded] == [5, 5]
-    assert all(r["owned"] for r in loaded)
-    assert union(loaded) == saved
-
-
-def test_async_save_blocks_only_for_staging_and_one_in_flight(runs):
-    for r in runs["async"]:
-        # loose: the call returns well before the background write ends
-        assert r["call_s"] < r["total_s"] / 2, r
-        # with every write slowed by 1 s, save() still returns at once ...
-        assert r["slow_call_s"] < 0.8, r
-        # ... the next save first waits for it, which is then committed ...
-        assert r["second_call_s"] >= 0.9, r
-        assert r["latest_after_second_call"] == 1
-        # ... and the staged copy was a real copy: mutating the live tensors after
-        # save() returned did not leak into the checkpoint being written
-        assert r["step1_on_disk"] == r["before_mutation"] != r["after_mutation"]
-        assert r["step2_on_disk"] == r["after_mutation"]
-        # the agent hears of each save with an estimate, and of its end with 0
-        assert len(r["announced_first"]) == 2 and r["announced_first"][0] > 0
-        assert r["announced_first"][1] == 0 and r["announced"][-1] == 0
-        # keep=2: step 0 was pruned after step 2 was committed
-        assert r["dirs"] == ["step-000000000001", "step-000000000002"]
-
-
-@pytest.mark.parametrize("name", [name for name, _ in FAILPOINTS])
-def test_crash_at_failpoint_restores_previous_checkpoint(runs, name):
-    crashed = runs.launches[f"crash_{name}"]
-    # the failpoint itself ended the run, not some other error
-    assert crashed[0].returncode == 1, crashed[0].stderr[-3000:]
-    assert f"elastic failpoint {name}: exit" in crashed[0].stderr
-    assert all(r.returncode != 0 for r in crashed)
-    before = runs[f"crash_{name}"]
-    for saved, restored in zip(before, runs[f"check_{name}"]):
-        assert restored["start"] == 2, restored
-        assert restored["digest"] == saved["digest"], "the previous checkpoint is not intact"
-        assert restored["data_state"] == {"step": 1}
-        # training goes on and saves the same step again, over whatever the crash left
-        assert restored["latest_after_save"] == 2
-        assert restored["hidden_after_save"] == []
-        assert restored["step1_verifies"]
-
-
-@pytest.mark.parametrize("kind", DAMAGES)
-def test_damaged_latest_falls_back_to_previous(runs, kind):
-    for saved, restored in zip(runs[f"saved_{kind}"], runs[f"check_{kind}"]):
-        assert restored["start"] == 2, restored
-        assert restored["digest"] == saved["digest"]
-        assert restored["latest_after_save"] == 2  # the damaged latest was replaced
-        assert restored["step1_verifies"]
-    path = runs.damaged[kind]
-    word = "truncated" if kind == "truncate" else "corrupt: CRC-32"
-    warnings = [line for line in runs.launches["final"][0].stderr.splitlines()
-                if line.startswith("WARNING") and path in line]
-    assert warnings and word in warnings[0], "the warning must name the damaged file and why"
-
-
-def check_enospc(ranks: list[dict], failing_rank: int | None) -> None:
-    for r in ranks:
-        assert r["errno"] == 28, r
-        assert "No space left on device" in r["error"] and ".tmp-step-2-round-0" in r["error"], r
-        if failing_rank is not None:
-            assert f"on rank {failing_rank}" in r["error"], r
-        assert r["latest_after_failure"] == 1 and r["step1_verifies_after_failure"]
-        assert r["hidden_after_failure"] == []
-        assert r["latest_after_retry"] == 3  # training went on and saved again
-
-
-def test_enospc_on_a_full_tmpfs(runs):
-    if runs.tmpfs_problem is not None:
-        pytest.skip(f"cannot mount a tmpfs here ({runs.tmpfs_problem}); "
-                    f"test_enospc_injected_on_one_rank covers ENOSPC by failpoint")
-    check_enospc(runs["enospc_tmpfs"], failing_rank=None)
-
-
-def test_enospc_injected_on_one_rank(runs):
-    check_enospc(runs["enospc_injected"], failing_rank=1)
-
-
-def test_fenced_commit_leaves_latest_in_place(runs):
-    for r in runs["fenced"]:
-        assert "refused" in r["fenced_error"]
-        assert r["latest_after_fence"] == {"step": 1, "round": 3}
-        assert r["zombie_dir_exists"] and r["zombie_dir_marked"] is False
-        assert r["restored_start"] == 2 and r["restored_digest"] == r["digest_step1"]
-        assert r["latest_after_resave"] == {"step": 2, "round": 3}

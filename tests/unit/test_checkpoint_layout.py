@@ -32,7 +32,8 @@ def make_checkpoint(root, step: int, world_size: int = 2, *, marked: bool = True
     directory = os.path.join(str(root), layout.step_dir_name(step))
     os.makedirs(directory)
     for rank in range(world_size):
-        names = [f"__{rank}_{i}.distcp" for i in range(files_per_rank)] + [layout.rank_state_name(rank)]
+        names = [f"__{rank}_{i}.distcp" for i in range(files_per_rank)]
+        names.append(layout.rank_state_name(rank))
         if rank == 0:
             names.append(layout.METADATA_FILE)
         for index, name in enumerate(names):
@@ -178,7 +179,8 @@ def test_marker_round_trip_and_damage(tmp_path):
 
 
 def dirs(*specs):
-    return [layout.CheckpointDir(step, layout.step_dir_name(step), marked) for step, marked in specs]
+    return [layout.CheckpointDir(step, layout.step_dir_name(step), marked)
+            for step, marked in specs]
 
 
 def test_candidates_latest_first_then_older_marked():
@@ -208,7 +210,8 @@ def test_candidates_latest_without_marker_and_without_log():
 def test_retention_keeps_last_k_and_the_latest():
     found = dirs((1, True), (2, True), (3, True), (4, True), (5, True))
     assert layout.retention_victims(found, 3, entry(5)) == [layout.step_dir_name(s) for s in (1, 2)]
-    assert layout.retention_victims(found, 1, entry(5)) == [layout.step_dir_name(s) for s in (1, 2, 3, 4)]
+    assert layout.retention_victims(found, 1, entry(5)) == [
+        layout.step_dir_name(s) for s in (1, 2, 3, 4)]
     # the latest is kept even when newer marked directories exist
     assert layout.step_dir_name(2) not in layout.retention_victims(found, 1, entry(2))
 
@@ -247,7 +250,7 @@ def test_stale_temporaries():
                             ".trash-step-000000000001-ab"])
 
 
-# --- durable writes and the file commit log --------------------------------------------------------
+# --- durable writes and the file commit log ---------------------------------------------------
 
 
 def test_write_atomically_replaces(tmp_path):
@@ -304,7 +307,8 @@ def test_failpoint_idle_and_actions(monkeypatch):
     assert time.monotonic() - started >= 0.05
 
 
-@pytest.mark.parametrize("spec", ["x=explode", "x=oserror:ENOTANERRNO", "@1", "x@r", "x=sleep:soon"])
+@pytest.mark.parametrize("spec", ["x=explode", "x=oserror:ENOTANERRNO", "@1", "x@r",
+                                  "x=sleep:soon"])
 def test_failpoint_rejects_bad_specs(monkeypatch, spec):
     monkeypatch.setenv(failpoints.ENV_VAR, spec)
     with pytest.raises(ValueError):
@@ -319,3 +323,12 @@ def test_failpoint_exit_crashes_the_process():
     assert proc.returncode == 7
     assert proc.stdout == ""
     assert "elastic failpoint b: exit:7" in proc.stderr
+
+
+def test_control_plane_imports_without_torch():
+    code = ("import sys, elastic.checkpoint, elastic.checkpoint.layout, elastic.checkpoint.commit; "
+            "print('torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=REPO),
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"

@@ -1,0 +1,993 @@
+"""Recovery benchmark: elasticd against torchrun, side by side, on the same training script.
+
+What is measured (every launcher runs ``examples/ddp.py --steps 100000 --step-time S
+--progress-file F``; the script appends one JSON line per completed step and rank with
+the wall time ``t``, ``rank``, ``step``, ``restart`` (TORCHELASTIC_RESTART_COUNT),
+``world`` and ``pid``, and the benchmark reads that file):
+
+1. **Worker crash** (the headline). One node, two workers. Once both ranks have made 20
+   steps (and, for elasticd, once its warm workers for the next round are ready: two more
+   of the agent's children blocked reading their assignment), the rank-1 worker gets
+   SIGKILL. Recovery time = ``t`` of the first step completed by the restarted group
+   (first record with ``restart >= 1``) minus the time of the kill. Rows:
+
+   - torchrun ``--standalone`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (its best
+     configuration: without it, torch 2.13's restarted workers sometimes hang in
+     ``init_process_group``);
+   - torchrun with its defaults, bounded (``--hang-bound``, 30 s): the hang rate (runs
+     with no restarted step within the bound) and the median of the runs that recovered;
+   - elasticd ``--standalone`` with its defaults, and the ratio elasticd / torchrun of the
+     medians (target <= 0.5). Its log lines give a breakdown of the recovery (median
+     seconds after the kill): detected (worker reaped), round committed, old workers
+     stopped, new workers started (and how many started cold), process group formed
+     (rank 0 prints ``training: ...``), first step. torchrun gets the same where its log
+     says it (detected, group formed, first step).
+
+2. **Frozen node**. Two "nodes" on this machine (two agents, one worker each,
+   ``--nnodes 1:2``). Once both train in one group (world 2, 20 steps), node b's agent
+   and all its processes get SIGSTOP. Recovery = first step of the survivor alone (first
+   record with ``world == 1`` after the freeze) minus the freeze time. elasticd: one etcd
+   started by this benchmark for both agents, ``--lease-ttl 5`` and ``--lease-ttl 2``
+   (a frozen node is gone once its lease expires, so recovery is about the TTL plus a
+   restart). torchrun: two agents on a c10d rendezvous (the first hosts the store), bound
+   ``--frozen-bound`` (60 s); torchrun does not notice a frozen peer, its survivor hangs in
+   the collective until the process-group timeout, so "no recovery within 60 s" is the
+   expected result.
+
+3. **Agent footprint**. While elasticd runs a job (one node, two workers) the agent
+   process itself (not its workers, not its etcd): VmRSS from /proc/PID/status, CPU
+   (utime+stime from /proc/PID/stat) over a ``--window`` (20 s) of steady state as % of
+   one core, and whether any libtorch is mapped (/proc/PID/maps). Once with ddp.py
+   training, once with workers that only sleep and report a step a second. Targets:
+   < 80 MB, < 1 % of a core. torchrun's agent is measured the same way during training,
+   for comparison.
+
+How to run (about 8 minutes by default; do not run other heavy things meanwhile, the
+numbers are wall-clock times on a small machine)::
+
+    .venv/bin/python bench/recovery.py                 # everything, 5 runs per crash row
+    .venv/bin/python bench/recovery.py --quick         # about 3 minutes, fewer and shorter runs
+    .venv/bin/python bench/recovery.py --runs 9 --json /tmp/recovery.json
+    .venv/bin/python bench/recovery.py --only crash    # crash, frozen or footprint (repeatable)
+
+How to read it: each row is a median with [min .. max] over the runs; "hangs k/n" counts
+runs that never recovered within the bound. The elasticd breakdown shows where its
+recovery time goes: everything up to "workers started" is the agent (detection,
+rendezvous, stopping, spawning); "group formed" and "first step" are the workers
+(``init_process_group``, building the model, the first step). Lower is better everywhere.
+
+Every process a run starts carries a tag in its environment; each run ends by stopping
+its launchers (SIGTERM, then SIGKILL of every tagged process and process group), and the
+benchmark checks at the end (environment tag scan and ``pgrep -f`` on its scratch
+directory) that none is left. All traffic stays on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from elastic.store.server import EtcdServer  # noqa: E402
+
+TAG_ENV = "ELASTIC_BENCH_RECOVERY_TAG"
+SCRIPT = os.path.join(ROOT, "examples", "ddp.py")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+STEPS_BEFORE_FAULT = 20
+
+SLEEPER = '''\
+"""Workers that do nothing but sleep and report a step a second (bench/recovery.py)."""
+import time
+
+import elastic
+
+elastic.init()
+step = 0
+while True:
+    time.sleep(1)
+    elastic.step(step)
+    step += 1
+'''
+
+
+# ---------------------------------------------------------------- processes
+
+
+def _proc_parents() -> dict[int, int]:
+    parents = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+            parents[int(name)] = int(stat[stat.rindex(b")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return parents
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (not ``pid`` itself)."""
+    children: dict[int, list[int]] = {}
+    for child, parent in _proc_parents().items():
+        children.setdefault(parent, []).append(child)
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def tagged(tag: str) -> list[int]:
+    """Live processes (not zombies) whose environment carries this benchmark's tag."""
+    needle = f"{TAG_ENV}={tag}".encode()
+    me = os.getpid()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            if _state(int(name)) in ("Z", "X", None):
+                continue
+        except OSError:
+            continue
+        found.append(int(name))
+    return found
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2:].split()[0].decode()
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _signal(pids, sig: int, groups: bool = False) -> None:
+    mine = os.getpgid(0)
+    for pid in pids:
+        if groups:
+            try:
+                pgid = os.getpgid(pid)
+                if pgid != mine and pgid > 1:
+                    os.killpg(pgid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class Launcher:
+    """One launcher process (an agent or torchrun) in its own session, its output
+    read line by line with the time each line arrived."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: str):
+        self.name = name
+        self.lines: list[tuple[float, str]] = []
+        self._lock = threading.Lock()
+        self._log = open(log_path, "w", encoding="utf-8", errors="replace")
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.pid = self.proc.pid
+        self._reader = threading.Thread(target=self._read, daemon=True,
+                                        name=f"bench-{name}-reader")
+        self._reader.start()
+
+    def _read(self) -> None:
+        for raw in iter(self.proc.stdout.readline, b""):
+            now = time.time()
+            text = raw.decode("utf-8", "replace").rstrip("\n")
+            with self._lock:
+                self.lines.append((now, text))
+            try:
+                self._log.write(f"{now:.3f} {text}\n")
+                self._log.flush()
+            except ValueError:
+                pass
+
+    def snapshot(self) -> list[tuple[float, str]]:
+        with self._lock:
+            return list(self.lines)
+
+    def find(self, pattern: str, after: float = 0.0) -> tuple[float, re.Match] | None:
+        """First line arrived after ``after`` that matches; its time (the log's own
+        timestamp when the line has one, else the arrival time) and the match."""
+        rx = re.compile(pattern)
+        for arrived, text in self.snapshot():
+            m = rx.search(text)
+            if not m:
+                continue
+            t = _log_time(text, arrived)
+            if t >= after:
+                return t, m
+        return None
+
+    def close(self) -> None:
+        self._reader.join(timeout=5)
+        try:
+            self.proc.stdout.close()
+        except OSError:
+            pass
+        self._log.close()
+
+
+_ELASTICD_TS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) elasticd ")
+_GLOG_TS = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d+) ")
+
+
+def _log_time(text: str, arrived: float) -> float:
+    """The timestamp a log line carries (elasticd's or torch's glog style), else its
+    arrival time. Both are local time with at most microsecond resolution."""
+    m = _ELASTICD_TS.match(text)
+    if m:
+        return time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1e3
+    m = _GLOG_TS.match(text)
+    if m:
+        year = time.localtime(arrived).tm_year
+        base = time.mktime((year, int(m.group(1)), int(m.group(2)), int(m.group(3)),
+                            int(m.group(4)), int(m.group(5)), 0, 0, -1))
+        return base + float("0." + m.group(6))
+    return arrived
+
+
+class Progress:
+    """Reads the progress file incrementally."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.records: list[dict] = []
+        self._offset = 0
+        self._partial = b""
+
+    def poll(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(data)
+        data = self._partial + data
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        new = []
+        for line in lines:
+            try:
+                new.append(json.loads(line))
+            except ValueError:
+                continue
+        self.records.extend(new)
+        return new
+
+
+class BenchError(Exception):
+    pass
+
+
+def wait_for(what: str, cond, timeout_s: float, interval_s: float = 0.02):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise BenchError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- one run
+
+
+class Run:
+    """The processes of one measurement; ``close()`` leaves none behind."""
+
+    def __init__(self, bench: "Bench", label: str):
+        self.bench = bench
+        self.dir = tempfile.mkdtemp(prefix=f"{label}-", dir=bench.scratch)
+        self.progress = Progress(os.path.join(self.dir, "progress.jsonl"))
+        self.launchers: list[Launcher] = []
+        self.frozen: list[int] = []
+        self.etcd: EtcdServer | None = None
+        self.stray = 0
+
+    def launch(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None
+               ) -> Launcher:
+        env = {**self.bench.env, **(extra_env or {})}
+        ln = Launcher(name, argv, env, os.path.join(self.dir, f"{name}.log"))
+        self.launchers.append(ln)
+        return ln
+
+    def script_args(self, script: str = SCRIPT) -> list[str]:
+        if script != SCRIPT:
+            return [script]
+        return [script, "--steps", "100000", "--step-time", str(self.bench.args.step_time),
+                "--progress-file", self.progress.path]
+
+    def elasticd(self, name: str, opts: list[str], script: str = SCRIPT) -> Launcher:
+        argv = [self.bench.python, "-m", "agent.daemon", *opts, "--advertise-addr", "127.0.0.1",
+                "--listen", "127.0.0.1:0", "--log-dir", os.path.join(self.dir, f"{name}-logs"),
+                *self.script_args(script)]
+        return self.launch(name, argv)
+
+    def torchrun(self, name: str, opts: list[str], extra_env: dict[str, str] | None = None
+                 ) -> Launcher:
+        argv = [self.bench.torchrun, *opts, *self.script_args()]
+        return self.launch(name, argv, extra_env)
+
+    def close(self) -> None:
+        """SIGCONT what was frozen, SIGTERM the launchers, then SIGKILL everything
+        tagged that is still there (processes and their groups)."""
+        tag = self.bench.tag
+        for ln in self.launchers:
+            if ln.proc.poll() is None:
+                _signal([ln.pid], signal.SIGTERM)
+        _signal(self.frozen, signal.SIGCONT)
+        deadline = time.monotonic() + self.bench.args.stop_grace
+        while time.monotonic() < deadline and any(ln.proc.poll() is None for ln in self.launchers):
+            time.sleep(0.05)
+        keep = {self.etcd.pid} if self.etcd is not None and self.etcd.pid else set()
+        for _ in range(20):
+            left = [p for p in tagged(tag) if p not in keep]
+            for ln in self.launchers:
+                if ln.proc.poll() is None:
+                    left.append(ln.pid)
+            if not left:
+                break
+            _signal(left, signal.SIGKILL, groups=True)
+            _signal(left, signal.SIGCONT)
+            time.sleep(0.1)
+        for ln in self.launchers:
+            try:
+                ln.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            ln.close()
+        if self.etcd is not None:
+            self.etcd.stop()
+        self.stray = len(tagged(tag))
+
+
+# ---------------------------------------------------------------- measurements
+
+
+def _steady(run: Run, world: int, ranks: int, what: str, timeout_s: float,
+            first_start: bool = True) -> None:
+    """Wait until every rank of a group of ``world`` has made the warm-up steps (in the
+    first start of the workers, unless ``first_start`` is False)."""
+    def ready():
+        run.progress.poll()
+        best: dict[int, int] = {}
+        for r in run.progress.records:
+            if r["world"] == world and (r["restart"] == 0 or not first_start):
+                best[r["rank"]] = max(best.get(r["rank"], -1), r["step"])
+        return len(best) >= ranks and all(s >= STEPS_BEFORE_FAULT for s in best.values())
+    wait_for(what, ready, timeout_s)
+
+
+def _current_pids(run: Run) -> set[int]:
+    return {r["pid"] for r in run.progress.records}
+
+
+def warm_workers(agent_pid: int, busy: set[int]) -> list[int]:
+    """The agent's children that wait for an assignment: blocked in read(0, ...)."""
+    ready = []
+    for pid in descendants(agent_pid):
+        if pid in busy:
+            continue
+        try:
+            with open(f"/proc/{pid}/syscall") as f:
+                fields = f.read().split()
+        except OSError:
+            continue
+        if len(fields) > 1 and fields[0] == "0" and fields[1] == "0x0":
+            ready.append(pid)
+    return ready
+
+
+def _wait_warm(run: Run, agent: Launcher, want: int, timeout_s: float) -> float | None:
+    """Wait until ``want`` warm workers are ready; seconds it took, None if they never were."""
+    started = time.monotonic()
+    try:
+        wait_for("warm workers", lambda: len(warm_workers(agent.pid, _current_pids(run))) >= want,
+                 timeout_s, 0.1)
+    except BenchError:
+        return None
+    return time.monotonic() - started
+
+
+def _first(records: list[dict], pred) -> dict | None:
+    for r in records:
+        if pred(r):
+            return r
+    return None
+
+
+def _rel(found, origin: float) -> float | None:
+    return round(found[0] - origin, 3) if found else None
+
+
+def crash_run(bench: "Bench", launcher: str, bound_s: float) -> dict:
+    """One worker-crash measurement. ``launcher``: elasticd, torchrun or torchrun-default."""
+    args = bench.args
+    run = Run(bench, f"crash-{launcher}")
+    out: dict = {"launcher": launcher}
+    try:
+        if launcher == "elasticd":
+            ln = run.elasticd("agent", ["--standalone", "--job-id", f"bench-{uuid.uuid4().hex[:12]}",
+                                        "--nnodes", "1", "--nproc-per-node", "2"])
+        else:
+            env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if launcher == "torchrun" else {}
+            ln = run.torchrun("torchrun", ["--standalone", "--nnodes", "1", "--nproc-per-node",
+                                           "2", "--max-restarts", "3"], env)
+        _steady(run, 2, 2, f"{launcher} to train", args.start_timeout)
+        if launcher == "elasticd":
+            out["warm_wait_s"] = _wait_warm(run, ln, 2, args.warm_timeout)
+        time.sleep(args.settle)
+        run.progress.poll()
+        victim = max((r for r in run.progress.records if r["rank"] == 1 and r["restart"] == 0),
+                     key=lambda r: r["step"])["pid"]
+        if victim not in descendants(ln.pid):
+            raise BenchError(f"rank 1's pid {victim} is not a process of the launcher")
+        killed_at = time.time()
+        os.kill(victim, signal.SIGKILL)
+        out["killed_pid"] = victim
+        deadline = time.monotonic() + bound_s
+        first = None
+        while first is None and time.monotonic() < deadline:
+            first = _first(run.progress.poll(), lambda r: r["restart"] >= 1)
+            if first is None:
+                time.sleep(0.02)
+        out["recovery_s"] = round(first["t"] - killed_at, 3) if first else None
+        out["phases"] = _crash_phases(launcher, ln, killed_at, first)
+    except BenchError as exc:
+        out["error"] = str(exc)
+        out["recovery_s"] = None
+    finally:
+        run.close()
+        out["stray"] = run.stray
+        out["dir"] = run.dir
+    return out
+
+
+def _crash_phases(launcher: str, ln: Launcher, t0: float, first: dict | None) -> dict:
+    phases: dict = {}
+    if launcher == "elasticd":
+        phases["detected"] = _rel(ln.find(r"was killed by signal 9\.$", t0 - 1), t0)
+        phases["round committed"] = _rel(ln.find(r"round 2 committed", t0 - 1), t0)
+        phases["workers stopped"] = _rel(ln.find(r"round 1: workers stopped in", t0 - 1), t0)
+        started = ln.find(r"round 2: started (\d+) workers \(pids .*, (\d+) cold\)", t0 - 1)
+        phases["workers started"] = _rel(started, t0)
+        phases["cold"] = int(started[1].group(2)) if started else None
+    else:
+        phases["detected"] = _rel(ln.find(r"failed \(exitcode: -9\)", t0 - 1), t0)
+    phases["group formed"] = _rel(ln.find(r"training: world size \d+, restart [1-9]", t0), t0)
+    phases["first step"] = round(first["t"] - t0, 3) if first else None
+    return phases
+
+
+def frozen_run(bench: "Bench", launcher: str, lease_ttl: float, bound_s: float) -> dict:
+    """One frozen-node measurement: nodes a and b, one worker each; b freezes."""
+    args = bench.args
+    run = Run(bench, f"frozen-{launcher}")
+    out: dict = {"launcher": launcher, "lease_ttl_s": lease_ttl if launcher == "elasticd" else None}
+    try:
+        job = f"bench-{uuid.uuid4().hex[:12]}"
+        if launcher == "elasticd":
+            run.etcd = EtcdServer().start()
+            common = ["--etcd", run.etcd.endpoint, "--job-id", job, "--nnodes", "1:2",
+                      "--nproc-per-node", "1", "--lease-ttl", f"{lease_ttl:g}"]
+            a = run.elasticd("a", [*common, "--node-id", "a"])
+            # a first, so that a leads and b's worker is rank 1 (as in the brief).
+            wait_for("node a to lead", lambda: a.find(r"node a: elected leader"), 30, 0.05)
+            b = run.elasticd("b", [*common, "--node-id", "b"])
+        else:
+            port = free_port()
+            common = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                      "--rdzv-id", job, "--nnodes", "1:2", "--nproc-per-node", "1",
+                      "--max-restarts", "3", "--local-addr", "127.0.0.1"]
+            env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+            a = run.torchrun("a", [*common, "--rdzv-conf", "is_host=1"], env)
+            time.sleep(0.5)
+            b = run.torchrun("b", [*common, "--rdzv-conf", "is_host=0"], env)
+        # elasticd's node a may first train alone (world 1) until b arrives.
+        _steady(run, 2, 2, f"{launcher} nodes to train together", args.start_timeout,
+                first_start=False)
+        if launcher == "elasticd":
+            out["warm_wait_s"] = _wait_warm(run, a, 1, args.warm_timeout)
+        time.sleep(args.settle)
+        run.progress.poll()
+        worker_b = [r["pid"] for r in run.progress.records if r["world"] == 2 and r["rank"] == 1]
+        b_tree = descendants(b.pid)
+        if not worker_b or worker_b[-1] not in b_tree:
+            raise BenchError("rank 1 of the world-2 group is not node b's worker")
+        frozen_at = time.time()
+        run.frozen = [b.pid, *b_tree]
+        _signal(run.frozen, signal.SIGSTOP)
+        out["frozen_pids"] = run.frozen
+        deadline = time.monotonic() + bound_s
+        first = None
+        while first is None and time.monotonic() < deadline:
+            first = _first(run.progress.poll(),
+                           lambda r: r["world"] == 1 and r["t"] > frozen_at)
+            if first is None:
+                time.sleep(0.05)
+        out["recovery_s"] = round(first["t"] - frozen_at, 3) if first else None
+        if launcher == "elasticd":
+            out["phases"] = {
+                "peer gone": _rel(a.find(r"node b left", frozen_at), frozen_at),
+                "round committed": _rel(a.find(r"committed round", frozen_at), frozen_at),
+                "workers stopped": _rel(a.find(r"workers stopped in", frozen_at), frozen_at),
+                "workers started": _rel(a.find(r"started \d+ workers", frozen_at), frozen_at),
+                "group formed": _rel(a.find(r"training: world size 1", frozen_at), frozen_at),
+                "first step": out["recovery_s"],
+            }
+    except BenchError as exc:
+        out["error"] = str(exc)
+        out["recovery_s"] = None
+    finally:
+        _signal(run.frozen, signal.SIGKILL)
+        run.close()
+        out["stray"] = run.stray
+        out["dir"] = run.dir
+    return out
+
+
+def _proc_status(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/status") as f:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+
+
+def _cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    fields = stat[stat.rindex(b")") + 2:].split()
+    return int(fields[11]) + int(fields[12])  # utime, stime
+
+
+def _torch_libs(pid: int) -> list[str]:
+    libs = set()
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            path = line.split(maxsplit=5)[-1].strip() if len(line.split()) >= 6 else ""
+            name = os.path.basename(path)
+            if name.startswith(("libtorch", "libc10")) or "/torch/lib/" in path:
+                libs.add(name)
+    return sorted(libs)
+
+
+def footprint_run(bench: "Bench", launcher: str, workload: str) -> dict:
+    """RSS and CPU of the launcher process while its job runs steadily."""
+    args = bench.args
+    run = Run(bench, f"footprint-{launcher}-{workload}")
+    out: dict = {"launcher": launcher, "workload": workload, "window_s": args.window}
+    try:
+        script = SCRIPT
+        if workload == "sleep":
+            script = os.path.join(run.dir, "sleeper.py")
+            with open(script, "w") as f:
+                f.write(SLEEPER)
+        if launcher == "elasticd":
+            ln = run.elasticd("agent", ["--standalone", "--job-id", f"bench-{uuid.uuid4().hex[:12]}",
+                                        "--nnodes", "1", "--nproc-per-node", "2"], script=script)
+        else:
+            ln = run.torchrun("torchrun", ["--standalone", "--nnodes", "1", "--nproc-per-node",
+                                           "2", "--max-restarts", "3"],
+                              {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+        if workload == "train":
+            _steady(run, 2, 2, f"{launcher} to train", args.start_timeout)
+        if launcher == "elasticd":
+            # Sleepers never print: they run once the warm set for the next round is up
+            # (the agent starts it after every worker's first step, or 10 s).
+            out["warm_wait_s"] = _wait_warm(run, ln, 2, args.start_timeout)
+        time.sleep(max(args.settle, 2.0))
+        pid = ln.pid
+        t0, c0 = time.monotonic(), _cpu_ticks(pid)
+        rss = []
+        while time.monotonic() - t0 < args.window:
+            rss.append(int(_proc_status(pid)["VmRSS"].split()[0]))
+            time.sleep(0.5)
+        t1, c1 = time.monotonic(), _cpu_ticks(pid)
+        status = _proc_status(pid)
+        out["rss_mb"] = round(max(rss) / 1024, 1)
+        out["hwm_mb"] = round(int(status["VmHWM"].split()[0]) / 1024, 1)
+        out["threads"] = int(status["Threads"])
+        out["cpu_pct"] = round(100.0 * (c1 - c0) / CLK_TCK / (t1 - t0), 2)
+        out["torch_libs"] = _torch_libs(pid)
+        if ln.proc.poll() is not None:
+            raise BenchError(f"{launcher} exited during the window ({ln.proc.returncode})")
+    except (BenchError, OSError, KeyError) as exc:
+        out["error"] = str(exc)
+    finally:
+        run.close()
+        out["stray"] = run.stray
+        out["dir"] = run.dir
+    return out
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.tag = uuid.uuid4().hex
+        self.scratch = tempfile.mkdtemp(prefix="bench-recovery-")
+        self.python = args.python
+        self.torchrun = args.torchrun
+        pythonpath = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+        # The same environment for every launcher: the repository importable (torchrun's
+        # workers need it), gloo on loopback, and the tag that finds our processes.
+        self.env = {**os.environ, TAG_ENV: self.tag, "PYTHONPATH": pythonpath,
+                    "GLOO_SOCKET_IFNAME": "lo"}
+        self.env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+        self.results: dict = {"crash": [], "frozen": [], "footprint": []}
+
+    def log(self, msg: str) -> None:
+        if not self.args.quiet:
+            print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    def _show(self, r: dict) -> str:
+        if r.get("error"):
+            return f"error: {r['error']}"
+        rec = r.get("recovery_s")
+        extra = ""
+        if r.get("phases"):
+            extra = "  (" + ", ".join(f"{k} {v}" for k, v in r["phases"].items()
+                                      if v is not None) + ")"
+        return (f"{rec:.2f} s{extra}" if rec is not None else "no recovery within the bound") + (
+            f"  STRAY {r['stray']}" if r.get("stray") else "")
+
+    def run(self) -> dict:
+        a = self.args
+        only = set(a.only or ["crash", "frozen", "footprint"])
+        meta = {"started": datetime.datetime.now().isoformat(timespec="seconds"),
+                "host": platform.node(), "cpus": os.cpu_count(),
+                "loadavg_start": os.getloadavg()[0], "python": self.python,
+                "torch": _torch_version(self.python), "args": vars(a)}
+        self.results["meta"] = meta
+        t_start = time.monotonic()
+        if "crash" in only:
+            for i in range(a.runs):
+                kinds = ["torchrun", "elasticd"]
+                if i < a.default_runs:
+                    kinds.append("torchrun-default")
+                for kind in kinds:
+                    bound = a.hang_bound if kind == "torchrun-default" else a.crash_bound
+                    r = crash_run(self, kind, bound)
+                    r["run"] = i
+                    self.results["crash"].append(r)
+                    self.log(f"crash {i + 1}/{a.runs} {kind}: {self._show(r)}")
+        if "frozen" in only:
+            plan = [("elasticd", ttl, a.frozen_runs) for ttl in a.lease_ttls]
+            plan.append(("torchrun", None, a.frozen_torchrun_runs))
+            for i in range(max(n for _, _, n in plan)):
+                for kind, ttl, n in plan:
+                    if i >= n:
+                        continue
+                    r = frozen_run(self, kind, ttl or 0, a.frozen_bound)
+                    r["run"] = i
+                    self.results["frozen"].append(r)
+                    name = f"elasticd --lease-ttl {ttl:g}" if kind == "elasticd" else kind
+                    self.log(f"frozen {i + 1}/{n} {name}: {self._show(r)}")
+        if "footprint" in only:
+            plan = [("elasticd", "train"), ("elasticd", "sleep")]
+            if a.footprint_torchrun:
+                plan.append(("torchrun", "train"))
+            for launcher, workload in plan:
+                r = footprint_run(self, launcher, workload)
+                self.results["footprint"].append(r)
+                self.log(f"footprint {launcher} {workload}: " + (
+                    f"error: {r['error']}" if r.get("error") else
+                    f"RSS {r['rss_mb']} MB, CPU {r['cpu_pct']} %, torch libs {r['torch_libs']}"))
+        meta["elapsed_s"] = round(time.monotonic() - t_start, 1)
+        meta["loadavg_end"] = os.getloadavg()[0]
+        return self.results
+
+    def finish(self) -> dict:
+        """Kill anything tagged that is left (there should be nothing) and report."""
+        left = tagged(self.tag)
+        if left:
+            _signal(left, signal.SIGKILL, groups=True)
+            time.sleep(0.5)
+        pgrep = subprocess.run(["pgrep", "-f", self.scratch], capture_output=True, text=True)
+        check = {"tagged_left_at_end": left, "killed": left,
+                 "pgrep_scratch": [int(p) for p in pgrep.stdout.split()],
+                 "tagged_after_kill": tagged(self.tag),
+                 "stray_per_run": sum(r.get("stray", 0) for k in ("crash", "frozen", "footprint")
+                                      for r in self.results.get(k, []))}
+        self.results["cleanup"] = check
+        if not self.args.keep:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+        return check
+
+
+def _torch_version(python: str) -> str:
+    try:
+        # From the package metadata: importing torch here would cost seconds.
+        out = subprocess.run([python, "-c", "import importlib.metadata as m; "
+                              "print(m.version('torch'))"], capture_output=True, text=True,
+                             timeout=30)
+        return out.stdout.strip() or "?"
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+
+
+# ---------------------------------------------------------------- report
+
+
+def _stats(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3),
+            "max": round(max(values), 3), "n": len(values)}
+
+
+def summarize(results: dict, args: argparse.Namespace) -> dict:
+    summary: dict = {"crash": {}, "frozen": {}, "footprint": {}}
+    for kind in ("torchrun", "torchrun-default", "elasticd"):
+        runs = [r for r in results["crash"] if r["launcher"] == kind]
+        if not runs:
+            continue
+        ok = [r["recovery_s"] for r in runs if r["recovery_s"] is not None]
+        row = {"runs": len(runs), "recovered": len(ok), "stats": _stats(ok),
+               "errors": [r["error"] for r in runs if r.get("error")]}
+        phases: dict[str, list[float]] = {}
+        for r in runs:
+            for k, v in (r.get("phases") or {}).items():
+                if v is not None and k != "cold":
+                    phases.setdefault(k, []).append(v)
+        row["phases_median"] = {k: round(statistics.median(v), 3) for k, v in phases.items()}
+        if kind == "elasticd":
+            row["cold_starts"] = sum((r.get("phases") or {}).get("cold") or 0 for r in runs)
+            row["warm_not_ready"] = sum(1 for r in runs if "warm_wait_s" in r and
+                                        r["warm_wait_s"] is None)
+        summary["crash"][kind] = row
+    ours, theirs = summary["crash"].get("elasticd"), summary["crash"].get("torchrun")
+    if ours and theirs and ours["stats"] and theirs["stats"]:
+        summary["crash"]["ratio"] = round(ours["stats"]["median"] / theirs["stats"]["median"], 3)
+    dflt = summary["crash"].get("torchrun-default")
+    if ours and dflt and ours["stats"] and dflt["stats"]:
+        summary["crash"]["ratio_vs_default"] = round(
+            ours["stats"]["median"] / dflt["stats"]["median"], 3)
+    for r in results["frozen"]:
+        key = f"elasticd ttl {r['lease_ttl_s']:g}" if r["launcher"] == "elasticd" else "torchrun"
+        row = summary["frozen"].setdefault(key, {"runs": 0, "values": [], "errors": [],
+                                                 "phases": {}})
+        row["runs"] += 1
+        if r["recovery_s"] is not None:
+            row["values"].append(r["recovery_s"])
+        if r.get("error"):
+            row["errors"].append(r["error"])
+        for k, v in (r.get("phases") or {}).items():
+            if v is not None:
+                row["phases"].setdefault(k, []).append(v)
+    for row in summary["frozen"].values():
+        row["stats"] = _stats(row.pop("values"))
+        row["recovered"] = row["stats"]["n"] if row["stats"] else 0
+        row["phases_median"] = {k: round(statistics.median(v), 3)
+                                for k, v in row.pop("phases").items()}
+    for r in results["footprint"]:
+        summary["footprint"][f"{r['launcher']} {r['workload']}"] = {
+            k: r.get(k) for k in ("rss_mb", "hwm_mb", "cpu_pct", "threads", "torch_libs",
+                                  "window_s", "error")}
+    return summary
+
+
+def _range(s: dict | None) -> str:
+    return f"{s['median']:5.2f} s  [{s['min']:.2f} .. {s['max']:.2f}]" if s else "    -"
+
+
+def render(results: dict, summary: dict, args: argparse.Namespace) -> str:
+    meta = results["meta"]
+    out = [f"elasticd vs torchrun: recovery benchmark ({meta['host']}, {meta['cpus']} cpus, "
+           f"torch {meta['torch']}, load avg {meta['loadavg_start']:.1f} at start, "
+           f"{meta.get('loadavg_end', 0):.1f} at end, {meta.get('elapsed_s', 0):.0f} s)"]
+    crash = summary["crash"]
+    if crash:
+        n = max((row["runs"] for k, row in crash.items() if isinstance(row, dict)), default=0)
+        out += ["", f"worker SIGKILL -> first restarted step (1 node, 2 workers, ddp.py "
+                    f"--step-time {args.step_time:g}; median [min .. max] of {n})"]
+        w = 50
+        if "torchrun" in crash:
+            row = crash["torchrun"]
+            fail = "" if row["recovered"] == row["runs"] else \
+                f"  no step within {args.crash_bound:g} s in {row['runs'] - row['recovered']}/{row['runs']}"
+            out.append(f"  {'torchrun (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)':<{w}}"
+                       f"{_range(row['stats'])}{fail}")
+        if "torchrun-default" in crash:
+            row = crash["torchrun-default"]
+            out.append(f"  {'torchrun (default)':<{w}}{_range(row['stats'])}  hangs "
+                       f"{row['runs'] - row['recovered']}/{row['runs']} (no step within "
+                       f"{args.hang_bound:g} s)")
+        if "elasticd" in crash:
+            row = crash["elasticd"]
+            ratio = crash.get("ratio")
+            fail = "" if row["recovered"] == row["runs"] else \
+                f"  no step within {args.crash_bound:g} s in {row['runs'] - row['recovered']}/{row['runs']}"
+            out.append(f"  {'elasticd':<{w}}{_range(row['stats'])}"
+                       + (f"  ratio {ratio:.2f} (target <= 0.5: "
+                          f"{'met' if ratio <= 0.5 else 'NOT met'})" if ratio is not None else "")
+                       + fail)
+            if crash.get("ratio_vs_default") is not None:
+                out.append(f"  {'':<{w}}vs torchrun (default, recovered runs): "
+                           f"ratio {crash['ratio_vs_default']:.2f}")
+        for kind in ("elasticd", "torchrun"):
+            if kind in crash and crash[kind]["phases_median"]:
+                ph = crash[kind]["phases_median"]
+                line = ", ".join(f"{k} {v:.2f}" for k, v in ph.items())
+                out.append(f"  {kind} breakdown (median s after the kill): {line}")
+        if "elasticd" in crash:
+            row = crash["elasticd"]
+            out.append(f"  elasticd: cold-started workers {row['cold_starts']} in "
+                       f"{row['runs']} restarts; runs where the warm set was not ready "
+                       f"before the kill: {row['warm_not_ready']}")
+    frozen = summary["frozen"]
+    if frozen:
+        out += ["", "frozen node (SIGSTOP of one of 2 nodes: its agent and workers, 1 worker "
+                    "each) -> first step of the survivor alone"]
+        for key, row in frozen.items():
+            if key == "torchrun":
+                name = "torchrun (c10d rendezvous, --nnodes 1:2)"
+                if row["recovered"] == 0:
+                    out.append(f"  {name:<42}no recovery within {args.frozen_bound:g} s in "
+                               f"{row['runs']}/{row['runs']} runs")
+                    continue
+            else:
+                name = f"elasticd --lease-ttl {key.split()[-1]}"
+            tail = "" if row["recovered"] == row["runs"] else \
+                f"  no recovery within {args.frozen_bound:g} s in {row['runs'] - row['recovered']}/{row['runs']}"
+            out.append(f"  {name:<42}{_range(row['stats'])}  (n={row['runs']}){tail}")
+        for key, row in frozen.items():
+            if row["phases_median"]:
+                line = ", ".join(f"{k} {v:.2f}" for k, v in row["phases_median"].items())
+                out.append(f"  {key} breakdown (median s after the freeze): {line}")
+    fp = summary["footprint"]
+    if fp:
+        out += ["", f"agent footprint (the launcher process only, not workers or etcd; CPU over "
+                    f"{args.window:g} s of steady state, % of one core)"]
+        out.append(f"  {'':<30}{'RSS':>9}{'peak':>9}{'CPU':>8}{'threads':>9}  libtorch mapped")
+        for key, row in fp.items():
+            if row.get("error"):
+                out.append(f"  {key:<30}error: {row['error']}")
+                continue
+            libs = ", ".join(row["torch_libs"][:3]) + (" ..." if len(row["torch_libs"]) > 3
+                                                       else "") if row["torch_libs"] else "no"
+            out.append(f"  {key:<30}{row['rss_mb']:>6.1f} MB{row['hwm_mb']:>6.1f} MB"
+                       f"{row['cpu_pct']:>7.2f}%{row['threads']:>9}  {libs}")
+        verdicts = []
+        for key, row in fp.items():
+            if key.startswith("elasticd") and not row.get("error"):
+                ok = row["rss_mb"] < 80 and row["cpu_pct"] < 1.0 and not row["torch_libs"]
+                verdicts.append(f"{key.split()[1]}: {'met' if ok else 'NOT met'}")
+        out.append(f"  targets for elasticd: < 80 MB, < 1 % of a core, no libtorch "
+                   f"({'; '.join(verdicts)})")
+    c = results.get("cleanup")
+    if c is not None:
+        clean = not c["tagged_left_at_end"] and not c["pgrep_scratch"] and not c["stray_per_run"]
+        out += ["", "stray processes: " + ("none (environment tag scan and pgrep -f on the "
+                                           "scratch directory)" if clean else
+                                           f"FOUND {c}")]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    venv_bin = os.path.join(ROOT, ".venv", "bin")
+    default_python = os.path.join(venv_bin, "python")
+    if not os.path.exists(default_python):
+        default_python = sys.executable
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=5, help="worker-crash runs per launcher (5)")
+    ap.add_argument("--quick", action="store_true",
+                    help="fewer and shorter runs (about 3 minutes): a smoke test, not numbers")
+    ap.add_argument("--json", metavar="FILE", help="write every run and the summary here")
+    ap.add_argument("--only", action="append", choices=["crash", "frozen", "footprint"],
+                    help="run only these parts (repeatable)")
+    ap.add_argument("--default-runs", type=int, default=None,
+                    help="runs of torchrun without TORCH_DISABLE_SHARE_RDZV_TCP_STORE (--runs)")
+    ap.add_argument("--step-time", type=float, default=0.05, help="ddp.py --step-time (0.05)")
+    ap.add_argument("--crash-bound", type=float, default=60.0,
+                    help="give up on a crash recovery after this long (60 s)")
+    ap.add_argument("--hang-bound", type=float, default=30.0,
+                    help="torchrun (default): a run with no restarted step within this long "
+                         "counts as a hang (30 s)")
+    ap.add_argument("--frozen-runs", type=int, default=3, help="elasticd runs per lease TTL (3)")
+    ap.add_argument("--frozen-torchrun-runs", type=int, default=1, help="torchrun runs (1)")
+    ap.add_argument("--lease-ttls", default="5,2", help="elasticd --lease-ttl values (5,2)")
+    ap.add_argument("--frozen-bound", type=float, default=60.0,
+                    help="give up on a frozen-node recovery after this long (60 s)")
+    ap.add_argument("--window", type=float, default=20.0, help="footprint CPU window (20 s)")
+    ap.add_argument("--no-footprint-torchrun", dest="footprint_torchrun", action="store_false",
+                    help="skip measuring torchrun's agent for comparison")
+    ap.add_argument("--start-timeout", type=float, default=120.0,
+                    help="bound on a job's start until it has trained 20 steps (120 s)")
+    ap.add_argument("--warm-timeout", type=float, default=30.0,
+                    help="bound on waiting for elasticd's warm workers before the fault (30 s)")
+    ap.add_argument("--settle", type=float, default=1.0,
+                    help="pause between 'ready' and the fault (1 s)")
+    ap.add_argument("--stop-grace", type=float, default=10.0,
+                    help="after SIGTERM to the launchers, SIGKILL what is left after this (10 s)")
+    ap.add_argument("--python", default=default_python, help="interpreter for elasticd")
+    ap.add_argument("--torchrun", default=None, help="torchrun (next to --python)")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch directory (logs)")
+    ap.add_argument("--quiet", action="store_true", help="no per-run progress on stderr")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.runs = min(args.runs, 2)
+        args.frozen_runs = 1
+        args.hang_bound = min(args.hang_bound, 20.0)
+        args.frozen_bound = min(args.frozen_bound, 30.0)
+        args.window = min(args.window, 8.0)
+        args.footprint_torchrun = False
+    if args.default_runs is None:
+        args.default_runs = args.runs
+    args.lease_ttls = [float(x) for x in str(args.lease_ttls).split(",") if x]
+    if args.torchrun is None:
+        args.torchrun = os.path.join(os.path.dirname(args.python), "torchrun")
+    for exe in (args.python, args.torchrun):
+        if not os.access(exe, os.X_OK):
+            print(f"recovery.py: {exe} is not executable (see --python, --torchrun)",
+                  file=sys.stderr)
+            return 2
+
+    bench = Bench(args)
+    interrupted = False
+
+    def _terminate(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        bench.log(f"scratch {bench.scratch}, tag {TAG_ENV}={bench.tag}")
+        results = bench.run()
+    except KeyboardInterrupt:
+        interrupted = True
+        results = bench.results
+        results.setdefault("meta", {})
+    finally:
+        check = bench.finish()
+    if interrupted:
+        print(f"recovery.py: interrupted; cleanup: {check}", file=sys.stderr)
+        return 130
+    summary = summarize(results, args)
+    print(render(results, summary, args))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"summary": summary, "runs": results}, f, indent=2, default=str)
+    clean = not check["tagged_left_at_end"] and not check["pgrep_scratch"]
+    return 0 if clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

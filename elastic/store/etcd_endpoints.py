@@ -1,0 +1,89 @@
+"""etcd endpoints: parsing what the user wrote, and the gRPC target to dial.
+
+Part of the etcd backend (:mod:`elastic.store.etcd`); :func:`parse_endpoints`
+is re-exported there.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import urllib.parse
+from typing import Sequence
+
+from elastic.errors import ConfigError, StoreUnavailableError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 2379
+_HOST_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a DNS name or IPv4 address; IPv6 goes in [...]
+
+
+def parse_endpoints(endpoints: str | Sequence[str]) -> list[tuple[str, int]]:
+    """``"http://a:2379,b"`` or a list of such -> ``[("a", 2379), ("b", 2379)]``.
+
+    Raises:
+        ConfigError: no endpoint, an https:// endpoint (TLS is not supported
+            yet), another scheme, or something that is not ``host[:port]``.
+    """
+    items = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+    parts = [p.strip() for item in items for p in str(item).split(",") if p.strip()]
+    if not parts:
+        raise ConfigError(f"no etcd endpoint given (got {endpoints!r})")
+    return [_parse_endpoint(p) for p in parts]
+
+
+def _parse_endpoint(text: str) -> tuple[str, int]:
+    rest = text
+    if "://" in text:
+        scheme, rest = text.split("://", 1)
+        if scheme.lower() == "https":
+            raise ConfigError(f"TLS endpoints are not supported yet: {text}")
+        if scheme.lower() != "http":
+            raise ConfigError(f"bad etcd endpoint {text!r}: the scheme must be http://")
+    try:
+        split = urllib.parse.urlsplit("//" + rest.rstrip("/"))
+        host, port = split.hostname, split.port
+    except ValueError as exc:
+        raise ConfigError(f"bad etcd endpoint {text!r}: {exc}") from exc
+    name_ok = bool(_HOST_NAME.fullmatch(host or "")) or (":" in (host or "") and "[" in rest)
+    if not name_ok or split.path or split.query or split.fragment or split.username or port == 0:
+        raise ConfigError(f"bad etcd endpoint {text!r}: expected [http://]host[:port]")
+    return host, port if port is not None else DEFAULT_PORT
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def grpc_target(hostports: list[tuple[str, int]]) -> str:
+    """One endpoint: gRPC's DNS resolver (re-resolved on reconnect). Several:
+    their addresses, resolved now, for gRPC's pick_first to fail over between.
+
+    Raises:
+        StoreUnavailableError: one of several endpoints does not resolve.
+    """
+    if len(hostports) == 1:
+        return host_port(*hostports[0])
+    v4: list[str] = []
+    v6: list[str] = []
+    for host, port in hostports:
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            raise StoreUnavailableError(
+                f"cannot resolve etcd endpoint {host_port(host, port)}: {exc.strerror}"
+            ) from exc
+        for family, _, _, _, addr in infos:
+            if family == socket.AF_INET and f"{addr[0]}:{port}" not in v4:
+                v4.append(f"{addr[0]}:{port}")
+            elif family == socket.AF_INET6 and f"[{addr[0]}]:{port}" not in v6:
+                v6.append(f"[{addr[0]}]:{port}")
+    # A gRPC address list is of one family; IPv4 is what etcd clusters use.
+    if v4:
+        if v6:
+            logger.info("Using the IPv4 addresses of the etcd endpoints; ignoring %s.", v6)
+        return "ipv4:" + ",".join(v4)
+    return "ipv6:" + ",".join(v6)
