@@ -2,6 +2,7 @@
 
     elasticctl status   --etcd URL --job-id ID [--json]
     elasticctl events   --etcd URL --job-id ID [--json] [--limit N]
+    elasticctl checkpoints --etcd URL --job-id ID [--json]
     elasticctl restart  --etcd URL --job-id ID [--reason TEXT]
     elasticctl drain    --etcd URL --job-id ID NODE_ID
 
@@ -42,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("status", parents=[common], help="round, members and nodes of a job")
     ev = sub.add_parser("events", parents=[common], help="the job's event history")
     ev.add_argument("--limit", type=int, default=50, help="show the newest N (default 50)")
+    sub.add_parser("checkpoints", parents=[common],
+                   help="the latest committed checkpoint and the commit history")
     rs = sub.add_parser("restart", parents=[common],
                         help="ask for a new round with the same members")
     rs.add_argument("--reason", default="requested by an operator")
@@ -69,6 +72,24 @@ def _events(store: Store, args) -> str:
     return status_view.table(["TIME", "NODE", "ROUND", "KIND", "MESSAGE"], rows)
 
 
+def _checkpoints(store: Store, args) -> str:
+    keys = JobKeys(args.job_id)
+    kv = store.get(keys.checkpoint_latest)
+    latest = json.loads(kv.value) if kv else None
+    history = [e for e in events.read_events(store, keys) if e.kind == "checkpoint"]
+    if args.json:
+        return json.dumps({"latest": latest, "history": [e.__dict__ for e in history]}, indent=2)
+    if latest is None:
+        return f"job {args.job_id}: no checkpoint committed yet"
+    head = (f"job {args.job_id}: latest checkpoint step {latest['step']} ({latest['path']}), "
+            f"round {latest['round']}, world size {latest['world_size']}, committed "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(latest['time']))}")
+    rows = [[time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time)), e.node_id,
+             str(e.round), e.message] for e in history]
+    return head + ("\n\n" + status_view.table(["TIME", "NODE", "ROUND", "COMMIT"], rows)
+                   if rows else "")
+
+
 def _restart(store: Store, args) -> str:
     keys = JobKeys(args.job_id)
     current = _current_round(store, keys)
@@ -87,7 +108,8 @@ def _drain(store: Store, args) -> str:
         f"node {args.node_id} of job {args.job_id} will leave at the next round")
 
 
-COMMANDS = {"status": _status, "events": _events, "restart": _restart, "drain": _drain}
+COMMANDS = {"status": _status, "events": _events, "checkpoints": _checkpoints,
+            "restart": _restart, "drain": _drain}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,6 +33,7 @@ from elastic.errors import (
     EXIT_JOB_FAILED,
     EXIT_OK,
     ElasticError,
+    MalformedRecordError,
     RendezvousTimeoutError,
     StoreError,
     exit_code_for,
@@ -41,7 +42,7 @@ from elastic.net import free_port
 from elastic.rendezvous.api import NodeInfo, Round
 from elastic.rendezvous.node import RendezvousNode
 from elastic.store import open_store
-from elastic.store.api import Put, Store
+from elastic.store.api import Compare, Put, Store
 from elastic.v1 import agent_pb2
 
 log = logging.getLogger("elasticd")
@@ -337,6 +338,38 @@ class Agent:
             if w is not None and current:
                 w.on_heartbeat(self.clock.monotonic(), req.step, req.saving_for_s, req.exiting)
         return not current or self.lifecycle.state is not S.RUNNING
+
+    def commit_checkpoint(self, entry: agent_pb2.CheckpointEntry) -> tuple[bool, str]:
+        """Advance ``checkpoint/latest`` in one transaction fenced by the round
+        (the entry's round must still be the job's round): a worker of an older
+        round can never commit."""
+        keys = self.rdzv.keys
+        record = {"step": entry.step, "round": entry.round, "world_size": entry.world_size,
+                  "path": entry.path, "time": entry.time}
+        result = self.store.txn(
+            [Compare.version(keys.round, "==", entry.round)],
+            [Put(keys.checkpoint_latest, json.dumps(record, sort_keys=True).encode()),
+             events.event_op(keys, self.clock, self.config.node_id, entry.round, "checkpoint",
+                             f"checkpoint of step {entry.step} committed ({entry.path})")])
+        if result.succeeded:
+            log.info("job %s node %s round %d: checkpoint of step %d committed (%s)",
+                     self.config.job_id, self.config.node_id, entry.round, entry.step, entry.path)
+            return True, ""
+        latest = self.rdzv.latest_round
+        return False, (f"round {entry.round} is no longer current (the job is in round "
+                       f"{latest.number if latest else '?'})")
+
+    def latest_checkpoint(self) -> agent_pb2.CheckpointEntry | None:
+        kv = self.store.get(self.rdzv.keys.checkpoint_latest)
+        if kv is None:
+            return None
+        try:
+            r = json.loads(kv.value)
+            return agent_pb2.CheckpointEntry(step=int(r["step"]), round=int(r["round"]),
+                                             world_size=int(r["world_size"]),
+                                             path=str(r["path"]), time=float(r["time"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise MalformedRecordError(kv.key, f"not a checkpoint record ({exc})") from exc
 
     def status(self) -> agent_pb2.AgentStatusResponse:
         me = self.round.member(self.config.node_id) if self.round else None

@@ -86,10 +86,19 @@ class AgentControl(Protocol):
 
 
 class HeartbeatSink(Protocol):
-    """Where the ``elastic.v1.WorkerChannel`` service delivers worker heartbeats."""
+    """What the ``elastic.v1.WorkerChannel`` service delivers to the agent."""
 
     def heartbeat(self, request: agent_pb2.WorkerChannelHeartbeatRequest) -> bool:
         """Record one heartbeat; returns True when the worker should stop (stop_requested)."""
+        ...
+
+    def commit_checkpoint(self, entry: agent_pb2.CheckpointEntry) -> tuple[bool, str]:
+        """Record ``entry`` as the latest checkpoint if its round is current:
+        (True, "") or (False, why it was fenced off)."""
+        ...
+
+    def latest_checkpoint(self) -> agent_pb2.CheckpointEntry | None:
+        """The job's latest committed checkpoint, None when there is none."""
         ...
 
 
@@ -168,6 +177,18 @@ class _WorkerChannelServicer(agent_pb2_grpc.WorkerChannelServicer):
     def Heartbeat(self, request, context):  # noqa: N802
         stop = _serve_call(context, "Heartbeat", self._sink.heartbeat, request)
         return agent_pb2.WorkerChannelHeartbeatResponse(stop_requested=bool(stop))
+
+    def CommitCheckpoint(self, request, context):  # noqa: N802
+        committed, message = _serve_call(context, "CommitCheckpoint",
+                                         self._sink.commit_checkpoint, request.entry)
+        return agent_pb2.WorkerChannelCommitCheckpointResponse(committed=committed,
+                                                               message=message)
+
+    def LatestCheckpoint(self, request, context):  # noqa: N802
+        entry = _serve_call(context, "LatestCheckpoint", self._sink.latest_checkpoint)
+        if entry is None:
+            return agent_pb2.WorkerChannelLatestCheckpointResponse(found=False)
+        return agent_pb2.WorkerChannelLatestCheckpointResponse(found=True, entry=entry)
 
 
 def _split_listen(listen: str) -> tuple[str, int]:

@@ -86,6 +86,14 @@ def collect(store: Store, job_id: str, query_agents: bool = True,
             answers = pool.map(lambda a: _agent_from_grpc(a, agent_timeout_s), addrs.values())
             live = dict(zip(addrs, answers))
 
+    checkpoint = None
+    ckpt_kv = by_key.get(keys.checkpoint_latest)
+    if ckpt_kv is not None:
+        try:
+            checkpoint = json.loads(ckpt_kv.value)
+        except ValueError as exc:
+            problems.append(f"malformed record at key {ckpt_kv.key!r}: {exc}")
+
     leader_kv = by_key.get(keys.leader)
     nodes = []
     members = {m.node_id: m for m in current.members} if current else {}
@@ -118,6 +126,7 @@ def collect(store: Store, job_id: str, query_agents: bool = True,
             "failures": len(current.failures),
         },
         "nodes": nodes,
+        "checkpoint": checkpoint,
         "problems": problems,
     }
 
@@ -157,6 +166,10 @@ def render(status: dict, now: float | None = None) -> str:
         out.append(f"  master {r['master_addr']}:{r['master_port']}, formed "
                    f"{_ago(r['created_at'], now)}")
         out.append(f"  why: {r['reason']}")
+    c = status.get("checkpoint")
+    if c:
+        out.append(f"  last checkpoint: step {c.get('step')} ({c.get('path')}), round "
+                   f"{c.get('round')}, committed {_ago(float(c.get('time', 0)), now)}")
     if status["nodes"]:
         rows = []
         for n in status["nodes"]:

@@ -86,7 +86,8 @@ sys.path.insert(0, ROOT)
 
 from elastic.store.server import EtcdServer  # noqa: E402
 
-TAG_ENV = "ELASTIC_BENCH_RECOVERY_TAG"
+# Not ELASTIC_*: elasticd reads those as its options (and warns about unknown ones).
+TAG_ENV = "BENCH_RECOVERY_TAG"
 SCRIPT = os.path.join(ROOT, "examples", "ddp.py")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 STEPS_BEFORE_FAULT = 20
@@ -289,12 +290,17 @@ class BenchError(Exception):
     pass
 
 
-def wait_for(what: str, cond, timeout_s: float, interval_s: float = 0.02):
+def wait_for(what: str, cond, timeout_s: float, interval_s: float = 0.02,
+             run: "Run | None" = None):
+    """Poll ``cond`` until true; BenchError after ``timeout_s``, or as soon as one of
+    ``run``'s launchers has exited."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = cond()
         if value:
             return value
+        if run is not None:
+            run.check_alive(what)
         if time.monotonic() > deadline:
             raise BenchError(f"timed out after {timeout_s:.0f} s waiting for {what}")
         time.sleep(interval_s)
@@ -345,6 +351,14 @@ class Run:
         argv = [self.bench.torchrun, *opts, *self.script_args()]
         return self.launch(name, argv, extra_env)
 
+    def check_alive(self, what: str) -> None:
+        for ln in self.launchers:
+            code = ln.proc.poll()
+            if code is not None:
+                tail = " | ".join(text for _, text in ln.snapshot()[-3:])
+                raise BenchError(f"{ln.name} exited with {code} while waiting for {what}: "
+                                 f"{tail}")
+
     def close(self) -> None:
         """SIGCONT what was frozen, SIGTERM the launchers, then SIGKILL everything
         tagged that is still there (processes and their groups)."""
@@ -392,7 +406,7 @@ def _steady(run: Run, world: int, ranks: int, what: str, timeout_s: float,
             if r["world"] == world and (r["restart"] == 0 or not first_start):
                 best[r["rank"]] = max(best.get(r["rank"], -1), r["step"])
         return len(best) >= ranks and all(s >= STEPS_BEFORE_FAULT for s in best.values())
-    wait_for(what, ready, timeout_s)
+    wait_for(what, ready, timeout_s, run=run)
 
 
 def _current_pids(run: Run) -> set[int]:
@@ -420,8 +434,9 @@ def _wait_warm(run: Run, agent: Launcher, want: int, timeout_s: float) -> float 
     started = time.monotonic()
     try:
         wait_for("warm workers", lambda: len(warm_workers(agent.pid, _current_pids(run))) >= want,
-                 timeout_s, 0.1)
+                 timeout_s, 0.1, run=run)
     except BenchError:
+        run.check_alive("warm workers")  # a dead launcher is an error, slow warm-up is not
         return None
     return time.monotonic() - started
 
@@ -467,6 +482,7 @@ def crash_run(bench: "Bench", launcher: str, bound_s: float) -> dict:
         while first is None and time.monotonic() < deadline:
             first = _first(run.progress.poll(), lambda r: r["restart"] >= 1)
             if first is None:
+                run.check_alive("the restarted workers' first step")
                 time.sleep(0.02)
         out["recovery_s"] = round(first["t"] - killed_at, 3) if first else None
         out["phases"] = _crash_phases(launcher, ln, killed_at, first)
@@ -509,7 +525,8 @@ def frozen_run(bench: "Bench", launcher: str, lease_ttl: float, bound_s: float) 
                       "--nproc-per-node", "1", "--lease-ttl", f"{lease_ttl:g}"]
             a = run.elasticd("a", [*common, "--node-id", "a"])
             # a first, so that a leads and b's worker is rank 1 (as in the brief).
-            wait_for("node a to lead", lambda: a.find(r"node a: elected leader"), 30, 0.05)
+            wait_for("node a to lead", lambda: a.find(r"node a: elected leader"), 30, 0.05,
+                     run=run)
             b = run.elasticd("b", [*common, "--node-id", "b"])
         else:
             port = free_port()
@@ -541,6 +558,7 @@ def frozen_run(bench: "Bench", launcher: str, lease_ttl: float, bound_s: float) 
             first = _first(run.progress.poll(),
                            lambda r: r["world"] == 1 and r["t"] > frozen_at)
             if first is None:
+                run.check_alive("the survivor's first step alone")
                 time.sleep(0.05)
         out["recovery_s"] = round(first["t"] - frozen_at, 3) if first else None
         if launcher == "elasticd":
@@ -842,7 +860,7 @@ def render(results: dict, summary: dict, args: argparse.Namespace) -> str:
             if crash.get("ratio_vs_default") is not None:
                 out.append(f"  {'':<{w}}vs torchrun (default, recovered runs): "
                            f"ratio {crash['ratio_vs_default']:.2f}")
-        for kind in ("elasticd", "torchrun"):
+        for kind in ("elasticd", "torchrun", "torchrun-default"):
             if kind in crash and crash[kind]["phases_median"]:
                 ph = crash[kind]["phases_median"]
                 line = ", ".join(f"{k} {v:.2f}" for k, v in ph.items())

@@ -116,7 +116,11 @@ class Checkpointer:
         self.verify_checksums = verify_checksums
         self._commit_log = commit_log if commit_log is not None else FileCommitLog(self.root)
         self._on_saving = on_saving if on_saving is not None else _default_on_saving()
-        self._round = int(os.environ.get("ELASTIC_ROUND", "0") or 0)
+        try:
+            # The agent's round names temporaries and is the fencing token of commits.
+            self._round = int(os.environ.get("ELASTIC_ROUND", "0") or 0)
+        except ValueError as exc:
+            raise ConfigError(f"ELASTIC_ROUND must be an integer: {exc}") from exc
         self._group = _Group.create(process_group, timeout_s)
         self._stager = DefaultStager(StagingOptions(
             use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
@@ -138,11 +142,12 @@ class Checkpointer:
         """Checkpoint the state as of ``step`` (the step just completed); every rank calls it.
 
         First waits for the previous save and re-raises its failure (this
-        save is then not started). Then copies this rank's shard to CPU
-        memory (training blocks only for that copy), and writes, verifies
-        and commits it in the background when ``async_``, or before
-        returning otherwise. ``data_state`` (e.g. a sampler's state_dict) and
-        ``extras`` are small picklable objects restored per rank.
+        save is then not started). With ``async_``, copies this rank's shard
+        to CPU memory (training blocks only for that copy) and writes,
+        verifies and commits it in the background; otherwise writes from the
+        live tensors and returns when it is committed. ``data_state`` (e.g. a
+        sampler's state_dict) and ``extras`` are small picklable objects
+        restored per rank.
 
         Raises :class:`CheckpointWriteError` when the write or its
         verification fails (the temporary directory is removed; the previous

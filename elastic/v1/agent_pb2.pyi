@@ -105,3 +105,43 @@ class WorkerChannelHeartbeatResponse(_message.Message):
     STOP_REQUESTED_FIELD_NUMBER: _ClassVar[int]
     stop_requested: bool
     def __init__(self, stop_requested: _Optional[bool] = ...) -> None: ...
+
+class CheckpointEntry(_message.Message):
+    __slots__ = ("step", "round", "world_size", "path", "time")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    round: int
+    world_size: int
+    path: str
+    time: float
+    def __init__(self, step: _Optional[int] = ..., round: _Optional[int] = ..., world_size: _Optional[int] = ..., path: _Optional[str] = ..., time: _Optional[float] = ...) -> None: ...
+
+class WorkerChannelCommitCheckpointRequest(_message.Message):
+    __slots__ = ("entry",)
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    entry: CheckpointEntry
+    def __init__(self, entry: _Optional[_Union[CheckpointEntry, _Mapping]] = ...) -> None: ...
+
+class WorkerChannelCommitCheckpointResponse(_message.Message):
+    __slots__ = ("committed", "message")
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    committed: bool
+    message: str
+    def __init__(self, committed: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+
+class WorkerChannelLatestCheckpointRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerChannelLatestCheckpointResponse(_message.Message):
+    __slots__ = ("found", "entry")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    entry: CheckpointEntry
+    def __init__(self, found: _Optional[bool] = ..., entry: _Optional[_Union[CheckpointEntry, _Mapping]] = ...) -> None: ...

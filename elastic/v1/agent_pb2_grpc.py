@@ -204,6 +204,16 @@ class WorkerChannelStub:
                 request_serializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelHeartbeatRequest.SerializeToString,
                 response_deserializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelHeartbeatResponse.FromString,
                 _registered_method=True)
+        self.CommitCheckpoint = channel.unary_unary(
+                '/elastic.v1.WorkerChannel/CommitCheckpoint',
+                request_serializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelCommitCheckpointRequest.SerializeToString,
+                response_deserializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelCommitCheckpointResponse.FromString,
+                _registered_method=True)
+        self.LatestCheckpoint = channel.unary_unary(
+                '/elastic.v1.WorkerChannel/LatestCheckpoint',
+                request_serializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelLatestCheckpointRequest.SerializeToString,
+                response_deserializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelLatestCheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerChannelServicer:
@@ -217,6 +227,21 @@ class WorkerChannelServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitCheckpoint(self, request, context):
+        """Record a verified checkpoint as the job's latest, fenced by the round:
+        refused when the worker's round is no longer current.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LatestCheckpoint(self, request, context):
+        """The job's latest committed checkpoint.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerChannelServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -224,6 +249,16 @@ def add_WorkerChannelServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelHeartbeatRequest.FromString,
                     response_serializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelHeartbeatResponse.SerializeToString,
+            ),
+            'CommitCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitCheckpoint,
+                    request_deserializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelCommitCheckpointRequest.FromString,
+                    response_serializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelCommitCheckpointResponse.SerializeToString,
+            ),
+            'LatestCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.LatestCheckpoint,
+                    request_deserializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelLatestCheckpointRequest.FromString,
+                    response_serializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelLatestCheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -254,6 +289,60 @@ class WorkerChannel:
             '/elastic.v1.WorkerChannel/Heartbeat',
             elastic_dot_v1_dot_agent__pb2.WorkerChannelHeartbeatRequest.SerializeToString,
             elastic_dot_v1_dot_agent__pb2.WorkerChannelHeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elastic.v1.WorkerChannel/CommitCheckpoint',
+            elastic_dot_v1_dot_agent__pb2.WorkerChannelCommitCheckpointRequest.SerializeToString,
+            elastic_dot_v1_dot_agent__pb2.WorkerChannelCommitCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LatestCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elastic.v1.WorkerChannel/LatestCheckpoint',
+            elastic_dot_v1_dot_agent__pb2.WorkerChannelLatestCheckpointRequest.SerializeToString,
+            elastic_dot_v1_dot_agent__pb2.WorkerChannelLatestCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

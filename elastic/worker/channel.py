@@ -10,6 +10,7 @@ import threading
 
 import grpc
 
+from elastic.errors import AgentUnreachableError
 from elastic.v1 import agent_pb2, agent_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,43 @@ class WorkerChannelClient:
             logger.warning("Heartbeat of rank %d (pid %d, round %d) to the agent at %s failed: "
                            "%s: %s.", rank, pid, round_, self._target, code.name, exc.details())
 
+    def commit_checkpoint(self, *, step: int, round: int, world_size: int,  # noqa: A002
+                          path: str, time: float) -> tuple[bool, str]:
+        """Ask the agent to record a checkpoint as the job's latest, fenced by
+        ``round``: (True, "") or (False, why it was refused).
+
+        Raises AgentUnreachableError when the agent cannot be asked (the save
+        then fails: nothing may count as committed without the fence).
+        """
+        entry = agent_pb2.CheckpointEntry(step=step, round=round, world_size=world_size,
+                                          path=path, time=time)
+        try:
+            resp = self._stub.CommitCheckpoint(
+                agent_pb2.WorkerChannelCommitCheckpointRequest(entry=entry),
+                timeout=max(self._timeout_s, 10.0))
+        except (grpc.RpcError, ValueError) as exc:
+            raise AgentUnreachableError(
+                f"cannot commit checkpoint of step {step} through the agent at "
+                f"{self._target}: {_describe(exc)}") from exc
+        return resp.committed, resp.message
+
+    def latest_checkpoint(self) -> dict | None:
+        """The job's latest committed checkpoint as a dict (step, round,
+        world_size, path, time), None when there is none. Raises
+        AgentUnreachableError when the agent cannot be asked."""
+        try:
+            resp = self._stub.LatestCheckpoint(agent_pb2.WorkerChannelLatestCheckpointRequest(),
+                                               timeout=max(self._timeout_s, 10.0))
+        except (grpc.RpcError, ValueError) as exc:
+            raise AgentUnreachableError(
+                f"cannot read the latest checkpoint from the agent at {self._target}: "
+                f"{_describe(exc)}") from exc
+        if not resp.found:
+            return None
+        e = resp.entry
+        return {"step": e.step, "round": e.round, "world_size": e.world_size, "path": e.path,
+                "time": e.time}
+
     def close(self) -> None:
         """Close the channel; later heartbeats return False. Idempotent."""
         with self._lock:
@@ -110,3 +148,9 @@ class WorkerChannelClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, grpc.RpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return "the channel is closed"
