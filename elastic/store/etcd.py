@@ -163,7 +163,8 @@ class EtcdStore(Store):
         return StoreError(f"the store for etcd at {self._where} is closed")
 
     def _revoke_deadline(self) -> float:
-        """When best-effort lease revokes on close give up: about 2 s from now."""
+        """When best-effort lease revokes on close give up: 2 s from now, or
+        the request timeout if that is shorter."""
         return time.monotonic() + min(2.0, self.request_timeout_s)
 
     def _translate(self, exc: grpc.RpcError, what: str, timeout_s: float) -> StoreError:
