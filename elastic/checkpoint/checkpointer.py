@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from elastic.checkpoint import layout, state
 from elastic.checkpoint.api import CommitEntry, CommitLog
-from elastic.checkpoint.commit import FileCommitLog
+from elastic.checkpoint.agent_log import default_commit_log
 from elastic.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -78,7 +78,8 @@ class Checkpointer:
     ``model`` is a module or a list of chunks (pipeline stages); ``optimizer``
     an optimizer or, for several chunks, one per chunk; ``scheduler`` a
     scheduler or a list. ``root`` defaults to ``$ELASTIC_CHECKPOINT_DIR``;
-    ``commit_log`` to a :class:`FileCommitLog` in the root. ``on_saving(s)``
+    ``commit_log`` to the agent's fenced log under elasticd, else a
+    :class:`~elastic.checkpoint.commit.FileCommitLog` in the root. ``on_saving(s)``
     is called with an estimate in seconds when a save starts and with 0 when
     it ends (default: ``elastic.worker.runtime.saving``, which suspends the
     agent's hang detection). ``verify_checksums`` makes commit and restore
@@ -114,7 +115,7 @@ class Checkpointer:
         self.root = os.path.abspath(root)
         self.keep = keep
         self.verify_checksums = verify_checksums
-        self._commit_log = commit_log if commit_log is not None else FileCommitLog(self.root)
+        self._commit_log = commit_log if commit_log is not None else default_commit_log(self.root)
         self._on_saving = on_saving if on_saving is not None else _default_on_saving()
         try:
             # The agent's round names temporaries and is the fencing token of commits.
@@ -189,7 +190,9 @@ class Checkpointer:
         is no committed checkpoint (a fresh start). Sets :attr:`data_state`,
         :attr:`extras` and :attr:`restored_path`. Candidates that fail
         verification are logged (naming the file) and skipped for the
-        previous committed one.
+        previous committed one. At the saved world size every rank gets its
+        own RNG states, data position and extras back; at another one, see
+        :mod:`elastic.checkpoint.state` for what each rank gets.
 
         Raises :class:`CheckpointCorruptError` when committed checkpoints
         exist but none verifies (starting from scratch is not silently done),
@@ -213,7 +216,7 @@ class Checkpointer:
         step = self._load(chosen)
         log.log(self._level, "Rank %d restored checkpoint step %d from %s in round %d in %.2f s; "
                 "resuming at step %d.", self._group.rank, step, chosen, self._round,
-                 time.monotonic() - started, step + 1)
+                time.monotonic() - started, step + 1)
         return step + 1
 
     def close(self) -> None:
