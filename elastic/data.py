@@ -5,24 +5,7 @@ list of micro-batches of sample indices. Its position is a pair (epoch,
 samples consumed in the epoch) that fits in a small JSON-able dict, saved with
 the checkpoint (``Checkpointer.save(step, data_state=sampler.state_dict())``)
 and restored at the same or another world size without repeating or skipping a
-sample.
-
-A training loop with gradient accumulation and checkpoints::
-
-    sampler = ElasticSampler(len(ds), global_batch_size=64, micro_batch_size=8)
-    step = ckpt.restore()                    # 0 on a fresh start
-    if ckpt.data_state is not None:
-        sampler.load_state_dict(ckpt.data_state)   # saved at any world size
-    while step < total_steps:
-        for micro_batches in sampler:        # the rest of the epoch, then stops
-            for i, indices in enumerate(micro_batches):
-                x, y = ds.batch(indices)     # DDP: no_sync() for all but the last
-                (loss_fn(model(x), y) / sampler.accumulation_steps).backward()
-            opt.step(); opt.zero_grad()
-            ckpt.save(step, data_state=sampler.state_dict())
-            step += 1
-            if step == total_steps:
-                break
+sample (the training loop is in :class:`ElasticSampler`'s docstring).
 
 :class:`SyntheticDataset` is a tiny deterministic dataset (sample ``i`` is
 generated from a seed derived from ``i``) for examples and tests.
@@ -89,6 +72,24 @@ class ElasticSampler:
     over the sampler is one (rest of an) epoch. Breaking out of the loop
     keeps the position; the next ``for`` loop continues from it. Use one
     iterator at a time.
+
+    A training loop with gradient accumulation and checkpoints (``ckpt`` an
+    :class:`elastic.checkpoint.Checkpointer`, ``ds`` a :class:`SyntheticDataset`)::
+
+        sampler = ElasticSampler(len(ds), global_batch_size=64, micro_batch_size=8)
+        step = ckpt.restore()                      # 0 on a fresh start
+        if ckpt.data_state is not None:
+            sampler.load_state_dict(ckpt.data_state)  # saved at any world size
+        while step < total_steps:
+            for micro_batches in sampler:          # the rest of the epoch, then stops
+                for indices in micro_batches:      # under DDP: no_sync() for all but the last
+                    x, y = ds.batch(indices)
+                    (loss_fn(model(x), y) / sampler.accumulation_steps).backward()
+                opt.step(); opt.zero_grad()
+                ckpt.save(step, data_state=sampler.state_dict())  # resumes at step + 1
+                step += 1
+                if step == total_steps:
+                    break
 
     ``rank`` and ``world_size`` default to ``torch.distributed``'s when it is
     initialized, else to the ``RANK`` and ``WORLD_SIZE`` environment
@@ -340,10 +341,11 @@ class SyntheticDataset:
     """A deterministic regression dataset: sample ``i`` is always the same pair of tensors.
 
     ``x_i`` (shape ``(input_dim,)``) is drawn from a CPU generator seeded
-    with ``seed * 2**32 + i``; ``y_i = x_i @ w + 0.1 * noise_i`` (shape
-    ``(output_dim,)``) with ``w`` fixed by ``seed`` and the noise drawn from
-    the same per-sample generator, so a model can learn it and any sample
-    can be regenerated from its index alone.
+    with ``(i + seed * 0x9E3779B9) mod 2**32`` (just ``i`` for seed 0; torch's
+    CPU generator keeps 32 bits of a seed); ``y_i = x_i @ w + 0.1 * noise_i``
+    (shape ``(output_dim,)``) with the noise drawn from the same per-sample
+    generator and ``w`` from the stream of index -1, so a model can learn it
+    and any sample can be regenerated from its index alone.
     """
 
     def __init__(self, num_samples: int, input_dim: int = 8, output_dim: int = 1, *,
@@ -363,12 +365,15 @@ class SyntheticDataset:
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} is out of range for {self.num_samples} samples")
         if self._weight is None:
-            generator = torch.Generator(device="cpu").manual_seed(self.seed)
+            generator = torch.Generator(device="cpu").manual_seed(self._stream(-1))
             self._weight = torch.randn(self.input_dim, self.output_dim, generator=generator)
-        generator = torch.Generator(device="cpu").manual_seed(self.seed * 2**32 + int(index))
+        generator = torch.Generator(device="cpu").manual_seed(self._stream(int(index)))
         x = torch.randn(self.input_dim, generator=generator)
         y = x @ self._weight + 0.1 * torch.randn(self.output_dim, generator=generator)
         return x, y
+
+    def _stream(self, index: int) -> int:
+        return (index + self.seed * 0x9E3779B9) % 2**32
 
     def batch(self, indices: Sequence[int]) -> tuple[Any, Any]:
         """The samples at ``indices`` stacked: ``x`` of shape ``(len, input_dim)``, ``y``
@@ -432,7 +437,7 @@ def _indivisible(global_batch: int, world: int, micro: int | None) -> str:
         lower = global_batch // world * world
         options = " or ".join(str(g) for g in (lower, lower + world) if g > 0)
         return (f"global batch {global_batch} cannot be split over {world} ranks: choose a "
-                f"global batch that is a multiple of {world} ({options}), a world size that "
+                f"global batch that is a multiple of {world} ({options}) or a world size that "
                 f"divides {global_batch} ({_divisors(global_batch)})")
     unit = world * micro
     lower = global_batch // unit * unit

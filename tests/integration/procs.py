@@ -62,9 +62,10 @@ class MemberProcess:
             if predicate(obj):
                 return obj
 
-    def wait_round(self, members: list[str], timeout_s: float = 15.0) -> dict:
-        return self.wait_for(lambda o: o.get("event") == "round" and o["members"] == members,
-                             timeout_s)
+    def wait_round(self, members: list[str], timeout_s: float = 15.0, after: int = 0) -> dict:
+        """The first round with exactly these members (in rank order) numbered above ``after``."""
+        return self.wait_for(lambda o: o.get("event") == "round" and o["members"] == members
+                             and o["number"] > after, timeout_s)
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)

@@ -44,18 +44,17 @@ def test_three_form_one_killed_survivors_reform_then_a_fourth_joins(members, etc
 
     killed_at = time.monotonic()
     n3.proc.kill()  # SIGKILL: no goodbye, only the lease expiry tells
-    for p in (n1, n2):
-        second = p.wait_round(["n1", "n2"], timeout_s=LEASE_TTL + 5)
+    seen = [p.wait_round(["n1", "n2"], timeout_s=LEASE_TTL + 5, after=first["number"])
+            for p in (n1, n2)]
     elapsed = time.monotonic() - killed_at
     assert elapsed <= LEASE_TTL + 1.0, f"survivors re-formed after {elapsed:.2f} s"
-    assert second["number"] > first["number"]
+    second = seen[0]
     assert "lost n3" in second["reason"]
-    assert [second["node_rank"] for second in
-            (n1.wait_round(["n1", "n2"]), n2.wait_round(["n1", "n2"]))] == [0, 1]
+    assert [s["node_rank"] for s in seen] == [0, 1]
 
     n4 = members("n4")
     for p in (n1, n2, n4):
-        third = p.wait_round(["n1", "n2", "n4"])
+        third = p.wait_round(["n1", "n2", "n4"], after=second["number"])
     assert third["number"] == second["number"] + 1
     assert "joined n4" in third["reason"]
     assert n4.wait_round(["n1", "n2", "n4"])["node_rank"] == 2
@@ -64,10 +63,10 @@ def test_three_form_one_killed_survivors_reform_then_a_fourth_joins(members, etc
 def test_node_of_an_older_round_cannot_commit_a_fenced_write(members, etcd_store, job_id):
     n1, n2, n3 = members("n1"), members("n2"), members("n3")
     for p in (n1, n2, n3):
-        p.wait_round(["n1", "n2", "n3"])
+        together = p.wait_round(["n1", "n2", "n3"])
 
     n3.signal(signal.SIGSTOP)  # frozen: its lease expires, the others move on
-    n1.wait_round(["n1", "n2"], timeout_s=LEASE_TTL + 5)
+    n1.wait_round(["n1", "n2"], timeout_s=LEASE_TTL + 5, after=together["number"])
     n3.signal(signal.SIGUSR1)  # delivered on wake-up: write for the round it was in
     n3.signal(signal.SIGCONT)
     answer = n3.wait_for(lambda o: o.get("event") == "fenced_write")
@@ -84,12 +83,12 @@ def test_node_of_an_older_round_cannot_commit_a_fenced_write(members, etcd_store
 
 def test_frozen_node_comes_back_as_a_newcomer(members):
     n1, n2 = members("n1", nnodes="1:3"), members("n2", nnodes="1:3")
-    n1.wait_for(lambda o: o.get("event") == "round" and len(o["members"]) == 2)
+    both = n1.wait_round(["n1", "n2"])
     n2.signal(signal.SIGSTOP)
-    n1.wait_round(["n1"], timeout_s=LEASE_TTL + 5)
+    alone = n1.wait_round(["n1"], timeout_s=LEASE_TTL + 5, after=both["number"])
     n2.signal(signal.SIGCONT)
     # Its lease is gone; it registers again and is taken back in.
-    back = n2.wait_round(["n1", "n2"], timeout_s=LEASE_TTL + 10)
+    back = n2.wait_round(["n1", "n2"], timeout_s=LEASE_TTL + 10, after=alone["number"])
     assert back["node_rank"] == 1
 
 
@@ -101,7 +100,7 @@ def test_nodes_beyond_max_wait_as_standby_and_fill_in_after_a_loss(members):
     assert standby["node_rank"] is None and standby["members"] == ["n1", "n2"]
     n2.proc.kill()
     for p in (n1, n3):
-        p.wait_round(["n1", "n3"], timeout_s=LEASE_TTL + 5)
+        p.wait_round(["n1", "n3"], timeout_s=LEASE_TTL + 5, after=standby["number"])
 
 
 def test_restart_request_gives_a_new_round_with_the_same_members(members, etcd_endpoint, job_id):
