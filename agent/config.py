@@ -44,28 +44,26 @@ WORKER_ENV = {"ELASTIC_ROUND", "ELASTIC_AGENT_SOCKET", "ELASTIC_CHECKPOINT_DIR",
               "ELASTIC_JOB_ID", "ELASTIC_NODE_ID", "ELASTIC_PRELOAD", "ELASTIC_HANG_TIMEOUT_S"}
 
 
-def _positive(kind: type) -> Callable[[str, Any], Any]:
+def _number(kind: type, *, allow_zero: bool) -> Callable[[str, Any], Any]:
+    """A parser for a number option that must be > 0 (or >= 0 with ``allow_zero``)."""
     def parse(name: str, raw: Any) -> Any:
         try:
             value = kind(raw)
         except (TypeError, ValueError):
             raise ConfigError(f"--{name} {raw!r}: expected a {kind.__name__}") from None
-        if value <= 0:
-            raise ConfigError(f"--{name} {raw!r}: must be greater than 0")
+        if value < 0 or (value == 0 and not allow_zero):
+            raise ConfigError(f"--{name} {raw!r}: must "
+                              + ("not be negative" if allow_zero else "be greater than 0"))
         return value
     return parse
+
+
+def _positive(kind: type) -> Callable[[str, Any], Any]:
+    return _number(kind, allow_zero=False)
 
 
 def _non_negative(kind: type) -> Callable[[str, Any], Any]:
-    def parse(name: str, raw: Any) -> Any:
-        try:
-            value = kind(raw)
-        except (TypeError, ValueError):
-            raise ConfigError(f"--{name} {raw!r}: expected a {kind.__name__}") from None
-        if value < 0:
-            raise ConfigError(f"--{name} {raw!r}: must not be negative")
-        return value
-    return parse
+    return _number(kind, allow_zero=True)
 
 
 def _text(name: str, raw: Any) -> str:
