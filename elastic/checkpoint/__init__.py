@@ -9,15 +9,28 @@ Use::
     for step in range(start, steps):
         train_step()
         if step % 100 == 99:
-            ckpt.save(step, data_state=sampler.state_dict())   # blocks only to copy to CPU
+            ckpt.save(step, data_state=sampler.state_dict())   # returns at once
     ckpt.close()                                 # waits for the last save
+
+The contract of an async save: between ``save()`` and the next
+``optimizer.step()`` the model's parameters (and the optimizer's state) must
+not be modified in place except by the optimizer (no EMA or clipping of the
+weights themselves in between). Their copy to CPU runs in the background, and
+each optimizer's ``step()`` waits for it (a step pre-hook); a violation is
+detected (the tensors' ``_version`` counters) and fails that save with
+``CheckpointError``, never committing a torn copy.
 
 What a checkpoint holds and how it reshards: :mod:`elastic.checkpoint.state`.
 The directory layout, manifests and checksums: :mod:`elastic.checkpoint.layout`.
 
 Saving (every rank; one save in flight at a time, over a gloo group of its own)
 -------------------------------------------------------------------------------
-1. Stage: copy this rank's tensors to CPU memory (training blocks only here).
+1. Stage: ``save()`` takes the state dict, copies the buffers and non-tensor
+   values to CPU and returns; the background thread copies the parameters
+   and optimizer state (the next ``optimizer.step()``, ``save()``, ``wait()``,
+   ``restore()`` or ``close()`` waits for that copy), then checks their
+   ``_version`` counters; all ranks gather the outcome, and a change fails the
+   save on every rank before anything is written.
 2. In the background, rank 0 removes stale temporaries and creates
    ``<root>/.tmp-step-<step>-round-<round>/``; every rank writes its DCP
    shards, its ``rank-<r>.pt`` and then ``manifest-<r>.json`` (each file's
@@ -51,8 +64,13 @@ Let L be ``commit_log.latest()``. Restore tries, in this order:
 
 It loads the first one that verifies (complete manifests, ``.metadata``,
 every listed file with its recorded size and CRC-32; each rank checks a
-share of the files, so the cost is one read of the checkpoint spread over the
-ranks, at disk speed). Each failed candidate is logged as a warning naming
+share of the files, balanced by bytes, so the cost is one read of the
+checkpoint spread over the ranks, at disk speed). The cheap checks
+(manifests, sizes) come first; the CRC-32 pass then runs in a background
+thread while ``dcp.load`` loads the candidate, and the candidate is accepted
+only if the pass succeeded on every rank (gathered); otherwise the next
+candidate is loaded over it. So the model's state is only valid once
+``restore()`` returns. Each failed candidate is logged as a warning naming
 the file at fault. A directory newer than L is never loaded, marked or not.
 Rank 0 lists the candidates and broadcasts them; the verification results
 are gathered on every rank, so all ranks load the same one. Committed
@@ -75,7 +93,7 @@ older steps. Deletion is a rename to ``.trash-*`` first, so a half-deleted
 directory is never mistaken for a checkpoint.
 
 Failpoints (``ELASTIC_FAILPOINT``, see :mod:`elastic.failpoints`):
-``ckpt.before_shards``, ``ckpt.write``, ``ckpt.mid_write``,
+``ckpt.stage`` (in the background copy of an async save), ``ckpt.before_shards``, ``ckpt.write``, ``ckpt.mid_write``,
 ``ckpt.after_shards_before_commit``, ``ckpt.after_rename_before_commit_log``.
 
 Everything but :class:`Checkpointer` imports without torch, so the agent and

@@ -12,7 +12,14 @@ Why ``dcp.save`` in a thread of our own instead of ``dcp.async_save``: the
 verification and the commit must follow the write in the same background
 task, with collectives of their own, and a failure anywhere must surface
 once, from :meth:`Checkpointer.wait` or the next :meth:`Checkpointer.save`.
-Staging uses DCP's ``DefaultStager`` (what ``async_save`` uses).
+Staging uses DCP's ``DefaultStager`` (what ``async_save`` uses), in that
+same background thread: ``save()`` copies only what forward and backward may
+change (buffers, non-tensor values) and returns; parameters and optimizer
+state are copied in the background, and a step pre-hook on every optimizer
+makes ``optimizer.step()`` wait for that copy. Each such tensor's ``_version``
+(in-place modification counter) is recorded at ``save()`` and checked after
+the copy, so an in-place change by anything else fails the save instead of
+committing a torn copy.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
 import warnings
@@ -36,6 +44,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.tensor import DTensor
 
 from elastic.checkpoint import layout, state
 from elastic.checkpoint.api import CommitEntry, CommitLog
@@ -88,6 +97,17 @@ class Checkpointer:
     all ranks (every rank verifies files that others wrote, and resharding
     reads any rank's shards).
 
+    The contract of an async save: between ``save()`` and the next
+    ``optimizer.step()`` the model's parameters (and the optimizer's state)
+    must not be modified in place except by the optimizer, e.g. no EMA or
+    clipping of the weights themselves in between: their copy to CPU runs in
+    the background until that step (which waits for it, through a step
+    pre-hook this object registers on each of its optimizers). A violation is
+    detected through the tensors' in-place counters (``_version``; changes
+    through ``.data`` escape it) and fails that save with
+    :class:`CheckpointError`; the previous checkpoint stays the latest.
+    Buffers (e.g. BatchNorm statistics) are copied before ``save()`` returns.
+
     Raises :class:`ConfigError` for a missing root or bad arguments, and
     :class:`CheckpointError` when torch's object collectives cannot work
     (they need numpy). Not thread-safe: call it from the training thread.
@@ -129,6 +149,9 @@ class Checkpointer:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="elastic-checkpoint")
         self._inflight: concurrent.futures.Future | None = None
+        self._staging: threading.Event | None = None  # set once the async copy is done
+        self._hooks = [opt.register_step_pre_hook(self._before_step)
+                       for opt in dict.fromkeys(o for c in self._chunks for o in c.optimizers)]
         self._unusable: set[str] = set()  # directories the last restore skipped as unverifiable
         self._closed = False
         self.data_state: Any = None
@@ -144,7 +167,8 @@ class Checkpointer:
 
         First waits for the previous save and re-raises its failure (this
         save is then not started). With ``async_``, copies this rank's shard
-        to CPU memory (training blocks only for that copy) and writes,
+        to CPU memory in the background (the next ``optimizer.step()`` waits
+        for the copy; see the class docstring for the contract) and writes,
         verifies and commits it in the background; otherwise writes from the
         live tensors and returns when it is committed. ``data_state`` (e.g. a
         sampler's state_dict) and ``extras`` are small picklable objects
@@ -155,12 +179,15 @@ class Checkpointer:
         checkpoint stays the latest; training can go on and save again) or
         when ``step`` is already the latest committed checkpoint,
         :class:`elastic.errors.FencedError` when the commit log refuses this
-        round, and :class:`CheckpointError` for other failures.
+        round, and :class:`CheckpointError` for other failures, e.g. when a
+        parameter was modified in place (not by the optimizer) during the
+        background copy.
         """
         self._check_open()
         self.wait()
         staged = self._stage(int(step), data_state, extras, copy=async_)
         if async_:
+            self._staging = staged.ready
             self._inflight = self._executor.submit(self._persist, staged)
         else:
             self._persist(staged)
@@ -194,6 +221,12 @@ class Checkpointer:
         own RNG states, data position and extras back; at another one, see
         :mod:`elastic.checkpoint.state` for what each rank gets.
 
+        The CRC-32 pass runs concurrently with the load, so a candidate's
+        state is put into the model and optimizer before it is known to
+        verify; a candidate that fails is then overwritten by the next one.
+        The model's and optimizer's state is only valid once ``restore()``
+        returns (after an error it is undefined).
+
         Raises :class:`CheckpointCorruptError` when committed checkpoints
         exist but none verifies (starting from scratch is not silently done),
         and :class:`CheckpointError` when loading a verified one fails (e.g.
@@ -202,22 +235,27 @@ class Checkpointer:
         self._check_open()
         self.wait()
         started = time.monotonic()
-        chosen, candidates = self._choose()
-        if chosen is None:
-            if candidates:
-                raise CheckpointCorruptError(
-                    f"rank {self._group.rank}: none of the committed checkpoints under "
-                    f"{self.root} verifies ({', '.join(candidates)}); see the warnings above "
-                    f"for the files at fault")
-            log.log(self._level, "Rank %d found no committed checkpoint under %s in round %d; "
-                    "starting from step 0.", self._group.rank, self.root, self._round)
-            self.data_state = self.extras = self.restored_path = None
-            return 0
-        step = self._load(chosen)
-        log.log(self._level, "Rank %d restored checkpoint step %d from %s in round %d in %.2f s; "
-                "resuming at step %d.", self._group.rank, step, chosen, self._round,
-                time.monotonic() - started, step + 1)
-        return step + 1
+        candidates = self._choose()
+        for index, name in enumerate(candidates):
+            fallback = (f"falling back to {candidates[index + 1]}" if index + 1 < len(candidates)
+                        else "no older committed checkpoint is left")
+            step = self._load(name, fallback)
+            if step is None:
+                self._unusable.add(name)
+                continue
+            log.log(self._level, "Rank %d restored checkpoint step %d from %s in round %d in "
+                    "%.2f s; resuming at step %d.", self._group.rank, step, name, self._round,
+                    time.monotonic() - started, step + 1)
+            return step + 1
+        self.data_state = self.extras = self.restored_path = None
+        if candidates:
+            raise CheckpointCorruptError(
+                f"rank {self._group.rank}: none of the committed checkpoints under "
+                f"{self.root} verifies ({', '.join(candidates)}); see the warnings above "
+                f"for the files at fault")
+        log.log(self._level, "Rank %d found no committed checkpoint under %s in round %d; "
+                "starting from step 0.", self._group.rank, self.root, self._round)
+        return 0
 
     def close(self) -> None:
         """Wait for the save in flight (re-raising its failure) and release the
@@ -228,31 +266,91 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
+            for hook in self._hooks:
+                hook.remove()
             self._executor.shutdown(wait=True)
             self._stager.close()
 
     # --- save, in the caller's thread ---------------------------------------------------------
 
     def _stage(self, step: int, data_state: Any, extras: Any, copy: bool) -> "_Staged":
-        """Take the state to save. ``copy``: a CPU copy that training may not touch
-        (async; DefaultStager keeps its buffers for the next save, so this is one
-        copy of the shard, allocated once); otherwise the live tensors, which stay
+        """Take the state to save. ``copy`` (async): copy now to CPU what forward and
+        backward may change (buffers, non-tensors), and leave parameters and optimizer
+        state, with their in-place counters, for :meth:`_finish_staging` in the
+        background (DefaultStager keeps its buffers for the next save, so this is one
+        copy of the shard, allocated once). Otherwise the live tensors, which stay
         still because the caller blocks until the save is done."""
         tensors = state.collect(self._chunks)
         nbytes = state.local_nbytes(tensors.state_dict)
         self._announce(_SAVE_FIXED_S + nbytes / _SAVE_BYTES_PER_S)
         try:
             started = time.monotonic()
-            staged = self._stager.stage(tensors.state_dict) if copy else tensors.state_dict
             local = state.capture_local(step=step, rank=self._group.rank,
                                         world_size=self._group.size, schedulers=self._schedulers,
                                         data_state=data_state, extras=extras)
+            staged = _Staged(step=step, state_dict=tensors.state_dict, local=local,
+                             nbytes=nbytes)
+            if copy:
+                later, now = _split(tensors.state_dict, self._parameter_pointers())
+                staged.pending = _Pending(
+                    later=later, now=self._stager.stage(now),
+                    order={group: list(values) if isinstance(values, dict) else None
+                           for group, values in tensors.state_dict.items()},
+                    versions=[(f"{group}.{key}", tensor, tensor._version)
+                              for group, values in later.items()
+                              for key, tensor in values.items()])
+                staged.state_dict = {}
+            else:
+                staged.ready.set()
         except BaseException:
             self._announce(0.0)
             raise
-        log.debug("Rank %d staged %d bytes for checkpoint step %d of round %d in %.3f s.",
+        log.debug("Rank %d took %d bytes for checkpoint step %d of round %d in %.3f s.",
                   self._group.rank, nbytes, step, self._round, time.monotonic() - started)
-        return _Staged(step=step, state_dict=staged, local=local, nbytes=nbytes)
+        return staged
+
+    def _parameter_pointers(self) -> set[int]:
+        return {_local(p).data_ptr() for chunk in self._chunks
+                for p in chunk.model.parameters()}
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Step pre-hook: the step changes what the background copy reads; wait for it."""
+        ready = self._staging
+        if ready is not None:
+            ready.wait()
+            self._staging = None
+
+    def _finish_staging(self, staged: "_Staged") -> None:
+        """Background, first thing of an async save: copy the parameters and the
+        optimizer state, then check that nothing but the copy touched them."""
+        try:
+            pending = staged.pending
+            if pending is None:
+                return
+            staged.pending = None  # no reference to live tensors beyond this call
+            failpoint("ckpt.stage")
+            copied = self._stager.stage(pending.later)
+            changed = [name for name, tensor, version in pending.versions
+                       if tensor._version != version]
+            if changed:
+                raise CheckpointError(
+                    f"{len(changed)} tensor(s) of the state (e.g. "
+                    f"{', '.join(changed[:3])}) were modified in place after save() and "
+                    f"before their copy to CPU ended, so the copy may be torn and is not "
+                    f"written: between save() and the next optimizer.step() the model's "
+                    f"parameters and the optimizer's state must not be modified in place "
+                    f"except by the optimizer (e.g. an EMA or clipping of the weights "
+                    f"themselves belongs after the step)")
+            merged: dict[str, Any] = {}
+            for group, keys in pending.order.items():
+                if keys is None:
+                    merged[group] = pending.now[group]
+                    continue
+                done, early = copied.get(group, {}), pending.now.get(group, {})
+                merged[group] = {key: done[key] if key in done else early[key] for key in keys}
+            staged.state_dict = merged
+        finally:
+            staged.ready.set()
 
     # --- save, in the background (or the caller's thread when synchronous) --------------------
 
@@ -261,6 +359,11 @@ class Checkpointer:
         tmp = os.path.join(self.root, layout.tmp_dir_name(step, self._round))
         started = time.monotonic()
         try:
+            failure = self._capture(lambda: self._finish_staging(staged))
+            failures = [f for f in self._group.all_gather(failure, "staging") if f]
+            if failures:
+                raise CheckpointError(f"checkpoint step {step} was not saved: rank "
+                                      f"{failures[0].rank}: {failures[0].message}")
             failpoint("ckpt.before_shards")
             failure = self._capture(lambda: self._prepare(tmp, step)) if rank == 0 else None
             failure = self._group.broadcast(failure, "preparing the save")
@@ -387,10 +490,9 @@ class Checkpointer:
 
     # --- restore ------------------------------------------------------------------------------
 
-    def _choose(self) -> tuple[str | None, list[str]]:
-        """Rank 0 lists the candidates in order and broadcasts them; all ranks verify
-        each one together (each its share of the files) until one passes. Every
-        rank sees the same gathered problems, so all choose the same directory."""
+    def _choose(self) -> list[str]:
+        """Rank 0 lists the candidates in order and broadcasts them, so every rank
+        tries the same ones in the same order (see :meth:`_load`)."""
         rank = self._group.rank
         self._unusable = set()
         listing: Any = None
@@ -404,28 +506,33 @@ class Checkpointer:
         if isinstance(listing, str):
             raise CheckpointError(f"rank {rank}: cannot choose a checkpoint under {self.root}: "
                                   f"{listing}")
-        for index, name in enumerate(listing):
-            problems = layout.verify(os.path.join(self.root, name), checksums=self.verify_checksums,
-                                     part=rank, parts=self._group.size)
-            problems = [p for ps in self._group.all_gather(problems, "verifying") for p in ps]
-            if not problems:
-                return name, listing
-            self._unusable.add(name)
-            if rank == 0:
-                fallback = (f"falling back to {listing[index + 1]}" if index + 1 < len(listing)
-                            else "no older committed checkpoint is left")
-                for problem in problems:
-                    log.warning("Rank 0 skips checkpoint %s in round %d: %s; %s.", name,
-                                self._round, problem, fallback)
-        return None, listing
+        return listing
 
-    def _load(self, name: str) -> int:
+    def _load(self, name: str, fallback: str) -> int | None:
+        """Verify and load one candidate; its step, or None when it fails verification.
+
+        All ranks together: the structure and sizes first (cheap; each rank its
+        share of the files, gathered), then the CRC-32 pass of this rank's share
+        in the background thread while ``dcp.load`` runs. Both outcomes are
+        gathered, so every rank accepts or rejects the same candidate; only an
+        accepted one's schedulers, RNGs, data position and extras are restored
+        (a rejected one's tensors are overwritten by the next candidate's load).
+        """
         path = os.path.join(self.root, name)
         rank = self._group.rank
-        manifests, _ = layout.read_manifests(path)
-        saved_world, step = manifests[0].world_size, manifests[0].step
-        same_world = saved_world == self._group.size
+        problems, share = layout.verify_structure(path, part=rank, parts=self._group.size)
+        problems = [p for ps in self._group.all_gather(problems, "verifying") for p in ps]
+        if problems:
+            self._reject(name, problems, fallback)
+            return None
+        crc = (self._executor.submit(layout.verify_checksums, share)
+               if self.verify_checksums and share else None)
+        failure: str | None = None
+        local: Any = None
         try:
+            manifests, _ = layout.read_manifests(path)
+            saved_world, step = manifests[0].world_size, manifests[0].step
+            same_world = saved_world == self._group.size
             tensors = state.collect(self._chunks)
             dcp.load(tensors.state_dict, storage_reader=dcp.FileSystemReader(path),
                      process_group=self._group.pg, no_dist=self._group.pg is None)
@@ -433,8 +540,27 @@ class Checkpointer:
             with open(os.path.join(path, layout.rank_state_name(rank if same_world else 0)),
                       "rb") as f:
                 local = state.load_local(f.read())
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - gathered below
+            failure = f"loading checkpoint {path} failed: {_first_line(exc)}"
+        problems = []
+        if crc is not None:
+            try:
+                problems = crc.result()
+            except Exception as exc:  # noqa: BLE001 - a verification that cannot run fails
+                problems = [layout.Problem(path, f"cannot verify ({exc!r})")]
+        gathered = self._group.all_gather((problems, failure), "verifying and loading")
+        problems = [p for ps, _ in gathered for p in ps]
+        if problems:
+            self._reject(name, problems, fallback)
+            return None
+        failures = [(r, f) for r, (_, f) in enumerate(gathered) if f]
+        if failures:
+            origin, message = failures[0]
+            raise CheckpointError(f"rank {rank}: {message}" if failure else
+                                  f"rank {rank}: rank {origin}: {message}")
+        try:
             state.restore_schedulers(self._schedulers, local["schedulers"])
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - translated at the boundary
+        except Exception as exc:  # noqa: BLE001 - translated at the boundary
             raise CheckpointError(f"rank {rank}: loading checkpoint {path} failed: "
                                   f"{_first_line(exc)}") from exc
         if same_world:
@@ -449,6 +575,12 @@ class Checkpointer:
         self.extras = local["extras"]
         self.restored_path = path
         return step
+
+    def _reject(self, name: str, problems: list[layout.Problem], fallback: str) -> None:
+        if self._group.rank == 0:
+            for problem in problems:
+                log.warning("Rank 0 skips checkpoint %s in round %d: %s; %s.", name,
+                            self._round, problem, fallback)
 
     # --- helpers ------------------------------------------------------------------------------
 
@@ -481,11 +613,46 @@ class Checkpointer:
 
 
 @dataclasses.dataclass
+class _Pending:
+    """An async save's copy still to make in the background."""
+
+    later: dict[str, dict[str, Any]]  # live parameters and optimizer state, by group
+    now: dict[str, Any]               # the rest, copied in save()
+    order: dict[str, list[str] | None]  # the state dict's keys per group (None: not a dict)
+    versions: list[tuple[str, Any, int]]  # (name, live tensor, _version at save())
+
+
+@dataclasses.dataclass
 class _Staged:
     step: int
-    state_dict: dict[str, Any]  # a CPU copy, owned by the save
+    state_dict: dict[str, Any]  # a CPU copy owned by the save (async), or the live state
     local: bytes                # this rank's serialized non-tensor state
     nbytes: int
+    pending: _Pending | None = None
+    ready: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _split(state_dict: dict[str, Any], parameters: set[int]
+           ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """``(later, now)``: parameters and optimizer-state tensors, which only
+    ``optimizer.step()`` changes, and everything else (buffers, which forward
+    changes, and non-tensor values)."""
+    later: dict[str, dict[str, Any]] = {}
+    now: dict[str, Any] = {}
+    for group, values in state_dict.items():
+        if not isinstance(values, dict):
+            now[group] = values
+            continue
+        later[group], now[group] = {}, {}
+        for key, value in values.items():
+            late = isinstance(value, torch.Tensor) and (
+                group == "optim" or _local(value).data_ptr() in parameters)
+            (later if late else now)[group][key] = value
+    return later, now
 
 
 @dataclasses.dataclass(frozen=True)

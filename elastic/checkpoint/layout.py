@@ -25,7 +25,10 @@ Verification (:func:`verify`) reads the manifests (small) and the
 ``.metadata`` presence for the structure, then stats every listed file and,
 when asked, reads it once to compare the CRC-32. Its cost is one sequential
 read of the checkpoint (disk or network bound; CRC-32 itself is not the
-bottleneck), and callers split it across ranks with ``part``/``parts``.
+bottleneck), and callers split it across ranks with ``part``/``parts``
+(balanced by bytes, :func:`split_by_bytes`). The cheap part
+(:func:`verify_structure`) and the CRC pass (:func:`verify_checksums`) can
+run separately: restore runs the CRC pass concurrently with the load.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ MANIFEST_FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d{12,})$")
 _TMP_DIR = re.compile(r"^\.tmp-step-(\d+)-round-(\d+)$")
 _MANIFEST = re.compile(r"^manifest-(\d{5,})\.json$")
-_CHUNK = 8 << 20
+_CHUNK = 1 << 20  # one reused read buffer: a checkpoint thread's arena keeps what it touched
 
 
 def step_dir_name(step: int) -> str:
@@ -130,13 +133,17 @@ class FileDigest:
 
 
 def file_digest(path: str) -> FileDigest:
-    """Size and CRC-32 of a file, read in 8 MiB chunks."""
+    """Size and CRC-32 of a file, read into one reused 1 MiB buffer (``readinto``:
+    no allocation per chunk, so the reading thread's heap stays small; ``zlib.crc32``
+    releases the GIL on large buffers, so this runs beside other work)."""
     crc = 0
     size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
     return FileDigest(size=size, crc32=f"{crc:08x}")
 
 
@@ -237,17 +244,31 @@ def verify(directory: str, *, checksums: bool = True, part: int = 0,
            parts: int = 1) -> list[Problem]:
     """The problems that make a checkpoint directory unusable; empty when it verifies.
 
+    :func:`verify_structure` (manifests, ``.metadata``, sizes of this part's
+    share) followed by :func:`verify_checksums` of the share's files whose size
+    was right (when ``checksums``). ``parts`` callers (one per rank) with
+    ``part`` ``0..parts-1`` together check every file exactly once.
+    """
+    problems, share = verify_structure(directory, part=part, parts=parts)
+    if checksums:
+        problems += verify_checksums(share)
+    return problems
+
+
+def verify_structure(directory: str, *, part: int = 0, parts: int = 1
+                     ) -> tuple[list[Problem], list[tuple[str, FileDigest]]]:
+    """The cheap checks, and the files left for :func:`verify_checksums`.
+
     Checks that every rank's manifest is there and consistent, that DCP's
-    ``.metadata`` is listed and present, and that every listed file exists
-    with its recorded size and (when ``checksums``) CRC-32. ``part``/``parts``
-    split the per-file work: the listed files are taken in a fixed order and
-    file ``i`` is checked by part ``i % parts``, so ``parts`` callers (one per
-    rank) together check every file exactly once. The structural checks are
-    cheap; only part 0 reports them, so merged results carry no duplicates.
+    ``.metadata`` is listed and present, and that every file of this part's
+    share (see :func:`split_by_bytes`) exists with its recorded size. Only
+    part 0 reports the structural problems, so merged results carry no
+    duplicates. Returns ``(problems, share)``: ``share`` is ``(path, expected
+    digest)`` for this part's files whose size was right.
     """
     manifests, problems = read_manifests(directory)
     if not manifests:
-        return problems if part == 0 else []
+        return (problems if part == 0 else []), []
     listed = sorted((name, digest) for m in manifests for name, digest in m.files.items())
     if METADATA_FILE not in {name for name, _ in listed}:
         problems.append(Problem(os.path.join(directory, METADATA_FILE),
@@ -257,17 +278,45 @@ def verify(directory: str, *, checksums: bool = True, part: int = 0,
         problems.append(Problem(os.path.join(directory, name), "listed by more than one rank"))
     if part != 0:
         problems = []
-    for index, (name, expected) in enumerate(listed):
-        if index % parts != part:
-            continue
+    share = []
+    for name, expected in split_by_bytes(listed, parts)[part]:
         path = os.path.join(directory, name)
-        problem = _check_file(path, expected, checksums)
+        problem = _check_size(path, expected)
+        if problem is not None:
+            problems.append(problem)
+        else:
+            share.append((path, expected))
+    return problems, share
+
+
+def verify_checksums(files: Iterable[tuple[str, FileDigest]]) -> list[Problem]:
+    """Read each ``(path, expected)`` file once and compare its size and CRC-32."""
+    problems = []
+    for path, expected in files:
+        problem = _check_digest(path, expected)
         if problem is not None:
             problems.append(problem)
     return problems
 
 
-def _check_file(path: str, expected: FileDigest, checksums: bool) -> Problem | None:
+def split_by_bytes(files: Iterable[tuple[str, FileDigest]], parts: int
+                   ) -> list[list[tuple[str, FileDigest]]]:
+    """Split files into ``parts`` shares of about equal bytes (largest first, each
+    to the share with the fewest bytes so far; ties by name, then by part), so
+    every caller with the same manifests gets the same split, and each file is
+    in exactly one share. Each share lists its files sorted by name."""
+    if parts < 1:
+        raise ValueError(f"parts must be at least 1, got {parts}")
+    shares: list[list[tuple[str, FileDigest]]] = [[] for _ in range(parts)]
+    totals = [0] * parts
+    for name, digest in sorted(files, key=lambda f: (-f[1].size, f[0])):
+        target = min(range(parts), key=lambda i: (totals[i], i))
+        shares[target].append((name, digest))
+        totals[target] += digest.size
+    return [sorted(share) for share in shares]
+
+
+def _check_size(path: str, expected: FileDigest) -> Problem | None:
     try:
         size = os.stat(path).st_size
     except FileNotFoundError:
@@ -276,10 +325,14 @@ def _check_file(path: str, expected: FileDigest, checksums: bool) -> Problem | N
         return Problem(path, f"cannot stat ({exc})")
     if size != expected.size:
         return Problem(path, f"truncated or overwritten: {size} bytes, expected {expected.size}")
-    if not checksums:
-        return None
+    return None
+
+
+def _check_digest(path: str, expected: FileDigest) -> Problem | None:
     try:
         actual = file_digest(path)
+    except FileNotFoundError:
+        return Problem(path, "missing")
     except OSError as exc:
         return Problem(path, f"cannot read ({exc})")
     if actual.size != expected.size:

@@ -230,6 +230,21 @@ def test_async_save_blocks_only_for_staging_and_one_in_flight(tmp_path):
         assert r["dirs"] == ["step-000000000001", "step-000000000002"]
 
 
+def test_inplace_change_during_background_copy_fails_the_save(tmp_path):
+    root = str(tmp_path / "ckpt")
+    for r in run(tmp_path, 2, {"task": "inplace_guard", "root": root}):
+        assert r["call_s"] < 0.4, r  # save() did not wait for the (slowed) copy
+        # forward passes and optimizer steps during the copy: committed, and what was
+        # written is the state as of save(), BatchNorm buffers included
+        assert r["latest_after_good"] == 1
+        assert r["step1_on_disk"] == r["before"]
+        # a parameter changed in place by the script: the save fails loudly, naming why
+        assert r["error"] is not None and "modified in place" in r["error"], r
+        assert "optimizer.step()" in r["error"], r
+        assert r["latest_after_bad"] == 1 and r["hidden_after_bad"] == []
+        assert r["latest_after_retry"] == 3
+
+
 @pytest.mark.parametrize("name, async_save", [
     ("ckpt.before_shards", True),
     ("ckpt.mid_write", False),
@@ -535,9 +550,12 @@ class Worker:
         started = time.monotonic()
         ckpt.save(1)
         slow_call_s = time.monotonic() - started
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1.0)  # in place, while step 1 is being written from its staged copy
+        # an optimizer step (the only in-place change allowed while the copy to CPU may
+        # still run: it waits for the copy), while step 1 is being written
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        opt.zero_grad()
         after = self.ddp_digest(model, opt)
         started = time.monotonic()
         ckpt.save(2)
@@ -582,6 +600,78 @@ class Worker:
         self.train(model, opt, sched)
         ckpt.wait()
         return {"survived": True}
+
+    def task_inplace_guard(self, root):
+        """Async saves whose background copy is slowed by 0.5 s: forward passes (which
+        change BatchNorm buffers) and optimizer steps during the copy are fine; an
+        in-place change of a parameter by anything but the optimizer fails the save."""
+        import torch
+        from torch import nn
+        from elastic.checkpoint import CheckpointError, FileCommitLog
+
+        torch.manual_seed(0)
+        model = nn.parallel.DistributedDataParallel(
+            nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 4)))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        ckpt = self.checkpointer(root, model, opt)
+        self.train(model, opt)
+        ckpt.save(0, async_=False)
+        os.environ["ELASTIC_FAILPOINT"] = "ckpt.stage=sleep:0.5"
+        try:
+            self.train(model, opt)
+            before = self._replicated_digest(model.module, opt)
+            started = time.monotonic()
+            ckpt.save(1)
+            call_s = time.monotonic() - started
+            self.train(model, opt, steps=2)  # forward changes buffers; step() waits
+            ckpt.wait()
+            latest_after_good = FileCommitLog(root).latest().step
+            on_disk = self._digest_on_disk_of(root, 1, model, opt)
+            ckpt.save(2)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.999)  # e.g. weight decay by hand: not allowed before the step
+            error = None
+            try:
+                ckpt.wait()
+            except CheckpointError as exc:
+                error = str(exc)
+        finally:
+            del os.environ["ELASTIC_FAILPOINT"]
+        latest_after_bad = FileCommitLog(root).latest().step
+        hidden = hidden_entries(root)
+        self.train(model, opt)
+        ckpt.save(3)
+        ckpt.close()
+        return {"call_s": call_s, "latest_after_good": latest_after_good,
+                "before": before, "step1_on_disk": on_disk, "error": error,
+                "latest_after_bad": latest_after_bad, "hidden_after_bad": hidden,
+                "latest_after_retry": FileCommitLog(root).latest().step}
+
+    def _digest_on_disk_of(self, root, step, model, opt):
+        """Digest of a checkpoint loaded into a copy of ``model`` and ``opt``."""
+        import copy
+
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from elastic.checkpoint import layout, state
+
+        twin = copy.deepcopy(model.module)
+        twin_opt = torch.optim.AdamW(twin.parameters(), lr=0.01)
+        twin_opt.load_state_dict(opt.state_dict())
+        chunks = state.make_chunks(twin, twin_opt)
+        tensors = state.collect(chunks)
+        dcp.load(tensors.state_dict, checkpoint_id=os.path.join(root, layout.step_dir_name(step)))
+        state.apply(chunks, tensors)
+        return self._replicated_digest(twin, twin_opt)
+
+    @staticmethod
+    def _replicated_digest(module, opt) -> str:
+        """Digest without BatchNorm's running statistics: each DDP rank has its own
+        (from its own batches), and DCP writes one rank's copy of replicated tensors.
+        ``num_batches_tracked`` stays: equal on all ranks, and changed by forward."""
+        return fingerprint([{k: v for k, v in module.state_dict().items()
+                             if ".running_" not in k}, opt.state_dict()])
 
     def task_two_saves(self, root):
         model, opt, sched = self.ddp()

@@ -332,3 +332,15 @@ def test_control_plane_imports_without_torch():
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
+
+
+def test_split_by_bytes_balances_and_covers_every_file_once():
+    digest = layout.FileDigest
+    files = [("a", digest(100, "0")), ("b", digest(90, "0")), ("c", digest(10, "0")),
+             ("d", digest(5, "0")), ("e", digest(5, "0"))]
+    shares = layout.split_by_bytes(files, 2)
+    assert sorted(f for share in shares for f in share) == sorted(files)
+    assert [sum(d.size for _, d in share) for share in shares] == [105, 105]
+    # the same split whatever the input order (every rank computes it alone)
+    assert layout.split_by_bytes(list(reversed(files)), 2) == shares
+    assert layout.split_by_bytes(files, 7)[5:] == [[], []]
