@@ -42,11 +42,12 @@ the wall time ``t``, ``rank``, ``step``, ``restart`` (TORCHELASTIC_RESTART_COUNT
    < 80 MB, < 1 % of a core. torchrun's agent is measured the same way during training,
    for comparison.
 
-How to run (about 8 minutes by default; do not run other heavy things meanwhile, the
+How to run (about 8 minutes by default on a quiet 2-core machine, 10-12 when it is busy;
+--no-footprint-torchrun saves half a minute; do not run other heavy things meanwhile, the
 numbers are wall-clock times on a small machine)::
 
     .venv/bin/python bench/recovery.py                 # everything, 5 runs per crash row
-    .venv/bin/python bench/recovery.py --quick         # about 3 minutes, fewer and shorter runs
+    .venv/bin/python bench/recovery.py --quick         # fewer, shorter runs (about 4 minutes)
     .venv/bin/python bench/recovery.py --runs 9 --json /tmp/recovery.json
     .venv/bin/python bench/recovery.py --only crash    # crash, frozen or footprint (repeatable)
 
@@ -182,6 +183,18 @@ def _signal(pids, sig: int, groups: bool = False) -> None:
             pass
 
 
+def _die_with_bench() -> None:
+    """In the child before exec: SIGKILL it when the benchmark dies, even by SIGKILL
+    (elasticd's workers then die with their agent; SIGTERM and Ctrl-C are cleaned up
+    properly by the benchmark itself)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class Launcher:
     """One launcher process (an agent or torchrun) in its own session, its output
     read line by line with the time each line arrived."""
@@ -193,7 +206,7 @@ class Launcher:
         self._log = open(log_path, "w", encoding="utf-8", errors="replace")
         self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_die_with_bench)
         self.pid = self.proc.pid
         self._reader = threading.Thread(target=self._read, daemon=True,
                                         name=f"bench-{name}-reader")
@@ -304,6 +317,10 @@ def wait_for(what: str, cond, timeout_s: float, interval_s: float = 0.02,
         if time.monotonic() > deadline:
             raise BenchError(f"timed out after {timeout_s:.0f} s waiting for {what}")
         time.sleep(interval_s)
+
+
+def _job_id() -> str:
+    return f"bench-{uuid.uuid4().hex[:12]}"
 
 
 def free_port() -> int:
@@ -459,8 +476,8 @@ def crash_run(bench: "Bench", launcher: str, bound_s: float) -> dict:
     out: dict = {"launcher": launcher}
     try:
         if launcher == "elasticd":
-            ln = run.elasticd("agent", ["--standalone", "--job-id", f"bench-{uuid.uuid4().hex[:12]}",
-                                        "--nnodes", "1", "--nproc-per-node", "2"])
+            ln = run.elasticd("agent", ["--standalone", "--job-id", _job_id(), "--nnodes", "1",
+                                        "--nproc-per-node", "2"])
         else:
             env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if launcher == "torchrun" else {}
             ln = run.torchrun("torchrun", ["--standalone", "--nnodes", "1", "--nproc-per-node",
@@ -518,7 +535,7 @@ def frozen_run(bench: "Bench", launcher: str, lease_ttl: float, bound_s: float) 
     run = Run(bench, f"frozen-{launcher}")
     out: dict = {"launcher": launcher, "lease_ttl_s": lease_ttl if launcher == "elasticd" else None}
     try:
-        job = f"bench-{uuid.uuid4().hex[:12]}"
+        job = _job_id()
         if launcher == "elasticd":
             run.etcd = EtcdServer().start()
             common = ["--etcd", run.etcd.endpoint, "--job-id", job, "--nnodes", "1:2",
@@ -616,8 +633,8 @@ def footprint_run(bench: "Bench", launcher: str, workload: str) -> dict:
             with open(script, "w") as f:
                 f.write(SLEEPER)
         if launcher == "elasticd":
-            ln = run.elasticd("agent", ["--standalone", "--job-id", f"bench-{uuid.uuid4().hex[:12]}",
-                                        "--nnodes", "1", "--nproc-per-node", "2"], script=script)
+            ln = run.elasticd("agent", ["--standalone", "--job-id", _job_id(), "--nnodes", "1",
+                                        "--nproc-per-node", "2"], script=script)
         else:
             ln = run.torchrun("torchrun", ["--standalone", "--nnodes", "1", "--nproc-per-node",
                                            "2", "--max-restarts", "3"],
@@ -790,6 +807,8 @@ def summarize(results: dict, args: argparse.Namespace) -> dict:
             row["cold_starts"] = sum((r.get("phases") or {}).get("cold") or 0 for r in runs)
             row["warm_not_ready"] = sum(1 for r in runs if "warm_wait_s" in r and
                                         r["warm_wait_s"] is None)
+            row["warm_wait"] = _stats([r["warm_wait_s"] for r in runs
+                                       if r.get("warm_wait_s") is not None])
         summary["crash"][kind] = row
     ours, theirs = summary["crash"].get("elasticd"), summary["crash"].get("torchrun")
     if ours and theirs and ours["stats"] and theirs["stats"]:
@@ -826,6 +845,11 @@ def _range(s: dict | None) -> str:
     return f"{s['median']:5.2f} s  [{s['min']:.2f} .. {s['max']:.2f}]" if s else "    -"
 
 
+def _failed(row: dict, what: str, bound: float) -> str:
+    missed = row["runs"] - row["recovered"]
+    return f"  {what} within {bound:g} s in {missed}/{row['runs']}" if missed else ""
+
+
 def render(results: dict, summary: dict, args: argparse.Namespace) -> str:
     meta = results["meta"]
     out = [f"elasticd vs torchrun: recovery benchmark ({meta['host']}, {meta['cpus']} cpus, "
@@ -839,8 +863,7 @@ def render(results: dict, summary: dict, args: argparse.Namespace) -> str:
         w = 50
         if "torchrun" in crash:
             row = crash["torchrun"]
-            fail = "" if row["recovered"] == row["runs"] else \
-                f"  no step within {args.crash_bound:g} s in {row['runs'] - row['recovered']}/{row['runs']}"
+            fail = _failed(row, "no step", args.crash_bound)
             out.append(f"  {'torchrun (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)':<{w}}"
                        f"{_range(row['stats'])}{fail}")
         if "torchrun-default" in crash:
@@ -851,8 +874,7 @@ def render(results: dict, summary: dict, args: argparse.Namespace) -> str:
         if "elasticd" in crash:
             row = crash["elasticd"]
             ratio = crash.get("ratio")
-            fail = "" if row["recovered"] == row["runs"] else \
-                f"  no step within {args.crash_bound:g} s in {row['runs'] - row['recovered']}/{row['runs']}"
+            fail = _failed(row, "no step", args.crash_bound)
             out.append(f"  {'elasticd':<{w}}{_range(row['stats'])}"
                        + (f"  ratio {ratio:.2f} (target <= 0.5: "
                           f"{'met' if ratio <= 0.5 else 'NOT met'})" if ratio is not None else "")
@@ -867,9 +889,12 @@ def render(results: dict, summary: dict, args: argparse.Namespace) -> str:
                 out.append(f"  {kind} breakdown (median s after the kill): {line}")
         if "elasticd" in crash:
             row = crash["elasticd"]
+            ww = row["warm_wait"]
             out.append(f"  elasticd: cold-started workers {row['cold_starts']} in "
-                       f"{row['runs']} restarts; runs where the warm set was not ready "
-                       f"before the kill: {row['warm_not_ready']}")
+                       f"{row['runs']} restarts; warm set not ready before the kill in "
+                       f"{row['warm_not_ready']}/{row['runs']} runs" + (
+                           f" (it was ready {ww['median']:.1f} s [{ww['min']:.1f} .. "
+                           f"{ww['max']:.1f}] after step {STEPS_BEFORE_FAULT})" if ww else ""))
     frozen = summary["frozen"]
     if frozen:
         out += ["", "frozen node (SIGSTOP of one of 2 nodes: its agent and workers, 1 worker "
@@ -883,8 +908,7 @@ def render(results: dict, summary: dict, args: argparse.Namespace) -> str:
                     continue
             else:
                 name = f"elasticd --lease-ttl {key.split()[-1]}"
-            tail = "" if row["recovered"] == row["runs"] else \
-                f"  no recovery within {args.frozen_bound:g} s in {row['runs'] - row['recovered']}/{row['runs']}"
+            tail = _failed(row, "no recovery", args.frozen_bound)
             out.append(f"  {name:<42}{_range(row['stats'])}  (n={row['runs']}){tail}")
         for key, row in frozen.items():
             if row["phases_median"]:
@@ -928,7 +952,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5, help="worker-crash runs per launcher (5)")
     ap.add_argument("--quick", action="store_true",
-                    help="fewer and shorter runs (about 3 minutes): a smoke test, not numbers")
+                    help="fewer and shorter runs (about 4 minutes): a smoke test, not numbers")
     ap.add_argument("--json", metavar="FILE", help="write every run and the summary here")
     ap.add_argument("--only", action="append", choices=["crash", "frozen", "footprint"],
                     help="run only these parts (repeatable)")
@@ -968,6 +992,8 @@ def main(argv: list[str] | None = None) -> int:
         args.frozen_bound = min(args.frozen_bound, 30.0)
         args.window = min(args.window, 8.0)
         args.footprint_torchrun = False
+        if args.default_runs is None:
+            args.default_runs = 1
     if args.default_runs is None:
         args.default_runs = args.runs
     args.lease_ttls = [float(x) for x in str(args.lease_ttls).split(",") if x]
