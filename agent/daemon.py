@@ -50,7 +50,7 @@ log = logging.getLogger("elasticd")
 S = AgentState
 # How often the loop looks at worker health and publishes progress when
 # nothing else wakes it.
-_TICK_S = 0.2
+_TICK_S = 0.5
 _STATUS_EVERY_S = 2.0
 # Scripts that never report a step get their next warm set after this long.
 _WARM_DELAY_S = 10.0

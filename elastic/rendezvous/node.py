@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 
 # How often the loop looks at its session even when nothing else happens; a
 # lost lease is noticed within this long.
-_SESSION_CHECK_S = 0.25
+_SESSION_CHECK_S = 0.5
 
 
 class RendezvousNode:
