@@ -2,9 +2,10 @@
 
 Run with ``make demo``. It starts an embedded etcd, then two ``elasticd``
 agents ("nodes" a and b) with two DDP workers each (world size 4) training
-``examples/ddp.py``. Midway it SIGKILLs one worker; the output shows the agent
-detecting it, the leader forming a new round, both agents restarting their
-workers, and training going on to the end. ``elasticctl status`` and
+``examples/ddp.py`` with a checkpoint every 10 steps. Midway it SIGKILLs one
+worker; the output shows the agent detecting it, the leader forming a new
+round, both agents restarting their (warm) workers, and training resuming from
+the last committed checkpoint and going on to the end. ``elasticctl status`` and
 ``elasticctl events`` show the job before the end and its history after.
 """
 
@@ -25,17 +26,18 @@ from elastic.store.server import EtcdServer  # noqa: E402
 from tests.integration.procs import wait_progress  # noqa: E402
 
 JOB = "demo"
-STEPS = 120
+STEPS = 200
 
 
 def say(text: str) -> None:
     print(f"\n==> {text}\n", flush=True)
 
 
-def relay(name: str, proc: subprocess.Popen) -> threading.Thread:
-    """Print an agent's output with its node name in front."""
+def relay(name: str, proc: subprocess.Popen, seen: list[str]) -> threading.Thread:
+    """Print an agent's output with its node name in front, and keep it in ``seen``."""
     def pump() -> None:
         for line in proc.stdout:
+            seen.append(f"{name}: {line}")
             print(f"[node {name}] {line}", end="", flush=True)
     t = threading.Thread(target=pump, daemon=True)
     t.start()
@@ -52,6 +54,7 @@ def main() -> int:
     workdir = tempfile.mkdtemp(prefix="elastic-demo-")
     progress = os.path.join(workdir, "progress.jsonl")
     agents: dict[str, subprocess.Popen] = {}
+    output: list[str] = []
     with EtcdServer() as etcd:
         etcd.start()
         say(f"embedded etcd at {etcd.endpoint}; starting two agents, 2 workers each")
@@ -63,11 +66,16 @@ def main() -> int:
                      "--nproc-per-node", "2", "--advertise-addr", "127.0.0.1",
                      "--listen", "127.0.0.1:0", "--lease-ttl", "3", "--hang-timeout", "30",
                      "--log-dir", os.path.join(workdir, "logs", node),
+                     "--checkpoint-dir", os.path.join(workdir, "checkpoints"),
                      "examples/ddp.py", "--steps", str(STEPS), "--step-time", "0.05",
-                     "--progress-file", progress],
+                     "--ckpt-every", "10", "--progress-file", progress],
                     cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                relay(node, agents[node])
+                relay(node, agents[node], output)
 
+            say("waiting until training runs and both agents have warm workers ready")
+            deadline = time.time() + 120
+            while sum("(2 of 2 warm)" in line for line in output) < 2 and time.time() < deadline:
+                time.sleep(0.1)
             records = wait_progress(progress, lambda rs: any(r["step"] >= 40 for r in rs), 120)
             victim = next(r for r in reversed(records) if r["rank"] == 3)
             say(f"training is at step {max(r['step'] for r in records)}: SIGKILL worker rank 3 "
@@ -77,8 +85,8 @@ def main() -> int:
 
             records = wait_progress(progress, lambda rs: any(r["restart"] >= 1 for r in rs), 120)
             first = min((r for r in records if r["restart"] >= 1), key=lambda r: r["t"])
-            say(f"the restarted group completed its first step {first['t'] - killed_at:.2f} s "
-                "after the kill; the job's state now:")
+            say(f"the restarted group completed step {first['step']} (resumed from the last "
+                f"checkpoint) {first['t'] - killed_at:.2f} s after the kill; the job's state now:")
             time.sleep(2.5)  # let the agents publish their progress
             elasticctl(etcd.endpoint, "status")
 
