@@ -15,7 +15,7 @@ import time
 import grpc
 import pytest
 
-from agent import peers
+from agent import grpc_server, peers
 from agent.grpc_server import AgentServer, grpc_code_for
 from agent.peers import HealthWatcher, PeerHealth
 from elastic.errors import (
@@ -338,3 +338,17 @@ def test_grpc_modules_do_not_import_torch():
     code = ("import sys, agent.grpc_server, agent.peers, elastic.worker.channel; "
             "sys.exit('torch' in sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+
+
+@pytest.mark.parametrize("ours,generated", [
+    (grpc_server._AgentServicer, agent_pb2_grpc.AgentServicer),
+    (grpc_server._WorkerChannelServicer, agent_pb2_grpc.WorkerChannelServicer),
+])
+def test_servicers_implement_every_rpc_of_the_proto(ours, generated):
+    # protoc's generated base classes answer UNIMPLEMENTED (their
+    # `raise NotImplementedError`); an RPC added to the proto but not to the
+    # agent would silently fall back to them.
+    rpcs = [name for name in vars(generated) if not name.startswith("_")]
+    assert rpcs, "the generated servicer lists no RPCs"
+    missing = [name for name in rpcs if getattr(ours, name) is getattr(generated, name)]
+    assert missing == []
