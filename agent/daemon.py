@@ -212,8 +212,11 @@ class Agent:
         self.joining_since = self.clock.monotonic()
 
     def _on_exit(self, e: WorkerExit) -> None:
-        if self.round is None or e.round != self.round.number or e.stopped:
-            return  # a worker of a round already given up, or one we stopped
+        if (self.round is None or e.round != self.round.number or e.stopped
+                or self.lifecycle.state is not S.RUNNING):
+            # A worker of a round already given up, one we stopped, or one that
+            # died on its own while this round was being stopped anyway.
+            return
         self.exits[e.local_rank] = e
         if e.exit_code != 0:
             how = f"was killed by signal {e.signal}" if e.signal else f"exited with {e.exit_code}"

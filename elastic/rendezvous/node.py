@@ -57,7 +57,8 @@ from elastic.rendezvous.api import (
 from elastic.rendezvous.decisions import decide
 from elastic.rendezvous.keys import JobKeys
 from elastic.net import free_port
-from elastic.store.api import Compare, Delete, EventType, Get, Put, Session, Store, Watch
+from elastic.store.api import (Compare, Delete, EventType, Get, KeyValue, Put, Session,
+                               Store, Watch)
 
 log = logging.getLogger(__name__)
 
@@ -420,16 +421,22 @@ class RendezvousNode:
                 prefix, self._poster(which), prefix=True, start_revision=rev + 1,
                 on_error=self._error_poster(which)))
 
+    def _read(self, key: str) -> tuple[KeyValue | None, int]:
+        """The key and the store revision it was read at: watching from that
+        revision + 1 misses nothing and never asks for compacted history."""
+        result = self.store.txn([], [Get(key)])
+        kvs = result.results[0]
+        return (kvs[0] if kvs else None), result.revision
+
     def _load_round(self) -> int:
-        kv = self.store.get(self.keys.round)
+        kv, revision = self._read(self.keys.round)
         self._apply_round(self.keys.round, kv.value if kv else None, kv.version if kv else 0)
-        # Watch from the round's own revision: nothing older matters.
-        return kv.mod_revision if kv else 0
+        return revision
 
     def _load_leader(self) -> int:
-        kv = self.store.get(self.keys.leader)
+        kv, revision = self._read(self.keys.leader)
         self._leader = kv.value.decode(errors="replace") if kv else None
-        return kv.mod_revision if kv else 0
+        return revision
 
     def _report_bad(self, exc: MalformedRecordError, revision: int) -> None:
         """Log a malformed record once per (key, revision): loud, but no log storm."""
