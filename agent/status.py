@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from elastic.errors import MalformedRecordError
 from elastic.rendezvous.api import NodeInfo, Round
-from elastic.rendezvous.keys import JobKeys
+from elastic.keyspace import JobKeys
 from elastic.store.api import Store
 
 

@@ -11,7 +11,7 @@ from elastic.rendezvous.api import (
     Round,
     parse_nnodes,
 )
-from elastic.rendezvous.keys import JobKeys
+from elastic.keyspace import JobKeys
 
 __all__ = [
     "Decision", "JobKeys", "Member", "NodeInfo", "Observed", "RendezvousConfig",

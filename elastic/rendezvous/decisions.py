@@ -26,6 +26,18 @@ The rules, in order:
   ``max_restarts``, the job fails instead. Lost or joining nodes are
   membership changes and never count.
 * A round with an outcome is final: nothing more is decided.
+* Exit barrier: the job succeeds when every member of the current round
+  reported that its workers all exited 0. Once one has, joiners no longer
+  start a round (failures and losses still do); when the others have not
+  finished ``exit_barrier_timeout_s`` after the first, the job fails naming
+  the stragglers.
+* A node a peer reported unreachable (its agent does not answer although its
+  lease lives: the agent died and the lease has not run out yet) is left out
+  of any round formed within ``suspect_s`` of the report. The suspicion alone
+  never starts a round: the lease stays the authority on who is gone.
+* A member that has not reported starting its workers ``start_timeout_s``
+  after its round was committed is left out: the round is formed again
+  without it (and it stays out for ``suspect_s``, see ``Decision.suspects``).
 """
 
 from __future__ import annotations
@@ -81,12 +93,28 @@ def _close_or_settle(
     )
 
 
+def _earliest(*times: float | None) -> float | None:
+    known = [t for t in times if t is not None]
+    return min(known) if known else None
+
+
 def decide(observed: Observed, now: float, config: RendezvousConfig) -> Decision:
     """Decide whether the leader commits a new round now, and with whom."""
-    candidates = [n.node_id for n in observed.alive if n.node_id not in observed.draining]
     current = observed.current
     if current is not None and current.outcome:
         return Decision(Action.WAIT, f"job {current.outcome} in round {current.number}")
+    suspected = {n: at + config.suspect_s for n, at in observed.suspects.items()
+                 if now < at + config.suspect_s}
+    unstarted: list[str] = []
+    if current is not None and now - current.created_at >= config.start_timeout_s:
+        unstarted = [m for m in current.node_ids
+                     if observed.started.get(m, 0) < current.number
+                     and observed.done.get(m, (0, 0.0))[0] < current.number]
+    left_out = set(suspected) | set(unstarted) | set(observed.draining)
+    candidates = [n.node_id for n in observed.alive if n.node_id not in left_out]
+    # A suspicion running out may let a node back in: look again then.
+    suspicion_ends = min((until for n, until in suspected.items()
+                          if n in {a.node_id for a in observed.alive}), default=None)
 
     if current is None:
         members = candidates[: config.max_nodes]
@@ -94,31 +122,62 @@ def decide(observed: Observed, now: float, config: RendezvousConfig) -> Decision
         why = "first round: " + _plural(len(candidates), "node") + " registered"
         if standby:
             why += f" ({standby} beyond max wait as standby)"
-        return _close_or_settle(members, why, observed, now, config)
+        decision = _close_or_settle(members, why, observed, now, config)
+        if decision.action is Action.WAIT:
+            decision = dataclasses.replace(
+                decision, wake_at=_earliest(decision.wake_at, suspicion_ends))
+        return decision
+
+    done = {m: at for m, (number, at) in observed.done.items()
+            if number == current.number and m in current.node_ids}
+    if len(done) == len(current.members):
+        return Decision(Action.SUCCEED_JOB,
+                        f"round {current.number}: the workers of all "
+                        f"{_plural(len(done), 'member')} exited 0")
+    barrier_at = min(done.values()) + config.exit_barrier_timeout_s if done else None
+    if barrier_at is not None and now >= barrier_at:
+        running = [m for m in current.node_ids if m not in done]
+        return Decision(
+            Action.FAIL_JOB,
+            f"round {current.number}: exit barrier timed out: {', '.join(sorted(done))} "
+            f"finished, but {', '.join(running)} still had running workers "
+            f"{config.exit_barrier_timeout_s:g} s later (--exit-barrier-timeout)",
+            failures=current.failures)
 
     alive = set(candidates)
     survivors = [m for m in current.node_ids if m in alive]
     joiners = [n for n in candidates if n not in set(current.node_ids)]
-    gone = [m for m in current.node_ids if m not in alive and m not in observed.draining]
+    gone = [m for m in current.node_ids
+            if m not in alive and m not in observed.draining and m not in unstarted]
     drained = [m for m in current.node_ids if m in observed.draining]
     restarts = [r for r in observed.restart_requests if r.round == current.number]
 
     triggers = []
     if gone:
         triggers.append("lost " + ", ".join(gone))
+    if unstarted:
+        triggers.append(", ".join(unstarted) + " did not start workers within "
+                        f"{config.start_timeout_s:g} s")
     if drained:
         triggers.append("drained " + ", ".join(drained))
     for r in restarts:
         triggers.append(f"restart requested by {r.node_id}: {r.reason}")
     room = config.max_nodes - len(survivors)
-    if joiners and room > 0:
+    if joiners and room > 0 and not done:
         triggers.append("joined " + ", ".join(joiners[:room]))
 
     if not triggers:
         standby = f", {_plural(len(joiners), 'standby')}" if joiners else ""
+        barrier = (f", {_plural(len(done), 'member')} finished (exit barrier)"
+                   if done else "")
+        start_due = (current.created_at + config.start_timeout_s
+                     if any(observed.started.get(m, 0) < current.number
+                            and m not in done for m in current.node_ids) else None)
         return Decision(
             Action.WAIT,
-            f"round {current.number} stands with {_plural(len(survivors), 'member')}{standby}",
+            f"round {current.number} stands with {_plural(len(survivors), 'member')}"
+            f"{standby}{barrier}",
+            wake_at=_earliest(barrier_at, start_due, suspicion_ends),
         )
     why = f"round {current.number}: " + "; ".join(triggers)
     failures = tuple(t for t in current.failures if now - t <= config.restart_window_s)
@@ -133,5 +192,9 @@ def decide(observed: Observed, now: float, config: RendezvousConfig) -> Decision
             )
     members = survivors + joiners[: max(room, 0)]
     decision = _close_or_settle(members, why, observed, now, config)
-    return dataclasses.replace(decision, failures=failures)
+    wake_at = decision.wake_at
+    if decision.action is Action.WAIT:
+        wake_at = _earliest(wake_at, suspicion_ends)
+    return dataclasses.replace(decision, failures=failures, suspects=tuple(unstarted),
+                               wake_at=wake_at)
 

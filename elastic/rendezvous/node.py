@@ -1,28 +1,39 @@
 """One node's side of the rendezvous: register, elect a leader, follow the rounds.
 
-Protocol (keys in :mod:`elastic.rendezvous.keys`):
+Protocol (keys in :mod:`elastic.keyspace`):
 
 1. A node opens a session (an etcd lease kept alive) and registers
-   ``nodes/<node_id>`` under it with a create-only transaction: a second live
-   agent with the same id is refused.
-2. Every node campaigns for ``leader`` (create-only, under its lease). The
-   leader alone watches ``nodes/`` and ``requests/``; followers watch only
+   ``nodes/<node_id>`` under it with a create-only transaction. If a previous
+   agent with the same id still holds it (an agent restarted by systemd
+   before its old lease ran out), the node takes the registration over when
+   the ``takeover`` check proves that agent gone (same host, its address does
+   not answer) by revoking the old lease, and otherwise waits, retrying,
+   until the old lease expires.
+2. Every node campaigns for ``leader`` (:class:`~elastic.rendezvous.election.Election`).
+   The leader alone watches ``nodes/`` and ``requests/``; followers watch only
    ``leader`` and ``round``. A round therefore costs O(members) etcd
    operations and events, not O(members^2).
-3. The leader feeds what it sees to :func:`elastic.rendezvous.decisions.decide`
-   and commits a new ``round`` record with a transaction that compares the
-   round key's version (the round number: the fencing token) and its own
-   leadership, so a deposed leader or a stale view can never overwrite a newer
-   round.
+3. The leader feeds what it sees (:class:`~elastic.rendezvous.view.LeaderView`)
+   to :func:`elastic.rendezvous.decisions.decide` and commits a new ``round``
+   record with :func:`elastic.fence.fenced_txn` on the round key's version
+   (the round number: the fencing token) and its own leadership, so a deposed
+   leader or a stale view can never overwrite a newer round.
 4. Every node sees the committed round through its watch; nodes not in it wait
    as standbys for a later round.
-5. The job ends with a final round record carrying an ``outcome``: written by
-   the leader when the restart budget is spent, or by any member whose workers
-   all succeeded (:meth:`RendezvousNode.finish`), fenced like every round.
+5. Nodes report to the leader under ``requests/``: restart requests, that
+   they started a round's workers, that their workers all exited 0 (the exit
+   barrier), that a peer's agent does not answer. The job ends with a final
+   round record carrying an ``outcome``, written by the leader.
 
 All I/O happens on one loop thread per node; watch callbacks only post to its
-inbox. A lost session (e.g. the process was frozen past its TTL) is replaced by
-a new one and the node registers again, as a newcomer.
+inbox, and each pass of the loop (:meth:`RendezvousNode.pump`) first applies
+what arrived, then brings the node's standing duties up to date: a session,
+a registration, a leader, the leader's watches, re-reads after a compaction,
+the advertised master port. A duty whose store call fails stays pending and
+is tried again on the next pass, so a transient etcd error delays, and never
+loses, any of them. A lost session whose lease etcd kept (an outage of etcd
+itself) is resumed; a lease etcd dropped means registering again, as a
+newcomer.
 """
 
 from __future__ import annotations
@@ -39,39 +50,46 @@ from elastic.clock import SYSTEM_CLOCK, Clock
 from elastic.errors import (
     ConfigError,
     DuplicateNodeError,
-    FencedError,
     MalformedRecordError,
     RendezvousTimeoutError,
     StoreError,
 )
+from elastic.fence import current_round_number, fenced_put, fenced_txn
+from elastic.keyspace import JobKeys
+from elastic.net import free_port
 from elastic.rendezvous.api import (
     Action,
     Decision,
     Member,
     NodeInfo,
-    Observed,
     RendezvousConfig,
+    Report,
+    ReportKind,
     RestartRequest,
     Round,
 )
 from elastic.rendezvous.decisions import decide
-from elastic.rendezvous.keys import JobKeys
-from elastic.net import free_port
-from elastic.store.api import (Compare, Delete, EventType, Get, KeyValue, Put, Session,
-                               Store, Watch)
+from elastic.rendezvous.election import Election
+from elastic.rendezvous.view import LeaderView
+from elastic.store.api import Compare, Delete, EventType, Get, KeyValue, Put, Session, Store, Watch
 
 log = logging.getLogger(__name__)
 
 # How often the loop looks at its session even when nothing else happens; a
 # lost lease is noticed within this long.
 _SESSION_CHECK_S = 0.5
+# After a store error the thread waits this long before the next pass.
+_ERROR_BACKOFF_S = 0.2
+
+Takeover = Callable[[NodeInfo], bool]
 
 
 class RendezvousNode:
     """A node taking part in a job's rendezvous.
 
     Thread-safe: ``wait_for_round`` and friends may be called from any thread
-    while the node's loop runs in the background.
+    while the node's loop runs in the background (:meth:`start`), or while a
+    simulator drives it with :meth:`pump` (:meth:`start` with ``thread=False``).
     """
 
     def __init__(
@@ -82,6 +100,7 @@ class RendezvousNode:
         *,
         clock: Clock = SYSTEM_CLOCK,
         on_round: Callable[[Round], None] | None = None,
+        takeover: Takeover | None = None,
     ):
         self.store = store
         self.config = config
@@ -89,24 +108,28 @@ class RendezvousNode:
         self.keys = JobKeys(config.job_id)
         self.clock = clock
         self._on_round = on_round
+        self._takeover = takeover
+        self._election = Election(store, self.keys, info.node_id)
 
         self._inbox: queue.Queue = queue.Queue()
         self._cond = threading.Condition()
         self._round: Round | None = None  # latest valid committed round
         self._round_version = 0  # version of the round key as last seen (0: absent)
         self._session: Session | None = None
+        self._registered = False
+        self.registration_problem = ""  # why the node is not registered yet, for errors
         self._leader: str | None = None
+        self._leading = False  # leader with its watches in place
+        self._takeover_failing_since: float | None = None
         self._leader_watches: list[Watch] = []
         self._watches: list[Watch] = []
+        self._pending_resync: set[str] = set()
+        self._advertise_pending = False
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._fatal: BaseException | None = None
+        self._wake_at: float | None = None
 
-        # Leader-only view, rebuilt on election.
-        self._nodes: dict[str, tuple[NodeInfo, int]] = {}  # id -> (info, create revision)
-        self._first_seen: dict[str, float] = {}
-        self._restarts: dict[str, RestartRequest] = {}
-        self._draining: set[str] = set()
+        self._view = LeaderView(self.keys, self._report_bad)
         self._last_reason = ""
         self._reported_bad: set[tuple[str, int]] = set()
 
@@ -123,31 +146,38 @@ class RendezvousNode:
         return session.lease_id if session is not None and not session.lost.is_set() else None
 
     @property
+    def lease_confirmed_at(self) -> float | None:
+        """Monotonic time etcd last confirmed this node's lease (None: no session)."""
+        session = self._session
+        return session.confirmed_at if session is not None else None
+
+    @property
+    def registered(self) -> bool:
+        return self._registered and self.lease_id is not None
+
+    @property
     def is_leader(self) -> bool:
         return self._leader == self.node_id
 
-    def start(self) -> "RendezvousNode":
-        """Register this node and start following the job's rounds.
+    def start(self, *, thread: bool = True) -> "RendezvousNode":
+        """Check the job's settings, try to register, and start following the
+        job's rounds (in a background thread, or, with ``thread=False``, in
+        :meth:`pump` calls made by the caller).
 
         Raises ConfigError if the job already runs with other settings or has
-        finished, DuplicateNodeError if a live agent already holds this node
-        id, and the store errors if etcd cannot be reached.
+        finished, and the store errors if etcd cannot be reached. A node id
+        still held by another agent does not raise here: see
+        :meth:`wait_registered`.
         """
         self._check_job_settings()
-        self._register()
-        self._watches.append(
-            self.store.watch(self.keys.round, self._poster("round"), start_revision=self._load_round() + 1,
-                             on_error=self._error_poster("round"))
-        )
-        leader_rev = self._load_leader()
-        self._watches.append(
-            self.store.watch(self.keys.leader, self._poster("leader"), start_revision=leader_rev + 1,
-                             on_error=self._error_poster("leader"))
-        )
-        self._thread = threading.Thread(
-            target=self._run, name=f"rendezvous-{self.node_id}", daemon=True
-        )
-        self._thread.start()
+        self._session = self.store.session(self.config.lease_ttl_s)
+        self._try_register()
+        for which in ("round", "leader"):
+            self._resync(which)
+        if thread:
+            self._thread = threading.Thread(target=self._run, name=f"rendezvous-{self.node_id}",
+                                            daemon=True)
+            self._thread.start()
         return self
 
     def stop(self) -> None:
@@ -163,10 +193,47 @@ class RendezvousNode:
         if self._session is not None:
             self._session.close()
 
+    def pump(self) -> float | None:
+        """Apply everything that arrived, then do one pass of the loop's duties.
+
+        Returns when the node wants to look again if nothing arrives (None:
+        only on the next event). The background thread calls this; a
+        deterministic simulator calls it instead. Never raises StoreError: a
+        failed duty stays pending for the next pass.
+        """
+        while True:
+            try:
+                tag, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if tag != "stop":
+                self._handle(tag, payload)
+        if self._stopping.is_set():
+            return None
+        try:
+            self._maintain()
+            self._wake_at = self._lead() if self.is_leader and self._leading else None
+        except StoreError as exc:
+            log.warning("job %s node %s: store error in the rendezvous loop, will retry: %s",
+                        self.config.job_id, self.node_id, exc)
+            return self.clock.wall() + _ERROR_BACKOFF_S
+        return self._wake_at
+
     @property
     def latest_round(self) -> Round | None:
         with self._cond:
             return self._round
+
+    def wait_registered(self, timeout_s: float) -> None:
+        """Block until this node is registered. Raises DuplicateNodeError
+        naming the live holder when the id is still taken after ``timeout_s``."""
+        deadline = self.clock.monotonic() + timeout_s
+        while not self.registered and self.clock.monotonic() < deadline:
+            self._stopping.wait(0.05)
+        if not self.registered:
+            raise DuplicateNodeError(
+                f"job {self.config.job_id}: {self.registration_problem or 'not registered'} "
+                f"after {timeout_s:g} s")
 
     def wait_for_round(self, after: int = 0, timeout_s: float | None = None) -> Round:
         """Block until a round numbered above ``after`` that includes this node
@@ -177,6 +244,7 @@ class RendezvousNode:
         timeout), saying what this node saw meanwhile.
         """
         timeout = self.config.join_timeout_s if timeout_s is None else timeout_s
+
         def wanted(r: Round | None) -> bool:
             return r is not None and (bool(r.outcome) or (
                 r.number > after and r.member(self.node_id) is not None))
@@ -200,31 +268,25 @@ class RendezvousNode:
     def request_restart(self, reason: str, round_number: int, *, failure: bool) -> None:
         """Ask the leader for a new round with the same members. ``failure``
         counts it against the restart budget (a worker crashed or hung).
-        Requests about an older round are ignored by the leader."""
+        Requests about an older round are ignored by the leader. Idempotent
+        (one key per node and round); raises the store's errors."""
         req = RestartRequest(node_id=self.node_id, round=round_number, reason=reason,
                              failure=failure)
         self.store.put(f"{self.keys.restart_requests}{round_number:012d}-{self.node_id}",
                        req.to_json())
 
-    def finish(self, current: Round, outcome: str, reason: str) -> bool:
-        """End the job: commit a final round after ``current`` with ``outcome``.
-
-        Returns False (and changes nothing) if ``current`` is no longer the
-        latest round: the job moved on, so this node's view was stale.
-        """
-        final = dataclasses.replace(current, number=current.number + 1, outcome=outcome,
-                                    reason=reason, leader=self.node_id,
-                                    created_at=self.clock.wall())
-        result = self.store.txn(
-            [Compare.version(self.keys.round, "==", current.number)],
-            [Put(self.keys.round, final.to_json()),
-             events.event_op(self.keys, self.clock, self.node_id, final.number, "outcome",
-                             f"job {outcome}: {reason}")],
-        )
-        if result.succeeded:
-            log.info("job %s node %s: job %s in round %d: %s", self.config.job_id,
-                     self.node_id, outcome, final.number, reason)
-        return result.succeeded
+    def report(self, kind: ReportKind, round_number: int, about: str | None = None) -> None:
+        """Tell the leader this node started ``round_number``'s workers, that
+        they all exited 0, or (SUSPECT) that node ``about``'s agent does not
+        answer. Idempotent; held under this node's lease; raises the store's
+        errors (StoreError, or LeaseLostError without a live session)."""
+        lease = self.lease_id
+        if lease is None:
+            raise StoreError(f"node {self.node_id} has no live lease to report under")
+        key = {ReportKind.STARTED: self.keys.started_report,
+               ReportKind.DONE: self.keys.done_report,
+               ReportKind.SUSPECT: self.keys.suspect_report}[kind](about or self.node_id)
+        self.store.put(key, Report(round=round_number, by=self.node_id).to_json(), lease=lease)
 
     def fenced_put(self, key: str, value: bytes, round_number: int) -> int:
         """Write ``key`` only if ``round_number`` is still the current round.
@@ -242,60 +304,75 @@ class RendezvousNode:
         return lambda exc: self._inbox.put(("error", (tag, exc)))
 
     def _run(self) -> None:
-        wake_at: float | None = None
-        self._campaign()
         while not self._stopping.is_set():
+            wake_at = self.pump()
             timeout = _SESSION_CHECK_S
             if wake_at is not None:
                 timeout = max(0.0, min(timeout, wake_at - self.clock.wall()))
             try:
-                tag, payload = self._inbox.get(timeout=timeout)
+                item = self._inbox.get(timeout=timeout)
             except queue.Empty:
-                tag, payload = "tick", None
-            if tag == "stop":
+                continue
+            if item[0] == "stop":
                 return
-            try:
-                self._handle(tag, payload)
-                if self._session is not None and self._session.lost.is_set():
-                    self._renew_session()
-                if self.is_leader:
-                    wake_at = self._lead()
-                else:
-                    wake_at = None
-            except StoreError as exc:
-                # A store blip must not kill the node: log, and look again soon.
-                log.warning("job %s node %s: store error in the rendezvous loop, will retry: %s",
-                            self.config.job_id, self.node_id, exc)
-                self._stopping.wait(0.2)
-            except Exception:  # a bug: keep the node alive and visible in the log
-                log.exception("job %s node %s: unexpected error in the rendezvous loop",
-                              self.config.job_id, self.node_id)
-                self._stopping.wait(0.5)
+            self._inbox.put(item)  # pump() applies it with whatever else arrived
 
     def _handle(self, tag: str, payload) -> None:
+        """Apply watch events to what this node knows; no store calls (a
+        failure here would lose the event)."""
+        now = self.clock.wall()
         if tag == "round":
             for ev in payload:
                 self._apply_round(ev.kv.key, ev.kv.value if ev.type is EventType.PUT else None,
                                   ev.kv.version)
         elif tag == "leader":
             for ev in payload:
-                self._leader = ev.kv.value.decode(errors="replace") if ev.type is EventType.PUT else None
-            if self._leader is None:
-                self._campaign()
-            elif not self.is_leader:
+                self._leader = (ev.kv.value.decode(errors="replace")
+                                if ev.type is EventType.PUT else None)
+            if not self.is_leader:
                 self._drop_leadership()
-        elif tag == "nodes":
+        elif tag == "nodes" and self.is_leader:
             for ev in payload:
-                self._apply_node(ev.kv.key, ev.kv.value if ev.type is EventType.PUT else None,
-                                 ev.kv.create_revision)
-        elif tag == "requests":
+                self._view.apply_node(ev.kv.key, ev.kv.value if ev.type is EventType.PUT else None,
+                                      ev.kv.create_revision, now)
+        elif tag == "requests" and self.is_leader:
             for ev in payload:
-                self._apply_request(ev.kv.key, ev.kv.value if ev.type is EventType.PUT else None)
+                self._view.apply_request(ev.kv.key,
+                                         ev.kv.value if ev.type is EventType.PUT else None,
+                                         ev.kv.mod_revision, now)
         elif tag == "error":
             which, exc = payload
             log.warning("job %s node %s: watch on %s ended (%s); re-reading state",
                         self.config.job_id, self.node_id, which, exc)
-            self._resync(which)
+            self._pending_resync.add(which)
+
+    def _maintain(self) -> None:
+        """The standing duties, each retried on the next pass if it fails."""
+        if self._session is None or self._session.lost.is_set():
+            self._renew_session()
+        if not self._registered:
+            self._try_register()
+            if not self._registered:
+                return
+        if self._leader is None:
+            self._leader = self._election.campaign(self._session.lease_id)
+            if self.is_leader:
+                log.info("job %s node %s: elected leader", self.config.job_id, self.node_id)
+        taking_over = self.is_leader and not self._leading
+        if taking_over and not {"nodes", "requests"} & self._pending_resync:
+            self._pending_resync |= {"nodes", "requests"}  # load the leader's view
+        try:
+            for which in sorted(self._pending_resync):
+                self._resync(which)
+        except StoreError:
+            if taking_over:
+                self._takeover_failed()
+            raise
+        if taking_over:
+            self._leading = True
+            self._takeover_failing_since = None
+        if self._advertise_pending:
+            self._advertise_fresh_master_port()
 
     # ------------------------------------------------------- registration
 
@@ -313,13 +390,13 @@ class RendezvousNode:
             stored = json.loads(stored_kv.value) if stored_kv else {}
         except ValueError:
             stored = None
-        if stored is not None and stored != mine:
+        if isinstance(stored, dict) and stored != mine:
             diff = ", ".join(f"{k} {stored.get(k)!r} (this agent: {mine[k]!r})" for k in mine
                              if stored.get(k) != mine[k])
             raise ConfigError(
                 f"job {self.config.job_id} is already running with other settings: {diff}; "
                 "start this agent with the same settings or use another --job-id")
-        if stored is None:
+        if not isinstance(stored, dict):
             log.error("job %s node %s: ignoring malformed record at key %r; overwriting it",
                       self.config.job_id, self.node_id, self.keys.config)
             self.store.put(self.keys.config, json.dumps(mine, sort_keys=True).encode())
@@ -333,93 +410,117 @@ class RendezvousNode:
                     f"job {self.config.job_id} has already {last.outcome} (round {last.number}: "
                     f"{last.reason}); use a new --job-id to run again")
 
-    def _register(self) -> None:
-        self._session = self.store.session(self.config.lease_ttl_s)
+    def _try_register(self) -> None:
+        """Register under the current session, taking over or waiting out a
+        previous agent's registration of this id (see the module docstring)."""
         key = self.keys.node(self.node_id)
-        result = self.store.txn(
-            [Compare.absent(key)],
-            [Put(key, self.info.to_json(), lease=self._session.lease_id)],
-            [Get(key)],
-        )
-        if not result.succeeded:
-            existing = result.results[0][0] if result.results and result.results[0] else None
-            self._session.close()
-            raise DuplicateNodeError(
-                f"job {self.config.job_id}: node id {self.node_id!r} is already registered by "
-                f"a live agent (lease {existing.lease if existing else '?'}); use another "
-                f"--node-id, or wait {self.config.lease_ttl_s:.0f} s for the old lease to expire"
-            )
-        log.info("job %s node %s: registered (nproc %d, host %s)",
-                 self.config.job_id, self.node_id, self.info.nproc, self.info.host)
+        lease = self._session.lease_id
+        result = self.store.txn([Compare.absent(key)], [Put(key, self.info.to_json(), lease=lease)],
+                                [Get(key)])
+        existing = None if result.succeeded else (result.results[0] or [None])[0]
+        if existing is not None and existing.lease == lease:
+            result = dataclasses.replace(result, succeeded=True)  # ours: a resumed lease
+        if result.succeeded:
+            self._registered = True
+            self.registration_problem = ""
+            log.info("job %s node %s: registered (nproc %d, host %s)",
+                     self.config.job_id, self.node_id, self.info.nproc, self.info.host)
+            return
+        if existing is not None and self._provably_gone(existing):
+            log.warning("job %s node %s: the agent that registered this id before (lease %x, "
+                        "same host) does not answer; taking its place", self.config.job_id,
+                        self.node_id, existing.lease)
+            self.store.revoke_lease(existing.lease)
+            self._try_register()
+            return
+        problem = (f"node id {self.node_id!r} is already registered by a live agent (lease "
+                   f"{existing.lease if existing else 0:x}); waiting for its lease "
+                   f"({self.config.lease_ttl_s:g} s) to expire")
+        if problem != self.registration_problem:
+            log.warning("job %s node %s: %s", self.config.job_id, self.node_id, problem)
+        self.registration_problem = problem
+
+    def _provably_gone(self, existing: KeyValue) -> bool:
+        if self._takeover is None or existing.lease == 0:
+            return False
+        try:
+            info = NodeInfo.from_json(existing.key, existing.value)
+        except MalformedRecordError:
+            return False
+        return self._takeover(info)
 
     def _renew_session(self) -> None:
-        log.warning("job %s node %s: lease lost (frozen or cut off longer than %.0f s); "
-                    "registering again", self.config.job_id, self.node_id, self.config.lease_ttl_s)
+        """Replace a lost session: resume its lease if etcd kept it (etcd was
+        down, not this node's lease), else open a new one and register again."""
+        old = self._session
+        if old is not None:
+            resumed = self.store.resume_session(old.lease_id, self.config.lease_ttl_s)
+            if resumed is not None:
+                log.warning("job %s node %s: etcd kept lease %x through the outage; resuming it",
+                            self.config.job_id, self.node_id, old.lease_id)
+                self._session = resumed
+                return
+            log.warning("job %s node %s: lease lost (frozen or cut off longer than %.0f s); "
+                        "registering again", self.config.job_id, self.node_id,
+                        self.config.lease_ttl_s)
+            old.close()
         self._drop_leadership()
         self._leader = None
-        # If the lease only looked lost (keep-alives failed, yet etcd kept it),
-        # revoke it, or the old registration would block the new one.
-        self._session.close()
-        self._register()
-        self._campaign()
+        self._registered = False
+        self._session = self.store.session(self.config.lease_ttl_s)
 
-    def _campaign(self) -> None:
-        """Try to become leader; learn who is if someone else is."""
-        assert self._session is not None
-        result = self.store.txn(
-            [Compare.absent(self.keys.leader)],
-            [Put(self.keys.leader, self.node_id.encode(), lease=self._session.lease_id)],
-            [Get(self.keys.leader)],
-        )
-        if result.succeeded:
-            self._leader = self.node_id
-            log.info("job %s node %s: elected leader", self.config.job_id, self.node_id)
-            self._take_leadership()
-        else:
-            kvs = result.results[0] if result.results else []
-            self._leader = kvs[0].value.decode(errors="replace") if kvs else None
+    # ----------------------------------------------------------- leadership
 
-    def _take_leadership(self) -> None:
-        self._first_seen = {}
-        for which in ("nodes", "requests"):
-            self._resync(which)
+    def _takeover_failed(self) -> None:
+        """A leader that cannot load its view keeps trying; after a lease TTL
+        of failures it resigns, so that a node that can lead does."""
+        now = self.clock.monotonic()
+        self._takeover_failing_since = self._takeover_failing_since or now
+        if now - self._takeover_failing_since > self.config.lease_ttl_s:
+            log.warning("job %s node %s: could not take over as leader for %.0f s; "
+                        "stepping down", self.config.job_id, self.node_id,
+                        now - self._takeover_failing_since)
+            self._drop_leadership()
+            if self._election.resign():
+                self._leader = None
+            self._takeover_failing_since = None
 
     def _drop_leadership(self) -> None:
         for w in self._leader_watches:
             w.cancel()
         self._leader_watches = []
-        self._nodes, self._restarts, self._draining = {}, {}, set()
+        self._leading = False
+        self._pending_resync -= {"nodes", "requests"}
+        self._view = LeaderView(self.keys, self._report_bad)
 
     # ------------------------------------------------------ state loading
 
     def _resync(self, which: str) -> None:
-        """(Re)load one part of the state and watch it from the revision read."""
-        if which == "round":
-            rev = self._load_round()
+        """(Re)load one part of the state and watch it from the revision read.
+        Stays pending (retried on the next pass) until it succeeds."""
+        self._pending_resync.add(which)
+        if which in ("round", "leader"):
+            key = self.keys.round if which == "round" else self.keys.leader
+            kv, rev = self._read(key)
+            if which == "round":
+                self._apply_round(key, kv.value if kv else None, kv.version if kv else 0)
+            else:
+                self._leader = kv.value.decode(errors="replace") if kv else None
             self._watches.append(self.store.watch(
-                self.keys.round, self._poster("round"), start_revision=rev + 1,
-                on_error=self._error_poster("round")))
-        elif which == "leader":
-            rev = self._load_leader()
-            self._watches.append(self.store.watch(
-                self.keys.leader, self._poster("leader"), start_revision=rev + 1,
-                on_error=self._error_poster("leader")))
-            if self._leader is None:
-                self._campaign()
-        elif which in ("nodes", "requests") and self.is_leader:
+                key, self._poster(which), start_revision=rev + 1,
+                on_error=self._error_poster(which)))
+        elif which in ("nodes", "requests"):
             prefix = self.keys.nodes if which == "nodes" else self.keys.requests
             kvs, rev = self.store.get_prefix(prefix)
+            now = self.clock.wall()
             if which == "nodes":
-                self._nodes = {}
-                for kv in kvs:
-                    self._apply_node(kv.key, kv.value, kv.create_revision)
+                self._view.reset_nodes(kvs, now)
             else:
-                self._restarts, self._draining = {}, set()
-                for kv in kvs:
-                    self._apply_request(kv.key, kv.value)
+                self._view.reset_requests(kvs, now)
             self._leader_watches.append(self.store.watch(
                 prefix, self._poster(which), prefix=True, start_revision=rev + 1,
                 on_error=self._error_poster(which)))
+        self._pending_resync.discard(which)
 
     def _read(self, key: str) -> tuple[KeyValue | None, int]:
         """The key and the store revision it was read at: watching from that
@@ -427,16 +528,6 @@ class RendezvousNode:
         result = self.store.txn([], [Get(key)])
         kvs = result.results[0]
         return (kvs[0] if kvs else None), result.revision
-
-    def _load_round(self) -> int:
-        kv, revision = self._read(self.keys.round)
-        self._apply_round(self.keys.round, kv.value if kv else None, kv.version if kv else 0)
-        return revision
-
-    def _load_leader(self) -> int:
-        kv, revision = self._read(self.keys.leader)
-        self._leader = kv.value.decode(errors="replace") if kv else None
-        return revision
 
     def _report_bad(self, exc: MalformedRecordError, revision: int) -> None:
         """Log a malformed record once per (key, revision): loud, but no log storm."""
@@ -455,6 +546,8 @@ class RendezvousNode:
             if (parsed is not None and self._round is not None
                     and parsed.number == self._round.number):
                 return  # our own commit, applied already, now echoed by the watch
+            if parsed is not None and self._round is not None and parsed.number < self._round.number:
+                return  # a re-read racing a newer watch event: keep the newer
             self._round_version = version if value is not None else 0
             if parsed is not None or value is None:
                 self._round = parsed
@@ -468,82 +561,46 @@ class RendezvousNode:
             log.info("job %s node %s: round %d committed (%s); %s", self.config.job_id,
                      self.node_id, parsed.number, parsed.reason,
                      f"node rank {me.node_rank} of {len(parsed.members)}" if me else "standby")
-            if me is not None and me.node_rank == 0:
-                self._advertise_fresh_master_port()
             if self._on_round is not None:
                 self._on_round(parsed)
+            if me is not None and me.node_rank == 0 and not parsed.outcome:
+                self._advertise_pending = True
 
     def _advertise_fresh_master_port(self) -> None:
         """Offer a new free port for the next round's MASTER_PORT: a restarted
         group never races the old group's sockets for the same port."""
-        if self._session is None or self._session.lost.is_set():
+        lease = self.lease_id
+        if lease is None:
             return
-        self.info = NodeInfo(**{**self.info.__dict__, "master_port": free_port(self.info.host)})
-        self.store.put(self.keys.node(self.node_id), self.info.to_json(),
-                       lease=self._session.lease_id)
-
-    def _apply_node(self, key: str, value: bytes | None, create_revision: int) -> None:
-        node_id = self.keys.node_id_of(key)
-        if value is None:
-            if self._nodes.pop(node_id, None) is not None:
-                log.info("job %s node %s: node %s left", self.config.job_id, self.node_id, node_id)
-            self._first_seen.pop(node_id, None)
-            return
-        try:
-            info = NodeInfo.from_json(key, value)
-        except MalformedRecordError as exc:
-            self._report_bad(exc, create_revision)
-            self._nodes.pop(node_id, None)
-            return
-        if node_id not in self._nodes:
-            self._first_seen.setdefault(node_id, self.clock.wall())
-        self._nodes[node_id] = (info, create_revision)
-
-    def _apply_request(self, key: str, value: bytes | None) -> None:
-        if key.startswith(self.keys.drain_requests):
-            node_id = self.keys.node_id_of(key)
-            (self._draining.add if value is not None else self._draining.discard)(node_id)
-            return
-        if value is None:
-            self._restarts.pop(key, None)
-            return
-        try:
-            self._restarts[key] = RestartRequest.from_json(key, value)
-        except MalformedRecordError as exc:
-            self._report_bad(exc, 0)
+        self.info = dataclasses.replace(self.info, master_port=free_port(self.info.host))
+        self.store.put(self.keys.node(self.node_id), self.info.to_json(), lease=lease)
+        self._advertise_pending = False
 
     # ----------------------------------------------------------- leading
 
-    def _observed(self) -> Observed:
-        alive = tuple(info for info, _ in sorted(self._nodes.values(), key=lambda p: p[1]))
-        return Observed(
-            current=self._round,
-            alive=alive,
-            first_seen=dict(self._first_seen),
-            restart_requests=tuple(self._restarts.values()),
-            draining=frozenset(self._draining),
-        )
-
     def _lead(self) -> float | None:
         """Decide and apply; returns when to look again if nothing changes."""
-        decision = decide(self._observed(), self.clock.wall(), self.config)
+        now = self.clock.wall()
+        decision = decide(self._view.observed(self._round), now, self.config)
         if decision.reason != self._last_reason:
             log.info("job %s node %s (leader): %s", self.config.job_id, self.node_id,
                      decision.reason)
             self._last_reason = decision.reason
+        for node_id in decision.suspects:
+            registered = self._view.nodes.get(node_id, (None, 0))[1]
+            self._view.suspect(node_id, now, registered + 1)
         if decision.action is Action.CLOSE_ROUND:
             self._commit_round(decision)
             return None
-        if decision.action is Action.FAIL_JOB and self._round is not None:
-            if not self.finish(dataclasses.replace(self._round, failures=decision.failures),
-                               "failed", decision.reason):
-                self._load_round()
+        if decision.action in (Action.FAIL_JOB, Action.SUCCEED_JOB) and self._round is not None:
+            outcome = "failed" if decision.action is Action.FAIL_JOB else "succeeded"
+            self._end_job(outcome, decision)
             return None
         return decision.wake_at
 
     def _commit_round(self, decision: Decision) -> None:
         number = self._round_version + 1
-        infos = {info.node_id: info for info, _ in self._nodes.values()}
+        infos = {info.node_id: info for info, _ in self._view.nodes.values()}
         members = tuple(
             Member(node_id=n, node_rank=i, host=infos[n].host, nproc=infos[n].nproc,
                    addr=infos[n].addr)
@@ -554,33 +611,51 @@ class RendezvousNode:
             number=number, members=members, master_addr=rank0.host,
             master_port=rank0.master_port, reason=decision.reason, leader=self.node_id,
             created_at=self.clock.wall(), failures=decision.failures,
+            standby_addrs=self._view.standby_addrs(decision.members),
         )
         # Served and stale restart requests go in the same transaction: a
         # request is consumed exactly by the round that answers it.
-        served = [Delete(k) for k, r in self._restarts.items() if r.round <= number - 1]
+        served = [Delete(k) for k, r in self._view.restarts.items() if r.round <= number - 1]
         ops = [Put(self.keys.round, record.to_json()),
                events.event_op(self.keys, self.clock, self.node_id, number, "round",
                                f"round {number} formed with {list(decision.members)}: "
                                f"{decision.reason}")]
-        result = self.store.txn(
-            [Compare.version(self.keys.round, "==", self._round_version),
-             Compare.value(self.keys.leader, "==", self.node_id.encode())],
-            ops + served[:100],
-        )
-        if not result.succeeded:
-            log.info("job %s node %s: round %d was not committed (someone else moved first); "
-                     "re-reading", self.config.job_id, self.node_id, number)
-            self._load_round()
+        if not self._commit(number, record, ops + served[:100]):
             return
         log.info("job %s node %s (leader): committed round %d with %s", self.config.job_id,
                  self.node_id, number, list(decision.members))
         for op in served[:100]:
-            self._restarts.pop(op.key, None)
-        # Apply our own write now rather than waiting for the watch, so the
-        # next decision sees it; the watch event for it is then idempotent.
-        self._apply_round(self.keys.round, record.to_json(), number)
+            self._view.restarts.pop(op.key, None)
         if number % 100 == 0:
             events.prune(self.store, self.keys)
+
+    def _end_job(self, outcome: str, decision: Decision) -> None:
+        """Commit the job's final round: the current one with an outcome."""
+        current = self._round
+        number = current.number + 1
+        final = dataclasses.replace(current, number=number, outcome=outcome,
+                                    reason=decision.reason, leader=self.node_id,
+                                    created_at=self.clock.wall(), failures=decision.failures)
+        ops = [Put(self.keys.round, final.to_json()),
+               events.event_op(self.keys, self.clock, self.node_id, number, "outcome",
+                               f"job {outcome}: {decision.reason}")]
+        if self._commit(number, final, ops):
+            log.info("job %s node %s (leader): job %s in round %d: %s", self.config.job_id,
+                     self.node_id, outcome, number, decision.reason)
+
+    def _commit(self, number: int, record: Round, ops: list) -> bool:
+        """Write round ``number`` fenced by the round before it and this node's
+        leadership; apply it at once on success (the watch echo is then a no-op)."""
+        result = fenced_txn(self.store, self.keys, number - 1, ops, also=[self._election.holds()])
+        if not result.succeeded:
+            log.info("job %s node %s: round %d was not committed (the job is in round %d, or "
+                     "leadership moved); re-reading", self.config.job_id, self.node_id, number,
+                     current_round_number(result))
+            kv, _ = self._read(self.keys.round)
+            self._apply_round(self.keys.round, kv.value if kv else None, kv.version if kv else 0)
+            return False
+        self._apply_round(self.keys.round, record.to_json(), number)
+        return True
 
     # ----------------------------------------------------------- waiting
 
@@ -593,22 +668,3 @@ class RendezvousNode:
                     break
                 self._cond.wait(min(left, 0.5))
             return self._round
-
-
-def fenced_put(store: Store, keys: JobKeys, key: str, value: bytes, round_number: int) -> int:
-    """Write ``key`` only while ``round_number`` is the job's current round.
-
-    This is how everything that matters is written (checkpoint commits, round
-    status): a process of an older round is refused. Returns the revision of
-    the write; raises FencedError when the round has moved on.
-    """
-    result = store.txn([Compare.version(keys.round, "==", round_number)], [Put(key, value)],
-                       [Get(keys.round)])
-    if not result.succeeded:
-        kvs = result.results[0] if result.results else []
-        now = kvs[0].version if kvs else 0
-        raise FencedError(
-            f"job {keys.job_id}: refused to write {key!r} for round {round_number}: "
-            f"the current round is {now}"
-        )
-    return result.revision

@@ -166,6 +166,12 @@ class Session(abc.ABC):
     def close(self) -> None:
         """Stop the keep-alive and revoke the lease (best effort); sets ``lost``."""
 
+    @property
+    @abc.abstractmethod
+    def confirmed_at(self) -> float:
+        """Monotonic time when etcd last confirmed the lease (its grant or a
+        keep-alive answer): the lease lives at least until ``ttl_s`` after it."""
+
 
 class Watch(abc.ABC):
     """A running watch. Cancel it when done; cancelling twice is harmless."""
@@ -249,6 +255,18 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def lease_time_to_live(self, lease_id: int, *, timeout_s: float | None = None) -> float:
         """Seconds left on the lease; -1 if it has expired or never existed."""
+
+    @abc.abstractmethod
+    def resume_session(self, lease_id: int, ttl_s: float) -> Session | None:
+        """Keep an existing lease alive again (a session whose keep-alives
+        failed while etcd itself was down: etcd keeps leases through an outage
+        and renews them when it is back). Returns None if etcd no longer has
+        the lease. Raises the store's errors."""
+
+    @abc.abstractmethod
+    def revoke_lease(self, lease_id: int, *, timeout_s: float | None = None) -> None:
+        """Revoke any lease (its keys are deleted at once); a lease that is
+        already gone is not an error. Raises the store's errors."""
 
     @abc.abstractmethod
     def watch(

@@ -299,7 +299,31 @@ class EtcdStore(Store):
                           timeout_s=timeout_s, retry=True)
         return float(resp.TTL) if resp.TTL >= 0 else -1.0
 
-    def _revoke(self, lease_id: int, timeout_s: float) -> None:
+    def resume_session(self, lease_id: int, ttl_s: float) -> Session | None:
+        """See :meth:`Store.resume_session`."""
+        asked_at = time.monotonic()
+        left = self.lease_time_to_live(lease_id)
+        if left <= 0:
+            return None
+        session = EtcdSession(self, lease_id, max(ttl_s, left), granted_at=asked_at)
+        with self._lock:
+            closing = self._closing
+            if not closing:
+                self._sessions.add(session)
+        if closing:
+            raise self._closed_error()
+        self._keeper.add(session)
+        return session
+
+    def revoke_lease(self, lease_id: int, *, timeout_s: float | None = None) -> None:
+        """See :meth:`Store.revoke_lease`."""
+        try:
+            self._revoke(lease_id, timeout_s)
+        except StoreError as exc:
+            if "not found" not in str(exc).lower():
+                raise
+
+    def _revoke(self, lease_id: int, timeout_s: float | None) -> None:
         self._call("lease_revoke", self._lease.LeaseRevoke,
                    rpc_pb2.LeaseRevokeRequest(ID=lease_id), timeout_s=timeout_s, retry=True)
 

@@ -51,6 +51,10 @@ class EtcdSession(Session):
         self._close_lock = threading.Lock()
 
     @property
+    def confirmed_at(self) -> float:
+        return self.last_renewed_at
+
+    @property
     def interval_s(self) -> float:
         return self.ttl_s / 3.0
 

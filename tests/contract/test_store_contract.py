@@ -443,6 +443,45 @@ class StoreContract:
         assert store.lease_time_to_live(session.lease_id) == -1
         assert store.lease_time_to_live(0x7A11_0000_DEAD_BEEF) == -1
 
+    def test_revoking_another_owners_lease_deletes_its_keys(self, store: Store, prefix, watch):
+        # What a restarted agent does to the registration of its dead predecessor.
+        session = store.session(5)
+        store.put(prefix + "node", b"old agent", lease=session.lease_id)
+        sink = watch(prefix, prefix=True)
+
+        store.revoke_lease(session.lease_id)
+
+        sink.wait_key(prefix + "node", EventType.DELETE)
+        assert store.get(prefix + "node") is None
+        assert session.lost.wait(LEASE_EXPIRY_WAIT_S)
+        store.revoke_lease(session.lease_id)  # already gone: not an error
+        session.close()
+
+    def test_a_lease_etcd_still_has_can_be_resumed_and_a_gone_one_cannot(self, store: Store,
+                                                                          prefix):
+        session = store.session(5)
+        store.put(prefix + "k", b"v", lease=session.lease_id)
+
+        resumed = store.resume_session(session.lease_id, 5)
+
+        assert resumed is not None and resumed.lease_id == session.lease_id
+        assert not resumed.lost.is_set()
+        assert store.get(prefix + "k").lease == session.lease_id
+        resumed.close()
+        assert store.get(prefix + "k") is None
+        assert store.resume_session(session.lease_id, 5) is None
+        session.close()
+
+    def test_confirmation_of_a_kept_alive_lease_advances(self, store: Store, advance_time):
+        # An agent judges "cut off from etcd" by how old this confirmation is.
+        session = store.session(1)
+        try:
+            first = session.confirmed_at
+            advance_time(1.5)
+            assert session.confirmed_at > first
+        finally:
+            session.close()
+
     def test_many_concurrent_sessions(self, store: Store, prefix, watch):
         n = 50
 

@@ -100,9 +100,14 @@ class MemorySession(Session):
     def __init__(self, store: "MemoryStore", lease_id: int, ttl_s: float):
         super().__init__(lease_id, ttl_s)
         self._store = store
+        self.last_confirmed = store.clock.monotonic()
 
     def close(self) -> None:
         self._store._close_session(self)
+
+    @property
+    def confirmed_at(self) -> float:
+        return self._store._confirmed_at(self)
 
     def __repr__(self) -> str:
         return f"MemorySession(lease_id={self.lease_id:#x}, ttl_s={self.ttl_s}, lost={self.lost.is_set()})"
@@ -142,7 +147,21 @@ class _MemoryWatch(Watch):
         self._queue.put(("error", exc))
 
     def start(self) -> None:
-        self._thread.start()
+        if not self._store.synchronous:
+            self._thread.start()
+
+    def deliver_pending(self) -> int:
+        """Synchronous mode: run the callbacks for what is queued; returns how many batches."""
+        delivered = 0
+        while not self._cancelled.is_set():
+            try:
+                kind, item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            delivered += 1
+            if not self._dispatch(kind, item):
+                break
+        return delivered
 
     def cancel(self) -> None:
         """Stop delivery; once it returns no callback runs (unless called from one)."""
@@ -155,23 +174,29 @@ class _MemoryWatch(Watch):
     def _deliver(self) -> None:
         while True:
             kind, item = self._queue.get()
-            if kind == "stop" or self._cancelled.is_set():
+            if not self._dispatch(kind, item):
                 return
-            if kind == "error":
-                self._store._unregister_watch(self)
-                if self._on_error is None:
-                    log.warning("Watch on %r ended without an error callback: %s", self.key, item)
-                else:
-                    try:
-                        self._on_error(item)
-                    except Exception:
-                        log.exception("Error callback of the watch on %r raised.", self.key)
-                return
-            self._store.ops.add("watch_event", len(item))
-            try:
-                self._on_events(item)
-            except Exception:
-                log.exception("Events callback of the watch on %r raised; delivery goes on.", self.key)
+
+    def _dispatch(self, kind: str, item) -> bool:
+        """Run one callback; False once the watch has ended."""
+        if kind == "stop" or self._cancelled.is_set():
+            return False
+        if kind == "error":
+            self._store._unregister_watch(self)
+            if self._on_error is None:
+                log.warning("Watch on %r ended without an error callback: %s", self.key, item)
+            else:
+                try:
+                    self._on_error(item)
+                except Exception:
+                    log.exception("Error callback of the watch on %r raised.", self.key)
+            return False
+        self._store.ops.add("watch_event", len(item))
+        try:
+            self._on_events(item)
+        except Exception:
+            log.exception("Events callback of the watch on %r raised; delivery goes on.", self.key)
+        return True
 
 
 class MemoryStore(Store):
@@ -183,8 +208,13 @@ class MemoryStore(Store):
     clock, so tests with a fake clock stay deterministic.
     """
 
-    def __init__(self, clock: Clock | None = None, *, tick_interval_s: float | None = None):
+    def __init__(self, clock: Clock | None = None, *, tick_interval_s: float | None = None,
+                 synchronous: bool = False):
         super().__init__()
+        # Synchronous: no delivery threads; deliver_pending() runs the callbacks
+        # (the deterministic simulator's mode).
+        self.synchronous = synchronous
+        self._outage = False
         self.clock: Clock = clock if clock is not None else SYSTEM_CLOCK
         if tick_interval_s is None and clock is None:
             tick_interval_s = _DEFAULT_TICK_INTERVAL_S
@@ -273,6 +303,21 @@ class MemoryStore(Store):
                 return -1
             return lease.deadline - self.clock.monotonic()
 
+    def resume_session(self, lease_id: int, ttl_s: float) -> Session | None:
+        with self._request("lease_ttl"):
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                return None
+            lease.session = MemorySession(self, lease_id, lease.ttl_s)
+            lease.kept_alive = True
+            return lease.session
+
+    def revoke_lease(self, lease_id: int, *, timeout_s: float | None = None) -> None:
+        with self._request("lease_revoke"):
+            lease = self._leases.get(lease_id)
+            if lease is not None:
+                self._remove_lease_locked(lease)
+
     def watch(
         self,
         key: str,
@@ -333,6 +378,30 @@ class MemoryStore(Store):
         with self._lock:
             self._expire_due_leases_locked()
 
+    def deliver_pending(self) -> int:
+        """Synchronous mode: run every queued watch callback, in watch order,
+        until none is left; returns how many batches ran."""
+        total = 0
+        while True:
+            with self._lock:
+                watches = [self._watches[i] for i in sorted(self._watches)]
+            ran = sum(w.deliver_pending() for w in watches)
+            if not ran:
+                return total
+            total += ran
+
+    def set_outage(self, down: bool) -> None:
+        """etcd itself is down (for everyone): every call fails and no lease
+        expires meanwhile; when it is back, every lease gets a full TTL again,
+        as etcd's lessor does when a leader takes office."""
+        with self._lock:
+            if self._outage and not down:
+                now = self.clock.monotonic()
+                for lease in self._leases.values():
+                    lease.deadline = now + lease.ttl_s
+                    lease.last_keepalive = now if lease.kept_alive else lease.last_keepalive
+            self._outage = down
+
     def compact(self, revision: int) -> None:
         """Forget history before ``revision``, as etcd's compaction does.
 
@@ -389,6 +458,8 @@ class MemoryStore(Store):
         with self._lock:
             if self._closed:
                 raise StoreError("the memory store is closed")
+            if self._outage:
+                raise StoreUnavailableError("etcd is down (simulated outage)")
             # Leases expire on the server whether or not this client can reach it.
             self._expire_due_leases_locked()
             if self._unavailable:
@@ -493,6 +564,8 @@ class MemoryStore(Store):
         return len(doomed)
 
     def _expire_due_leases_locked(self) -> None:
+        if self._outage:
+            return
         now = self.clock.monotonic()
         for lease in list(self._leases.values()):
             if lease.kept_alive and not self._unavailable:
@@ -510,6 +583,14 @@ class MemoryStore(Store):
         if lease.keys:
             self._apply_locked([Delete(key) for key in sorted(lease.keys)])
         lease.session.lost.set()
+
+    def _confirmed_at(self, session: MemorySession) -> float:
+        with self._lock:
+            self._expire_due_leases_locked()
+            lease = self._leases.get(session.lease_id)
+            if lease is not None and lease.session is session:
+                session.last_confirmed = lease.last_keepalive
+        return session.last_confirmed
 
     def _close_session(self, session: MemorySession) -> None:
         with self._lock:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from elastic.rendezvous.keys import JobKeys
+from elastic.keyspace import JobKeys
 from elastic.rendezvous.api import Round
 from tests.integration.procs import REPO, AgentProcess, alive, read_progress, wait_progress
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from elastic.rendezvous.keys import JobKeys
-from elastic.rendezvous.node import fenced_put
+from elastic.keyspace import JobKeys
+from elastic.fence import fenced_put
 from tests.integration.procs import MemberProcess
 
 pytestmark = pytest.mark.integration

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from elastic.errors import ConfigError
@@ -170,7 +172,8 @@ class TestRestartBudget:
                      for i in range(now_failures))
         r = round_of(number, "a", "b")
         r = Round(**{**r.__dict__, "failures": failures})
-        return Observed(r, nodes("a", "b"), {}, restart_requests=reqs)
+        return Observed(r, nodes("a", "b"), {}, restart_requests=reqs,
+                        started=dict.fromkeys("ab", number))
 
     def test_a_failure_is_counted_once_per_round_however_many_nodes_report_it(self):
         d = decide(self.failing(3, (), now_failures=2), 100.0,
@@ -193,7 +196,8 @@ class TestRestartBudget:
     def test_membership_changes_and_operator_restarts_do_not_count(self):
         r = Round(**{**round_of(5, "a", "b", "c").__dict__, "failures": (99.0,)})
         obs = Observed(r, nodes("a", "b"), {},
-                       restart_requests=(RestartRequest("elasticctl", 5, "operator"),))
+                       restart_requests=(RestartRequest("elasticctl", 5, "operator"),),
+                       started=dict.fromkeys("abc", 5))
         d = decide(obs, 100.0, RendezvousConfig("j", 2, 4, max_restarts=1))
         assert d.action is Action.CLOSE_ROUND
         assert d.failures == (99.0,)
@@ -202,3 +206,85 @@ class TestRestartBudget:
         r = Round(**{**round_of(5, "a").__dict__, "outcome": "succeeded"})
         d = decide(Observed(r, nodes("b", "c"), {"b": 0.0, "c": 0.0}), 100.0, cfg())
         assert d.action is Action.WAIT and "job succeeded in round 5" in d.reason
+
+
+class TestExitBarrier:
+    """The job succeeds when every member's workers exited 0, never before."""
+
+    def test_one_node_done_is_not_success_and_wakes_at_the_barrier_deadline(self):
+        obs = Observed(round_of(4, "a", "b"), nodes("a", "b"), started=dict.fromkeys("ab", 4),
+                       done={"a": (4, 100.0)})
+        d = decide(obs, 105.0, RendezvousConfig("j", 2, 2, exit_barrier_timeout_s=30.0))
+        assert d.action is Action.WAIT
+        assert "1 member finished (exit barrier)" in d.reason
+        assert d.wake_at == pytest.approx(130.0)
+
+    def test_every_member_done_succeeds(self):
+        obs = Observed(round_of(4, "a", "b"), nodes("a", "b"),
+                       done={"a": (4, 100.0), "b": (4, 104.0)})
+        d = decide(obs, 105.0, cfg())
+        assert d.action is Action.SUCCEED_JOB
+        assert d.reason == "round 4: the workers of all 2 members exited 0"
+
+    def test_done_in_an_older_round_does_not_count(self):
+        obs = Observed(round_of(4, "a", "b"), nodes("a", "b"), started=dict.fromkeys("ab", 4),
+                       done={"a": (3, 100.0), "b": (4, 104.0)})
+        assert decide(obs, 105.0, cfg()).action is Action.WAIT
+
+    def test_stragglers_past_the_timeout_fail_the_job_by_name(self):
+        obs = Observed(round_of(4, "a", "b", "c"), nodes("a", "b", "c"),
+                       started=dict.fromkeys("abc", 4), done={"a": (4, 100.0)})
+        config = RendezvousConfig("j", 2, 4, exit_barrier_timeout_s=30.0)
+        assert decide(obs, 129.9, config).action is Action.WAIT
+        d = decide(obs, 130.0, config)
+        assert d.action is Action.FAIL_JOB
+        assert "exit barrier timed out: a finished, but b, c still had running workers" in d.reason
+
+    def test_joiners_wait_while_members_finish_but_a_failure_still_restarts(self):
+        obs = Observed(round_of(4, "a", "b"), nodes("a", "b", "c"), {"c": 0.0},
+                       started=dict.fromkeys("ab", 4), done={"a": (4, 100.0)})
+        assert decide(obs, 101.0, cfg()).action is Action.WAIT
+        failed = dataclasses.replace(obs, restart_requests=(
+            RestartRequest("b", 4, "worker exited with 1", failure=True),))
+        assert decide(failed, 101.0, cfg()).action is Action.CLOSE_ROUND
+
+
+class TestSuspectsAndStartDeadline:
+    """An unreachable agent whose lease still lives, or a member that never
+    starts, is left out of the next round; suspicion alone starts none."""
+
+    def test_a_suspect_is_left_out_of_a_round_formed_for_another_reason(self):
+        obs = Observed(round_of(4, "a", "b", "c"), nodes("a", "b", "c"),
+                       started=dict.fromkeys("abc", 4), suspects={"c": 100.0},
+                       restart_requests=(RestartRequest("a", 4, "worker died", failure=True),))
+        d = decide(obs, 101.0, cfg())  # lease TTL 5: suspicion lasts 10 s
+        assert d.action is Action.CLOSE_ROUND
+        assert d.members == ("a", "b")
+
+    def test_suspicion_alone_does_not_start_a_round(self):
+        obs = Observed(round_of(4, "a", "b"), nodes("a", "b"), started=dict.fromkeys("ab", 4),
+                       suspects={"b": 100.0})
+        d = decide(obs, 101.0, cfg())
+        assert d.action is Action.WAIT
+        assert d.wake_at == pytest.approx(110.0)
+
+    def test_too_few_without_the_suspect_waits_until_the_suspicion_ends(self):
+        obs = Observed(round_of(4, "a", "b"), nodes("a", "b"), started=dict.fromkeys("ab", 4),
+                       suspects={"b": 100.0},
+                       restart_requests=(RestartRequest("a", 4, "peer lost", failure=True),))
+        d = decide(obs, 101.0, cfg())
+        assert d.action is Action.WAIT and "waiting for 1 more (min 2)" in d.reason
+        assert d.wake_at == pytest.approx(110.0)
+        assert decide(obs, 110.0, cfg()).members == ("a", "b")
+
+    def test_a_member_that_never_started_is_dropped_after_the_start_timeout(self):
+        r = dataclasses.replace(round_of(4, "a", "b", "c"), created_at=100.0)
+        obs = Observed(r, nodes("a", "b", "c"), started={"a": 4, "b": 4, "c": 3})
+        config = RendezvousConfig("j", 2, 4, start_timeout_s=30.0)
+        early = decide(obs, 129.0, config)
+        assert early.action is Action.WAIT and early.wake_at == pytest.approx(130.0)
+        d = decide(obs, 130.0, config)
+        assert d.action is Action.CLOSE_ROUND
+        assert d.members == ("a", "b")
+        assert "c did not start workers within 30 s" in d.reason
+        assert d.suspects == ("c",)

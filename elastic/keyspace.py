@@ -1,0 +1,60 @@
+"""The etcd keyspace of a job, in one place (DESIGN.md, "The etcd keyspace").
+
+It sits below the rendezvous, the event history, the checkpoint commit and the
+agent: every one of them names keys through :class:`JobKeys` only.
+"""
+
+from __future__ import annotations
+
+ROOT = "/elastic/v1/"
+
+
+class JobKeys:
+    """Key names under ``/elastic/v1/<job_id>/``.
+
+    ``requests/`` holds what nodes and operators tell the leader (the leader
+    alone watches it): restart and drain requests, and per-node reports that a
+    node started the workers of a round (``started/``), that its workers all
+    exited 0 (``done/``), or that a peer's agent does not answer
+    (``suspect/``). Reports live under their writer's lease.
+    """
+
+    def __init__(self, job_id: str):
+        self.job_id = job_id
+        self.prefix = f"{ROOT}{job_id}/"
+        self.nodes = self.prefix + "nodes/"
+        self.leader = self.prefix + "leader"
+        self.round = self.prefix + "round"
+        self.config = self.prefix + "config"
+        self.requests = self.prefix + "requests/"
+        self.restart_requests = self.requests + "restart/"
+        self.drain_requests = self.requests + "drain/"
+        self.started_reports = self.requests + "started/"
+        self.done_reports = self.requests + "done/"
+        self.suspect_reports = self.requests + "suspect/"
+        self.status = self.prefix + "status/"
+        self.events = self.prefix + "events/"
+        self.checkpoint_latest = self.prefix + "checkpoint/latest"
+
+    def node(self, node_id: str) -> str:
+        return self.nodes + node_id
+
+    def node_id_of(self, key: str) -> str:
+        """The node id in a ``nodes/<id>``, ``status/<id>`` or report key."""
+        return key.rsplit("/", 1)[-1]
+
+    def drain_request(self, node_id: str) -> str:
+        return self.drain_requests + node_id
+
+    def started_report(self, node_id: str) -> str:
+        return self.started_reports + node_id
+
+    def done_report(self, node_id: str) -> str:
+        return self.done_reports + node_id
+
+    def suspect_report(self, node_id: str) -> str:
+        """Where a node reports that ``node_id``'s agent does not answer."""
+        return self.suspect_reports + node_id
+
+    def status_of(self, node_id: str) -> str:
+        return self.status + node_id

@@ -1,0 +1,122 @@
+"""The leader's picture of a job: registered nodes, requests and reports.
+
+Built from prefix reads and watch events of ``nodes/`` and ``requests/``; no
+I/O here, so the rendezvous node applies events to it and hands
+:meth:`LeaderView.observed` to the pure :func:`~elastic.rendezvous.decisions.decide`.
+Times are the leader's wall clock when it learnt a thing (never a clock of
+another machine).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from elastic.errors import MalformedRecordError
+from elastic.keyspace import JobKeys
+from elastic.rendezvous.api import NodeInfo, Observed, Report, RestartRequest, Round
+from elastic.store.api import KeyValue
+
+ReportBad = Callable[[MalformedRecordError, int], None]
+
+
+class LeaderView:
+    """Mutable; owned by the rendezvous loop thread."""
+
+    def __init__(self, keys: JobKeys, report_bad: ReportBad):
+        self.keys = keys
+        self._report_bad = report_bad
+        self.nodes: dict[str, tuple[NodeInfo, int]] = {}  # id -> (info, create revision)
+        self.first_seen: dict[str, float] = {}
+        self.restarts: dict[str, RestartRequest] = {}  # by key
+        self.draining: set[str] = set()
+        self.started: dict[str, int] = {}
+        self.done: dict[str, tuple[int, float]] = {}
+        # suspect -> (when learnt, revision of the report): a report older than
+        # the node's registration is about a previous agent with that id.
+        self.suspects: dict[str, tuple[float, int]] = {}
+
+    def reset_nodes(self, kvs: list[KeyValue], now: float) -> None:
+        self.nodes = {}
+        for kv in kvs:
+            self.apply_node(kv.key, kv.value, kv.create_revision, now)
+
+    def reset_requests(self, kvs: list[KeyValue], now: float) -> None:
+        self.restarts, self.draining, self.started, self.done, self.suspects = {}, set(), {}, {}, {}
+        for kv in kvs:
+            self.apply_request(kv.key, kv.value, kv.mod_revision, now)
+
+    def apply_node(self, key: str, value: bytes | None, create_revision: int, now: float
+                   ) -> str | None:
+        """Apply a put (``value``) or delete (None) of ``nodes/<id>``; returns
+        the id of a node that left, else None."""
+        node_id = self.keys.node_id_of(key)
+        if value is None:
+            self.first_seen.pop(node_id, None)
+            return node_id if self.nodes.pop(node_id, None) is not None else None
+        try:
+            info = NodeInfo.from_json(key, value)
+        except MalformedRecordError as exc:
+            self._report_bad(exc, create_revision)
+            self.nodes.pop(node_id, None)
+            return None
+        if node_id not in self.nodes:
+            self.first_seen.setdefault(node_id, now)
+        self.nodes[node_id] = (info, create_revision)
+        return None
+
+    def apply_request(self, key: str, value: bytes | None, mod_revision: int, now: float) -> None:
+        k = self.keys
+        node_id = k.node_id_of(key)
+        if key.startswith(k.drain_requests):
+            (self.draining.add if value is not None else self.draining.discard)(node_id)
+            return
+        reports = {k.started_reports: self.started, k.done_reports: self.done,
+                   k.suspect_reports: self.suspects}
+        for prefix, table in reports.items():
+            if key.startswith(prefix):
+                if value is None:
+                    table.pop(node_id, None)
+                    return
+                try:
+                    report = Report.from_json(key, value)
+                except MalformedRecordError as exc:
+                    self._report_bad(exc, mod_revision)
+                    return
+                if table is self.started:
+                    self.started[node_id] = report.round
+                elif table is self.done:
+                    self.done[node_id] = (report.round, now)
+                else:
+                    self.suspects[node_id] = (now, mod_revision)
+                return
+        if value is None:
+            self.restarts.pop(key, None)
+            return
+        try:
+            self.restarts[key] = RestartRequest.from_json(key, value)
+        except MalformedRecordError as exc:
+            self._report_bad(exc, mod_revision)
+
+    def suspect(self, node_id: str, now: float, revision: int) -> None:
+        """The leader's own verdict (a member did not start in time)."""
+        self.suspects[node_id] = (now, revision)
+
+    def observed(self, current: Round | None) -> Observed:
+        joined = sorted(self.nodes.values(), key=lambda pair: pair[1])
+        registered_at = {info.node_id: rev for info, rev in joined}
+        return Observed(
+            current=current,
+            alive=tuple(info for info, _ in joined),
+            first_seen=dict(self.first_seen),
+            restart_requests=tuple(self.restarts.values()),
+            draining=frozenset(self.draining),
+            started=dict(self.started),
+            done=dict(self.done),
+            suspects={n: at for n, (at, rev) in self.suspects.items()
+                      if rev > registered_at.get(n, 0)},
+        )
+
+    def standby_addrs(self, members: tuple[str, ...]) -> tuple[str, ...]:
+        """Agent addresses of the registered nodes that are not ``members``."""
+        return tuple(info.addr for info, _ in sorted(self.nodes.values(), key=lambda p: p[1])
+                     if info.node_id not in members and info.addr)
