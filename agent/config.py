@@ -10,13 +10,20 @@ Every option can be given three ways; the first one found wins:
 
 and otherwise the default. Unknown keys in the file are an error (a file that
 silently ignores a setting is worse than none); unknown ``ELASTIC_*``
-variables get a warning.
+variables get a warning. A key left empty in the file (``log_dir:``) means
+"not given".
+
+The file's scalars are read as the text they were written as, whatever they
+look like, and each option parses its own, exactly as it parses a flag: YAML
+1.1 would otherwise read ``nnodes: 2:4`` as the base-60 integer 124,
+``job_id: 0123`` as 83 and ``node_id: 1e3`` as 1000.0.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import socket
 import tempfile
@@ -27,11 +34,13 @@ import yaml
 
 from elastic.errors import ConfigError
 from elastic.rendezvous.api import (
+    DEFAULT_EXIT_BARRIER_TIMEOUT_S,
     DEFAULT_JOIN_TIMEOUT_S,
     DEFAULT_LEASE_TTL_S,
     DEFAULT_MAX_RESTARTS,
     DEFAULT_RESTART_WINDOW_S,
     DEFAULT_SETTLE_S,
+    DEFAULT_START_TIMEOUT_S,
     RendezvousConfig,
     parse_nnodes,
     validate_id,
@@ -45,12 +54,17 @@ WORKER_ENV = {"ELASTIC_ROUND", "ELASTIC_AGENT_SOCKET", "ELASTIC_CHECKPOINT_DIR",
 
 
 def _number(kind: type, *, allow_zero: bool) -> Callable[[str, Any], Any]:
-    """A parser for a number option that must be > 0 (or >= 0 with ``allow_zero``)."""
+    """A parser for a number option that must be > 0 (or >= 0 with ``allow_zero``)
+    and finite; raises ConfigError naming the option otherwise."""
     def parse(name: str, raw: Any) -> Any:
         try:
             value = kind(raw)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"--{name} {raw!r}: expected a {kind.__name__}") from None
+        # nan compares false with everything, so it would pass the checks below
+        # (and turn a timeout or the restart budget off); inf is no better.
+        if not math.isfinite(value):
+            raise ConfigError(f"--{name} {raw!r}: expected a finite number")
         if value < 0 or (value == 0 and not allow_zero):
             raise ConfigError(f"--{name} {raw!r}: must "
                               + ("not be negative" if allow_zero else "be greater than 0"))
@@ -67,7 +81,11 @@ def _non_negative(kind: type) -> Callable[[str, Any], Any]:
 
 
 def _text(name: str, raw: Any) -> str:
-    return str(raw)
+    """Text as given; ConfigError for a list or mapping (or an explicitly tagged
+    YAML number), which would otherwise become its Python repr."""
+    if not isinstance(raw, str):
+        raise ConfigError(f"--{name} {raw!r}: expected text")
+    return raw
 
 
 def _flag(name: str, raw: Any) -> bool:
@@ -129,6 +147,12 @@ OPTIONS = [
            "wait this long without new arrivals before closing a round below max", "SECONDS"),
     Option("join-timeout", _positive(float), DEFAULT_JOIN_TIMEOUT_S,
            "give up when no round includes this node for this long", "SECONDS"),
+    Option("start-timeout", _positive(float), DEFAULT_START_TIMEOUT_S,
+           "a round member that has not started its workers this long after the round "
+           "formed is left out and the round formed again without it", "SECONDS"),
+    Option("exit-barrier-timeout", _positive(float), DEFAULT_EXIT_BARRIER_TIMEOUT_S,
+           "once one node's workers all exited 0, how long the others may go on before "
+           "the job fails naming them", "SECONDS"),
     Option("listen", _host_port, "0.0.0.0:0", "address of the agent's gRPC server", "HOST:PORT"),
     Option("advertise-addr", _text, None,
            "address peers and workers reach this node at (default: its host name; "
@@ -163,6 +187,8 @@ class AgentConfig:
     lease_ttl_s: float
     settle_s: float
     join_timeout_s: float
+    start_timeout_s: float
+    exit_barrier_timeout_s: float
     listen: str
     advertise_addr: str
     log_dir: str
@@ -178,7 +204,8 @@ class AgentConfig:
             job_id=self.job_id, min_nodes=self.min_nodes, max_nodes=self.max_nodes,
             settle_s=self.settle_s, lease_ttl_s=self.lease_ttl_s,
             join_timeout_s=self.join_timeout_s, max_restarts=self.max_restarts,
-            restart_window_s=self.restart_window_s)
+            restart_window_s=self.restart_window_s, start_timeout_s=self.start_timeout_s,
+            exit_barrier_timeout_s=self.exit_barrier_timeout_s)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -204,10 +231,25 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+class _TextLoader(yaml.SafeLoader):
+    """A SafeLoader that reads every plain scalar as a string, except an empty
+    one or ``null``/``~`` (None: the option is not given); see the module docstring."""
+
+
+_TextLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers
+            if tag in ("tag:yaml.org,2002:null", "tag:yaml.org,2002:merge")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
 def _read_file(path: str) -> dict[str, Any]:
+    """The options in the YAML file at ``path``, keys in snake case, values as
+    written (strings, lists of strings); keys left empty are dropped. Raises
+    ConfigError when it cannot be read, is not a mapping or has unknown keys."""
     try:
         with open(path) as f:
-            data = yaml.safe_load(f) or {}
+            data = yaml.load(f, Loader=_TextLoader) or {}
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path!r}: {exc.strerror}") from exc
     except yaml.YAMLError as exc:
@@ -220,7 +262,7 @@ def _read_file(path: str) -> dict[str, Any]:
     if unknown:
         raise ConfigError(f"config file {path!r}: unknown option(s) {', '.join(unknown)}; "
                           f"known: {', '.join(sorted(allowed))}")
-    return {str(k).replace("-", "_"): v for k, v in data.items()}
+    return {str(k).replace("-", "_"): v for k, v in data.items() if v is not None}
 
 
 def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> AgentConfig:
@@ -266,9 +308,12 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     script, as_module = args.script, args.as_module
     script_args = tuple(args.script_args)
     if script is None:
-        script = file_values.get("script")
-        as_module = bool(file_values.get("module", as_module))
-        script_args = tuple(str(a) for a in file_values.get("script_args", ()))
+        script = _text("script", file_values["script"]) if "script" in file_values else None
+        as_module = _flag("module", file_values.get("module", as_module))
+        file_args = file_values.get("script_args", [])
+        if not isinstance(file_args, list) or not all(isinstance(a, str) for a in file_args):
+            raise ConfigError(f"script_args {file_args!r}: expected a list of arguments")
+        script_args = tuple(file_args)
     if not script:
         raise ConfigError("no training script given: elasticd [options] SCRIPT [ARGS...]")
     if not as_module and not os.path.isfile(script):
@@ -283,7 +328,8 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         max_restarts=v["max_restarts"], restart_window_s=v["restart_window"],
         checkpoint_dir=os.path.abspath(v["checkpoint_dir"]) if v["checkpoint_dir"] else None,
         hang_timeout_s=v["hang_timeout"], lease_ttl_s=v["lease_ttl"], settle_s=v["settle"],
-        join_timeout_s=v["join_timeout"], listen=v["listen"], advertise_addr=advertise,
+        join_timeout_s=v["join_timeout"], start_timeout_s=v["start_timeout"],
+        exit_barrier_timeout_s=v["exit_barrier_timeout"], listen=v["listen"], advertise_addr=advertise,
         log_dir=log_dir, stop_grace_s=v["stop_grace"], prestart=v["prestart"],
         connect_timeout_s=v["connect_timeout"],
         script=None if as_module else os.path.abspath(script),

@@ -8,6 +8,9 @@
 
 ``--etcd`` and ``--job-id`` may come from ELASTIC_ETCD and ELASTIC_JOB_ID.
 Errors are one line on stderr; exit codes are those of :mod:`elastic.errors`.
+``drain`` refuses a node id that is not registered in the job (exit 2): a
+drain request waits for its node, so a typo would eject whoever takes that id
+later. A ``--reason`` longer than 1024 characters is cut to that length.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ import time
 from agent import status as status_view
 from elastic import events
 from elastic.errors import ConfigError, ElasticError, exit_code_for
-from elastic.rendezvous.api import RestartRequest, Round, validate_id
-from elastic.rendezvous.keys import JobKeys
+from elastic.rendezvous.api import RestartRequest, Round, cap_text, validate_id
+from elastic.keyspace import JobKeys
 from elastic.store import open_store
-from elastic.store.api import Store
+from elastic.store.api import Compare, Get, Put, Store
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -94,16 +97,27 @@ def _restart(store: Store, args) -> str:
     keys = JobKeys(args.job_id)
     current = _current_round(store, keys)
     number = current.number if current else 0
-    req = RestartRequest(node_id="elasticctl", round=number, reason=args.reason)
+    req = RestartRequest(node_id="elasticctl", round=number, reason=cap_text(args.reason))
     store.put(f"{keys.restart_requests}{number:012d}-elasticctl", req.to_json())
     return json.dumps({"requested": "restart", "round": number}) if args.json else (
         f"restart of job {args.job_id} requested for round {number}")
 
 
 def _drain(store: Store, args) -> str:
+    """Write the drain request, only while the node is registered; raises
+    ConfigError naming the node and the registered ones when it is not."""
     keys = JobKeys(args.job_id)
     validate_id("node id", args.node_id)
-    store.put(keys.drain_request(args.node_id), b'{"by": "elasticctl"}')
+    # In one transaction with the check, so the node cannot leave in between
+    # and leave a request behind for whoever registers under its id next.
+    result = store.txn([Compare.version(keys.node(args.node_id), ">", 0)],
+                       [Put(keys.drain_request(args.node_id), b'{"by": "elasticctl"}')],
+                       [Get(keys.nodes, prefix=True)])
+    if not result.succeeded:
+        known = [keys.node_id_of(kv.key) for kv in result.results[0]]
+        listed = ", ".join(known[:20]) + (f" and {len(known) - 20} more" if known[20:] else "")
+        raise ConfigError(f"node {args.node_id!r} is not registered in job {args.job_id} "
+                          f"(registered: {listed or 'none'}); nothing to drain")
     return json.dumps({"requested": "drain", "node_id": args.node_id}) if args.json else (
         f"node {args.node_id} of job {args.job_id} will leave at the next round")
 

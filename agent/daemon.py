@@ -1,15 +1,23 @@
 """elasticd: the per-node agent.
 
-One loop thread owns the agent's state. Everything else only posts to its
-inbox: the rendezvous (a new round), the supervisor (a worker exited), the
-gRPC server (drain, restart), the peer health watcher, and signals. The loop
-observes, calls the pure decisions (:mod:`agent.health`,
-:mod:`elastic.rendezvous.decisions`) and applies the result through the one
-state machine (:mod:`agent.lifecycle`).
+The agent is a thin loop around the pure :func:`agent.reactor.react`: what
+happens (a round committed, a worker exited, a peer's health, the lease, a
+drain, a signal, time passing) arrives in its inbox as a typed event; ``react``
+returns the commands, and the loop applies them through the one state machine
+(:mod:`agent.lifecycle`), the worker supervisor, the rendezvous and the peer
+mesh. Its parts are passed in (``Agent.from_config`` wires the real ones), so
+the fault simulator runs whole clusters of agents in one process.
+
+Commands that must reach etcd exactly once (restart requests, reports to the
+leader) are intents: kept and retried on every pass of the loop until etcd
+takes them, and dropped once a newer round has made them moot. Nothing the
+agent must do is lost to a transient etcd error, and a stop of the workers
+never waits on etcd.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -19,41 +27,74 @@ import signal
 import sys
 import tempfile
 import threading
+from typing import Any, Protocol
 
 from agent import config as agent_config
+from agent import reactor
 from agent.assign import startup_env, worker_envs
 from agent.grpc_server import AgentServer
 from agent.health import WorkerHealth, hung_workers
 from agent.lifecycle import AgentState, Lifecycle, Transition
-from agent.peers import HealthWatcher
+from agent.peers import GrpcPeerMesh
+from agent.reactor import AgentView, Settings
 from agent.supervisor import Entrypoint, WorkerExit, WorkerSupervisor
 from elastic import __version__, events
+from elastic.checkpoint.api import CommitEntry
+from elastic.checkpoint.etcd_log import EtcdCommitLog
 from elastic.clock import SYSTEM_CLOCK, Clock
 from elastic.errors import (
     EXIT_JOB_FAILED,
     EXIT_OK,
     ElasticError,
-    MalformedRecordError,
-    RendezvousTimeoutError,
+    FencedError,
     StoreError,
     exit_code_for,
 )
+from elastic.joblog import JobLogger
 from elastic.net import free_port
 from elastic.rendezvous.api import NodeInfo, Round
 from elastic.rendezvous.node import RendezvousNode
 from elastic.store import open_store
-from elastic.store.api import Compare, Put, Store
+from elastic.store.api import Put, Store
 from elastic.v1 import agent_pb2
 
-log = logging.getLogger("elasticd")
-
 S = AgentState
-# How often the loop looks at worker health and publishes progress when
-# nothing else wakes it.
+# How often the loop looks at worker health and the lease when nothing else wakes it.
 _TICK_S = 0.5
-_STATUS_EVERY_S = 2.0
-# Scripts that never report a step get their next warm set after this long.
-_WARM_DELAY_S = 10.0
+# The status key is rewritten when its meaning changes: state, round, failure,
+# worker states, or the step moving into another bucket of this many steps.
+STATUS_STEP_BUCKET = 100
+
+
+class Supervisor(Protocol):
+    """What the agent needs of :class:`agent.supervisor.WorkerSupervisor`."""
+
+    def warm_up(self) -> None: ...
+    def start_round(self, round_number: int, envs: list[dict[str, str]], *,
+                    warm_next: bool = True) -> None: ...
+    def stop(self, timeout_s: float | None = None) -> list[WorkerExit]: ...
+    def shutdown(self) -> None: ...
+    def workers(self) -> list: ...
+
+
+class Server(Protocol):
+    """What the agent needs of :class:`agent.grpc_server.AgentServer`."""
+
+    def set_serving(self, serving: bool) -> None: ...
+    def stop(self) -> None: ...
+
+
+class PeerMesh(Protocol):
+    """What the agent needs to reach its peers (see :class:`agent.peers.GrpcPeerMesh`)."""
+
+    def watch(self, addr: str, on_change) -> Any: ...
+    def answers(self, addr: str) -> bool: ...
+    def check_store(self, addrs: tuple[str, ...], on_answer) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundChanged:
+    """Posted by the rendezvous (its ``on_round``); the loop reads the latest round itself."""
 
 
 def _socket_path(job_id: str, node_id: str) -> str:
@@ -62,131 +103,207 @@ def _socket_path(job_id: str, node_id: str) -> str:
     return os.path.join(tempfile.gettempdir(), f"elasticd-{digest}.sock")
 
 
+class _Handlers:
+    """The gRPC services' view of the agent, which is built after its server."""
+
+    agent: "Agent | None" = None
+
+    def __getattr__(self, name: str):
+        return getattr(self.agent, name)
+
+
 class Agent:
     """A node agent for one job. ``run()`` returns the process exit code."""
 
     def __init__(self, config: agent_config.AgentConfig, store: Store,
+                 rendezvous: RendezvousNode, supervisor: Supervisor, server: Server,
+                 peers: PeerMesh, *, inbox: queue.Queue, socket_path: str = "",
                  clock: Clock = SYSTEM_CLOCK):
         self.config = config
         self.store = store
+        self.rdzv = rendezvous
+        self.supervisor = supervisor
+        self.server = server
+        self.peers = peers
+        self.inbox = inbox
+        self.socket_path = socket_path
         self.clock = clock
-        self.inbox: queue.Queue = queue.Queue()
+        self.settings = Settings(node_id=config.node_id, nproc=config.nproc_per_node,
+                                 lease_ttl_s=config.lease_ttl_s,
+                                 join_timeout_s=config.join_timeout_s, job_id=config.job_id)
+        self.view = AgentView(waiting_since=clock.monotonic())
+        self.log = JobLogger(logging.getLogger("elasticd"), config.job_id, config.node_id,
+                             lambda: self.view.round_number)
         self.lifecycle = Lifecycle(config.job_id, config.node_id, publish=self._publish,
                                    clock=clock)
-        self.socket_path = _socket_path(config.job_id, config.node_id)
-        self.supervisor = WorkerSupervisor(
+        self.commit_log = EtcdCommitLog(store, rendezvous.keys, clock, config.node_id)
+        self.workers: dict[int, WorkerHealth] = {}
+        self._workers_lock = threading.Lock()
+        self._intents: list[reactor.RequestRestart | reactor.Report] = []
+        self._peer_watch: Any = None
+        self._last_status_meaning: tuple | None = None
+
+    @classmethod
+    def from_config(cls, config: agent_config.AgentConfig, store: Store,
+                    clock: Clock = SYSTEM_CLOCK) -> "Agent":
+        """Wire the real parts: gRPC server (bound here, so the rendezvous can
+        advertise its address), worker supervisor, rendezvous node, peers."""
+        inbox: queue.Queue = queue.Queue()
+        handlers = _Handlers()
+        socket_path = _socket_path(config.job_id, config.node_id)
+        server = AgentServer(config.listen, socket_path, control=handlers, heartbeats=handlers)
+        server.start()
+        peers = GrpcPeerMesh()
+        host = config.advertise_addr
+        addr = f"{host}:{server.address.rsplit(':', 1)[1]}"
+        info = NodeInfo(node_id=config.node_id, host=host, nproc=config.nproc_per_node,
+                        addr=addr, master_port=free_port(host), version=__version__)
+        rendezvous = RendezvousNode(
+            store, config.rendezvous(), info, clock=clock,
+            on_round=lambda _r: inbox.put(RoundChanged()),
+            # The previous agent of this id is provably gone when it ran on
+            # this host and its address no longer answers (systemd restart).
+            takeover=lambda old: old.host == host and old.addr != addr
+            and not peers.answers(old.addr))
+        supervisor = WorkerSupervisor(
             job_id=config.job_id, node_id=config.node_id, nproc=config.nproc_per_node,
             entrypoint=Entrypoint(script=config.script, module=config.module,
                                   args=config.script_args),
             log_dir=config.log_dir, stop_grace_s=config.stop_grace_s,
-            prestart=config.prestart, on_exit=lambda e: self.inbox.put(("exit", e)),
+            prestart=config.prestart, on_exit=lambda e: inbox.put(_exit_event(e)),
             worker_env=startup_env(config.nproc_per_node, dict(os.environ)))
-        self.server = AgentServer(config.listen, self.socket_path, control=self, heartbeats=self)
-        self.rdzv: RendezvousNode | None = None
-        self.round: Round | None = None  # the round this node's workers belong to
-        self.workers: dict[int, WorkerHealth] = {}
-        self.exits: dict[int, WorkerExit] = {}
-        self.rounds_started = 0
-        self.warm_pending = False
-        self.last_failure = ""
-        self.outcome_reason = ""
-        self.peer_watcher: HealthWatcher | None = None
-        self.peer_unhealthy: tuple[str, float] | None = None  # (node, since) NOT_SERVING
-        self.joining_since = clock.monotonic()
-        self._workers_lock = threading.Lock()
-        self._last_status_at = 0.0
-        self._last_status: bytes = b""
-        self._signal_exit: int | None = None
+        agent = cls(config, store, rendezvous, supervisor, server, peers, inbox=inbox,
+                    socket_path=socket_path, clock=clock)
+        handlers.agent = agent
+        return agent
 
     # ------------------------------------------------------------ running
 
     def run(self) -> int:
         """Take part in the job until it ends or this node leaves; returns the exit code."""
         try:
-            self.server.start()
-            self.supervisor.warm_up()
-            host = self.config.advertise_addr
-            info = NodeInfo(node_id=self.config.node_id, host=host,
-                            nproc=self.config.nproc_per_node,
-                            addr=f"{host}:{self.server.address.rsplit(':', 1)[1]}",
-                            master_port=free_port(host), version=__version__)
-            self.rdzv = RendezvousNode(self.store, self.config.rendezvous(), info,
-                                       clock=self.clock,
-                                       on_round=lambda r: self.inbox.put(("round", r)))
-            self.rdzv.start()
-            self.lifecycle.to(S.JOINING, "registered with the rendezvous")
-            self._loop()
+            self.start()
+            while not self.lifecycle.state.final:
+                self.step(_TICK_S)
         except ElasticError as exc:
-            self.outcome_reason = str(exc)
-            if not self.lifecycle.state.final:
-                self.lifecycle.to(S.FAILED, str(exc), self._round_number())
+            self.fail(exc)
             raise
         finally:
-            self._shutdown()
-        if self._signal_exit is not None:
-            return self._signal_exit
+            self.shutdown()
+        return self.exit_code
+
+    def start(self, *, threaded: bool = True) -> None:
+        """Join the rendezvous (``threaded=False``: the caller pumps it)."""
+        self.rdzv.start(thread=threaded)
+        self.supervisor.warm_up()
+        self.lifecycle.to(S.JOINING, "registered with the rendezvous" if self.rdzv.registered
+                          else f"joined the rendezvous; {self.rdzv.registration_problem}")
+        self.inbox.put(RoundChanged())
+
+    @property
+    def exit_code(self) -> int:
+        if self.view.exit_code is not None:
+            return self.view.exit_code
         return EXIT_OK if self.lifecycle.state is S.SUCCEEDED else EXIT_JOB_FAILED
 
-    def _loop(self) -> None:
-        self._on_round(self.rdzv.latest_round)
-        while not self.lifecycle.state.final:
+    @property
+    def outcome_reason(self) -> str:
+        return self.view.outcome_reason
+
+    def fail(self, exc: ElasticError) -> None:
+        """The agent cannot go on: record why and end in FAILED."""
+        self.view = dataclasses.replace(self.view, outcome_reason=str(exc), state=S.FAILED)
+        if not self.lifecycle.state.final:
+            self.lifecycle.to(S.FAILED, str(exc), self.view.round_number)
+
+    def step(self, block_s: float) -> None:
+        """React to what arrived (waiting up to ``block_s`` for the first
+        event), then to the passing of time; then retry pending intents and
+        publish the status. Raises ElasticError when the agent cannot go on."""
+        pending = []
+        try:
+            pending.append(self.inbox.get(timeout=block_s) if block_s > 0
+                           else self.inbox.get_nowait())
+            while True:
+                pending.append(self.inbox.get_nowait())
+        except queue.Empty:
+            pass
+        pending.append(None)  # the tick
+        for item in pending:
+            if self.lifecycle.state.final:
+                return
             try:
-                kind, payload = self.inbox.get(timeout=_TICK_S)
-            except queue.Empty:
-                kind, payload = "tick", None
-            try:
-                if kind == "round":
-                    self._on_round(self.rdzv.latest_round)
-                elif kind == "exit":
-                    self._on_exit(payload)
-                elif kind == "peer":
-                    self._on_peer(*payload)
-                elif kind == "drain":
-                    self._drain(payload)
-                elif kind == "signal":
-                    self._on_signal(payload)
-                self._check_workers()
-                self._publish_status()
+                event = self._tick() if item is None else (
+                    self._round_event() if isinstance(item, RoundChanged) else item)
+                if event is not None:
+                    self._react(event)
             except StoreError as exc:
-                # etcd blips must not stop training: the next tick tries again.
-                log.warning("job %s node %s round %d: store error, retrying: %s",
-                            self.config.job_id, self.config.node_id, self._round_number(), exc)
+                # etcd blips must not stop training: look again on the next pass.
+                self.log.warning("store error, retrying: %s", exc)
+                if isinstance(item, RoundChanged):
+                    self.inbox.put(item)
+        self._flush_intents()
+        self._publish_status()
 
-    def _round_number(self) -> int:
-        return self.round.number if self.round else 0
+    def _react(self, event: reactor.Event) -> None:
+        self.view, commands = reactor.react(self.view, event, self.clock.monotonic(),
+                                            self.settings)
+        for command in commands:
+            self._apply(command)
 
-    # ------------------------------------------------------------ events
+    def _round_event(self) -> reactor.RoundCommitted | None:
+        latest = self.rdzv.latest_round
+        if latest is None:
+            return None
+        drain = (latest.member(self.config.node_id) is None and not latest.outcome
+                 and self.store.get(self.rdzv.keys.drain_request(self.config.node_id))
+                 is not None)
+        return reactor.RoundCommitted(latest, drain_requested=drain)
 
-    def _on_round(self, latest: Round | None) -> None:
-        state = self.lifecycle.state
-        if latest is None or state.final or state is S.DRAINING:
-            return
-        if latest.outcome:
-            self._finish(latest)
-            return
-        if self.round is not None and latest.number == self.round.number:
-            return
-        if state in (S.RUNNING, S.STARTING):
-            self._stop_workers(f"round {latest.number} replaces round {self.round.number}: "
-                               f"{latest.reason}")
-        me = latest.member(self.config.node_id)
-        if me is None:
-            if self._drain_requested():
-                self._drain("drain requested")
-            elif self.lifecycle.state is not S.STANDBY:
-                self.lifecycle.to(S.STANDBY, f"round {latest.number} is full without this node",
-                                  latest.number)
-            return
-        self._start_workers(latest)
+    def _tick(self) -> reactor.Tick:
+        now = self.clock.monotonic()
+        with self._workers_lock:
+            workers = list(self.workers.values())
+        confirmed = self.rdzv.lease_confirmed_at
+        return reactor.Tick(
+            hung=tuple(reason for _, reason in hung_workers(workers, now,
+                                                            self.config.hang_timeout_s)),
+            lease_unconfirmed_s=0.0 if confirmed is None else max(0.0, now - confirmed),
+            workers_stepped=bool(workers) and all(w.step >= 0 for w in workers),
+            registration_problem=self.rdzv.registration_problem)
 
-    def _start_workers(self, r: Round) -> None:
-        self.lifecycle.to(S.STARTING, f"node rank {r.member(self.config.node_id).node_rank} of "
-                          f"{len(r.members)}, world size {r.world_size}", r.number)
-        self.round = r
-        self.rounds_started += 1
+    # ---------------------------------------------------------- commands
+
+    def _apply(self, command: reactor.Command) -> None:
+        if isinstance(command, reactor.Transition):
+            self.lifecycle.to(command.to, command.reason, command.round)
+        elif isinstance(command, reactor.StartWorkers):
+            self._start_workers(command.round, command.restart_count)
+        elif isinstance(command, reactor.StopWorkers):
+            self.server.set_serving(False)
+            self.supervisor.stop(timeout_s=0.0 if command.fast else None)
+        elif isinstance(command, (reactor.RequestRestart, reactor.Report)):
+            self._intents.append(command)
+        elif isinstance(command, reactor.WatchPeer):
+            self._watch_peer(command.node_id, command.addr)
+        elif isinstance(command, reactor.CheckPeersStore):
+            asked = len(command.addrs)
+            self.peers.check_store(command.addrs, lambda have: self.inbox.put(reactor.LeaseState(
+                self._lease_unconfirmed_s(), have, asked)))
+        elif isinstance(command, reactor.WarmUp):
+            self.supervisor.warm_up()
+        elif isinstance(command, reactor.Leave):
+            self._leave(command.reason)
+        elif isinstance(command, reactor.Note):
+            self.log.warning("%s", command.message)
+        elif isinstance(command, reactor.Fail):
+            raise command.error
+        else:
+            raise TypeError(f"not an agent command: {command!r}")
+
+    def _start_workers(self, r: Round, restart_count: int) -> None:
         envs = worker_envs(r, self.config.node_id, job_id=self.config.job_id,
-                           restart_count=self.rounds_started - 1,
-                           max_restarts=self.config.max_restarts,
+                           restart_count=restart_count, max_restarts=self.config.max_restarts,
                            agent_socket=self.socket_path,
                            checkpoint_dir=self.config.checkpoint_dir,
                            hang_timeout_s=self.config.hang_timeout_s)
@@ -194,277 +311,210 @@ class Agent:
         with self._workers_lock:
             self.workers = {i: WorkerHealth(local_rank=i, rank=int(env["RANK"]), started_at=now)
                             for i, env in enumerate(envs)}
-            self.exits = {}
-        # The next warm set waits until this round trains (see _check_workers):
+        # The next warm set waits until this round trains (reactor.WarmUp):
         # importing torch meanwhile would slow this round's start on small nodes.
         self.supervisor.start_round(r.number, envs, warm_next=False)
-        self.warm_pending = True
         self.server.set_serving(True)
-        self._watch_peer(r)
-        self.lifecycle.to(S.RUNNING, f"{len(envs)} workers started", r.number)
 
-    def _stop_workers(self, reason: str) -> None:
-        self.lifecycle.to(S.STOPPING, reason, self._round_number())
-        self.server.set_serving(False)
-        self._watch_peer(None)
-        self.supervisor.stop()
-        self.lifecycle.to(S.JOINING, "workers stopped", self._round_number())
-        self.joining_since = self.clock.monotonic()
+    def _watch_peer(self, node_id: str | None, addr: str) -> None:
+        if self._peer_watch is not None:
+            self._peer_watch.stop()
+            self._peer_watch = None
+        if node_id is not None:
+            self._peer_watch = self.peers.watch(
+                addr, lambda status: self.inbox.put(reactor.PeerHealth(node_id, str(status))))
 
-    def _on_exit(self, e: WorkerExit) -> None:
-        if (self.round is None or e.round != self.round.number or e.stopped
-                or self.lifecycle.state is not S.RUNNING):
-            # A worker of a round already given up, one we stopped, or one that
-            # died on its own while this round was being stopped anyway.
+    def _leave(self, reason: str) -> None:
+        """Leave for good: the drain key keeps the leader from choosing this
+        node meanwhile; revoking the lease shows everyone it is gone."""
+        keys = self.rdzv.keys
+        try:
+            self.store.put(keys.drain_request(self.config.node_id),
+                           json.dumps({"by": self.config.node_id, "reason": reason}).encode())
+        except StoreError as exc:
+            self.log.warning("could not record the drain (leaving anyway): %s", exc)
+        self.rdzv.stop()
+        try:
+            self.store.delete(keys.drain_request(self.config.node_id))
+        except StoreError as exc:
+            self.log.warning("could not remove the drain request: %s", exc)
+
+    def _flush_intents(self) -> None:
+        """Try every pending intent once; keep those etcd did not take, drop
+        those a newer round has made moot."""
+        if not self._intents:
             return
-        self.exits[e.local_rank] = e
-        if e.exit_code != 0:
-            how = f"was killed by signal {e.signal}" if e.signal else f"exited with {e.exit_code}"
-            self._fail_round(f"worker rank {e.rank} (pid {e.pid}) {how}")
-            return
-        if len(self.exits) == len(self.workers) and self.lifecycle.state is S.RUNNING:
-            reason = f"all {len(self.workers)} workers of node {self.config.node_id} exited 0"
-            if self.rdzv.finish(self.round, "succeeded", reason):
-                self.outcome_reason = reason
-            # Either way the final round (ours or another's) arrives by watch.
-            self._on_round(self.rdzv.latest_round)
+        latest = self.rdzv.latest_round
+        newest = latest.number if latest else 0
+        keep = []
+        for intent in self._intents:
+            if intent.round < newest:
+                continue
+            try:
+                if isinstance(intent, reactor.RequestRestart):
+                    self.rdzv.request_restart(intent.reason, intent.round, failure=intent.failure)
+                else:
+                    self.rdzv.report(intent.kind, intent.round, intent.about)
+            except StoreError as exc:
+                if not keep:
+                    self.log.warning("could not tell etcd yet (will retry): %s", exc)
+                keep.append(intent)
+        self._intents = keep
 
-    def _fail_round(self, reason: str) -> None:
-        """A local failure: ask for a new round (counted against the budget) and
-        stop this node's workers without waiting for it."""
-        self.last_failure = reason
-        log.warning("job %s node %s round %d: %s; requesting a restart", self.config.job_id,
-                    self.config.node_id, self._round_number(), reason)
-        self.rdzv.request_restart(reason, self._round_number(), failure=True)
-        self._stop_workers(reason)
-
-    def _check_workers(self) -> None:
-        state = self.lifecycle.state
-        if state is S.RUNNING:
-            self._warm_next_set()
-            with self._workers_lock:
-                verdicts = hung_workers(list(self.workers.values()), self.clock.monotonic(),
-                                        self.config.hang_timeout_s)
-            if verdicts:
-                self._fail_round("; ".join(reason for _, reason in verdicts))
-                return
-            if self.peer_unhealthy is not None:
-                peer, since = self.peer_unhealthy
-                if self.clock.monotonic() - since > self.config.lease_ttl_s:
-                    self._fail_round(f"peer {peer} has reported its workers unhealthy "
-                                     f"(NOT_SERVING) for over {self.config.lease_ttl_s:g} s")
-        elif state in (S.JOINING,) and self.rounds_started == 0:
-            waited = self.clock.monotonic() - self.joining_since
-            if waited > self.config.join_timeout_s:
-                raise RendezvousTimeoutError(
-                    f"job {self.config.job_id}: node {self.config.node_id} was not included "
-                    f"in a round within {self.config.join_timeout_s:.0f} s")
-
-    def _warm_next_set(self) -> None:
-        """Warm the next workers once this round's workers all made a step, or
-        after a while for scripts that never report one."""
-        if not self.warm_pending:
-            return
-        with self._workers_lock:
-            workers = list(self.workers.values())
-        now = self.clock.monotonic()
-        if all(w.step >= 0 for w in workers) or any(now - w.started_at > _WARM_DELAY_S
-                                                    for w in workers):
-            self.warm_pending = False
-            self.supervisor.warm_up()
-
-    def _on_peer(self, node_id: str, status: str) -> None:
-        # Agents are briefly NOT_SERVING at every round change while their
-        # workers restart: only a peer that stays so for a lease TTL is unhealthy.
-        if status == "NOT_SERVING":
-            self.peer_unhealthy = self.peer_unhealthy or (node_id, self.clock.monotonic())
-        else:
-            self.peer_unhealthy = None
-
-    def _watch_peer(self, r: Round | None) -> None:
-        """Watch the health of the next node in the ring (O(1) checks per node)."""
-        self.peer_unhealthy = None
-        if self.peer_watcher is not None:
-            self.peer_watcher.stop()
-            self.peer_watcher = None
-        if r is None or len(r.members) < 2:
-            return
-        me = r.member(self.config.node_id)
-        peer = r.members[(me.node_rank + 1) % len(r.members)]
-        if peer.addr:
-            self.peer_watcher = HealthWatcher(
-                peer.addr, lambda status, n=peer.node_id: self.inbox.put(("peer", (n, status)))
-            ).start()
-
-    def _finish(self, final: Round) -> None:
-        if self.lifecycle.state in (S.RUNNING, S.STARTING):
-            self.lifecycle.to(S.STOPPING, f"job {final.outcome}", final.number)
-            self.server.set_serving(False)
-            self._watch_peer(None)
-            # Workers of a succeeded job are finishing on their own: give them
-            # the grace period before stopping them.
-            self.supervisor.stop()
-        self.outcome_reason = final.reason
-        self.lifecycle.to(S.SUCCEEDED if final.outcome == "succeeded" else S.FAILED,
-                          f"job {final.outcome}: {final.reason}", final.number)
-
-    def _drain_requested(self) -> bool:
-        return self.store.get(self.rdzv.keys.drain_request(self.config.node_id)) is not None
-
-    def _drain(self, reason: str) -> None:
-        if self.lifecycle.state.final or self.lifecycle.state is S.DRAINING:
-            return
-        self.store.put(self.rdzv.keys.drain_request(self.config.node_id),
-                       json.dumps({"by": self.config.node_id, "reason": reason}).encode())
-        self.lifecycle.to(S.DRAINING, reason, self._round_number())
-        self.server.set_serving(False)
-        self._watch_peer(None)
-        self.supervisor.stop()
-        self.rdzv.stop()  # the leader sees this node go and forms a round without it
-        self.store.delete(self.rdzv.keys.drain_request(self.config.node_id))
-        self.outcome_reason = f"drained: {reason}"
-        self.lifecycle.to(S.SUCCEEDED, "left the job after draining", self._round_number())
-
-    def _on_signal(self, signum: int) -> None:
-        name = signal.Signals(signum).name
-        self.outcome_reason = f"stopped by {name}"
-        self._signal_exit = 128 + signum
-        self.lifecycle.to(S.FAILED, f"received {name}: leaving the job", self._round_number())
+    def _lease_unconfirmed_s(self) -> float:
+        confirmed = self.rdzv.lease_confirmed_at
+        return 0.0 if confirmed is None else max(0.0, self.clock.monotonic() - confirmed)
 
     # ------------------------------------------------------ gRPC handlers
     # Called from gRPC threads: read-only or posted to the loop.
 
     def heartbeat(self, req: agent_pb2.WorkerChannelHeartbeatRequest) -> bool:
+        view = self.view
+        current = view.round is not None and req.round == view.round.number
         with self._workers_lock:
             w = self.workers.get(req.local_rank)
-            current = self.round is not None and req.round == self.round.number
             if w is not None and current:
                 w.on_heartbeat(self.clock.monotonic(), req.step, req.saving_for_s, req.exiting)
-        return not current or self.lifecycle.state is not S.RUNNING
+        return not current or view.state not in (S.RUNNING, S.DONE)
 
     def commit_checkpoint(self, entry: agent_pb2.CheckpointEntry) -> tuple[bool, str]:
-        """Advance ``checkpoint/latest`` in one transaction fenced by the round
-        (the entry's round must still be the job's round): a worker of an older
-        round can never commit."""
-        keys = self.rdzv.keys
-        record = {"step": entry.step, "round": entry.round, "world_size": entry.world_size,
-                  "path": entry.path, "time": entry.time}
-        result = self.store.txn(
-            [Compare.version(keys.round, "==", entry.round)],
-            [Put(keys.checkpoint_latest, json.dumps(record, sort_keys=True).encode()),
-             events.event_op(keys, self.clock, self.config.node_id, entry.round, "checkpoint",
-                             f"checkpoint of step {entry.step} committed ({entry.path})")])
-        if result.succeeded:
-            log.info("job %s node %s round %d: checkpoint of step %d committed (%s)",
-                     self.config.job_id, self.config.node_id, entry.round, entry.step, entry.path)
-            return True, ""
-        latest = self.rdzv.latest_round
-        return False, (f"round {entry.round} is no longer current (the job is in round "
-                       f"{latest.number if latest else '?'})")
+        """Advance ``checkpoint/latest`` through the fenced commit log: a
+        worker of an older round can never commit."""
+        try:
+            self.commit_log.commit(CommitEntry(step=entry.step, round=entry.round,
+                                               world_size=entry.world_size, path=entry.path,
+                                               time=entry.time))
+        except FencedError as exc:
+            return False, str(exc)
+        self.log.info("checkpoint of step %d committed (%s)", entry.step, entry.path)
+        return True, ""
 
     def latest_checkpoint(self) -> agent_pb2.CheckpointEntry | None:
-        kv = self.store.get(self.rdzv.keys.checkpoint_latest)
-        if kv is None:
+        latest = self.commit_log.latest()
+        if latest is None:
             return None
-        try:
-            r = json.loads(kv.value)
-            return agent_pb2.CheckpointEntry(step=int(r["step"]), round=int(r["round"]),
-                                             world_size=int(r["world_size"]),
-                                             path=str(r["path"]), time=float(r["time"]))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise MalformedRecordError(kv.key, f"not a checkpoint record ({exc})") from exc
+        return agent_pb2.CheckpointEntry(step=latest.step, round=latest.round,
+                                         world_size=latest.world_size, path=latest.path,
+                                         time=latest.time)
 
     def status(self) -> agent_pb2.AgentStatusResponse:
-        me = self.round.member(self.config.node_id) if self.round else None
+        view = self.view
+        me = view.round.member(self.config.node_id) if view.round else None
         return agent_pb2.AgentStatusResponse(
             job_id=self.config.job_id, node_id=self.config.node_id,
-            state=self.lifecycle.state.value, round=self._round_number(),
+            state=self.lifecycle.state.value, round=view.round_number,
             node_rank=me.node_rank if me else -1,
-            world_size=self.round.world_size if self.round else 0,
+            world_size=view.round.world_size if view.round else 0,
             workers=[agent_pb2.WorkerStatus(**w) for w in self._worker_rows()],
-            restarts=max(0, self.rounds_started - 1), last_failure=self.last_failure,
+            restarts=max(0, view.rounds_started - 1), last_failure=view.last_failure,
             version=__version__)
 
     def drain(self, reason: str) -> tuple[bool, str]:
-        self.inbox.put(("drain", reason or "drain requested over gRPC"))
+        self.inbox.put(reactor.DrainRequested(reason or "drain requested over gRPC"))
         return True, f"node {self.config.node_id} will leave the job"
 
     def request_restart(self, reason: str) -> tuple[bool, int]:
-        number = self._round_number()
+        number = self.view.round_number
         self.rdzv.request_restart(reason or "restart requested over gRPC", number, failure=False)
         return True, number
+
+    def store_health(self) -> tuple[bool, float]:
+        confirmed = self.rdzv.lease_confirmed_at
+        if confirmed is None or not self.rdzv.registered:
+            return False, -1.0
+        age = max(0.0, self.clock.monotonic() - confirmed)
+        return age <= self.config.lease_ttl_s / 2, age
 
     # ------------------------------------------------------------ status
 
     def _worker_rows(self) -> list[dict]:
         now = self.clock.monotonic()
-        pids = {local_rank: pid for local_rank, _, pid, _ in self.supervisor.workers()}
+        pids = {w.local_rank: w.pid for w in self.supervisor.workers()}
+        view = self.view
         rows = []
         with self._workers_lock:
             for i, w in sorted(self.workers.items()):
-                e = self.exits.get(i)
-                state = ("succeeded" if e.exit_code == 0 else "failed") if e else (
-                    "running" if w.last_heartbeat_at is not None or
-                    self.lifecycle.state is S.RUNNING else "starting")
+                exited = i in view.exited_ok
+                state = "succeeded" if exited else (
+                    "running" if w.last_heartbeat_at is not None or view.state is S.RUNNING
+                    else "starting")
                 rows.append({
                     "local_rank": i, "rank": w.rank, "pid": pids.get(i, 0), "state": state,
                     "last_step": w.step, "step_rate": round(w.step_rate(), 3),
                     "heartbeat_age_s": round(now - w.last_heartbeat_at, 2)
                     if w.last_heartbeat_at is not None else -1.0,
-                    "exit_code": e.exit_code if e else 0})
+                    "exit_code": 0})
         return rows
 
-    def _status_record(self) -> bytes:
-        me = self.round.member(self.config.node_id) if self.round else None
-        rows = self._worker_rows()
+    def _status_meaning(self) -> tuple:
+        """What, changed, makes the status worth a write."""
+        with self._workers_lock:
+            last_step = max((w.step for w in self.workers.values()), default=-1)
+        view = self.view
+        return (self.lifecycle.state.value, view.round_number, view.last_failure,
+                view.exited_ok, last_step // STATUS_STEP_BUCKET)
+
+    def _status_record(self, rows: list[dict]) -> bytes:
+        view = self.view
+        me = view.round.member(self.config.node_id) if view.round else None
+        last_step = max((r["last_step"] for r in rows), default=-1)
         return json.dumps({
             "node_id": self.config.node_id, "state": self.lifecycle.state.value,
-            "round": self._round_number(), "node_rank": me.node_rank if me else None,
-            "workers": rows,
-            "last_step": max((r["last_step"] for r in rows), default=-1),
+            "round": view.round_number, "node_rank": me.node_rank if me else None,
+            "workers": rows, "last_step": last_step,
             "step_rate": min((r["step_rate"] for r in rows), default=0.0),
-            "restarts": max(0, self.rounds_started - 1), "last_failure": self.last_failure,
+            "restarts": max(0, view.rounds_started - 1), "last_failure": view.last_failure,
         }, sort_keys=True).encode()
 
     def _publish(self, t: Transition) -> None:
         """Publish a transition: the status key and an event, in one transaction."""
-        if self.rdzv is None or self.rdzv.lease_id is None:
+        lease = self.rdzv.lease_id
+        if lease is None:
             return
+        meaning, record = self._status_meaning(), self._status_record(self._worker_rows())
         try:
             self.store.txn([], [
-                Put(self.rdzv.keys.status_of(self.config.node_id), self._status_record(),
-                    lease=self.rdzv.lease_id),
+                Put(self.rdzv.keys.status_of(self.config.node_id), record, lease=lease),
                 events.event_op(self.rdzv.keys, self.clock, self.config.node_id, t.round,
                                 "state", f"{t.before.value} -> {t.after.value}: {t.reason}"),
             ])
+            self._last_status_meaning = meaning
         except StoreError as exc:
-            log.warning("job %s node %s round %d: could not publish %s: %s", self.config.job_id,
-                        self.config.node_id, t.round, t.after.value, exc)
+            self.log.warning("could not publish %s: %s", t.after.value, exc)
 
     def _publish_status(self) -> None:
-        """Refresh the status key when something changed, at most every few seconds."""
-        now = self.clock.monotonic()
-        if now - self._last_status_at < _STATUS_EVERY_S or self.rdzv.lease_id is None:
+        """Rewrite the status key only when its meaning changed (not for every
+        heartbeat): at 1,000 nodes a write every few seconds each fills etcd."""
+        lease = self.rdzv.lease_id
+        if lease is None or self.lifecycle.state.final:
             return
-        record = self._status_record()
-        if record != self._last_status:
-            self.store.put(self.rdzv.keys.status_of(self.config.node_id), record,
-                           lease=self.rdzv.lease_id)
-            self._last_status = record
-        self._last_status_at = now
+        meaning = self._status_meaning()
+        if meaning == self._last_status_meaning:
+            return
+        try:
+            self.store.put(self.rdzv.keys.status_of(self.config.node_id),
+                           self._status_record(self._worker_rows()), lease=lease)
+            self._last_status_meaning = meaning
+        except StoreError as exc:
+            self.log.debug("could not refresh the status: %s", exc)
 
-    def _shutdown(self) -> None:
-        self._watch_peer(None)
+    def shutdown(self) -> None:
+        self._watch_peer(None, "")
         self.supervisor.shutdown()
-        if self.rdzv is not None:
-            self.rdzv.stop()
+        self.rdzv.stop()
         self.server.stop()
+
+
+def _exit_event(e: WorkerExit) -> reactor.WorkerExited:
+    return reactor.WorkerExited(round=e.round, local_rank=e.local_rank, rank=e.rank, pid=e.pid,
+                                exit_code=e.exit_code, signal=e.signal, stopped=e.stopped)
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("ELASTIC_LOG_LEVEL", "INFO").upper(),
                         stream=sys.stderr,
                         format="%(asctime)s elasticd %(levelname)s: %(message)s")
+    log = logging.getLogger("elasticd")
     server = None
     try:
         config = agent_config.load(argv)
@@ -477,9 +527,9 @@ def main(argv: list[str] | None = None) -> int:
             log.info("job %s node %s: started a private etcd at %s", config.job_id,
                      config.node_id, endpoint)
         with open_store(endpoint, connect_timeout_s=config.connect_timeout_s) as store:
-            agent = Agent(config, store)
+            agent = Agent.from_config(config, store)
             for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda signum, _f: agent.inbox.put(("signal", signum)))
+                signal.signal(sig, lambda signum, _f: agent.inbox.put(reactor.Signalled(signum)))
             code = agent.run()
             if code != EXIT_OK:
                 print(f"elasticd: job {config.job_id} failed: {agent.outcome_reason}",

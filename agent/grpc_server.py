@@ -14,8 +14,8 @@ let any host that reaches ``--listen`` fake heartbeats of a hung worker, and
 the workers' heartbeats get a thread pool that busy peers cannot exhaust.
 
 The servicers only delegate to an :class:`AgentControl` and a
-:class:`HeartbeatSink`; an :class:`~elastic.errors.ElasticError` they raise
-reaches the caller as the gRPC status :func:`grpc_code_for` picks, with the
+:class:`HeartbeatSink`, with free-text reasons cut to MAX_REASON_CHARS; an
+:class:`~elastic.errors.ElasticError` they raise reaches the caller as the gRPC status :func:`grpc_code_for` picks, with the
 error's message as details.
 """
 
@@ -41,6 +41,7 @@ from elastic.errors import (
     StoreTimeoutError,
     StoreUnavailableError,
 )
+from elastic.rendezvous.api import cap_text
 from elastic.v1 import agent_pb2, agent_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,10 @@ class AgentControl(Protocol):
 
     def request_restart(self, reason: str) -> tuple[bool, int]:
         """Ask for a new round with the same members: (accepted, round it was requested for)."""
+        ...
+
+    def store_health(self) -> tuple[bool, float]:
+        """Whether etcd confirmed this agent's lease recently: (reachable, seconds since)."""
         ...
 
 
@@ -155,19 +160,25 @@ class _AgentServicer(agent_pb2_grpc.AgentServicer):
     def Status(self, request, context):  # noqa: N802 (gRPC method name)
         return _serve_call(context, "Status", self._control.status)
 
+    # Reasons from the network are capped before anything logs or stores them:
+    # they end up in etcd records, which must stay far below etcd's request limit.
     def Drain(self, request, context):  # noqa: N802
-        logger.info("The agent received a drain request from %s: %s.",
-                    context.peer(), request.reason)
-        accepted, message = _serve_call(context, "Drain", self._control.drain, request.reason)
+        reason = cap_text(request.reason)
+        logger.info("The agent received a drain request from %s: %s.", context.peer(), reason)
+        accepted, message = _serve_call(context, "Drain", self._control.drain, reason)
         return agent_pb2.AgentDrainResponse(accepted=accepted, message=message)
 
     def RequestRestart(self, request, context):  # noqa: N802
-        logger.info("The agent received a restart request from %s: %s.",
-                    context.peer(), request.reason)
+        reason = cap_text(request.reason)
+        logger.info("The agent received a restart request from %s: %s.", context.peer(), reason)
         accepted, round_ = _serve_call(
-            context, "RequestRestart", self._control.request_restart, request.reason
+            context, "RequestRestart", self._control.request_restart, reason
         )
         return agent_pb2.AgentRequestRestartResponse(accepted=accepted, round=round_)
+
+    def StoreHealth(self, request, context):  # noqa: N802
+        reachable, age = _serve_call(context, "StoreHealth", self._control.store_health)
+        return agent_pb2.AgentStoreHealthResponse(reachable=reachable, confirmed_age_s=age)
 
 
 class _WorkerChannelServicer(agent_pb2_grpc.WorkerChannelServicer):

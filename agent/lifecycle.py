@@ -3,7 +3,7 @@
 ::
 
     INIT -> JOINING -> STANDBY | STARTING -> RUNNING -> STOPPING -> JOINING ...
-                                                     \\-> SUCCEEDED | FAILED
+                                               RUNNING -> DONE -> SUCCEEDED | FAILED
     any live state -> DRAINING -> (exit)   any state -> FAILED
 
 Every transition is checked against the table below, logged with its reason,
@@ -29,6 +29,7 @@ class AgentState(enum.Enum):
     STANDBY = "STANDBY"  # registered, but the current round is full without this node
     STARTING = "STARTING"  # a round includes this node; its workers are being started
     RUNNING = "RUNNING"  # the workers run; the agent watches them and its peers
+    DONE = "DONE"  # this node's workers all exited 0; waiting at the exit barrier for the rest
     STOPPING = "STOPPING"  # the round is over for this node; its workers are being stopped
     DRAINING = "DRAINING"  # leaving the job gracefully on request
     SUCCEEDED = "SUCCEEDED"  # the job finished successfully (final)
@@ -45,7 +46,8 @@ ALLOWED: dict[AgentState, frozenset[AgentState]] = {
     S.JOINING: frozenset({S.STANDBY, S.STARTING, S.SUCCEEDED, S.FAILED, S.DRAINING}),
     S.STANDBY: frozenset({S.STARTING, S.JOINING, S.SUCCEEDED, S.FAILED, S.DRAINING}),
     S.STARTING: frozenset({S.RUNNING, S.STOPPING, S.FAILED, S.DRAINING}),
-    S.RUNNING: frozenset({S.STOPPING, S.SUCCEEDED, S.FAILED, S.DRAINING}),
+    S.RUNNING: frozenset({S.STOPPING, S.DONE, S.SUCCEEDED, S.FAILED, S.DRAINING}),
+    S.DONE: frozenset({S.STOPPING, S.SUCCEEDED, S.FAILED, S.DRAINING}),
     S.STOPPING: frozenset({S.JOINING, S.SUCCEEDED, S.FAILED, S.DRAINING}),
     S.DRAINING: frozenset({S.SUCCEEDED, S.FAILED}),
     S.SUCCEEDED: frozenset(),

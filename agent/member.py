@@ -27,6 +27,7 @@ import threading
 
 from elastic.errors import ElasticError, FencedError, exit_code_for
 from elastic.rendezvous.api import (
+    DEFAULT_JOIN_TIMEOUT_S,
     DEFAULT_LEASE_TTL_S,
     DEFAULT_SETTLE_S,
     NodeInfo,
@@ -50,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-ttl", type=float, default=DEFAULT_LEASE_TTL_S, metavar="SECONDS")
     p.add_argument("--settle", type=float, default=DEFAULT_SETTLE_S, metavar="SECONDS")
     p.add_argument("--connect-timeout", type=float, default=5.0, metavar="SECONDS")
+    p.add_argument("--join-timeout", type=float, default=DEFAULT_JOIN_TIMEOUT_S,
+                   metavar="SECONDS", help="how long to wait for a node id still held by "
+                   "another agent")
     return p
 
 
@@ -85,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         with open_store(args.etcd, connect_timeout_s=args.connect_timeout) as store:
             info = NodeInfo(node_id=node_id, host=args.host, nproc=args.nproc)
             node = RendezvousNode(store, config, info, on_round=on_round).start()
+            try:
+                node.wait_registered(args.join_timeout)
+            except ElasticError:
+                node.stop()
+                raise
             _emit({"event": "registered", "node_id": node_id})
             try:
                 while not stop.wait(0.1):

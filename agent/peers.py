@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import grpc
@@ -137,6 +138,17 @@ def check_health(addr: str, timeout_s: float = DEFAULT_TIMEOUT_S, service: str =
                      service, addr, exc.code().name, exc.details())
         return PeerHealth.UNKNOWN
     return _health_from_status(response.status)
+
+
+def store_reachable(addr: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool | None:
+    """Whether the agent at ``addr`` reaches etcd now; None when it does not
+    answer in time (or serves no StoreHealth). Never raises."""
+    stub = agent_pb2_grpc.AgentStub(_channel(addr))
+    try:
+        return stub.StoreHealth(agent_pb2.AgentStoreHealthRequest(), timeout=timeout_s).reachable
+    except grpc.RpcError as exc:
+        logger.debug("The agent at %s did not answer StoreHealth: %s.", addr, exc.code().name)
+        return None
 
 
 def request_drain(
@@ -268,3 +280,30 @@ class HealthWatcher:
             backoff_s = min(backoff_s * 2, self._max_backoff_s)
         with self._lock:
             self._call = None
+
+
+class GrpcPeerMesh:
+    """How an agent reaches the other agents of its job, over gRPC.
+
+    The agent's loop depends only on these three calls, so the fault
+    simulator swaps in a fake mesh whose links it cuts at will.
+    """
+
+    def watch(self, addr: str, on_change: Callable[[str], None]) -> HealthWatcher:
+        """Follow the health of the agent at ``addr``; stop() the result to end it."""
+        return HealthWatcher(addr, on_change).start()
+
+    def answers(self, addr: str) -> bool:
+        """Whether an agent answers at ``addr`` now (any health status counts)."""
+        return check_health(addr) is not PeerHealth.UNREACHABLE
+
+    def check_store(self, addrs: tuple[str, ...],
+                    on_answer: Callable[[tuple[str, ...]], None]) -> None:
+        """Ask the agents at ``addrs``, in parallel and in the background,
+        whether they reach etcd; ``on_answer`` gets the addresses that do."""
+        def ask() -> None:
+            with ThreadPoolExecutor(max_workers=max(1, min(16, len(addrs)))) as pool:
+                answers = list(pool.map(store_reachable, addrs))
+            on_answer(tuple(a for a, ok in zip(addrs, answers) if ok))
+
+        threading.Thread(target=ask, name="peers-store-check", daemon=True).start()

@@ -42,9 +42,19 @@ Saving (every rank; one save in flight at a time, over a gloo group of its own)
 4. Rank 0 renames the directory to ``<root>/step-<step:012d>/`` and fsyncs the
    root, then calls ``commit_log.commit(entry)``, and only after the log
    accepted it writes ``COMMITTED`` (json: step, round, world_size, path,
-   time) into the directory, then prunes old checkpoints. The outcome is
+   time) into the directory, then writes the previous entry's marker if a
+   crash had left it out, then prunes old checkpoints. The outcome is
    broadcast, so every rank's ``wait()`` or next ``save()`` raises the same
    error, or none.
+
+   A ``step-<step>`` directory already in the way of the rename is moved aside
+   only when it is a leftover (a save that crashed after its rename, a fenced
+   one, or one this process's restore found unusable). One written by a newer
+   round (its marker or manifests say so) makes the save fail with
+   ``FencedError``: the saver is a zombie, and that directory may be committed
+   or about to be. One that restore may load (the latest entry's, or a marked
+   one not newer than it) makes it fail with ``CheckpointWriteError``. Either
+   way that directory is left byte for byte as it was.
 
 The marker follows the commit log, not the other way round, so that a marker
 always means "this was committed": a zombie of an old round that loses the
@@ -93,8 +103,11 @@ older steps. Deletion is a rename to ``.trash-*`` first, so a half-deleted
 directory is never mistaken for a checkpoint.
 
 Failpoints (``ELASTIC_FAILPOINT``, see :mod:`elastic.failpoints`):
-``ckpt.stage`` (in the background copy of an async save), ``ckpt.before_shards``, ``ckpt.write``, ``ckpt.mid_write``,
-``ckpt.after_shards_before_commit``, ``ckpt.after_rename_before_commit_log``.
+``ckpt.stage`` (in the background copy of an async save), ``ckpt.before_shards``
+(before the temporary directory exists), ``ckpt.write`` (in it, before this rank's
+first file), ``ckpt.mid_write``, ``ckpt.after_shards_before_commit``,
+``ckpt.after_rename_before_commit_log``, ``ckpt.after_commit_log_before_marker``,
+``ckpt.mid_prune`` (a pruned checkpoint renamed to ``.trash-*``, not yet deleted).
 
 Everything but :class:`Checkpointer` imports without torch, so the agent and
 elasticctl can read commit logs and layouts.
@@ -106,6 +119,7 @@ from typing import TYPE_CHECKING, Any
 
 from elastic.checkpoint.api import CommitEntry, CommitLog
 from elastic.checkpoint.commit import FileCommitLog
+from elastic.checkpoint.etcd_log import EtcdCommitLog
 from elastic.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
 
 if TYPE_CHECKING:
@@ -118,6 +132,7 @@ __all__ = [
     "CheckpointWriteError",
     "CommitEntry",
     "CommitLog",
+    "EtcdCommitLog",
     "FileCommitLog",
 ]
 

@@ -2,10 +2,14 @@
 
 A checkpoint counts as committed when a :class:`CommitLog` has accepted its
 :class:`CommitEntry`; the directory on disk alone does not make it so (see
-the rule in :mod:`elastic.checkpoint`). Two implementations share this
-interface: :class:`elastic.checkpoint.commit.FileCommitLog` (a file beside
-the checkpoints, for torchrun or no agent) and the agent-backed one (a fenced
-etcd transaction on the job's ``round`` key, written through the agent).
+the rule in :mod:`elastic.checkpoint`). Implementations:
+:class:`elastic.checkpoint.commit.FileCommitLog` (a file beside the
+checkpoints, for torchrun or no agent),
+:class:`elastic.checkpoint.etcd_log.EtcdCommitLog` (the job's
+``checkpoint/latest`` key, advanced by a transaction fenced by its ``round``
+key: what the agent keeps) and
+:class:`elastic.checkpoint.agent_log.AgentCommitLog` (that log, reached by a
+worker through its agent).
 
 This module imports without torch so the agent and elasticctl can read the log.
 """

@@ -423,20 +423,17 @@ class Checkpointer:
         layout.fsync_dir(tmp)
 
     def _commit(self, staged: "_Staged", tmp: str) -> None:
-        """Rank 0: rename into place, record in the commit log, mark, prune."""
+        """Rank 0: rename into place, record in the commit log, mark, prune.
+
+        Raises :class:`FencedError` when the commit log refuses this round, or
+        when a directory of this step written by a newer round is in the way
+        (this saver is then a zombie: that directory is left as it is).
+        """
         name = layout.step_dir_name(staged.step)
         final = os.path.join(self.root, name)
+        previous = self._commit_log.latest()
         if os.path.lexists(final):
-            latest = self._commit_log.latest()
-            if latest is not None and latest.path == name and name not in self._unusable:
-                raise CheckpointWriteError(f"checkpoint step {staged.step} is already the latest "
-                                           f"committed one ({final}); not replacing it", tmp)
-            # A save that crashed after its rename, a fenced one, or one that this job's
-            # restore found unusable (possibly the latest: it was skipped for an older
-            # one, which stays intact). Never loaded, so it can make way.
-            log.warning("Rank 0 moves aside %s (an uncommitted or unusable checkpoint of the same "
-                        "step) to commit step %d in round %d.", final, staged.step, self._round)
-            self._remove(final)
+            self._make_way(final, staged.step, previous, tmp)
         os.rename(tmp, final)
         layout.fsync_dir(self.root)
         failpoint("ckpt.after_rename_before_commit_log")
@@ -451,13 +448,69 @@ class Checkpointer:
                       "stays without a COMMITTED marker and is never restored.",
                       staged.step, self._round, final)
             raise
+        failpoint("ckpt.after_commit_log_before_marker")
         try:
             layout.write_marker(final, entry)
         except OSError as exc:
             log.warning("Rank 0 committed checkpoint step %d in round %d but could not write its "
                         "COMMITTED marker (%s); the commit log still names it.",
                         staged.step, self._round, exc)
+        if previous is not None and previous.path != name:
+            self._repair_marker(previous)
         self._retain(entry)
+
+    def _make_way(self, final: str, step: int, latest: CommitEntry | None, tmp: str) -> None:
+        """Rank 0: move aside the directory of this step that is in the way, when it
+        is a leftover: a save that crashed after its rename, a fenced one, or one that
+        this process's restore found unusable (which it skipped for an older one).
+
+        Raises :class:`FencedError` when a newer round wrote it (this saver is a
+        zombie, and the directory may be committed or about to be), and
+        :class:`CheckpointWriteError` when it holds a committed checkpoint that
+        restore may load (the latest entry's, or a marked one that is not newer
+        than the latest). Either way the directory is left untouched.
+        """
+        name = os.path.basename(final)
+        owner = layout.directory_round(final)
+        if owner is not None and owner > self._round:
+            raise FencedError(
+                f"checkpoint step {step} of round {self._round} refused: {final} was written "
+                f"by newer round {owner}, so this worker's round is no longer current; "
+                f"leaving that directory as it is")
+        if name not in self._unusable:
+            if latest is not None and latest.path == name:
+                raise CheckpointWriteError(f"checkpoint step {step} is already the latest "
+                                           f"committed one ({final}); not replacing it", tmp)
+            # A marked directory newer than the latest entry is of an abandoned line of
+            # saves (the log went back to an older step) and is never restored.
+            marked = layout.read_marker(final) is not None
+            if marked and (latest is None or step < latest.step):
+                raise CheckpointWriteError(f"checkpoint step {step} is already committed "
+                                           f"({final}) and restore may load it; not replacing "
+                                           f"it", tmp)
+        log.warning("Rank 0 moves aside %s (an uncommitted or unusable checkpoint of the same "
+                    "step) to commit step %d in round %d.", final, step, self._round)
+        # Between the checks above and this rename, only a newer round's save of the
+        # very same step could put a directory here; that window is a few system calls.
+        self._remove(final)
+
+    def _repair_marker(self, previous: CommitEntry) -> None:
+        """Rank 0, after a commit: give the previous latest entry's directory the
+        ``COMMITTED`` marker that a crash between its commit and its marker left
+        out, so that it stays a committed fallback for restore and retention."""
+        directory = os.path.join(self.root, previous.path)
+        if previous.path in self._unusable or not os.path.isdir(directory) \
+                or layout.read_marker(directory) is not None:
+            return
+        try:
+            layout.write_marker(directory, previous)
+        except OSError as exc:
+            log.warning("Rank 0 could not write the missing COMMITTED marker of %s (%s) in "
+                        "round %d; it is no longer a fallback for restore.", directory, exc,
+                        self._round)
+            return
+        log.info("Rank 0 wrote the missing COMMITTED marker of %s (step %d, committed in round "
+                 "%d) in round %d.", directory, previous.step, previous.round, self._round)
 
     def _retain(self, latest: CommitEntry) -> None:
         victims = layout.retention_victims(layout.list_checkpoints(self.root), self.keep, latest,
@@ -466,17 +519,20 @@ class Checkpointer:
             log.info("Rank 0 removes checkpoint %s (keeping the last %d committed) after "
                      "committing step %d in round %d.", name, self.keep, latest.step, self._round)
             try:
-                self._remove(os.path.join(self.root, name))
+                self._remove(os.path.join(self.root, name), between="ckpt.mid_prune")
             except OSError as exc:
                 log.warning("Rank 0 could not remove old checkpoint %s (%s); it will be retried "
                             "after the next commit.", name, exc)
 
-    def _remove(self, path: str) -> None:
+    def _remove(self, path: str, between: str | None = None) -> None:
         """Take a directory out of view atomically (rename to ``.trash-*``), then delete it;
-        a crash in between leaves only trash, which the next save removes."""
+        a crash in between leaves only trash, which the next save removes. ``between``
+        names a failpoint to run in between."""
         trash = os.path.join(self.root, f"{layout.TRASH_PREFIX}{os.path.basename(path)}-"
                                         f"{uuid.uuid4().hex[:8]}")
         os.rename(path, trash)
+        if between is not None:
+            failpoint(between)
         shutil.rmtree(trash, ignore_errors=True)
 
     def _discard_on_rank0(self, tmp: str) -> None:

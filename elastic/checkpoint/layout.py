@@ -362,6 +362,20 @@ def read_marker(directory: str) -> CommitEntry | None:
         return None
 
 
+def directory_round(directory: str) -> int | None:
+    """The newest round that wrote into a checkpoint directory: the largest round
+    of its ``COMMITTED`` marker and its readable manifests; None when neither
+    says (an empty or foreign directory).
+
+    A save uses it to tell a directory of a newer round (the saver is then a
+    zombie and must leave it alone) from leftovers of its own or older rounds.
+    """
+    marker = read_marker(directory)
+    manifests, _ = read_manifests(directory)
+    rounds = [m.round for m in manifests] + ([marker.round] if marker is not None else [])
+    return max(rounds, default=None)
+
+
 # --- the root: candidates, retention, stale temporaries ------------------------------------------
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -21,6 +22,17 @@ DEFAULT_LEASE_TTL_S = 5.0
 DEFAULT_JOIN_TIMEOUT_S = 600.0
 DEFAULT_MAX_RESTARTS = 3
 DEFAULT_RESTART_WINDOW_S = 3600.0
+DEFAULT_START_TIMEOUT_S = 60.0
+# torchrun's default: how long the job waits for the other members once one
+# node's workers have all exited 0.
+DEFAULT_EXIT_BARRIER_TIMEOUT_S = 300.0
+
+# Free text (reasons, event messages) is cut to this many characters wherever it
+# enters a record: a round transaction carries the round's reason and an event,
+# and etcd refuses requests over 1.5 MiB, so one huge reason would make every
+# round commit fail and the leader retry forever.
+MAX_REASON_CHARS = 1024
+MAX_PORT = 65535
 
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -33,6 +45,24 @@ def validate_id(kind: str, value: str) -> str:
             "starting with a letter or digit"
         )
     return value
+
+
+def cap_text(text: str, limit: int = MAX_REASON_CHARS) -> str:
+    """``text`` if it has at most ``limit`` characters, else its start followed by
+    ``"... [N more characters]"``, the whole at most ``limit`` characters long.
+
+    Idempotent: a capped text is returned unchanged. A ``limit`` too small to
+    hold the marker cuts without it.
+    """
+    if len(text) <= limit:
+        return text
+    # The marker for N = len(text) is the longest it can be, so using its length
+    # guarantees the result fits whatever N turns out to be.
+    longest_marker = len(f"... [{len(text)} more characters]")
+    if limit < longest_marker:
+        return text[:max(0, limit)]
+    kept = limit - longest_marker
+    return f"{text[:kept]}... [{len(text) - kept} more characters]"
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -75,6 +105,14 @@ class RendezvousConfig:
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
     max_restarts: int = DEFAULT_MAX_RESTARTS
     restart_window_s: float = DEFAULT_RESTART_WINDOW_S
+    start_timeout_s: float = DEFAULT_START_TIMEOUT_S
+    exit_barrier_timeout_s: float = DEFAULT_EXIT_BARRIER_TIMEOUT_S
+
+    @property
+    def suspect_s(self) -> float:
+        """How long a node reported unreachable is left out of new rounds: by
+        then a dead node's lease has expired, and a live one is let back in."""
+        return 2 * self.lease_ttl_s
 
     def __post_init__(self) -> None:
         validate_id("job id", self.job_id)
@@ -92,30 +130,99 @@ class RendezvousConfig:
             raise ConfigError(f"max restarts {self.max_restarts} must not be negative")
         if self.restart_window_s <= 0:
             raise ConfigError(f"restart window {self.restart_window_s} s must be positive")
+        if self.start_timeout_s <= 0:
+            raise ConfigError(f"start timeout {self.start_timeout_s} s must be positive")
+        if self.exit_barrier_timeout_s <= 0:
+            raise ConfigError(
+                f"exit barrier timeout {self.exit_barrier_timeout_s} s must be positive")
 
     def job_settings(self) -> dict[str, Any]:
         """The settings every agent of a job must agree on (stored under ``config``)."""
         return {"min_nodes": self.min_nodes, "max_nodes": self.max_nodes,
-                "max_restarts": self.max_restarts, "restart_window_s": self.restart_window_s}
+                "max_restarts": self.max_restarts, "restart_window_s": self.restart_window_s,
+                "exit_barrier_timeout_s": self.exit_barrier_timeout_s}
 
 
-def _load_object(key: str, raw: bytes) -> dict[str, Any]:
+# Readers of record fields, shared by every record kept in etcd (events too).
+# Each returns a value of the promised type and range or raises
+# MalformedRecordError naming the key and the field: records are hostile input.
+
+def load_object(key: str, raw: bytes) -> dict[str, Any]:
+    """``raw`` parsed as a JSON object; MalformedRecordError if it is not one."""
     try:
         obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MalformedRecordError(key, f"not JSON ({exc})") from exc
+    # ValueError also covers bad UTF-8 and integers of more than 4300 digits;
+    # RecursionError, arrays nested thousands deep (json recurses per level).
+    except (ValueError, RecursionError) as exc:
+        raise MalformedRecordError(key, f"not JSON ({cap_text(str(exc), 200)})") from exc
     if not isinstance(obj, dict):
         raise MalformedRecordError(key, f"expected a JSON object, got {type(obj).__name__}")
     return obj
 
 
-def _field(key: str, obj: dict, name: str, kind: type | tuple[type, ...]) -> Any:
+_MISSING = object()
+
+
+def typed_field(key: str, obj: dict, name: str, kind: type | tuple[type, ...],
+                default: Any = _MISSING) -> Any:
+    """``obj[name]`` if it is a ``kind`` (a bool is never an int here), ``default``
+    when absent and a default is given; else MalformedRecordError naming the field."""
     if name not in obj:
-        raise MalformedRecordError(key, f"missing field {name!r}")
+        if default is _MISSING:
+            raise MalformedRecordError(key, f"missing field {name!r}")
+        return default
     value = obj[name]
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise MalformedRecordError(key, f"field {name!r} has the wrong type")
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise MalformedRecordError(key, f"field {name!r} has the wrong type: {value!r}")
+    if not isinstance(value, kind):
+        raise MalformedRecordError(
+            key, f"field {name!r} has the wrong type: {type(value).__name__}")
     return value
+
+
+def int_field(key: str, obj: dict, name: str, low: int, high: int | None = None,
+              default: Any = _MISSING) -> int:
+    """An int field within ``low..high``; MalformedRecordError naming the field if not."""
+    value = typed_field(key, obj, name, int, default)
+    if value < low or (high is not None and value > high):
+        bounds = f"{low}..{high}" if high is not None else f"at least {low}"
+        raise MalformedRecordError(key, f"field {name!r} is {value}, expected {bounds}")
+    return value
+
+
+def port_field(key: str, obj: dict, name: str, default: Any = _MISSING) -> int:
+    """A TCP port, 0..65535 (0: none)."""
+    return int_field(key, obj, name, 0, MAX_PORT, default)
+
+
+def time_field(key: str, obj: dict, name: str, value: Any = _MISSING) -> float:
+    """A finite number of seconds, as a float: ``obj[name]``, or ``value`` when given
+    (an element of a list field). JSON has no NaN, but Python's json reads one."""
+    if value is _MISSING:
+        value = typed_field(key, obj, name, (int, float))
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise MalformedRecordError(key, f"field {name!r} holds a non-number: {value!r}")
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int beyond a float's range
+        seconds = math.inf
+    if not math.isfinite(seconds):
+        raise MalformedRecordError(key, f"field {name!r} is not a finite number")
+    return seconds
+
+
+def id_field(key: str, obj: dict, name: str, kind: str = "node id") -> str:
+    """A string that passes :func:`validate_id`."""
+    value = typed_field(key, obj, name, str)
+    try:
+        return validate_id(kind, value)
+    except ConfigError as exc:
+        raise MalformedRecordError(key, f"field {name!r}: {exc}") from None
+
+
+def text_field(key: str, obj: dict, name: str, default: str = "") -> str:
+    """A free-text field, capped: a record someone else wrote may be of any size."""
+    return cap_text(typed_field(key, obj, name, str, default))
 
 
 @dataclass(frozen=True)
@@ -134,17 +241,21 @@ class NodeInfo:
 
     @classmethod
     def from_json(cls, key: str, raw: bytes) -> "NodeInfo":
-        obj = _load_object(key, raw)
+        """Parse the record at ``key`` (``.../nodes/<node_id>``).
+
+        Raises MalformedRecordError naming the key and the field when it is not
+        a JSON object of correctly typed fields, ``nproc`` < 1, a port is outside
+        0..65535, or ``node_id`` is not a valid id or not the key's.
+        """
+        obj = load_object(key, raw)
         info = cls(
-            node_id=_field(key, obj, "node_id", str),
-            host=_field(key, obj, "host", str),
-            nproc=_field(key, obj, "nproc", int),
-            addr=str(obj.get("addr", "")),
-            master_port=int(obj.get("master_port", 0) or 0),
-            version=str(obj.get("version", "")),
+            node_id=id_field(key, obj, "node_id"),
+            host=typed_field(key, obj, "host", str),
+            nproc=int_field(key, obj, "nproc", 1),
+            addr=typed_field(key, obj, "addr", str, ""),
+            master_port=port_field(key, obj, "master_port", 0),
+            version=typed_field(key, obj, "version", str, ""),
         )
-        if info.nproc < 1:
-            raise MalformedRecordError(key, "field 'nproc' must be at least 1")
         if not key.endswith("/" + info.node_id):
             raise MalformedRecordError(key, f"node_id {info.node_id!r} does not match the key")
         return info
@@ -169,7 +280,10 @@ class Round:
     token): every round write increments it by exactly one. ``failures`` holds
     the wall times of the failures counted against the restart budget. A round
     with an ``outcome`` ("succeeded" or "failed") is the job's last: nobody
-    starts workers for it, and agents exit.
+    starts workers for it, and agents exit. ``standby_addrs`` are the agent
+    addresses of the registered nodes left out of the round when it was
+    committed: a member cut off from etcd asks them, as well as the other
+    members, whether etcd is still there.
     """
 
     number: int
@@ -181,6 +295,12 @@ class Round:
     created_at: float  # wall-clock seconds, for humans
     failures: tuple[float, ...] = ()
     outcome: str = ""
+    standby_addrs: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Capped here, not only where reasons come from, so that no round written
+        # can outgrow etcd's request limit whatever produced its reason.
+        object.__setattr__(self, "reason", cap_text(self.reason))
 
     @property
     def world_size(self) -> int:
@@ -203,40 +323,75 @@ class Round:
 
     @classmethod
     def from_json(cls, key: str, raw: bytes, version: int) -> "Round":
-        """Parse the round record stored at ``key`` whose etcd version is ``version``."""
-        obj = _load_object(key, raw)
-        number = _field(key, obj, "number", int)
+        """Parse the round record stored at ``key`` whose etcd version is ``version``.
+
+        Raises MalformedRecordError naming the key and the field when a field
+        is missing or mistyped, ``number`` differs from ``version``, a member id
+        is invalid or repeated, node ranks are not 0..n-1 in order, ``nproc`` <
+        1, a port is outside 0..65535, a time is not finite, or ``outcome`` is
+        not one of OUTCOMES. ``reason`` is capped at MAX_REASON_CHARS.
+        """
+        obj = load_object(key, raw)
+        number = int_field(key, obj, "number", 1)
         if number != version:
             raise MalformedRecordError(
                 key, f"round number {number} does not match the key's version {version}"
             )
-        raw_members = _field(key, obj, "members", list)
-        members = []
-        for i, m in enumerate(raw_members):
-            if not isinstance(m, dict):
-                raise MalformedRecordError(key, f"member {i} is not an object")
-            members.append(
-                Member(
-                    node_id=_field(key, m, "node_id", str),
-                    node_rank=_field(key, m, "node_rank", int),
-                    host=_field(key, m, "host", str),
-                    nproc=_field(key, m, "nproc", int),
-                    addr=str(m.get("addr", "")),
-                )
-            )
+        members = tuple(_member(key, i, m)
+                        for i, m in enumerate(typed_field(key, obj, "members", list)))
         if [m.node_rank for m in members] != list(range(len(members))):
             raise MalformedRecordError(key, "node ranks are not 0..n-1 in order")
+        if len({m.node_id for m in members}) != len(members):
+            raise MalformedRecordError(key, "field 'members' names a node twice")
+        leader = typed_field(key, obj, "leader", str, "")
+        if leader:  # "" in records written before the leader was recorded
+            leader = id_field(key, obj, "leader")
+        outcome = typed_field(key, obj, "outcome", str, "")
+        if outcome not in OUTCOMES:
+            raise MalformedRecordError(key, f"field 'outcome' is {cap_text(outcome, 64)!r}, "
+                                            f"expected one of {OUTCOMES}")
         return cls(
             number=number,
-            members=tuple(members),
-            master_addr=_field(key, obj, "master_addr", str),
-            master_port=_field(key, obj, "master_port", int),
-            reason=str(obj.get("reason", "")),
-            leader=str(obj.get("leader", "")),
-            created_at=float(obj.get("created_at", 0.0)),
-            failures=tuple(float(t) for t in obj.get("failures", ())),
-            outcome=str(obj.get("outcome", "")),
+            members=members,
+            master_addr=typed_field(key, obj, "master_addr", str),
+            master_port=port_field(key, obj, "master_port"),
+            reason=text_field(key, obj, "reason"),
+            leader=leader,
+            created_at=time_field(key, obj, "created_at") if "created_at" in obj else 0.0,
+            failures=tuple(time_field(key, obj, f"failures[{i}]", t)
+                           for i, t in enumerate(typed_field(key, obj, "failures", list, []))),
+            outcome=outcome,
+            standby_addrs=_standby_addrs(key, obj),
         )
+
+
+OUTCOMES = ("", "succeeded", "failed")  # a round's outcome; "" while the job runs
+
+
+def _member(key: str, index: int, obj: Any) -> Member:
+    """Member ``index`` of the round record at ``key``; MalformedRecordError if invalid."""
+    if not isinstance(obj, dict):
+        raise MalformedRecordError(key, f"field 'members[{index}]' is not an object")
+    # Renamed so that errors name the field as it sits in the record: members[2].nproc.
+    named = {f"members[{index}].{name}": value for name, value in obj.items()}
+
+    def name(field_name: str) -> str:
+        return f"members[{index}].{field_name}"
+
+    return Member(
+        node_id=id_field(key, named, name("node_id")),
+        node_rank=int_field(key, named, name("node_rank"), 0),
+        host=typed_field(key, named, name("host"), str),
+        nproc=int_field(key, named, name("nproc"), 1),
+        addr=typed_field(key, named, name("addr"), str, ""),
+    )
+
+
+def _standby_addrs(key: str, obj: dict) -> tuple[str, ...]:
+    addrs = obj.get("standby_addrs", [])
+    if not isinstance(addrs, list) or not all(isinstance(a, str) for a in addrs):
+        raise MalformedRecordError(key, "field 'standby_addrs' must be a list of strings")
+    return tuple(addrs)
 
 
 @dataclass(frozen=True)
@@ -248,18 +403,49 @@ class RestartRequest:
     reason: str
     failure: bool = False  # counts against the restart budget (a crash, a hang)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reason", cap_text(self.reason))
+
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, key: str, raw: bytes) -> "RestartRequest":
-        obj = _load_object(key, raw)
+        """Parse the request at ``key``. Raises MalformedRecordError naming the key
+        and the field when a field is missing or mistyped, ``node_id`` is not a
+        valid id or ``round`` is negative. ``reason`` is capped at MAX_REASON_CHARS."""
+        obj = load_object(key, raw)
         return cls(
-            node_id=_field(key, obj, "node_id", str),
-            round=_field(key, obj, "round", int),
-            reason=str(obj.get("reason", "")),
-            failure=bool(obj.get("failure", False)),
+            node_id=id_field(key, obj, "node_id"),
+            round=int_field(key, obj, "round", 0),
+            reason=text_field(key, obj, "reason"),
+            failure=typed_field(key, obj, "failure", bool, False),
         )
+
+
+class ReportKind(enum.Enum):
+    """What a node reports to the leader (one key per kind and node under ``requests/``)."""
+
+    STARTED = "started"  # this node started the workers of ``round``
+    DONE = "done"  # this node's workers of ``round`` all exited 0
+    SUSPECT = "suspect"  # the agent of the node named in the key did not answer ``by``
+
+
+@dataclass(frozen=True)
+class Report:
+    """A node's report to the leader, written under the reporter's lease."""
+
+    round: int
+    by: str
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, key: str, raw: bytes) -> "Report":
+        """Raises MalformedRecordError naming the key and field when invalid."""
+        obj = load_object(key, raw)
+        return cls(round=int_field(key, obj, "round", 0), by=id_field(key, obj, "by"))
 
 
 class Action(enum.Enum):
@@ -267,7 +453,8 @@ class Action(enum.Enum):
 
     WAIT = "wait"  # nothing to commit now; look again at ``wake_at`` or on the next change
     CLOSE_ROUND = "close_round"  # commit a new round with ``members``
-    FAIL_JOB = "fail_job"  # the restart budget is spent: commit the job's failure
+    FAIL_JOB = "fail_job"  # the restart budget is spent, or the exit barrier timed out
+    SUCCEED_JOB = "succeed_job"  # every member's workers exited 0: commit the job's success
 
 
 @dataclass(frozen=True)
@@ -280,6 +467,8 @@ class Decision:
     members: tuple[str, ...] = ()
     wake_at: float | None = None
     failures: tuple[float, ...] = ()  # the budget history the new round carries
+    # Members that did not start in time: the leader keeps them out for suspect_s.
+    suspects: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -290,6 +479,13 @@ class Observed:
     ``first_seen`` maps node ids to the leader's clock reading when it first
     saw them (nodes in the current round need no entry). ``current`` is None
     before the first round, or when the round key holds garbage.
+    ``started`` maps node ids to the last round they reported starting
+    workers for; ``done`` maps node ids whose workers all exited 0 to (round,
+    the leader's clock when it learnt it); ``suspects`` maps node ids whose
+    agent a peer found unreachable (this registration of it) to the leader's
+    clock when it learnt it. ``registered_since_round`` names the nodes whose
+    registration is newer than ``current`` (an agent that lost its lease, or
+    was restarted, and came back): they are newcomers to that round.
     """
 
     current: Round | None
@@ -297,3 +493,7 @@ class Observed:
     first_seen: dict[str, float] = field(default_factory=dict)
     restart_requests: tuple[RestartRequest, ...] = ()
     draining: frozenset[str] = frozenset()
+    started: dict[str, int] = field(default_factory=dict)
+    done: dict[str, tuple[int, float]] = field(default_factory=dict)
+    suspects: dict[str, float] = field(default_factory=dict)
+    registered_since_round: frozenset[str] = frozenset()

@@ -109,7 +109,8 @@ def decide(observed: Observed, now: float, config: RendezvousConfig) -> Decision
     if current is not None and now - current.created_at >= config.start_timeout_s:
         unstarted = [m for m in current.node_ids
                      if observed.started.get(m, 0) < current.number
-                     and observed.done.get(m, (0, 0.0))[0] < current.number]
+                     and observed.done.get(m, (0, 0.0))[0] < current.number
+                     and m not in observed.registered_since_round]
     left_out = set(suspected) | set(unstarted) | set(observed.draining)
     candidates = [n.node_id for n in observed.alive if n.node_id not in left_out]
     # A suspicion running out may let a node back in: look again then.
@@ -147,8 +148,8 @@ def decide(observed: Observed, now: float, config: RendezvousConfig) -> Decision
     alive = set(candidates)
     survivors = [m for m in current.node_ids if m in alive]
     joiners = [n for n in candidates if n not in set(current.node_ids)]
-    gone = [m for m in current.node_ids
-            if m not in alive and m not in observed.draining and m not in unstarted]
+    registered = {n.node_id for n in observed.alive}
+    gone = [m for m in current.node_ids if m not in registered and m not in observed.draining]
     drained = [m for m in current.node_ids if m in observed.draining]
     restarts = [r for r in observed.restart_requests if r.round == current.number]
 

@@ -101,6 +101,7 @@ class RendezvousNode:
         clock: Clock = SYSTEM_CLOCK,
         on_round: Callable[[Round], None] | None = None,
         takeover: Takeover | None = None,
+        port_picker: Callable[[str], int] = free_port,
     ):
         self.store = store
         self.config = config
@@ -109,12 +110,14 @@ class RendezvousNode:
         self.clock = clock
         self._on_round = on_round
         self._takeover = takeover
+        self._port_picker = port_picker
         self._election = Election(store, self.keys, info.node_id)
 
         self._inbox: queue.Queue = queue.Queue()
         self._cond = threading.Condition()
         self._round: Round | None = None  # latest valid committed round
         self._round_version = 0  # version of the round key as last seen (0: absent)
+        self._round_revision = 0  # the store revision that round was written at
         self._session: Session | None = None
         self._registered = False
         self.registration_problem = ""  # why the node is not registered yet, for errors
@@ -128,6 +131,7 @@ class RendezvousNode:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._wake_at: float | None = None
+        self._changed = True  # the leader's picture changed since it last decided
 
         self._view = LeaderView(self.keys, self._report_bad)
         self._last_reason = ""
@@ -212,8 +216,15 @@ class RendezvousNode:
             return None
         try:
             self._maintain()
-            self._wake_at = self._lead() if self.is_leader and self._leading else None
+            if not (self.is_leader and self._leading):
+                self._wake_at = None
+            elif self._changed or (self._wake_at is not None
+                                   and self.clock.wall() >= self._wake_at):
+                # Decide again only when something changed or a deadline came.
+                self._changed = False
+                self._wake_at = self._lead()
         except StoreError as exc:
+            self._changed = True
             log.warning("job %s node %s: store error in the rendezvous loop, will retry: %s",
                         self.config.job_id, self.node_id, exc)
             return self.clock.wall() + _ERROR_BACKOFF_S
@@ -321,10 +332,11 @@ class RendezvousNode:
         """Apply watch events to what this node knows; no store calls (a
         failure here would lose the event)."""
         now = self.clock.wall()
+        self._changed = True
         if tag == "round":
             for ev in payload:
                 self._apply_round(ev.kv.key, ev.kv.value if ev.type is EventType.PUT else None,
-                                  ev.kv.version)
+                                  ev.kv.version, ev.kv.mod_revision)
         elif tag == "leader":
             for ev in payload:
                 self._leader = (ev.kv.value.decode(errors="replace")
@@ -503,7 +515,8 @@ class RendezvousNode:
             key = self.keys.round if which == "round" else self.keys.leader
             kv, rev = self._read(key)
             if which == "round":
-                self._apply_round(key, kv.value if kv else None, kv.version if kv else 0)
+                self._apply_round(key, kv.value if kv else None, kv.version if kv else 0,
+                                  kv.mod_revision if kv else 0)
             else:
                 self._leader = kv.value.decode(errors="replace") if kv else None
             self._watches.append(self.store.watch(
@@ -521,6 +534,7 @@ class RendezvousNode:
                 prefix, self._poster(which), prefix=True, start_revision=rev + 1,
                 on_error=self._error_poster(which)))
         self._pending_resync.discard(which)
+        self._changed = True
 
     def _read(self, key: str) -> tuple[KeyValue | None, int]:
         """The key and the store revision it was read at: watching from that
@@ -535,7 +549,7 @@ class RendezvousNode:
             self._reported_bad.add((exc.key, revision))
             log.error("job %s node %s: ignoring %s", self.config.job_id, self.node_id, exc)
 
-    def _apply_round(self, key: str, value: bytes | None, version: int) -> None:
+    def _apply_round(self, key: str, value: bytes | None, version: int, revision: int) -> None:
         parsed = None
         if value is not None:
             try:
@@ -549,6 +563,7 @@ class RendezvousNode:
             if parsed is not None and self._round is not None and parsed.number < self._round.number:
                 return  # a re-read racing a newer watch event: keep the newer
             self._round_version = version if value is not None else 0
+            self._round_revision = revision
             if parsed is not None or value is None:
                 self._round = parsed
             elif self._round is not None and self._round.number < version:
@@ -572,7 +587,7 @@ class RendezvousNode:
         lease = self.lease_id
         if lease is None:
             return
-        self.info = dataclasses.replace(self.info, master_port=free_port(self.info.host))
+        self.info = dataclasses.replace(self.info, master_port=self._port_picker(self.info.host))
         self.store.put(self.keys.node(self.node_id), self.info.to_json(), lease=lease)
         self._advertise_pending = False
 
@@ -581,7 +596,8 @@ class RendezvousNode:
     def _lead(self) -> float | None:
         """Decide and apply; returns when to look again if nothing changes."""
         now = self.clock.wall()
-        decision = decide(self._view.observed(self._round), now, self.config)
+        decision = decide(self._view.observed(self._round, self._round_revision), now,
+                          self.config)
         if decision.reason != self._last_reason:
             log.info("job %s node %s (leader): %s", self.config.job_id, self.node_id,
                      decision.reason)
@@ -652,9 +668,10 @@ class RendezvousNode:
                      "leadership moved); re-reading", self.config.job_id, self.node_id, number,
                      current_round_number(result))
             kv, _ = self._read(self.keys.round)
-            self._apply_round(self.keys.round, kv.value if kv else None, kv.version if kv else 0)
+            self._apply_round(self.keys.round, kv.value if kv else None, kv.version if kv else 0,
+                              kv.mod_revision if kv else 0)
             return False
-        self._apply_round(self.keys.round, record.to_json(), number)
+        self._apply_round(self.keys.round, record.to_json(), number, result.revision)
         return True
 
     # ----------------------------------------------------------- waiting

@@ -101,7 +101,10 @@ class LeaderView:
         """The leader's own verdict (a member did not start in time)."""
         self.suspects[node_id] = (now, revision)
 
-    def observed(self, current: Round | None) -> Observed:
+    def observed(self, current: Round | None, round_revision: int = 0) -> Observed:
+        """What :func:`decide` needs; ``round_revision`` is the store revision
+        ``current`` was written at: a node registered after it is a newcomer
+        to that round, whatever its id."""
         joined = sorted(self.nodes.values(), key=lambda pair: pair[1])
         registered_at = {info.node_id: rev for info, rev in joined}
         return Observed(
@@ -114,6 +117,8 @@ class LeaderView:
             done=dict(self.done),
             suspects={n: at for n, (at, rev) in self.suspects.items()
                       if rev > registered_at.get(n, 0)},
+            registered_since_round=frozenset(n for n, rev in registered_at.items()
+                                             if rev > round_revision),
         )
 
     def standby_addrs(self, members: tuple[str, ...]) -> tuple[str, ...]:

@@ -74,6 +74,18 @@ class AgentRequestRestartRequest(_message.Message):
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
+class AgentStoreHealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AgentStoreHealthResponse(_message.Message):
+    __slots__ = ("reachable", "confirmed_age_s")
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    CONFIRMED_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    reachable: bool
+    confirmed_age_s: float
+    def __init__(self, reachable: _Optional[bool] = ..., confirmed_age_s: _Optional[float] = ...) -> None: ...
+
 class AgentRequestRestartResponse(_message.Message):
     __slots__ = ("accepted", "round")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]

@@ -50,6 +50,11 @@ class AgentStub:
                 request_serializer=elastic_dot_v1_dot_agent__pb2.AgentRequestRestartRequest.SerializeToString,
                 response_deserializer=elastic_dot_v1_dot_agent__pb2.AgentRequestRestartResponse.FromString,
                 _registered_method=True)
+        self.StoreHealth = channel.unary_unary(
+                '/elastic.v1.Agent/StoreHealth',
+                request_serializer=elastic_dot_v1_dot_agent__pb2.AgentStoreHealthRequest.SerializeToString,
+                response_deserializer=elastic_dot_v1_dot_agent__pb2.AgentStoreHealthResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -77,6 +82,14 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StoreHealth(self, request, context):
+        """Whether this agent reaches etcd now: a peer whose own lease is unconfirmed
+        asks, to tell "I am cut off" (stop my workers) from "etcd is down" (go on).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +107,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.RequestRestart,
                     request_deserializer=elastic_dot_v1_dot_agent__pb2.AgentRequestRestartRequest.FromString,
                     response_serializer=elastic_dot_v1_dot_agent__pb2.AgentRequestRestartResponse.SerializeToString,
+            ),
+            'StoreHealth': grpc.unary_unary_rpc_method_handler(
+                    servicer.StoreHealth,
+                    request_deserializer=elastic_dot_v1_dot_agent__pb2.AgentStoreHealthRequest.FromString,
+                    response_serializer=elastic_dot_v1_dot_agent__pb2.AgentStoreHealthResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +196,33 @@ class Agent:
             '/elastic.v1.Agent/RequestRestart',
             elastic_dot_v1_dot_agent__pb2.AgentRequestRestartRequest.SerializeToString,
             elastic_dot_v1_dot_agent__pb2.AgentRequestRestartResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StoreHealth(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elastic.v1.Agent/StoreHealth',
+            elastic_dot_v1_dot_agent__pb2.AgentStoreHealthRequest.SerializeToString,
+            elastic_dot_v1_dot_agent__pb2.AgentStoreHealthResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -150,6 +150,12 @@ class _MemoryWatch(Watch):
         if not self._store.synchronous:
             self._thread.start()
 
+    def peek(self, key: str) -> KeyValue | None:
+        """Read ``key`` as the store holds it, whatever faults are switched on:
+        for test oracles, never for the code under test."""
+        with self._lock:
+            return self._kvs.get(key)
+
     def deliver_pending(self) -> int:
         """Synchronous mode: run the callbacks for what is queued; returns how many batches."""
         delivered = 0
@@ -378,6 +384,12 @@ class MemoryStore(Store):
         with self._lock:
             self._expire_due_leases_locked()
 
+    def peek(self, key: str) -> KeyValue | None:
+        """Read ``key`` as the store holds it, whatever faults are switched on:
+        for test oracles, never for the code under test."""
+        with self._lock:
+            return self._kvs.get(key)
+
     def deliver_pending(self) -> int:
         """Synchronous mode: run every queued watch callback, in watch order,
         until none is left; returns how many batches ran."""
@@ -389,6 +401,10 @@ class MemoryStore(Store):
             if not ran:
                 return total
             total += ran
+
+    @property
+    def outage(self) -> bool:
+        return self._outage
 
     def set_outage(self, down: bool) -> None:
         """etcd itself is down (for everyone): every call fails and no lease

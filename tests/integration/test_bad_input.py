@@ -11,7 +11,7 @@ import time
 import pytest
 
 from elastic.errors import EXIT_BAD_INPUT, EXIT_STORE
-from elastic.rendezvous.keys import JobKeys
+from elastic.keyspace import JobKeys
 from tests.integration.procs import REPO, MemberProcess
 
 pytestmark = pytest.mark.integration
@@ -97,13 +97,36 @@ def test_garbage_under_the_job_is_reported_with_its_key_and_nodes_carry_on(
 
 
 def test_duplicate_node_id_is_refused_while_the_first_lives(etcd_endpoint, job_id):
+    # The second waits (an agent restarted by systemd would find its old
+    # lease gone by then), and is refused when the first stays alive.
     first = MemberProcess(etcd_endpoint, job_id, "same", "1")
     try:
         first.wait_for(lambda o: o.get("event") == "registered")
         out = run("-m", "agent.member", "--etcd", etcd_endpoint, "--job-id", job_id,
-                  "--nnodes", "1", "--node-id", "same")
+                  "--nnodes", "1", "--node-id", "same", "--join-timeout", "2")
         assert out.returncode == 4
         assert "node id 'same' is already registered by a live agent" in out.stderr
         assert first.proc.poll() is None
     finally:
         first.stop()
+
+
+def test_drain_of_an_unregistered_node_is_refused_and_writes_nothing(
+        etcd_endpoint, etcd_store, job_id):
+    keys = JobKeys(job_id)
+    etcd_store.put(keys.node("a"), b"{}")
+    etcd_store.put(keys.node("b"), b"{}")
+
+    out = run("-m", "agent.ctl", "drain", "c", "--etcd", etcd_endpoint, "--job-id", job_id)
+
+    assert out.returncode == EXIT_BAD_INPUT
+    assert out.stderr.strip().splitlines() == [
+        f"elasticctl: error: node 'c' is not registered in job {job_id} "
+        "(registered: a, b); nothing to drain"]
+    assert etcd_store.get(keys.drain_request("c")) is None
+    assert etcd_store.get_prefix(keys.drain_requests)[0] == []
+
+    # A registered node is still drained.
+    ok = run("-m", "agent.ctl", "drain", "b", "--etcd", etcd_endpoint, "--job-id", job_id)
+    assert ok.returncode == 0, ok.stderr
+    assert etcd_store.get(keys.drain_request("b")) is not None

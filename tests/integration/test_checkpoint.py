@@ -1,6 +1,10 @@
 """Checkpoints with real processes over gloo: bitwise resume, resharding (FSDP2 and
 pipeline stages), async saves, crashes at every failpoint, damaged shards, a full
-disk and a fenced commit.
+disk, a fenced commit and a zombie saver that must leave committed checkpoints alone.
+
+Where a scenario involves the commit log, it runs twice: with the file beside the
+checkpoints (``FileCommitLog``) and with the job's fenced etcd record
+(``EtcdCommitLog`` on the session's real etcd server, what the agent keeps).
 
 Workers are real processes forked from a multiprocessing *forkserver* that has
 imported torch, DCP and this module once: each launch then costs a fork and a
@@ -25,11 +29,14 @@ import random
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import uuid
 
 import pytest
+
+from elastic.checkpoint.api import CommitEntry, CommitLog
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -42,14 +49,14 @@ LAUNCH_TIMEOUT_S = 60.0
 
 
 def _process_entry(rank: int, world_size: int, store: str, tasks: list[dict], out_path: str,
-                   err_path: str) -> None:
+                   err_path: str, round_number: int) -> None:
     """The forked worker's first code: its own stdout/stderr files and environment."""
     for fd, path in ((1, out_path), (2, err_path)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
     for name in ("ELASTIC_FAILPOINT", "ELASTIC_AGENT_SOCKET", "ELASTIC_CHECKPOINT_DIR"):
         os.environ.pop(name, None)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), CKPT_TEST_STORE=store,
-                      ELASTIC_ROUND="0")
+                      ELASTIC_ROUND=str(round_number))
     import torch
 
     torch.set_num_threads(1)  # 2 cores, several ranks
@@ -82,15 +89,17 @@ class Rank:
         return f"Rank({self.rank}, rc={self.returncode}, tasks={sorted(self.results)})"
 
 
-def launch(workdir, world_size: int, tasks: list[dict], *,
-           crash_expected: bool = False) -> list[Rank]:
-    """Run ``tasks`` in ``world_size`` fresh worker processes joined over gloo."""
+def launch(workdir, world_size: int, tasks: list[dict], *, crash_expected: bool = False,
+           round_number: int = 0) -> list[Rank]:
+    """Run ``tasks`` in ``world_size`` fresh worker processes joined over gloo, as
+    workers of round ``round_number`` (``ELASTIC_ROUND``)."""
     ctx = _context()
     tag = uuid.uuid4().hex[:8]
     store = os.path.join(str(workdir), f"store-{tag}")
     paths = [(os.path.join(str(workdir), f"{tag}-{rank}.out"),
               os.path.join(str(workdir), f"{tag}-{rank}.err")) for rank in range(world_size)]
-    procs = [ctx.Process(target=_process_entry, args=(rank, world_size, store, tasks, *paths[rank]))
+    procs = [ctx.Process(target=_process_entry,
+                         args=(rank, world_size, store, tasks, *paths[rank], round_number))
              for rank in range(world_size)]
     for proc in procs:
         proc.start()
@@ -119,6 +128,43 @@ def run(workdir, world_size: int, task: dict, **kwargs) -> list[dict]:
     """One task in a fresh group: its per-rank results."""
     task = dict(task, id="task")
     return [r.results["task"] for r in launch(workdir, world_size, [task], **kwargs)]
+
+
+class LogUnderTest:
+    """The commit log a scenario's workers use, seen from the test.
+
+    ``spec`` goes into a task's ``log`` argument (None: the file log, the
+    checkpointer's default without an agent). :meth:`start_round` makes the
+    job's round ``number`` in etcd (the version of the ``round`` key, which
+    fences commits); the file log has no rounds of its own to set up.
+    """
+
+    def __init__(self, kind: str, store=None, endpoint: str | None = None,
+                 job_id: str | None = None):
+        self.kind = kind
+        self.store = store
+        self.spec = None if kind == "file" else {"endpoint": endpoint, "job_id": job_id}
+
+    def start_round(self, number: int) -> None:
+        if self.store is None:
+            return
+        from elastic.keyspace import JobKeys
+
+        key = JobKeys(self.spec["job_id"]).round
+        while (kv := self.store.get(key)) is None or kv.version < number:
+            self.store.put(key, b'{"round": "started by the test"}')
+
+
+@pytest.fixture
+def commit_log(request, job_id) -> LogUnderTest:
+    """``file`` or ``etcd`` (parametrize indirectly); etcd starts only when asked for."""
+    if request.param == "file":
+        return LogUnderTest("file")
+    return LogUnderTest("etcd", request.getfixturevalue("etcd_store"),
+                        request.getfixturevalue("etcd_endpoint"), job_id)
+
+
+BOTH_LOGS = pytest.mark.parametrize("commit_log", ["file", "etcd"], indirect=True)
 
 
 def mount_tmpfs(path: str, size: str) -> str | None:
@@ -212,13 +258,11 @@ def test_pipeline_1_rank_loads_into_2_stages(tmp_path):
 
 def test_async_save_blocks_only_for_staging_and_one_in_flight(tmp_path):
     for r in run(tmp_path, 2, {"task": "async", "root": str(tmp_path / "ckpt")}):
-        # loose: the call returns well before the background write ends
-        assert r["call_s"] < r["total_s"] / 2, r
-        # with every write slowed by 1 s, save() still returns at once ...
-        assert r["slow_call_s"] < 0.8, r
-        # ... the next save first waits for it, which is then committed ...
-        assert r["second_call_s"] >= 0.9, r
-        assert r["latest_after_second_call"] == 1
+        # with the commit of step 1 held back, save(1) still returned ...
+        assert r["latest_after_first_call"] == 0, r
+        # ... the next save first waited for it, which was then committed (and step 2's
+        # commit, held back in turn, had not happened yet) ...
+        assert r["latest_after_second_call"] == 1, r
         # ... and the staged copy was a real copy: mutating the live tensors after
         # save() returned did not leak into the checkpoint being written
         assert r["step1_on_disk"] == r["before_mutation"] != r["after_mutation"]
@@ -233,7 +277,6 @@ def test_async_save_blocks_only_for_staging_and_one_in_flight(tmp_path):
 def test_inplace_change_during_background_copy_fails_the_save(tmp_path):
     root = str(tmp_path / "ckpt")
     for r in run(tmp_path, 2, {"task": "inplace_guard", "root": root}):
-        assert r["call_s"] < 0.4, r  # save() did not wait for the (slowed) copy
         # forward passes and optimizer steps during the copy: committed, and what was
         # written is the state as of save(), BatchNorm buffers included
         assert r["latest_after_good"] == 1
@@ -245,31 +288,66 @@ def test_inplace_change_during_background_copy_fails_the_save(tmp_path):
         assert r["latest_after_retry"] == 3
 
 
-@pytest.mark.parametrize("name, async_save", [
-    ("ckpt.before_shards", True),
-    ("ckpt.mid_write", False),
-    ("ckpt.after_shards_before_commit", True),
-    ("ckpt.after_rename_before_commit_log", False),
-])
-def test_crash_at_failpoint_restores_previous_checkpoint(tmp_path, name, async_save):
+# (failpoint, async save, keep, which checkpoint restore must load afterwards)
+PHASES_BEFORE_THE_LOG = [
+    ("ckpt.before_shards", True, 3, "previous"),  # before the temporary directory exists
+    ("ckpt.write", False, 3, "previous"),  # it exists, no file written into it yet
+    ("ckpt.mid_write", False, 3, "previous"),
+    ("ckpt.after_shards_before_commit", True, 3, "previous"),
+]
+PHASES_OF_THE_LOG = [
+    ("ckpt.after_rename_before_commit_log", False, 3, "previous"),
+    # the log is the authority: its entry wins although the marker is missing
+    ("ckpt.after_commit_log_before_marker", True, 3, "new"),
+    # keep=1: committing step 2 prunes step 1, and the crash hits between its
+    # rename to .trash-* and its deletion
+    ("ckpt.mid_prune", False, 1, "new"),
+]
+
+
+@pytest.mark.parametrize("name, async_save, keep, winner",
+                         [*PHASES_BEFORE_THE_LOG, *PHASES_OF_THE_LOG])
+def test_crash_at_failpoint_with_the_file_log(tmp_path, name, async_save, keep, winner):
+    check_crash_at_failpoint(tmp_path, name, async_save, keep, winner, LogUnderTest("file"))
+
+
+@pytest.mark.parametrize("name, async_save, keep, winner", PHASES_OF_THE_LOG)
+@pytest.mark.parametrize("commit_log", ["etcd"], indirect=True)
+def test_crash_at_failpoint_with_the_etcd_log(tmp_path, name, async_save, keep, winner,
+                                             commit_log):
+    check_crash_at_failpoint(tmp_path, name, async_save, keep, winner, commit_log)
+
+
+def check_crash_at_failpoint(tmp_path, name, async_save, keep, winner, commit_log):
+    """Commit step 1, crash while saving step 2, restore in a fresh group, save again."""
     root = str(tmp_path / "ckpt")
+    commit_log.start_round(1)
     crashed = launch(tmp_path, 2, [{"id": "crash", "task": "crash", "root": root,
-                                    "failpoint": name, "async_save": async_save}],
-                     crash_expected=True)
+                                    "failpoint": name, "async_save": async_save, "keep": keep,
+                                    "log": commit_log.spec}],
+                     crash_expected=True, round_number=1)
     # the failpoint itself ended the run, not some other error
     assert crashed[0].returncode == 1, crashed[0].stderr[-3000:]
     assert f"elastic failpoint {name}: exit" in crashed[0].stderr
     assert all(r.returncode != 0 for r in crashed)
-    restored = run(tmp_path, 2, {"task": "check_restore", "root": root})
+
+    restored = run(tmp_path, 2, {"task": "check_restore", "root": root, "keep": keep,
+                                 "log": commit_log.spec}, round_number=1)
+
+    expected_start = 2 if winner == "previous" else 3
+    expected_dirs = list(range(1, expected_start + 1))[-keep:]
     for before, after in zip(crashed, restored):
-        assert after["start"] == 2, after
-        assert after["digest"] == before.results["crash"]["digest"], \
-            "the previous checkpoint is not intact"
-        assert after["data_state"] == {"step": 1}
-        # training goes on and saves the same step again, over whatever the crash left
-        assert after["latest_after_save"] == 2
+        saved = before.results["crash"]
+        assert after["start"] == expected_start, after
+        assert after["digest"] == saved["digest_step1" if winner == "previous" else
+                                        "digest_step2"], f"the {winner} checkpoint is not intact"
+        assert after["data_state"] == {"step": expected_start - 1}
+        # training goes on and saves the next step over whatever the crash left; every
+        # checkpoint kept is committed and marked (a marker the crash left out, too)
+        assert after["latest_after_save"] == expected_start
+        assert after["dirs_after_save"] == {f"step-{s:012d}": True for s in expected_dirs}
         assert after["hidden_after_save"] == []
-        assert after["step1_verifies"]
+        assert all(after["verify_after_save"].values()), after["verify_after_save"]
 
 
 @pytest.mark.parametrize("kind", ["truncate", "bitflip"])
@@ -282,7 +360,8 @@ def test_damaged_latest_falls_back_to_previous(tmp_path, kind):
         assert after["start"] == 2, after
         assert after["digest"] == before["digest"]
         assert after["latest_after_save"] == 2  # the damaged latest was replaced
-        assert after["step1_verifies"]
+        assert after["verify_after_save"] == {"step-000000000001": True,
+                                              "step-000000000002": True}
     word = "truncated" if kind == "truncate" else "corrupt: CRC-32"
     warnings = [line for line in ranks[0].stderr.splitlines()
                 if line.startswith("WARNING") and path in line]
@@ -319,13 +398,34 @@ def test_enospc_injected_on_one_rank(tmp_path):
     check_enospc(ranks, failing_rank=1)
 
 
-def test_fenced_commit_leaves_latest_in_place(tmp_path):
-    for r in run(tmp_path, 2, {"task": "fenced", "root": str(tmp_path / "ckpt")}):
-        assert "refused" in r["fenced_error"]
+@BOTH_LOGS
+def test_fenced_commit_leaves_latest_in_place(tmp_path, commit_log):
+    commit_log.start_round(3)
+    for r in run(tmp_path, 2, {"task": "fenced", "root": str(tmp_path / "ckpt"),
+                               "log": commit_log.spec}):
+        assert "refused" in r["fenced_error"] and "round 2" in r["fenced_error"], r
         assert r["latest_after_fence"] == {"step": 1, "round": 3}
         assert r["zombie_dir_exists"] and r["zombie_dir_marked"] is False
         assert r["restored_start"] == 2 and r["restored_digest"] == r["digest_step1"]
         assert r["latest_after_resave"] == {"step": 2, "round": 3}
+
+
+@BOTH_LOGS
+def test_a_zombie_never_replaces_a_directory_of_the_current_round(tmp_path, commit_log):
+    commit_log.start_round(3)
+    for r in run(tmp_path, 2, {"task": "zombie", "root": str(tmp_path / "ckpt"),
+                               "log": commit_log.spec}):
+        # the latest (step 2), then a committed step that is no longer the latest (step 2
+        # again, after step 3), then a directory renamed into place by round 3 whose
+        # commit has an unknown outcome (step 4): each time the zombie of round 2 is
+        # fenced off before it touches the directory
+        for case in ("latest", "committed", "uncommitted"):
+            attempt = r[case]
+            assert attempt["error"] == "FencedError", (case, attempt)
+            assert "newer round 3" in attempt["message"] and "round 2" in attempt["message"]
+            assert attempt["after"] == attempt["before"], f"the zombie changed the {case} one"
+            assert attempt["latest_after"] == attempt["latest_before"]
+        assert r["restored_start"] == 4 and r["restored_digest"] == r["digest_step3"]
 
 
 # =====================================================================================
@@ -362,13 +462,69 @@ def fingerprint(obj) -> str:
     return h.hexdigest()[:24]
 
 
-def committed_latest(root) -> dict | None:
-    path = os.path.join(str(root), "latest")
-    return json.load(open(path)) if os.path.exists(path) else None
+class GatedCommitLog(CommitLog):
+    """A commit log whose commit of a step waits until the test opens that step's gate,
+    so "save() returned before its commit" is an observation, not a timing."""
+
+    GATE_TIMEOUT_S = 30.0
+
+    def __init__(self, inner: CommitLog):
+        self.inner = inner
+        self._opened: set[int] = set()
+        self._cond = threading.Condition()
+
+    def open(self, step: int) -> None:
+        with self._cond:
+            self._opened.add(step)
+            self._cond.notify_all()
+
+    def commit(self, entry: CommitEntry) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: entry.step in self._opened,
+                                       timeout=self.GATE_TIMEOUT_S):
+                raise AssertionError(f"the test never opened the commit of step {entry.step}")
+        self.inner.commit(entry)
+
+    def latest(self) -> CommitEntry | None:
+        return self.inner.latest()
+
+
+class UnknownOutcomeLog(CommitLog):
+    """While ``armed``, a commit fails as a store timeout does: outcome unknown."""
+
+    def __init__(self, inner: CommitLog):
+        self.inner = inner
+        self.armed = False
+
+    def commit(self, entry: CommitEntry) -> None:
+        if self.armed:
+            from elastic.errors import StoreTimeoutError
+
+            raise StoreTimeoutError("injected: the commit timed out; its outcome is unknown")
+        self.inner.commit(entry)
+
+    def latest(self) -> CommitEntry | None:
+        return self.inner.latest()
 
 
 def hidden_entries(root) -> list[str]:
     return sorted(n for n in os.listdir(str(root)) if n.startswith("."))
+
+
+def step_dirs(root) -> dict[str, bool]:
+    """Every checkpoint directory under ``root``, and whether it carries a COMMITTED marker."""
+    from elastic.checkpoint import layout
+
+    return {d.name: d.marked for d in layout.list_checkpoints(str(root))}
+
+
+def tree_state(directory: str) -> dict:
+    """A directory's identity and every file's bytes (digested): equal means untouched."""
+    files = {}
+    for name in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, name), "rb") as f:
+            files[name] = hashlib.sha256(f.read()).hexdigest()
+    return {"inode": os.stat(directory).st_ino, "files": files}
 
 
 def seed_all(seed: int) -> None:
@@ -386,6 +542,7 @@ class Worker:
 
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
+        self._stores: dict[str, object] = {}
         dist.init_process_group("gloo", init_method=f"file://{os.environ['CKPT_TEST_STORE']}",
                                 rank=self.rank, world_size=self.world_size)
 
@@ -417,11 +574,34 @@ class Worker:
             if sched is not None:
                 sched.step()
 
-    @staticmethod
-    def checkpointer(root, model, opt=None, sched=None, **kwargs):
+    def checkpointer(self, root, model, opt=None, sched=None, log=None, **kwargs):
+        """A Checkpointer committing to the log that ``log`` (a task's spec) names."""
         from elastic.checkpoint import Checkpointer
 
+        kwargs.setdefault("commit_log", self.commit_log(root, log))
         return Checkpointer(root, model=model, optimizer=opt, scheduler=sched, **kwargs)
+
+    def commit_log(self, root, log) -> CommitLog:
+        """The file log in ``root`` (``log`` None), else the job's log in etcd."""
+        from elastic.checkpoint import EtcdCommitLog, FileCommitLog
+        from elastic.clock import SYSTEM_CLOCK
+        from elastic.keyspace import JobKeys
+        from elastic.store.etcd import EtcdStore
+
+        if log is None:
+            return FileCommitLog(root)
+        if log["endpoint"] not in self._stores:
+            self._stores[log["endpoint"]] = EtcdStore(log["endpoint"])
+        return EtcdCommitLog(self._stores[log["endpoint"]], JobKeys(log["job_id"]),
+                             SYSTEM_CLOCK, writer=f"rank-{self.rank}")
+
+    def latest(self, root, log) -> dict | None:
+        entry = self.commit_log(root, log).latest()
+        return entry.to_dict() if entry is not None else None
+
+    def close(self) -> None:
+        for store in self._stores.values():
+            store.close()
 
     @staticmethod
     def ddp_digest(model, opt, sched=None) -> str:
@@ -531,25 +711,26 @@ class Worker:
         return {"start": start, "owned": owned}
 
     def task_async(self, root):
+        """Commits are held back by a gate that this task opens, so whether save()
+        waited for a commit is seen in the log, never inferred from a duration."""
         import torch
-        from elastic.checkpoint import FileCommitLog
+        import torch.distributed as dist
 
         model, opt, sched = self.ddp(width=1024, depth=4)  # ~3.2 M params, ~38 MB with Adam
         self.train(model, opt, sched, steps=1)
         announced = []
-        ckpt = self.checkpointer(root, model, opt, sched, keep=2, on_saving=announced.append)
-        started = time.monotonic()
+        gate = GatedCommitLog(self.commit_log(root, None))
+        ckpt = self.checkpointer(root, model, opt, sched, keep=2, on_saving=announced.append,
+                                 commit_log=gate)
+        gate.open(0)
         ckpt.save(0)
-        call_s = time.monotonic() - started
         ckpt.wait()
-        total_s = time.monotonic() - started
         announced_first = list(announced)
 
-        os.environ["ELASTIC_FAILPOINT"] = "ckpt.write=sleep:1.0"  # every write takes 1 s more
         before = self.ddp_digest(model, opt)
-        started = time.monotonic()
-        ckpt.save(1)
-        slow_call_s = time.monotonic() - started
+        ckpt.save(1)  # its commit cannot happen until the gate of step 1 opens
+        latest_after_first_call = gate.latest().step
+        dist.barrier()  # only rank 0 commits: every rank has looked before its gate opens
         # an optimizer step (the only in-place change allowed while the copy to CPU may
         # still run: it waits for the copy), while step 1 is being written
         for p in model.parameters():
@@ -557,17 +738,17 @@ class Worker:
         opt.step()
         opt.zero_grad()
         after = self.ddp_digest(model, opt)
-        started = time.monotonic()
+        # save(2) must first wait for step 1, whose gate opens a little later
+        threading.Timer(0.3, gate.open, args=(1,)).start()
         ckpt.save(2)
-        second_call_s = time.monotonic() - started
-        latest_after_second_call = FileCommitLog(root).latest().step
+        latest_after_second_call = gate.latest().step
+        dist.barrier()
+        gate.open(2)
         ckpt.wait()
-        del os.environ["ELASTIC_FAILPOINT"]
         ckpt.close()
-        return {"call_s": call_s, "total_s": total_s, "slow_call_s": slow_call_s,
-                "announced_first": announced_first, "announced": announced,
+        return {"announced_first": announced_first, "announced": announced,
                 "dirs": sorted(n for n in os.listdir(root) if n.startswith("step-")),
-                "second_call_s": second_call_s,
+                "latest_after_first_call": latest_after_first_call,
                 "latest_after_second_call": latest_after_second_call,
                 "before_mutation": before, "after_mutation": after,
                 "step1_on_disk": self._digest_on_disk(root, 1),
@@ -585,16 +766,19 @@ class Worker:
         state.apply(chunks, tensors)
         return self.ddp_digest(model, opt)
 
-    def task_crash(self, root, failpoint, async_save, task_id):
+    def task_crash(self, root, failpoint, async_save, keep, log, task_id):
         """Commit step 1, report it, then crash while saving step 2."""
         model, opt, sched = self.ddp()
         seed_all(self.rank)
-        ckpt = self.checkpointer(root, model, opt, sched)
+        ckpt = self.checkpointer(root, model, opt, sched, log=log, keep=keep)
         assert ckpt.restore() == 0
         self.train(model, opt, sched, steps=2)
         ckpt.save(1, data_state={"step": 1}, async_=False)
-        emit(task_id, {"digest": self.ddp_digest(model, opt, sched)})
+        digests = {"digest_step1": self.ddp_digest(model, opt, sched)}
+        emit(task_id, digests)
         self.train(model, opt, sched)
+        digests["digest_step2"] = self.ddp_digest(model, opt, sched)
+        emit(task_id, digests)
         os.environ["ELASTIC_FAILPOINT"] = failpoint
         ckpt.save(2, data_state={"step": 2}, async_=async_save)
         self.train(model, opt, sched)
@@ -620,13 +804,14 @@ class Worker:
         try:
             self.train(model, opt)
             before = self._replicated_digest(model.module, opt)
-            started = time.monotonic()
             ckpt.save(1)
-            call_s = time.monotonic() - started
             self.train(model, opt, steps=2)  # forward changes buffers; step() waits
             ckpt.wait()
             latest_after_good = FileCommitLog(root).latest().step
             on_disk = self._digest_on_disk_of(root, 1, model, opt)
+            # the change below must land while the copy is still held back: a window
+            # far longer than any stall of this thread on a loaded machine
+            os.environ["ELASTIC_FAILPOINT"] = "ckpt.stage=sleep:3.0"
             ckpt.save(2)
             with torch.no_grad():
                 for p in model.parameters():
@@ -643,7 +828,7 @@ class Worker:
         self.train(model, opt)
         ckpt.save(3)
         ckpt.close()
-        return {"call_s": call_s, "latest_after_good": latest_after_good,
+        return {"latest_after_good": latest_after_good,
                 "before": before, "step1_on_disk": on_disk, "error": error,
                 "latest_after_bad": latest_after_bad, "hidden_after_bad": hidden,
                 "latest_after_retry": FileCommitLog(root).latest().step}
@@ -685,23 +870,25 @@ class Worker:
         ckpt.close()
         return {"digest": digest}
 
-    def task_check_restore(self, root):
+    def task_check_restore(self, root, keep=3, log=None):
         """Restore in a fresh process, then go on training and save the next step."""
         from elastic.checkpoint import layout
 
         model, opt, sched = self.ddp(init_seed=31337)
         seed_all(1000 + self.rank)
-        ckpt = self.checkpointer(root, model, opt, sched)
+        ckpt = self.checkpointer(root, model, opt, sched, log=log, keep=keep)
         start = ckpt.restore()
         digest = self.ddp_digest(model, opt, sched)
         data_state = ckpt.data_state
         self.train(model, opt, sched)
         ckpt.save(start, data_state={"step": start}, async_=False)
         ckpt.close()
+        dirs = step_dirs(root)
         return {"start": start, "digest": digest, "data_state": data_state,
-                "latest_after_save": committed_latest(root)["step"],
-                "hidden_after_save": hidden_entries(root),
-                "step1_verifies": layout.verify(os.path.join(root, layout.step_dir_name(1))) == []}
+                "latest_after_save": self.latest(root, log)["step"],
+                "dirs_after_save": dirs, "hidden_after_save": hidden_entries(root),
+                "verify_after_save": {name: layout.verify(os.path.join(root, name)) == []
+                                      for name in dirs}}
 
     def task_enospc(self, root, fill):
         """Commit step 1; fill the disk (``fill``: the tmpfs mount) or inject ENOSPC on
@@ -732,7 +919,7 @@ class Worker:
             error, code = str(exc), exc.errno
         dist.barrier()
         result = {"error": error, "errno": code,
-                  "latest_after_failure": committed_latest(root)["step"],
+                  "latest_after_failure": self.latest(root, None)["step"],
                   "step1_verifies_after_failure":
                       layout.verify(os.path.join(root, layout.step_dir_name(1))) == [],
                   "hidden_after_failure": hidden_entries(root)}
@@ -743,10 +930,10 @@ class Worker:
         self.train(model, opt, sched)
         ckpt.save(3, async_=False)
         ckpt.close()
-        result["latest_after_retry"] = committed_latest(root)["step"]
+        result["latest_after_retry"] = self.latest(root, None)["step"]
         return result
 
-    def task_fenced(self, root):
+    def task_fenced(self, root, log):
         """Round 3 commits step 1; a zombie of round 2 tries step 2 and is fenced off;
         round 3 restores step 1 and commits step 2 over the zombie's directory."""
         from elastic.checkpoint import layout
@@ -755,14 +942,14 @@ class Worker:
         model, opt, sched = self.ddp()
         seed_all(self.rank)
         os.environ["ELASTIC_ROUND"] = "3"
-        current = self.checkpointer(root, model, opt, sched)
+        current = self.checkpointer(root, model, opt, sched, log=log)
         self.train(model, opt, sched)
         current.save(1, async_=False)
         digest = self.ddp_digest(model, opt, sched)
         current.close()
 
         os.environ["ELASTIC_ROUND"] = "2"
-        zombie = self.checkpointer(root, model, opt, sched)
+        zombie = self.checkpointer(root, model, opt, sched, log=log)
         self.train(model, opt, sched)
         fenced_error = None
         try:
@@ -771,24 +958,76 @@ class Worker:
         except FencedError as exc:
             fenced_error = str(exc)
         zombie.close()
-        latest = committed_latest(root)
+        latest = self.latest(root, log)
         zombie_dir = os.path.join(root, layout.step_dir_name(2))
         marked = layout.read_marker(zombie_dir) is not None if os.path.isdir(zombie_dir) else None
 
         os.environ["ELASTIC_ROUND"] = "3"
         model2, opt2, sched2 = self.ddp(init_seed=5)
-        again = self.checkpointer(root, model2, opt2, sched2)
+        again = self.checkpointer(root, model2, opt2, sched2, log=log)
         start = again.restore()
         restored = self.ddp_digest(model2, opt2, sched2)
         again.save(2, async_=False)
         again.close()
-        final = committed_latest(root)
-        os.environ["ELASTIC_ROUND"] = "0"
+        final = self.latest(root, log)
         return {"fenced_error": fenced_error,
                 "latest_after_fence": {"step": latest["step"], "round": latest["round"]},
                 "zombie_dir_exists": os.path.isdir(zombie_dir), "zombie_dir_marked": marked,
                 "restored_start": start, "restored_digest": restored, "digest_step1": digest,
                 "latest_after_resave": {"step": final["step"], "round": final["round"]}}
+
+    def task_zombie(self, root, log):
+        """Round 3 commits steps 1 and 2; a zombie of round 2 saves step 2 over the latest;
+        round 3 commits step 3 and the zombie saves step 2 again, over a committed one;
+        round 3 renames step 4 into place but its commit's outcome is unknown, and the
+        zombie saves step 4. Each zombie save must leave the directory as it was."""
+        from elastic.checkpoint import layout
+
+        model, opt, sched = self.ddp()
+        seed_all(self.rank)
+        os.environ["ELASTIC_ROUND"] = "3"
+        current_log = UnknownOutcomeLog(self.commit_log(root, log))
+        current = self.checkpointer(root, model, opt, sched, commit_log=current_log)
+        for step in (1, 2):
+            self.train(model, opt, sched)
+            current.save(step, async_=False)
+        os.environ["ELASTIC_ROUND"] = "2"
+        zombie = self.checkpointer(root, model, opt, sched, log=log)
+
+        def attempt(step: int) -> dict:
+            directory = os.path.join(root, layout.step_dir_name(step))
+            result = {"before": tree_state(directory), "latest_before": self.latest(root, log),
+                      "error": None, "message": None}
+            try:
+                zombie.save(step, async_=False)
+            except Exception as exc:  # noqa: BLE001 - which error is what the test checks
+                result.update(error=type(exc).__name__, message=str(exc))
+            result.update(after=tree_state(directory), latest_after=self.latest(root, log))
+            return result
+
+        results = {"latest": attempt(2)}
+        self.train(model, opt, sched)
+        current.save(3, async_=False)
+        digest3 = self.ddp_digest(model, opt, sched)
+        results["committed"] = attempt(2)
+        self.train(model, opt, sched)
+        current_log.armed = True
+        try:
+            current.save(4, async_=False)
+        except Exception:  # noqa: BLE001 - the injected failure; its directory stays
+            pass
+        results["uncommitted"] = attempt(4)
+        zombie.close()
+        current.close()
+
+        os.environ["ELASTIC_ROUND"] = "3"
+        model2, opt2, sched2 = self.ddp(init_seed=5)
+        again = self.checkpointer(root, model2, opt2, sched2, log=log)
+        results["restored_start"] = again.restore()
+        results["restored_digest"] = self.ddp_digest(model2, opt2, sched2)
+        results["digest_step3"] = digest3
+        again.close()
+        return results
 
 
 def fill_disk(path: str, leave_bytes: int) -> None:
@@ -832,4 +1071,5 @@ def worker_main(tasks: list[dict]) -> None:
             sys.stderr.flush()
             os._exit(3)
         emit(task_id, result)
+    worker.close()
     dist.destroy_process_group()

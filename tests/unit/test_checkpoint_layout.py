@@ -178,6 +178,15 @@ def test_marker_round_trip_and_damage(tmp_path):
         layout.CheckpointDir(5, layout.step_dir_name(5), marked=False)]
 
 
+def test_directory_round_is_the_newest_round_that_wrote_into_it(tmp_path):
+    directory = make_checkpoint(tmp_path, 5, marked=False)
+    assert layout.directory_round(directory) == 0  # the manifests' round
+    layout.write_marker(directory, entry(5, round_=4))
+    assert layout.directory_round(directory) == 4  # a newer round committed it
+    (tmp_path / "empty").mkdir()
+    assert layout.directory_round(str(tmp_path / "empty")) is None
+
+
 def dirs(*specs):
     return [layout.CheckpointDir(step, layout.step_dir_name(step), marked)
             for step, marked in specs]
@@ -326,8 +335,8 @@ def test_failpoint_exit_crashes_the_process():
 
 
 def test_control_plane_imports_without_torch():
-    code = ("import sys, elastic.checkpoint, elastic.checkpoint.layout, elastic.checkpoint.commit; "
-            "print('torch' in sys.modules)")
+    code = ("import sys, elastic.checkpoint, elastic.checkpoint.layout, elastic.checkpoint.commit, "
+            "elastic.checkpoint.etcd_log; print('torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=REPO),
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr

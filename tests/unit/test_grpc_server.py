@@ -28,6 +28,7 @@ from elastic.errors import (
     StoreUnavailableError,
 )
 from elastic.net import free_port
+from elastic.rendezvous.api import MAX_REASON_CHARS
 from elastic.v1 import agent_pb2, agent_pb2_grpc
 from elastic.worker.channel import WorkerChannelClient
 
@@ -133,6 +134,18 @@ def test_drain_and_restart_round_trip(server, control):
     assert peers.request_restart(server.address, "operator asked", timeout_s=2.0) == (True, 3)
     assert control.calls == [("drain", "hardware maintenance"),
                              ("request_restart", "operator asked")]
+
+
+def test_huge_reasons_reach_the_agent_capped(server, control):
+    huge = "r" * 800_000  # alone over half of etcd's request limit once in a record
+
+    peers.request_drain(server.address, huge, timeout_s=5.0)
+    peers.request_restart(server.address, huge, timeout_s=5.0)
+
+    assert [call for call, _ in control.calls] == ["drain", "request_restart"]
+    for _, reason in control.calls:
+        assert len(reason) <= MAX_REASON_CHARS
+        assert reason.startswith("rrrr") and reason.endswith("more characters]")
 
 
 def test_address_reports_the_bound_port(server):

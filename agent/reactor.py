@@ -1,0 +1,431 @@
+"""The agent's decisions: ``react(view, event, now, settings) -> (view, commands)``.
+
+Pure, like :func:`elastic.rendezvous.decisions.decide`: no I/O, no clock
+reads, no threads. The agent's loop (:mod:`agent.daemon`) turns what happens
+into typed events, calls :func:`react`, and applies the commands in order;
+tests and the fault simulator (``tests/sim``) drive it with explicit times.
+
+The rules:
+
+* A committed round that includes this node replaces the round its workers
+  run in: stop them (if any), start workers with the new ranks, report
+  "started" to the leader. A round without this node makes it a standby (or,
+  if its drain was requested, makes it leave). A round with an outcome ends
+  the agent: SUCCEEDED or FAILED, stopping any workers left.
+* A worker that exits non-zero, a hung worker, or a ring peer that reports its
+  workers unhealthy (NOT_SERVING) for longer than a lease TTL fails the
+  round: stop this node's workers first, then ask for a restart (counted
+  against the budget). A stop never waits on etcd.
+* When every worker of this node exited 0 the node is DONE: it reports that
+  to the leader and waits (the exit barrier) for the job's outcome; its
+  workers are not stopped and nothing is declared until every member is done.
+* A ring peer whose agent does not answer (UNREACHABLE) is reported to the
+  leader as a suspect, once per round: an early signal, the lease decides.
+* Partition rule: when this node's lease has not been confirmed for half a
+  TTL while its workers run, it asks the round's peers and standbys whether
+  they reach etcd. If any does, this node is the one cut off: it kills its
+  workers before its lease can expire at etcd (fail-stop, no zombie group),
+  and asks for a new round (not a failure) for when it is back. If none
+  does, etcd itself is down: no round can form anywhere, and training goes on.
+* A node never included in a round within the join timeout gives up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+from dataclasses import dataclass
+from typing import Union
+
+from agent.lifecycle import AgentState
+from elastic.errors import ElasticError, RendezvousTimeoutError
+from elastic.rendezvous.api import ReportKind, Round
+
+S = AgentState
+# Scripts that never report a step get their next warm set after this long.
+WARM_DELAY_S = 10.0
+
+
+# ------------------------------------------------------------------ events
+
+@dataclass(frozen=True)
+class RoundCommitted:
+    """A round was committed. ``drain_requested``: a drain of this node is
+    pending (read by the loop only when the round leaves this node out)."""
+
+    round: Round
+    drain_requested: bool = False
+
+
+@dataclass(frozen=True)
+class WorkerExited:
+    round: int
+    local_rank: int
+    rank: int
+    pid: int
+    exit_code: int
+    signal: int | None = None
+    stopped: bool = False  # the exit follows a stop the agent asked for
+
+
+@dataclass(frozen=True)
+class PeerHealth:
+    node_id: str
+    status: str  # "SERVING", "NOT_SERVING", "UNREACHABLE" (agent.peers.PeerHealth)
+
+
+@dataclass(frozen=True)
+class LeaseState:
+    """The answer to :class:`CheckPeersStore`: how long this node's lease has
+    gone unconfirmed, and which of the asked peers reach etcd now."""
+
+    unconfirmed_s: float
+    peers_with_store: tuple[str, ...]
+    peers_asked: int
+
+
+@dataclass(frozen=True)
+class DrainRequested:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Signalled:
+    signum: int
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed. Carries what the loop measured: hang verdicts of this
+    node's workers, how long the lease has gone unconfirmed, whether every
+    worker made a step, and why the node is not registered (if it is not)."""
+
+    hung: tuple[str, ...] = ()
+    lease_unconfirmed_s: float = 0.0
+    workers_stepped: bool = False
+    registration_problem: str = ""
+
+
+Event = Union[RoundCommitted, WorkerExited, PeerHealth, LeaseState, DrainRequested, Signalled,
+              Tick]
+
+
+# ---------------------------------------------------------------- commands
+
+@dataclass(frozen=True)
+class Transition:
+    to: AgentState
+    reason: str
+    round: int
+
+
+@dataclass(frozen=True)
+class StartWorkers:
+    round: Round
+    restart_count: int
+
+
+@dataclass(frozen=True)
+class StopWorkers:
+    reason: str
+    fast: bool = False  # SIGKILL at once: the lease may expire before a grace period ends
+
+
+@dataclass(frozen=True)
+class RequestRestart:
+    """An intent: retried by the loop until etcd takes it, dropped once stale."""
+
+    round: int
+    reason: str
+    failure: bool
+
+
+@dataclass(frozen=True)
+class Report:
+    """An intent, like RequestRestart: a report to the leader about ``round``."""
+
+    kind: ReportKind
+    round: int
+    about: str | None = None
+
+
+@dataclass(frozen=True)
+class WatchPeer:
+    """Follow the health of ``node_id``'s agent at ``addr`` (None: watch nobody)."""
+
+    node_id: str | None
+    addr: str = ""
+
+
+@dataclass(frozen=True)
+class CheckPeersStore:
+    """Ask these agents whether they reach etcd; answered with a LeaseState."""
+
+    addrs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """Start warming the next set of workers."""
+
+
+@dataclass(frozen=True)
+class Leave:
+    """Leave the rendezvous for good (drain): the leader sees this node go."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Note:
+    """Something the operator should read in the log; changes nothing."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Fail:
+    """The agent cannot go on: the loop raises ``error``."""
+
+    error: ElasticError
+
+
+Command = Union[Transition, StartWorkers, StopWorkers, RequestRestart, Report, WatchPeer,
+                CheckPeersStore, WarmUp, Leave, Note, Fail]
+
+
+# -------------------------------------------------------------------- state
+
+@dataclass(frozen=True)
+class Settings:
+    node_id: str
+    nproc: int
+    lease_ttl_s: float
+    join_timeout_s: float
+    job_id: str = ""
+
+
+@dataclass(frozen=True)
+class AgentView:
+    """What the agent knows; replaced, never mutated. Times are monotonic."""
+
+    state: AgentState = S.JOINING
+    round: Round | None = None  # the round this node's workers belong to
+    started_at: float = 0.0  # when this node's workers of ``round`` were started
+    rounds_started: int = 0
+    exited_ok: frozenset[int] = frozenset()  # local ranks of ``round`` that exited 0
+    peer_unhealthy: tuple[str, float] | None = None  # (ring peer, NOT_SERVING since)
+    suspected: frozenset[str] = frozenset()  # peers reported unreachable in ``round``
+    waiting_since: float = 0.0  # when the node began waiting for its first round
+    peers_asked_at: float | None = None  # last CheckPeersStore, while unconfirmed
+    store_down_noted: bool = False
+    warm_pending: bool = False
+    last_failure: str = ""
+    outcome_reason: str = ""
+    exit_code: int | None = None  # set by a signal: 128 + its number
+
+    @property
+    def round_number(self) -> int:
+        return self.round.number if self.round else 0
+
+
+Result = tuple[AgentView, list[Command]]
+
+
+def ring_peer(r: Round, node_id: str) -> tuple[str, str] | None:
+    """The next member after ``node_id`` in ``r`` (its id and agent address):
+    each node watches one peer, so health checks cost O(1) per node."""
+    me = r.member(node_id)
+    if me is None or len(r.members) < 2:
+        return None
+    peer = r.members[(me.node_rank + 1) % len(r.members)]
+    return (peer.node_id, peer.addr) if peer.addr else None
+
+
+def react(view: AgentView, event: Event, now: float, settings: Settings) -> Result:
+    """The agent's reaction to ``event`` at monotonic time ``now``."""
+    if view.state.final:
+        return view, []
+    if isinstance(event, RoundCommitted):
+        return _on_round(view, event, now, settings)
+    if isinstance(event, WorkerExited):
+        return _on_exit(view, event, now, settings)
+    if isinstance(event, PeerHealth):
+        return _on_peer(view, event, now)
+    if isinstance(event, LeaseState):
+        return _on_lease(view, event, settings)
+    if isinstance(event, DrainRequested):
+        return _drain(view, event.reason)
+    if isinstance(event, Signalled):
+        name = signal.Signals(event.signum).name
+        view = dataclasses.replace(view, state=S.FAILED, outcome_reason=f"stopped by {name}",
+                                   exit_code=128 + event.signum)
+        return view, [Transition(S.FAILED, f"received {name}: leaving the job",
+                                 view.round_number)]
+    if isinstance(event, Tick):
+        return _on_tick(view, event, now, settings)
+    raise TypeError(f"not an agent event: {event!r}")
+
+
+def _stop(view: AgentView, reason: str, *, fast: bool = False) -> Result:
+    """Stop this node's workers and wait for the next round."""
+    number = view.round_number
+    return (dataclasses.replace(view, state=S.JOINING, peer_unhealthy=None),
+            [Transition(S.STOPPING, reason, number), WatchPeer(None),
+             StopWorkers(reason, fast=fast), Transition(S.JOINING, "workers stopped", number)])
+
+
+def _on_round(view: AgentView, event: RoundCommitted, now: float, settings: Settings) -> Result:
+    r = event.round
+    if view.state is S.DRAINING:
+        return view, []
+    if r.outcome:
+        commands: list[Command] = []
+        if view.state in (S.RUNNING, S.STARTING, S.DONE):
+            commands += [Transition(S.STOPPING, f"job {r.outcome}", r.number), WatchPeer(None),
+                         StopWorkers(f"job {r.outcome}")]
+        final = S.SUCCEEDED if r.outcome == "succeeded" else S.FAILED
+        commands.append(Transition(final, f"job {r.outcome}: {r.reason}", r.number))
+        return dataclasses.replace(view, state=final, outcome_reason=r.reason), commands
+    if view.round is not None and r.number <= view.round.number:
+        return view, []
+    commands = []
+    if view.state in (S.RUNNING, S.STARTING, S.DONE):
+        view, commands = _stop(view, f"round {r.number} replaces round {view.round_number}: "
+                                     f"{r.reason}")
+    me = r.member(settings.node_id)
+    if me is None:
+        if event.drain_requested:
+            view, more = _drain(view, "drain requested")
+            return view, commands + more
+        if view.state is not S.STANDBY:
+            commands.append(Transition(S.STANDBY, f"round {r.number} is full without this node",
+                                       r.number))
+            view = dataclasses.replace(view, state=S.STANDBY)
+        return view, commands
+    restart_count = view.rounds_started
+    view = dataclasses.replace(view, state=S.RUNNING, round=r, started_at=now,
+                               rounds_started=view.rounds_started + 1, exited_ok=frozenset(),
+                               peer_unhealthy=None, suspected=frozenset(), warm_pending=True,
+                               peers_asked_at=None, store_down_noted=False)
+    peer = ring_peer(r, settings.node_id)
+    commands += [
+        Transition(S.STARTING, f"node rank {me.node_rank} of {len(r.members)}, "
+                               f"world size {r.world_size}", r.number),
+        StartWorkers(r, restart_count),
+        Report(ReportKind.STARTED, r.number),
+        WatchPeer(*peer) if peer else WatchPeer(None),
+        Transition(S.RUNNING, f"{me.nproc} workers started", r.number),
+    ]
+    return view, commands
+
+
+def _fail_round(view: AgentView, reason: str) -> Result:
+    """A local failure: stop this node's workers at once, then ask for a new
+    round (counted against the budget); the request is retried until it lands."""
+    number = view.round_number
+    view, commands = _stop(dataclasses.replace(view, last_failure=reason), reason)
+    return view, [Note(f"{reason}; requesting a restart")] + commands + [
+        RequestRestart(number, reason, failure=True)]
+
+
+def _on_exit(view: AgentView, e: WorkerExited, now: float, settings: Settings) -> Result:
+    if view.round is None or e.round != view.round.number or e.stopped \
+            or view.state is not S.RUNNING:
+        # A worker of a round given up, one we stopped, or one that died on
+        # its own while this round was being stopped anyway.
+        return view, []
+    if e.exit_code != 0:
+        how = f"was killed by signal {e.signal}" if e.signal else f"exited with {e.exit_code}"
+        return _fail_round(view, f"worker rank {e.rank} (pid {e.pid}) {how}")
+    exited = view.exited_ok | {e.local_rank}
+    view = dataclasses.replace(view, exited_ok=exited)
+    if len(exited) < settings.nproc:
+        return view, []
+    view = dataclasses.replace(view, state=S.DONE, peer_unhealthy=None)
+    return view, [
+        Transition(S.DONE, f"all {settings.nproc} workers exited 0; waiting for the other "
+                           "members (exit barrier)", view.round_number),
+        WatchPeer(None),
+        Report(ReportKind.DONE, view.round_number),
+    ]
+
+
+def _on_peer(view: AgentView, event: PeerHealth, now: float) -> Result:
+    if view.state is not S.RUNNING or view.round is None:
+        return view, []
+    if event.status == "NOT_SERVING":
+        # Agents are briefly NOT_SERVING at every round change while their
+        # workers restart: only a peer that stays so for a lease TTL is unhealthy.
+        return dataclasses.replace(view, peer_unhealthy=view.peer_unhealthy
+                                   or (event.node_id, now)), []
+    view = dataclasses.replace(view, peer_unhealthy=None)
+    if event.status == "UNREACHABLE" and event.node_id not in view.suspected:
+        view = dataclasses.replace(view, suspected=view.suspected | {event.node_id})
+        return view, [Note(f"the agent of peer {event.node_id} does not answer; reporting it "
+                           "to the leader (its lease still decides)"),
+                      Report(ReportKind.SUSPECT, view.round_number, about=event.node_id)]
+    return view, []
+
+
+def _peers_to_ask(r: Round, node_id: str) -> tuple[str, ...]:
+    return tuple(m.addr for m in r.members if m.node_id != node_id and m.addr) + r.standby_addrs
+
+
+def _on_tick(view: AgentView, tick: Tick, now: float, settings: Settings) -> Result:
+    if view.state is S.RUNNING:
+        if tick.hung:
+            return _fail_round(view, "; ".join(tick.hung))
+        if view.peer_unhealthy is not None:
+            peer, since = view.peer_unhealthy
+            if now - since > settings.lease_ttl_s:
+                return _fail_round(view, f"peer {peer} has reported its workers unhealthy "
+                                         f"(NOT_SERVING) for over {settings.lease_ttl_s:g} s")
+    commands: list[Command] = []
+    if view.state is S.RUNNING and view.warm_pending and (
+            tick.workers_stepped or now - view.started_at > WARM_DELAY_S):
+        view = dataclasses.replace(view, warm_pending=False)
+        commands.append(WarmUp())
+    if view.state is S.RUNNING and tick.lease_unconfirmed_s > settings.lease_ttl_s / 2:
+        # Ask again every quarter TTL while the lease stays unconfirmed.
+        if view.peers_asked_at is None or now - view.peers_asked_at >= settings.lease_ttl_s / 4:
+            view = dataclasses.replace(view, peers_asked_at=now)
+            commands.append(CheckPeersStore(_peers_to_ask(view.round, settings.node_id)))
+    elif tick.lease_unconfirmed_s <= settings.lease_ttl_s / 2 and (
+            view.peers_asked_at is not None or view.store_down_noted):
+        view = dataclasses.replace(view, peers_asked_at=None, store_down_noted=False)
+    if view.state is S.JOINING and view.rounds_started == 0 \
+            and now - view.waiting_since > settings.join_timeout_s:
+        why = f" ({tick.registration_problem})" if tick.registration_problem else ""
+        commands.append(Fail(RendezvousTimeoutError(
+            f"job {settings.job_id}: node {settings.node_id} was not included in a round "
+            f"within {settings.join_timeout_s:.0f} s{why}")))
+    return view, commands
+
+
+def _on_lease(view: AgentView, event: LeaseState, settings: Settings) -> Result:
+    if view.state is not S.RUNNING or event.unconfirmed_s <= settings.lease_ttl_s / 2:
+        return view, []
+    if event.peers_with_store:
+        number = view.round_number
+        reason = (f"cut off from etcd for {event.unconfirmed_s:.1f} s while "
+                  f"{len(event.peers_with_store)} of {event.peers_asked} peers still reach it: "
+                  "stopping the workers before this node's lease can expire")
+        view, commands = _stop(view, reason, fast=True)
+        # Not a failure of the job: when this node is back, its peers and it
+        # need a new round (unless its lease expired, which makes one anyway).
+        return view, commands + [RequestRestart(number, reason, failure=False)]
+    if view.store_down_noted:
+        return view, []
+    return dataclasses.replace(view, store_down_noted=True), [Note(
+        f"etcd unconfirmed for {event.unconfirmed_s:.1f} s and none of the {event.peers_asked} "
+        "peers asked reaches it: etcd itself is down, no round can form; training goes on")]
+
+
+def _drain(view: AgentView, reason: str) -> Result:
+    if view.state is S.DRAINING:
+        return view, []
+    number = view.round_number
+    view = dataclasses.replace(view, state=S.SUCCEEDED, outcome_reason=f"drained: {reason}")
+    return view, [Transition(S.DRAINING, reason, number), WatchPeer(None), StopWorkers(reason),
+                  Leave(reason), Transition(S.SUCCEEDED, "left the job after draining", number)]

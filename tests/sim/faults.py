@@ -1,0 +1,63 @@
+"""Fault schedules for the simulator, drawn from a seeded random generator."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+# What can go wrong, and how often it is drawn (weights).
+KINDS = {
+    "crash_worker": 3,  # a worker exits 1
+    "hang_worker": 2,  # a worker stops (SIGSTOP): no heartbeat, no progress
+    "kill_agent": 3,  # SIGKILL of the agent (and so its workers); restarted with the same id
+    "cut_store": 3,  # the node loses etcd but not its peers
+    "cut_peers": 2,  # the node loses its peers but not etcd
+    "cut_both": 2,  # the node loses everything (a dead switch port)
+    "store_errors": 2,  # 30 % of the node's etcd calls fail
+    "ambiguous": 2,  # 30 % of the node's writes land but report a timeout
+    "expire_lease": 2,  # etcd drops the node's lease
+    "leader_loss": 2,  # etcd drops the leader's lease
+    "outage": 2,  # etcd is down for everyone
+    "join": 1,  # a new node arrives
+    "drain": 1,  # an operator drains a node
+}
+
+
+@dataclass(frozen=True)
+class Fault:
+    at: float  # seconds into the run
+    kind: str
+    node: str
+    duration: float = 0.0  # how long it lasts (for kill_agent: until systemd restarts it)
+
+    def __str__(self) -> str:
+        lasting = f" for {self.duration:.2f} s" if self.duration else ""
+        return f"{self.kind} {self.node} at {self.at:.2f} s{lasting}"
+
+
+def make_schedule(rng: random.Random, nodes: list[str], min_nodes: int) -> list[Fault]:
+    """1 to 4 faults within the first 25 s; at most one drain, and only while
+    more than ``min_nodes`` nodes would remain."""
+    kinds, weights = zip(*KINDS.items())
+    faults = []
+    joined = 0
+    drained = False
+    for _ in range(rng.randint(1, 4)):
+        kind = rng.choices(kinds, weights)[0]
+        at = round(rng.uniform(0.0, 25.0), 2)
+        if kind == "join":
+            joined += 1
+            faults.append(Fault(at, kind, f"x{joined}"))
+            continue
+        if kind == "drain" and (drained or len(nodes) - 1 < min_nodes):
+            kind = "crash_worker"
+        drained = drained or kind == "drain"
+        node = rng.choice(nodes)
+        duration = 0.0
+        if kind in ("cut_store", "cut_peers", "cut_both", "store_errors", "ambiguous",
+                    "outage"):
+            duration = round(rng.uniform(0.5, 12.0), 2)
+        elif kind == "kill_agent":
+            duration = round(rng.choice((0.5, 1.0, 2.0, 6.0)), 2)
+        faults.append(Fault(at, kind, node, duration))
+    return faults

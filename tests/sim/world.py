@@ -1,0 +1,449 @@
+"""What the simulated agents run against: one shared in-memory etcd, each node's
+connection to it, the network between agents, and fake workers.
+
+Everything here is single-threaded and driven by the simulator's clock: the
+store delivers watch events only in ``deliver_pending()``, the network
+re-evaluates health only in ``Network.update()``, workers move only in
+``Workers.advance()``. Faults are switches on these objects (cut a node from
+the store or from its peers, fail store calls, kill a process, hang a worker).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from agent.reactor import WorkerExited
+from agent.supervisor import WorkerStatus
+from elastic.errors import LeaseLostError, StoreError, StoreTimeoutError, StoreUnavailableError
+from elastic.store.api import Compare, Op, Session, Store, TxnResult, Watch
+from elastic.v1 import agent_pb2
+from tests.fakes.memory_store import MemoryStore
+
+
+# ------------------------------------------------------------------- store
+
+class _HeldWatch(Watch):
+    """A watch whose events wait while its node is cut off, as a real etcd
+    client's watch resumes from its last revision after a reconnect."""
+
+    def __init__(self, conn: "NodeStore", on_events, on_error):
+        self._conn = conn
+        self._on_events = on_events
+        self._on_error = on_error
+        self.held: list = []
+        self.inner: Watch | None = None
+        self.cancelled = False
+
+    def events(self, evs) -> None:
+        if self.cancelled:
+            return
+        if self._conn.partitioned:
+            self.held.append(list(evs))
+        else:
+            self._on_events(evs)
+
+    def error(self, exc) -> None:
+        if not self.cancelled and self._on_error is not None:
+            self._on_error(exc)
+
+    def release(self) -> None:
+        held, self.held = self.held, []
+        for evs in held:
+            self._on_events(evs)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.inner is not None:
+            self.inner.cancel()
+
+
+class NodeStore(Store):
+    """One node's connection to the shared store.
+
+    ``partitioned``: every call fails with StoreUnavailableError and the node's
+    leases are not kept alive (they expire at the store after their TTL).
+    ``error_rate``: a call fails before it reaches the store; ``ambiguous_rate``:
+    a write is applied and the caller still gets a timeout (it cannot know).
+    ``kill()``: the process died: its watches end, its leases are no longer
+    kept alive, and nothing more goes through.
+    """
+
+    def __init__(self, store: MemoryStore, rng: random.Random):
+        super().__init__()
+        self.store = store
+        self.rng = rng
+        self.partitioned = False
+        self.dead = False
+        self.error_rate = 0.0
+        self.ambiguous_rate = 0.0
+        self._leases: list[int] = []
+        self._watches: list[_HeldWatch] = []
+
+    def _check(self) -> None:
+        if self.dead:
+            raise StoreError("the process is dead")
+        if self.partitioned:
+            raise StoreUnavailableError("cut off from etcd (simulated partition)")
+        if self.error_rate and self.rng.random() < self.error_rate:
+            raise StoreUnavailableError("etcd did not answer (simulated error)")
+
+    def _ambiguous(self) -> None:
+        if self.ambiguous_rate and self.rng.random() < self.ambiguous_rate:
+            raise StoreTimeoutError("the write may or may not have happened (simulated)")
+
+    def get(self, key, *, timeout_s=None):
+        self._check()
+        return self.store.get(key)
+
+    def get_prefix(self, prefix, *, timeout_s=None):
+        self._check()
+        return self.store.get_prefix(prefix)
+
+    def put(self, key, value, *, lease=0, timeout_s=None):
+        self._check()
+        revision = self.store.put(key, value, lease=lease)
+        self._ambiguous()
+        return revision
+
+    def delete(self, key, *, prefix=False, timeout_s=None):
+        self._check()
+        return self.store.delete(key, prefix=prefix)
+
+    def txn(self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = (),
+            *, timeout_s=None) -> TxnResult:
+        self._check()
+        result = self.store.txn(compares, success, failure)
+        self._ambiguous()
+        return result
+
+    def session(self, ttl_s: float) -> Session:
+        self._check()
+        session = self.store.session(ttl_s)
+        self._leases.append(session.lease_id)
+        return session
+
+    def lease_time_to_live(self, lease_id, *, timeout_s=None):
+        self._check()
+        return self.store.lease_time_to_live(lease_id)
+
+    def resume_session(self, lease_id, ttl_s):
+        self._check()
+        session = self.store.resume_session(lease_id, ttl_s)
+        if session is not None:
+            self._leases.append(lease_id)
+        return session
+
+    def revoke_lease(self, lease_id, *, timeout_s=None):
+        self._check()
+        self.store.revoke_lease(lease_id)
+
+    def watch(self, key, on_events, *, prefix=False, start_revision=None, on_error=None):
+        self._check()
+        held = _HeldWatch(self, on_events, on_error)
+        held.inner = self.store.watch(key, held.events, prefix=prefix,
+                                      start_revision=start_revision, on_error=held.error)
+        self._watches.append(held)
+        return held
+
+    def close(self) -> None:
+        pass
+
+    def _keepalive(self, on: bool) -> None:
+        for lease_id in self._leases:
+            try:
+                (self.store.resume_keepalive if on else self.store.suspend_keepalive)(lease_id)
+            except LeaseLostError:
+                pass
+
+    def cut(self) -> None:
+        self.partitioned = True
+        self._keepalive(False)
+
+    def heal(self) -> None:
+        self.partitioned = False
+        if not self.dead:
+            self._keepalive(True)
+            for w in self._watches:
+                w.release()
+
+    def kill(self) -> None:
+        self.dead = True
+        self._keepalive(False)
+        for w in self._watches:
+            w.cancel()
+
+
+# ----------------------------------------------------------------- network
+
+class FakeServer:
+    """The agent's gRPC server as peers see it: alive or not, serving or not."""
+
+    def __init__(self, addr: str):
+        self.addr = addr
+        self.serving = False
+        self.alive = True
+        self.agent = None  # answers StoreHealth
+
+    def set_serving(self, serving: bool) -> None:
+        self.serving = serving
+
+    def stop(self) -> None:
+        self.alive = False
+
+
+@dataclass
+class _HealthWatch:
+    owner: str
+    addr: str
+    on_change: Callable[[str], None]
+    last: str | None = None
+    stopped: bool = False
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+class Network:
+    """The links between nodes. ``cut_off`` nodes reach no peer (and no peer
+    reaches them); everything else is connected."""
+
+    def __init__(self):
+        self.servers: dict[str, tuple[str, FakeServer]] = {}  # addr -> (node, server)
+        self.cut_off: set[str] = set()
+        self.watches: list[_HealthWatch] = []
+
+    def connected(self, a: str, b: str) -> bool:
+        return a == b or (a not in self.cut_off and b not in self.cut_off)
+
+    def health(self, owner: str, addr: str) -> str:
+        node, server = self.servers.get(addr, ("", None))
+        if server is None or not server.alive or not self.connected(owner, node):
+            return "UNREACHABLE"
+        return "SERVING" if server.serving else "NOT_SERVING"
+
+    def update(self) -> None:
+        """Deliver health changes to the watchers (what HealthWatcher threads do)."""
+        self.watches = [w for w in self.watches if not w.stopped]
+        for w in list(self.watches):
+            status = self.health(w.owner, w.addr)
+            if status != w.last:
+                w.last = status
+                w.on_change(status)
+
+
+class FakeMesh:
+    """:class:`agent.daemon.PeerMesh` for one node over a :class:`Network`."""
+
+    def __init__(self, network: Network, node_id: str):
+        self.network = network
+        self.node_id = node_id
+
+    def watch(self, addr: str, on_change):
+        w = _HealthWatch(self.node_id, addr, on_change)
+        self.network.watches.append(w)
+        return w
+
+    def answers(self, addr: str) -> bool:
+        return self.network.health(self.node_id, addr) != "UNREACHABLE"
+
+    def check_store(self, addrs, on_answer) -> None:
+        have = []
+        for addr in addrs:
+            if self.network.health(self.node_id, addr) == "UNREACHABLE":
+                continue
+            agent = self.network.servers[addr][1].agent
+            if agent is not None and agent.store_health()[0]:
+                have.append(addr)
+        on_answer(tuple(have))
+
+
+# ----------------------------------------------------------------- workers
+
+@dataclass
+class FakeWorker:
+    node_id: str
+    round: int
+    local_rank: int
+    rank: int
+    pid: int
+    world_size: int
+    alive: bool = True
+    hung: bool = False
+    exit_code: int | None = None
+    stopped: bool = False
+    crash_at: float | None = None  # a crash is coming (its group broke)
+    finish_at: float | None = None
+
+
+@dataclass
+class Group:
+    """A round's process group: forms when all its workers run and can reach
+    each other; trains in lockstep; breaks when one is lost."""
+
+    round: int
+    world_size: int
+    workers: list[FakeWorker] = field(default_factory=list)
+    created_at: float = 0.0
+    formed: bool = False
+    broken: bool = False
+    finishing: bool = False
+    step: int = 0
+    next_step_at: float = 0.0
+
+
+class Workers:
+    """Every fake worker of the simulated cluster, and the rules they follow.
+
+    ``step_s`` per training step; a checkpoint every ``ckpt_every`` steps,
+    committed through rank 0's agent; ``total_steps`` then each node's workers
+    finish after that node's ``finish_delay`` (rank 0 writing the final model).
+    A group that never forms within ``init_timeout_s`` crashes (torch's store
+    timeout); a broken group's survivors crash after ``crash_delay_s`` (gloo's
+    connection reset).
+    """
+
+    def __init__(self, network: Network, *, step_s: float, total_steps: int, ckpt_every: int,
+                 init_timeout_s: float, crash_delay_s: float,
+                 latest_step: Callable[[], tuple[int, int]]):
+        self.network = network
+        self.step_s = step_s
+        self.total_steps = total_steps
+        self.ckpt_every = ckpt_every
+        self.init_timeout_s = init_timeout_s
+        self.crash_delay_s = crash_delay_s
+        self.latest_step = latest_step
+        self.groups: dict[int, Group] = {}
+        self.finish_delay: dict[str, float] = {}
+        self.agents: dict[str, object] = {}  # node -> its live agent (for heartbeats, commits)
+        self.exits: list[tuple[FakeWorker, float]] = []
+        self.on_exit: dict[str, Callable[[WorkerExited], None]] = {}
+        self._pids = iter(range(1000, 10**9))
+
+    def spawn(self, node_id: str, round_number: int, envs: list[dict[str, str]], now: float
+              ) -> list[FakeWorker]:
+        made = []
+        for local_rank, env in enumerate(envs):
+            w = FakeWorker(node_id, round_number, local_rank, int(env["RANK"]), next(self._pids),
+                           int(env["WORLD_SIZE"]))
+            group = self.groups.setdefault(round_number, Group(round_number, w.world_size,
+                                                               created_at=now))
+            group.workers.append(w)
+            made.append(w)
+        return made
+
+    def end(self, w: FakeWorker, code: int, now: float, *, stopped: bool = False) -> None:
+        if not w.alive:
+            return
+        w.alive, w.exit_code, w.stopped = False, code, stopped
+        self.exits.append((w, now))
+        notify = self.on_exit.get(w.node_id)
+        if notify is not None:
+            notify(WorkerExited(round=w.round, local_rank=w.local_rank, rank=w.rank, pid=w.pid,
+                                exit_code=code, signal=9 if code < 0 else None, stopped=stopped))
+
+    def training(self) -> list[Group]:
+        """Groups training now: formed, not broken, not yet finishing."""
+        return [g for g in self.groups.values() if g.formed and not g.broken and not g.finishing]
+
+    def advance(self, now: float) -> None:
+        for group in list(self.groups.values()):
+            self._advance_group(group, now)
+        for group in list(self.groups.values()):
+            if all(not w.alive for w in group.workers):
+                del self.groups[group.round]
+
+    def _connected(self, group: Group) -> bool:
+        nodes = {w.node_id for w in group.workers}
+        return all(self.network.connected(a, b) for a in nodes for b in nodes)
+
+    def _advance_group(self, g: Group, now: float) -> None:
+        live = [w for w in g.workers if w.alive]
+        for w in live:
+            if w.crash_at is not None and now >= w.crash_at:
+                self.end(w, 1, now)
+            elif w.finish_at is not None and now >= w.finish_at:
+                self.end(w, 0, now)
+        live = [w for w in g.workers if w.alive]
+        if not live:
+            return
+        lost = any(not w.alive and w.exit_code != 0 for w in g.workers)
+        if not g.formed:
+            if len(g.workers) == g.world_size and not lost and self._connected(g):
+                g.formed = True
+                g.step = self.latest_step()[0]  # every rank restores the latest checkpoint
+                g.next_step_at = now + self.step_s
+            elif now - g.created_at > self.init_timeout_s:
+                for w in live:
+                    self.end(w, 1, now)
+                return
+        elif not g.broken and (lost or not self._connected(g)) and not g.finishing:
+            g.broken = True
+            for w in live:
+                w.crash_at = now + self.crash_delay_s
+        if g.formed and not g.broken and not g.finishing:
+            if any(w.hung for w in live):
+                g.next_step_at = now + self.step_s  # collectives wait on the hung rank
+            elif now >= g.next_step_at:
+                g.step += 1
+                g.next_step_at = now + self.step_s
+                if g.step % self.ckpt_every == 0:
+                    self._commit(g, now)
+                if g.step >= self.total_steps:
+                    g.finishing = True
+                    for w in live:
+                        w.finish_at = now + self.finish_delay.get(w.node_id, 0.0)
+        for w in live:
+            if not w.hung and (g.formed or g.finishing):
+                agent = self.agents.get(w.node_id)
+                if agent is not None:
+                    agent.heartbeat(agent_pb2.WorkerChannelHeartbeatRequest(
+                        rank=w.rank, local_rank=w.local_rank, round=w.round, step=g.step,
+                        exiting=g.finishing))
+
+    def _commit(self, g: Group, now: float) -> None:
+        rank0 = next((w for w in g.workers if w.rank == 0 and w.alive), None)
+        agent = self.agents.get(rank0.node_id) if rank0 else None
+        if agent is None:
+            return
+        entry = agent_pb2.CheckpointEntry(step=g.step, round=g.round, world_size=g.world_size,
+                                          path=f"step-{g.step:012d}", time=now)
+        try:
+            agent.commit_checkpoint(entry)
+        except StoreError:
+            pass  # the save fails; training goes on and the next one tries again
+
+
+class FakeSupervisor:
+    """:class:`agent.daemon.Supervisor` over :class:`Workers` for one node."""
+
+    def __init__(self, workers: Workers, node_id: str, now: Callable[[], float]):
+        self.all = workers
+        self.node_id = node_id
+        self.now = now
+        self.current: list[FakeWorker] = []
+
+    def warm_up(self) -> None:
+        pass
+
+    def start_round(self, round_number, envs, *, warm_next=True) -> None:
+        if any(w.alive for w in self.current):
+            raise RuntimeError("start_round with live workers (stop() first)")
+        self.current = self.all.spawn(self.node_id, round_number, envs, self.now())
+
+    def stop(self, timeout_s=None):
+        for w in self.current:
+            self.all.end(w, -15, self.now(), stopped=True)
+        return []
+
+    def shutdown(self) -> None:
+        self.stop()
+
+    def kill(self) -> None:
+        """The agent died: PDEATHSIG takes its workers with it (not a stop it asked for)."""
+        for w in self.current:
+            self.all.end(w, -9, self.now())
+
+    def workers(self) -> list[WorkerStatus]:
+        return [WorkerStatus(w.local_rank, w.rank, w.pid, w.alive) for w in self.current]

@@ -1,0 +1,112 @@
+"""agent.config reads an option the same way from a flag, an ELASTIC_* variable
+and the YAML file: text stays the text written, numbers must be finite."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from agent import config
+from elastic.errors import ConfigError
+
+REQUIRED = {"job-id": "j", "nnodes": "1", "etcd": "http://127.0.0.1:2379"}
+SOURCES = ["flag", "env", "file"]
+
+
+def load_with(tmp_path, source: str, name: str, written: str) -> config.AgentConfig:
+    """Load a config where option ``name`` is written as ``written`` in ``source``
+    and every other required option is given as a flag."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    argv, environ = [], {}
+    for other, value in REQUIRED.items():
+        if other != name:
+            argv += [f"--{other}", value]
+    key = name.replace("-", "_")
+    if source == "flag":
+        argv.append(f"--{name}={written}")  # "=": a value may start with "-"
+    elif source == "env":
+        environ["ELASTIC_" + key.upper()] = written
+    else:
+        path = tmp_path / "elasticd.yaml"
+        path.write_text(f"{key}: {written}\n")
+        argv += ["--config", str(path)]
+    return config.load(argv + [str(script)], environ)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("name, written, field, expected", [
+    ("nnodes", "2:4", ("min_nodes", "max_nodes"), (2, 4)),  # YAML 1.1: base 60, 124
+    ("job-id", "0123", "job_id", "0123"),  # YAML 1.1: octal, 83
+    ("job-id", "yes", "job_id", "yes"),  # YAML 1.1: True
+    ("node-id", "1e3", "node_id", "1e3"),
+    ("node-id", "1.50", "node_id", "1.50"),  # YAML: 1.5
+    ("node-id", "0x1F", "node_id", "0x1F"),  # YAML: 31
+    ("etcd", "2379", "etcd", "2379"),
+    ("advertise-addr", "10.0.0.1", "advertise_addr", "10.0.0.1"),
+    ("log-dir", "0777", "log_dir", "0777"),
+    ("restart-window", "1e3", "restart_window_s", 1000.0),
+    ("hang-timeout", "0", "hang_timeout_s", 0.0),
+])
+def test_text_options_keep_the_text_written(tmp_path, source, name, written, field,
+                                            expected):
+    cfg = load_with(tmp_path, source, name, written)
+
+    if isinstance(field, tuple):
+        assert tuple(getattr(cfg, f) for f in field) == expected
+    else:
+        assert getattr(cfg, field) == expected
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("name, written", [
+    ("lease-ttl", "nan"),  # crashed with a traceback
+    ("restart-window", "nan"),  # turned the restart budget off
+    ("restart-window", "inf"),
+    ("hang-timeout", "inf"),
+    ("settle", "-inf"),
+    ("join-timeout", "NaN"),
+    ("connect-timeout", "1e999"),  # overflows to inf
+    ("max-restarts", "3.5"),
+])
+def test_non_finite_or_mistyped_numbers_are_refused_by_name(tmp_path, source, name, written):
+    with pytest.raises(ConfigError, match=f"--{name} '{written}'"):
+        load_with(tmp_path, source, name, written)
+
+
+@pytest.mark.parametrize("written", [".nan", ".inf", "-.Inf"])
+def test_yaml_spellings_of_non_finite_numbers_are_refused(tmp_path, written):
+    with pytest.raises(ConfigError, match="--restart-window"):
+        load_with(tmp_path, "file", "restart-window", written)
+
+
+@pytest.mark.parametrize("source", ["env", "file"])
+@pytest.mark.parametrize("written, expected", [("no", False), ("off", False), ("true", True),
+                                                ("yes", True)])
+def test_flags_still_read_yaml_and_env_booleans(tmp_path, source, written, expected):
+    assert load_with(tmp_path, source, "prestart", written).prestart is expected
+
+
+def test_a_list_where_text_belongs_is_refused_by_name(tmp_path):
+    with pytest.raises(ConfigError, match="--node-id"):
+        load_with(tmp_path, "file", "node-id", "[a, b]")
+
+
+def test_an_empty_key_in_the_file_means_not_given(tmp_path):
+    cfg = load_with(tmp_path, "file", "log-dir", "")
+
+    assert cfg.log_dir.endswith(os.path.join("elastic", "j", cfg.node_id))
+
+
+def test_script_and_its_arguments_from_the_file_stay_text(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    path = tmp_path / "elasticd.yaml"
+    path.write_text(f"script: {script}\nmodule: false\nscript_args: [--lr, 0.10, --epochs, 010]\n")
+
+    cfg = config.load(["--config", str(path), "--job-id", "j", "--nnodes", "1", "--etcd", "e"],
+                      {})
+
+    assert cfg.script == str(script) and cfg.module is None
+    assert cfg.script_args == ("--lr", "0.10", "--epochs", "010")

@@ -1,0 +1,221 @@
+"""The agent's pure reaction function, driven with explicit times: no store,
+no processes, no sleeping. Each test: a scenario, an event, the commands."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from agent.lifecycle import AgentState as S
+from agent.reactor import (
+    AgentView,
+    CheckPeersStore,
+    DrainRequested,
+    Fail,
+    LeaseState,
+    Leave,
+    PeerHealth,
+    Report,
+    RequestRestart,
+    RoundCommitted,
+    Settings,
+    Signalled,
+    StartWorkers,
+    StopWorkers,
+    Tick,
+    Transition,
+    WarmUp,
+    WatchPeer,
+    WorkerExited,
+    react,
+)
+from elastic.errors import RendezvousTimeoutError
+from elastic.rendezvous.api import Member, ReportKind, Round
+
+SETTINGS = Settings(node_id="a", nproc=2, lease_ttl_s=4.0, join_timeout_s=60.0, job_id="j")
+
+
+def round_of(number, *ids, outcome="", standby_addrs=()):
+    return Round(number=number,
+                 members=tuple(Member(i, r, "127.0.0.1", 2, addr=f"{i}:1")
+                               for r, i in enumerate(ids)),
+                 master_addr="127.0.0.1", master_port=1, reason="why", leader=ids[0],
+                 created_at=0.0, outcome=outcome, standby_addrs=standby_addrs)
+
+
+def running(number=3, *ids, **extra):
+    """A view of node "a" whose workers run in round ``number``."""
+    return AgentView(state=S.RUNNING, round=round_of(number, *(ids or ("a", "b"))),
+                     started_at=100.0, rounds_started=1, **extra)
+
+
+def kinds(commands):
+    return [type(c).__name__ for c in commands]
+
+
+def transitions(commands):
+    return [c.to for c in commands if isinstance(c, Transition)]
+
+
+class TestRounds:
+    def test_first_round_starts_workers_reports_started_and_watches_the_ring_peer(self):
+        view, commands = react(AgentView(), RoundCommitted(round_of(1, "a", "b")), 10.0,
+                               SETTINGS)
+        assert view.state is S.RUNNING and view.round.number == 1
+        assert transitions(commands) == [S.STARTING, S.RUNNING]
+        assert StartWorkers(round_of(1, "a", "b"), 0) in commands
+        assert Report(ReportKind.STARTED, 1) in commands
+        assert WatchPeer("b", "b:1") in commands
+
+    def test_a_new_round_stops_the_old_workers_before_starting_new_ones(self):
+        view, commands = react(running(3), RoundCommitted(round_of(4, "b", "a")), 10.0,
+                               SETTINGS)
+        assert transitions(commands) == [S.STOPPING, S.JOINING, S.STARTING, S.RUNNING]
+        stop = kinds(commands).index("StopWorkers")
+        assert stop < kinds(commands).index("StartWorkers")
+        assert view.rounds_started == 2
+
+    def test_the_same_or_an_older_round_changes_nothing(self):
+        for number in (3, 2):
+            view, commands = react(running(3), RoundCommitted(round_of(number, "a", "b")), 10.0,
+                                   SETTINGS)
+            assert commands == [] and view.round.number == 3
+
+    def test_a_round_without_this_node_makes_it_a_standby(self):
+        view, commands = react(running(3), RoundCommitted(round_of(4, "b", "c")), 10.0,
+                               SETTINGS)
+        assert view.state is S.STANDBY
+        assert transitions(commands) == [S.STOPPING, S.JOINING, S.STANDBY]
+
+    def test_a_round_without_this_node_after_a_drain_request_makes_it_leave(self):
+        view, commands = react(running(3), RoundCommitted(round_of(4, "b"),
+                                                          drain_requested=True), 10.0, SETTINGS)
+        assert view.state is S.SUCCEEDED and view.outcome_reason == "drained: drain requested"
+        assert Leave("drain requested") in commands
+
+    def test_job_success_ends_the_agent_and_sweeps_the_workers(self):
+        done = dataclasses.replace(running(3), state=S.DONE)
+        view, commands = react(done, RoundCommitted(round_of(4, "a", "b", outcome="succeeded")),
+                               10.0, SETTINGS)
+        assert view.state is S.SUCCEEDED and view.outcome_reason == "why"
+        assert transitions(commands) == [S.STOPPING, S.SUCCEEDED]
+
+    def test_job_failure_stops_running_workers(self):
+        view, commands = react(running(3), RoundCommitted(round_of(4, "a", "b",
+                                                                   outcome="failed")), 10.0,
+                               SETTINGS)
+        assert view.state is S.FAILED
+        assert StopWorkers("job failed") in commands
+
+
+class TestWorkerExits:
+    def test_a_crash_stops_the_workers_first_then_requests_a_counted_restart(self):
+        view, commands = react(running(3), WorkerExited(3, 1, 1, 99, 1), 10.0, SETTINGS)
+        assert view.state is S.JOINING
+        assert view.last_failure == "worker rank 1 (pid 99) exited with 1"
+        assert kinds(commands).index("StopWorkers") < kinds(commands).index("RequestRestart")
+        assert RequestRestart(3, "worker rank 1 (pid 99) exited with 1", failure=True) in commands
+
+    def test_exits_of_other_rounds_or_stopped_workers_are_ignored(self):
+        for exit_ in (WorkerExited(2, 0, 0, 9, 1), WorkerExited(3, 0, 0, 9, -9, stopped=True)):
+            assert react(running(3), exit_, 10.0, SETTINGS) == (running(3), [])
+
+    def test_all_workers_exit_0_means_done_at_the_barrier_not_success(self):
+        view, first = react(running(3), WorkerExited(3, 0, 0, 9, 0), 10.0, SETTINGS)
+        assert first == [] and view.state is S.RUNNING
+        view, commands = react(view, WorkerExited(3, 1, 1, 10, 0), 11.0, SETTINGS)
+        assert view.state is S.DONE
+        assert transitions(commands) == [S.DONE]
+        assert Report(ReportKind.DONE, 3) in commands
+        assert not any(isinstance(c, StopWorkers) for c in commands)
+
+
+class TestTicks:
+    def test_a_hung_worker_fails_the_round(self):
+        view, commands = react(running(3), Tick(hung=("rank 0 sent no heartbeat",)), 10.0,
+                               SETTINGS)
+        assert view.state is S.JOINING
+        assert RequestRestart(3, "rank 0 sent no heartbeat", failure=True) in commands
+
+    def test_a_peer_not_serving_for_longer_than_a_ttl_fails_the_round(self):
+        view, _ = react(running(3), PeerHealth("b", "NOT_SERVING"), 10.0, SETTINGS)
+        assert react(view, Tick(), 14.0, SETTINGS)[1] == []
+        view, commands = react(view, Tick(), 14.1, SETTINGS)
+        assert view.state is S.JOINING
+        assert any(isinstance(c, RequestRestart) and "NOT_SERVING" in c.reason for c in commands)
+
+    def test_an_unreachable_peer_is_reported_once_as_a_suspect(self):
+        view, commands = react(running(3), PeerHealth("b", "UNREACHABLE"), 10.0, SETTINGS)
+        assert Report(ReportKind.SUSPECT, 3, about="b") in commands
+        assert view.state is S.RUNNING  # the lease, not this, decides who is gone
+        assert react(view, PeerHealth("b", "UNREACHABLE"), 11.0, SETTINGS)[1] == []
+
+    def test_the_next_set_is_warmed_once_workers_step(self):
+        view = dataclasses.replace(running(3), warm_pending=True)
+        view, commands = react(view, Tick(workers_stepped=True), 10.0, SETTINGS)
+        assert WarmUp() in commands and not view.warm_pending
+
+    def test_never_included_within_the_join_timeout_fails_naming_the_registration_problem(self):
+        view = AgentView(state=S.JOINING, waiting_since=0.0)
+        assert react(view, Tick(), 60.0, SETTINGS)[1] == []
+        _, commands = react(view, Tick(registration_problem="id held by a live agent"), 60.1,
+                            SETTINGS)
+        (fail,) = commands
+        assert isinstance(fail, Fail) and isinstance(fail.error, RendezvousTimeoutError)
+        assert "within 60 s (id held by a live agent)" in str(fail.error)
+
+
+class TestPartition:
+    """Cut off from etcd: ask the peers; stop only if one of them still has it."""
+
+    def test_an_unconfirmed_lease_asks_members_and_standbys_again_every_quarter_ttl(self):
+        view = AgentView(state=S.RUNNING,
+                         round=round_of(3, "a", "b", "c", standby_addrs=("d:1",)),
+                         started_at=0.0, rounds_started=1)
+        assert react(view, Tick(lease_unconfirmed_s=2.0), 10.0, SETTINGS)[1] == []
+        view, commands = react(view, Tick(lease_unconfirmed_s=2.1), 10.0, SETTINGS)
+        assert commands == [CheckPeersStore(("b:1", "c:1", "d:1"))]
+        assert react(view, Tick(lease_unconfirmed_s=2.5), 10.9, SETTINGS)[1] == []
+        assert react(view, Tick(lease_unconfirmed_s=3.1), 11.0, SETTINGS)[1] != []
+
+    def test_a_peer_with_etcd_means_this_node_is_cut_off_kill_now(self):
+        view, commands = react(running(3), LeaseState(2.5, ("b:1",), 1), 10.0, SETTINGS)
+        assert view.state is S.JOINING
+        stop = next(c for c in commands if isinstance(c, StopWorkers))
+        assert stop.fast
+        assert "cut off from etcd for 2.5 s while 1 of 1 peers still reach it" in stop.reason
+        # When back, a new round (not a failure) brings everyone together again.
+        assert RequestRestart(3, stop.reason, failure=False) in commands
+
+    def test_no_peer_with_etcd_means_etcd_is_down_and_training_goes_on(self):
+        view, commands = react(running(3), LeaseState(2.5, (), 3), 10.0, SETTINGS)
+        assert view.state is S.RUNNING
+        assert kinds(commands) == ["Note"] and "training goes on" in commands[0].message
+        assert react(view, LeaseState(3.0, (), 3), 11.0, SETTINGS)[1] == []  # said once
+
+    def test_an_answer_after_the_lease_was_confirmed_again_changes_nothing(self):
+        assert react(running(3), LeaseState(0.5, ("b:1",), 1), 10.0, SETTINGS)[1] == []
+
+
+def test_drain_stops_workers_and_leaves():
+    view, commands = react(running(3), DrainRequested("maintenance"), 10.0, SETTINGS)
+    assert view.state is S.SUCCEEDED
+    assert transitions(commands) == [S.DRAINING, S.SUCCEEDED]
+    assert kinds(commands).index("StopWorkers") < kinds(commands).index("Leave")
+
+
+def test_a_signal_fails_the_agent_with_the_shell_exit_code():
+    view, commands = react(running(3), Signalled(15), 10.0, SETTINGS)
+    assert view.state is S.FAILED and view.exit_code == 143
+    assert view.outcome_reason == "stopped by SIGTERM"
+
+
+def test_a_final_agent_reacts_to_nothing():
+    final = AgentView(state=S.SUCCEEDED)
+    assert react(final, RoundCommitted(round_of(9, "a")), 1.0, SETTINGS) == (final, [])
+
+
+def test_an_unknown_event_is_a_bug():
+    with pytest.raises(TypeError):
+        react(AgentView(), object(), 1.0, SETTINGS)
