@@ -275,7 +275,7 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     config_path = args.config or environ.get("ELASTIC_CONFIG")
     file_values = _read_file(config_path) if config_path else {}
 
-    known_env = {o.env for o in OPTIONS} | {"ELASTIC_CONFIG"} | WORKER_ENV
+    known_env = {o.env for o in OPTIONS} | {"ELASTIC_CONFIG", "ELASTIC_LOG_LEVEL"} | WORKER_ENV
     for name in sorted(environ):
         if name.startswith("ELASTIC_") and name not in known_env:
             log.warning("Ignoring unknown environment variable %s (not an elasticd option)", name)

@@ -90,6 +90,7 @@ class PeerMesh(Protocol):
     def watch(self, addr: str, on_change) -> Any: ...
     def answers(self, addr: str) -> bool: ...
     def check_store(self, addrs: tuple[str, ...], on_answer) -> None: ...
+    def fence(self, addrs: tuple[str, ...], asker: str) -> bool: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +165,8 @@ class Agent:
             # The previous agent of this id is provably gone when it ran on
             # this host and its address no longer answers (systemd restart).
             takeover=lambda old: old.host == host and old.addr != addr
-            and not peers.answers(old.addr))
+            and not peers.answers(old.addr),
+            fence=lambda addrs: peers.fence(addrs, config.node_id))
         supervisor = WorkerSupervisor(
             job_id=config.job_id, node_id=config.node_id, nproc=config.nproc_per_node,
             entrypoint=Entrypoint(script=config.script, module=config.module,
@@ -270,7 +272,8 @@ class Agent:
                                                             self.config.hang_timeout_s)),
             lease_unconfirmed_s=0.0 if confirmed is None else max(0.0, now - confirmed),
             workers_stepped=bool(workers) and all(w.step >= 0 for w in workers),
-            registration_problem=self.rdzv.registration_problem)
+            registration_problem=self.rdzv.registration_problem,
+            standby_addrs=self.rdzv.standby_addrs)
 
     # ---------------------------------------------------------- commands
 
@@ -288,8 +291,8 @@ class Agent:
             self._watch_peer(command.node_id, command.addr)
         elif isinstance(command, reactor.CheckPeersStore):
             asked = len(command.addrs)
-            self.peers.check_store(command.addrs, lambda have: self.inbox.put(reactor.LeaseState(
-                self._lease_unconfirmed_s(), have, asked)))
+            self.peers.check_store(command.addrs, lambda have, answered: self.inbox.put(
+                reactor.LeaseState(self._lease_unconfirmed_s(), have, asked, answered)))
         elif isinstance(command, reactor.WarmUp):
             self.supervisor.warm_up()
         elif isinstance(command, reactor.Leave):
@@ -418,12 +421,19 @@ class Agent:
         self.rdzv.request_restart(reason or "restart requested over gRPC", number, failure=False)
         return True, number
 
-    def store_health(self) -> tuple[bool, float]:
+    def store_health(self, asker_has_store: bool = False, asker: str = ""
+                     ) -> tuple[bool, float, bool]:
+        """(etcd confirmed this agent's lease within half a TTL, seconds since,
+        workers running). A peer that says it reaches etcd while this agent's
+        lease goes unconfirmed proves this agent is the one cut off: the loop
+        is told, and stops the workers."""
         confirmed = self.rdzv.lease_confirmed_at
-        if confirmed is None or not self.rdzv.registered:
-            return False, -1.0
-        age = max(0.0, self.clock.monotonic() - confirmed)
-        return age <= self.config.lease_ttl_s / 2, age
+        age = -1.0 if confirmed is None else max(0.0, self.clock.monotonic() - confirmed)
+        reachable = self.rdzv.registered and 0 <= age <= self.config.lease_ttl_s / 2
+        running = self.view.state in (S.STARTING, S.RUNNING)
+        if asker_has_store and not reachable and running:
+            self.inbox.put(reactor.LeaseState(age, (asker or "a peer",), 1))
+        return reachable, age, running
 
     # ------------------------------------------------------------ status
 

@@ -85,8 +85,9 @@ class AgentControl(Protocol):
         """Ask for a new round with the same members: (accepted, round it was requested for)."""
         ...
 
-    def store_health(self) -> tuple[bool, float]:
-        """Whether etcd confirmed this agent's lease recently: (reachable, seconds since)."""
+    def store_health(self, asker_has_store: bool, asker: str) -> tuple[bool, float, bool]:
+        """Whether etcd confirmed this agent's lease recently: (reachable, seconds
+        since, workers running). ``asker_has_store``: the asker reaches etcd."""
         ...
 
 
@@ -177,8 +178,11 @@ class _AgentServicer(agent_pb2_grpc.AgentServicer):
         return agent_pb2.AgentRequestRestartResponse(accepted=accepted, round=round_)
 
     def StoreHealth(self, request, context):  # noqa: N802
-        reachable, age = _serve_call(context, "StoreHealth", self._control.store_health)
-        return agent_pb2.AgentStoreHealthResponse(reachable=reachable, confirmed_age_s=age)
+        reachable, age, running = _serve_call(context, "StoreHealth", self._control.store_health,
+                                              request.asker_has_store,
+                                              cap_text(request.asker, 128))
+        return agent_pb2.AgentStoreHealthResponse(reachable=reachable, confirmed_age_s=age,
+                                                  workers_running=running)
 
 
 class _WorkerChannelServicer(agent_pb2_grpc.WorkerChannelServicer):

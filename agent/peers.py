@@ -140,12 +140,15 @@ def check_health(addr: str, timeout_s: float = DEFAULT_TIMEOUT_S, service: str =
     return _health_from_status(response.status)
 
 
-def store_reachable(addr: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool | None:
-    """Whether the agent at ``addr`` reaches etcd now; None when it does not
-    answer in time (or serves no StoreHealth). Never raises."""
+def store_health(addr: str, *, asker_has_store: bool = False, asker: str = "",
+                 timeout_s: float = DEFAULT_TIMEOUT_S
+                 ) -> agent_pb2.AgentStoreHealthResponse | None:
+    """Ask the agent at ``addr`` whether it reaches etcd (telling it whether
+    the asker does); None when it does not answer in time. Never raises."""
     stub = agent_pb2_grpc.AgentStub(_channel(addr))
+    request = agent_pb2.AgentStoreHealthRequest(asker_has_store=asker_has_store, asker=asker)
     try:
-        return stub.StoreHealth(agent_pb2.AgentStoreHealthRequest(), timeout=timeout_s).reachable
+        return stub.StoreHealth(request, timeout=timeout_s)
     except grpc.RpcError as exc:
         logger.debug("The agent at %s did not answer StoreHealth: %s.", addr, exc.code().name)
         return None
@@ -298,12 +301,28 @@ class GrpcPeerMesh:
         return check_health(addr) is not PeerHealth.UNREACHABLE
 
     def check_store(self, addrs: tuple[str, ...],
-                    on_answer: Callable[[tuple[str, ...]], None]) -> None:
+                    on_answer: Callable[[tuple[str, ...], int], None]) -> None:
         """Ask the agents at ``addrs``, in parallel and in the background,
-        whether they reach etcd; ``on_answer`` gets the addresses that do."""
+        whether they reach etcd; ``on_answer`` gets the addresses that do and
+        how many answered at all."""
         def ask() -> None:
-            with ThreadPoolExecutor(max_workers=max(1, min(16, len(addrs)))) as pool:
-                answers = list(pool.map(store_reachable, addrs))
-            on_answer(tuple(a for a, ok in zip(addrs, answers) if ok))
+            answers = self._ask_all(addrs, asker_has_store=False, asker="")
+            on_answer(tuple(a for a, r in zip(addrs, answers) if r is not None and r.reachable),
+                      sum(r is not None for r in answers))
 
         threading.Thread(target=ask, name="peers-store-check", daemon=True).start()
+
+    def fence(self, addrs: tuple[str, ...], asker: str) -> bool:
+        """Tell the agents at ``addrs`` that ``asker`` reaches etcd (so the
+        ones cut off from it stop their workers); True when none of them
+        still runs workers (an agent that does not answer counts as stopped)."""
+        answers = self._ask_all(addrs, asker_has_store=True, asker=asker)
+        return not any(r is not None and r.workers_running for r in answers)
+
+    @staticmethod
+    def _ask_all(addrs, *, asker_has_store: bool, asker: str) -> list:
+        if not addrs:
+            return []
+        with ThreadPoolExecutor(max_workers=min(16, len(addrs))) as pool:
+            return list(pool.map(lambda a: store_health(a, asker_has_store=asker_has_store,
+                                                        asker=asker), addrs))

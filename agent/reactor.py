@@ -25,8 +25,12 @@ The rules:
   TTL while its workers run, it asks the round's peers and standbys whether
   they reach etcd. If any does, this node is the one cut off: it kills its
   workers before its lease can expire at etcd (fail-stop, no zombie group),
-  and asks for a new round (not a failure) for when it is back. If none
-  does, etcd itself is down: no round can form anywhere, and training goes on.
+  and asks for a new round (not a failure) for when it is back. If peers
+  answered and none does, etcd itself is down: no round can form anywhere,
+  and training goes on. If no peer answered at all, the two cannot be told
+  apart, and the node stops its workers as if cut off. A leader about to
+  leave out members whose lease expired tells them it reaches etcd, which
+  stops them too (:meth:`elastic.rendezvous.node.RendezvousNode`'s fence).
 * A node never included in a round within the join timeout gives up.
 """
 
@@ -77,11 +81,13 @@ class PeerHealth:
 @dataclass(frozen=True)
 class LeaseState:
     """The answer to :class:`CheckPeersStore`: how long this node's lease has
-    gone unconfirmed, and which of the asked peers reach etcd now."""
+    gone unconfirmed, which of the asked peers reach etcd now, and how many
+    answered at all."""
 
     unconfirmed_s: float
     peers_with_store: tuple[str, ...]
     peers_asked: int
+    peers_answered: int = -1  # -1: as many as were asked
 
 
 @dataclass(frozen=True)
@@ -98,12 +104,14 @@ class Signalled:
 class Tick:
     """Time passed. Carries what the loop measured: hang verdicts of this
     node's workers, how long the lease has gone unconfirmed, whether every
-    worker made a step, and why the node is not registered (if it is not)."""
+    worker made a step, why the node is not registered (if it is not), and
+    the standbys the leader last published."""
 
     hung: tuple[str, ...] = ()
     lease_unconfirmed_s: float = 0.0
     workers_stepped: bool = False
     registration_problem: str = ""
+    standby_addrs: tuple[str, ...] = ()  # whom, besides the members, to ask about etcd
 
 
 Event = Union[RoundCommitted, WorkerExited, PeerHealth, LeaseState, DrainRequested, Signalled,
@@ -368,8 +376,8 @@ def _on_peer(view: AgentView, event: PeerHealth, now: float) -> Result:
     return view, []
 
 
-def _peers_to_ask(r: Round, node_id: str) -> tuple[str, ...]:
-    return tuple(m.addr for m in r.members if m.node_id != node_id and m.addr) + r.standby_addrs
+def _peers_to_ask(r: Round, node_id: str, standby_addrs: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(m.addr for m in r.members if m.node_id != node_id and m.addr) + standby_addrs
 
 
 def _on_tick(view: AgentView, tick: Tick, now: float, settings: Settings) -> Result:
@@ -390,7 +398,8 @@ def _on_tick(view: AgentView, tick: Tick, now: float, settings: Settings) -> Res
         # Ask again every quarter TTL while the lease stays unconfirmed.
         if view.peers_asked_at is None or now - view.peers_asked_at >= settings.lease_ttl_s / 4:
             view = dataclasses.replace(view, peers_asked_at=now)
-            commands.append(CheckPeersStore(_peers_to_ask(view.round, settings.node_id)))
+            commands.append(CheckPeersStore(_peers_to_ask(view.round, settings.node_id,
+                                                          tick.standby_addrs)))
     elif tick.lease_unconfirmed_s <= settings.lease_ttl_s / 2 and (
             view.peers_asked_at is not None or view.store_down_noted):
         view = dataclasses.replace(view, peers_asked_at=None, store_down_noted=False)
@@ -406,11 +415,15 @@ def _on_tick(view: AgentView, tick: Tick, now: float, settings: Settings) -> Res
 def _on_lease(view: AgentView, event: LeaseState, settings: Settings) -> Result:
     if view.state is not S.RUNNING or event.unconfirmed_s <= settings.lease_ttl_s / 2:
         return view, []
-    if event.peers_with_store:
+    answered = event.peers_asked if event.peers_answered < 0 else event.peers_answered
+    if event.peers_with_store or not answered:
         number = view.round_number
-        reason = (f"cut off from etcd for {event.unconfirmed_s:.1f} s while "
-                  f"{len(event.peers_with_store)} of {event.peers_asked} peers still reach it: "
-                  "stopping the workers before this node's lease can expire")
+        why = (f"{len(event.peers_with_store)} of {event.peers_asked} peers still reach it"
+               if event.peers_with_store else
+               f"none of the {event.peers_asked} peers asked answers, so an outage of etcd "
+               "cannot be told from this node being cut off")
+        reason = (f"cut off from etcd for {event.unconfirmed_s:.1f} s while {why}: stopping "
+                  "the workers before this node's lease can expire")
         view, commands = _stop(view, reason, fast=True)
         # Not a failure of the job: when this node is back, its peers and it
         # need a new round (unless its lease expired, which makes one anyway).
@@ -418,8 +431,8 @@ def _on_lease(view: AgentView, event: LeaseState, settings: Settings) -> Result:
     if view.store_down_noted:
         return view, []
     return dataclasses.replace(view, store_down_noted=True), [Note(
-        f"etcd unconfirmed for {event.unconfirmed_s:.1f} s and none of the {event.peers_asked} "
-        "peers asked reaches it: etcd itself is down, no round can form; training goes on")]
+        f"etcd unconfirmed for {event.unconfirmed_s:.1f} s and none of the {answered} peers "
+        "that answered reaches it: etcd itself is down, no round can form; training goes on")]
 
 
 def _drain(view: AgentView, reason: str) -> Result:

@@ -12,6 +12,10 @@ ROOT = "/elastic/v1/"
 class JobKeys:
     """Key names under ``/elastic/v1/<job_id>/``.
 
+    ``standbys`` lists the agent addresses of the registered nodes outside
+    the round, kept by the leader: a member cut off from etcd asks them (and
+    the other members) whether etcd is still there.
+
     ``requests/`` holds what nodes and operators tell the leader (the leader
     alone watches it): restart and drain requests, and per-node reports that a
     node started the workers of a round (``started/``), that its workers all
@@ -25,6 +29,7 @@ class JobKeys:
         self.nodes = self.prefix + "nodes/"
         self.leader = self.prefix + "leader"
         self.round = self.prefix + "round"
+        self.standbys = self.prefix + "standbys"
         self.config = self.prefix + "config"
         self.requests = self.prefix + "requests/"
         self.restart_requests = self.requests + "restart/"

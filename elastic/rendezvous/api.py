@@ -280,10 +280,7 @@ class Round:
     token): every round write increments it by exactly one. ``failures`` holds
     the wall times of the failures counted against the restart budget. A round
     with an ``outcome`` ("succeeded" or "failed") is the job's last: nobody
-    starts workers for it, and agents exit. ``standby_addrs`` are the agent
-    addresses of the registered nodes left out of the round when it was
-    committed: a member cut off from etcd asks them, as well as the other
-    members, whether etcd is still there.
+    starts workers for it, and agents exit.
     """
 
     number: int
@@ -295,7 +292,6 @@ class Round:
     created_at: float  # wall-clock seconds, for humans
     failures: tuple[float, ...] = ()
     outcome: str = ""
-    standby_addrs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Capped here, not only where reasons come from, so that no round written
@@ -361,7 +357,6 @@ class Round:
             failures=tuple(time_field(key, obj, f"failures[{i}]", t)
                            for i, t in enumerate(typed_field(key, obj, "failures", list, []))),
             outcome=outcome,
-            standby_addrs=_standby_addrs(key, obj),
         )
 
 
@@ -387,11 +382,22 @@ def _member(key: str, index: int, obj: Any) -> Member:
     )
 
 
-def _standby_addrs(key: str, obj: dict) -> tuple[str, ...]:
-    addrs = obj.get("standby_addrs", [])
-    if not isinstance(addrs, list) or not all(isinstance(a, str) for a in addrs):
-        raise MalformedRecordError(key, "field 'standby_addrs' must be a list of strings")
-    return tuple(addrs)
+@dataclass(frozen=True)
+class Standbys:
+    """The ``standbys`` record: agent addresses of registered non-members."""
+
+    addrs: tuple[str, ...] = ()
+
+    def to_json(self) -> bytes:
+        return json.dumps({"addrs": list(self.addrs)}).encode()
+
+    @classmethod
+    def from_json(cls, key: str, raw: bytes) -> "Standbys":
+        """Raises MalformedRecordError naming the key when invalid."""
+        addrs = typed_field(key, load_object(key, raw), "addrs", list)
+        if not all(isinstance(a, str) for a in addrs):
+            raise MalformedRecordError(key, "field 'addrs' must be a list of strings")
+        return cls(tuple(addrs))
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,9 @@ The rules, in order:
   ``max_restarts``, the job fails instead. Lost or joining nodes are
   membership changes and never count.
 * A round with an outcome is final: nothing more is decided.
+* A member whose registration is newer than the round (its agent was
+  restarted, or lost its lease and came back) needs a new round: its workers
+  of the current one are gone.
 * Exit barrier: the job succeeds when every member of the current round
   reported that its workers all exited 0. Once one has, joiners no longer
   start a round (failures and losses still do); when the others have not
@@ -153,9 +156,14 @@ def decide(observed: Observed, now: float, config: RendezvousConfig) -> Decision
     drained = [m for m in current.node_ids if m in observed.draining]
     restarts = [r for r in observed.restart_requests if r.round == current.number]
 
+    # A member registered anew since the round (its agent restarted, or lost
+    # its lease): its workers of this round are gone, so the round is too.
+    rejoined = [m for m in survivors if m in observed.registered_since_round]
     triggers = []
     if gone:
         triggers.append("lost " + ", ".join(gone))
+    if rejoined:
+        triggers.append("registered again: " + ", ".join(rejoined))
     if unstarted:
         triggers.append(", ".join(unstarted) + " did not start workers within "
                         f"{config.start_timeout_s:g} s")
@@ -163,9 +171,11 @@ def decide(observed: Observed, now: float, config: RendezvousConfig) -> Decision
         triggers.append("drained " + ", ".join(drained))
     for r in restarts:
         triggers.append(f"restart requested by {r.node_id}: {r.reason}")
-    room = config.max_nodes - len(survivors)
+    # Suspects still hold their places unless a round forms for another reason.
+    room = config.max_nodes - len([m for m in current.node_ids if m in registered])
     if joiners and room > 0 and not done:
         triggers.append("joined " + ", ".join(joiners[:room]))
+    room = config.max_nodes - len(survivors)
 
     if not triggers:
         standby = f", {_plural(len(joiners), 'standby')}" if joiners else ""

@@ -67,6 +67,7 @@ from elastic.rendezvous.api import (
     ReportKind,
     RestartRequest,
     Round,
+    Standbys,
 )
 from elastic.rendezvous.decisions import decide
 from elastic.rendezvous.election import Election
@@ -80,8 +81,13 @@ log = logging.getLogger(__name__)
 _SESSION_CHECK_S = 0.5
 # After a store error the thread waits this long before the next pass.
 _ERROR_BACKOFF_S = 0.2
+# How often a leader asks lost members again whether their workers stopped.
+_FENCE_RETRY_S = 0.25
 
 Takeover = Callable[[NodeInfo], bool]
+# Tells the agents at these addresses that the leader reaches etcd; True once
+# none of them runs workers any more (see RendezvousNode._fence_lost).
+Fence = Callable[[tuple[str, ...]], bool]
 
 
 class RendezvousNode:
@@ -102,6 +108,7 @@ class RendezvousNode:
         on_round: Callable[[Round], None] | None = None,
         takeover: Takeover | None = None,
         port_picker: Callable[[str], int] = free_port,
+        fence: Fence | None = None,
     ):
         self.store = store
         self.config = config
@@ -111,6 +118,8 @@ class RendezvousNode:
         self._on_round = on_round
         self._takeover = takeover
         self._port_picker = port_picker
+        self._fence = fence
+        self._fencing_since: float | None = None
         self._election = Election(store, self.keys, info.node_id)
 
         self._inbox: queue.Queue = queue.Queue()
@@ -124,6 +133,7 @@ class RendezvousNode:
         self._leader: str | None = None
         self._leading = False  # leader with its watches in place
         self._takeover_failing_since: float | None = None
+        self._campaign_after = 0.0  # monotonic; set after stepping down
         self._leader_watches: list[Watch] = []
         self._watches: list[Watch] = []
         self._pending_resync: set[str] = set()
@@ -134,6 +144,8 @@ class RendezvousNode:
         self._changed = True  # the leader's picture changed since it last decided
 
         self._view = LeaderView(self.keys, self._report_bad)
+        self._standbys = Standbys()  # as last read from etcd
+        self._standbys_written: Standbys | None = None  # as this node last wrote it as leader
         self._last_reason = ""
         self._reported_bad: set[tuple[str, int]] = set()
 
@@ -156,6 +168,12 @@ class RendezvousNode:
         return session.confirmed_at if session is not None else None
 
     @property
+    def standby_addrs(self) -> tuple[str, ...]:
+        """Agent addresses of the registered nodes outside the round, as the
+        leader last published them."""
+        return self._standbys.addrs
+
+    @property
     def registered(self) -> bool:
         return self._registered and self.lease_id is not None
 
@@ -176,7 +194,7 @@ class RendezvousNode:
         self._check_job_settings()
         self._session = self.store.session(self.config.lease_ttl_s)
         self._try_register()
-        for which in ("round", "leader"):
+        for which in ("round", "leader", "standbys"):
             self._resync(which)
         if thread:
             self._thread = threading.Thread(target=self._run, name=f"rendezvous-{self.node_id}",
@@ -223,6 +241,7 @@ class RendezvousNode:
                 # Decide again only when something changed or a deadline came.
                 self._changed = False
                 self._wake_at = self._lead()
+                self._publish_standbys()
         except StoreError as exc:
             self._changed = True
             log.warning("job %s node %s: store error in the rendezvous loop, will retry: %s",
@@ -333,7 +352,11 @@ class RendezvousNode:
         failure here would lose the event)."""
         now = self.clock.wall()
         self._changed = True
-        if tag == "round":
+        if tag == "standbys":
+            for ev in payload:
+                self._apply_standbys(ev.kv.key, ev.kv.value if ev.type is EventType.PUT else None,
+                                     ev.kv.mod_revision)
+        elif tag == "round":
             for ev in payload:
                 self._apply_round(ev.kv.key, ev.kv.value if ev.type is EventType.PUT else None,
                                   ev.kv.version, ev.kv.mod_revision)
@@ -366,7 +389,7 @@ class RendezvousNode:
             self._try_register()
             if not self._registered:
                 return
-        if self._leader is None:
+        if self._leader is None and self.clock.monotonic() >= self._campaign_after:
             self._leader = self._election.campaign(self._session.lease_id)
             if self.is_leader:
                 log.info("job %s node %s: elected leader", self.config.job_id, self.node_id)
@@ -495,6 +518,8 @@ class RendezvousNode:
             self._drop_leadership()
             if self._election.resign():
                 self._leader = None
+                # Give a node that can lead a TTL to win before campaigning again.
+                self._campaign_after = now + self.config.lease_ttl_s
             self._takeover_failing_since = None
 
     def _drop_leadership(self) -> None:
@@ -502,6 +527,7 @@ class RendezvousNode:
             w.cancel()
         self._leader_watches = []
         self._leading = False
+        self._standbys_written = None
         self._pending_resync -= {"nodes", "requests"}
         self._view = LeaderView(self.keys, self._report_bad)
 
@@ -511,14 +537,17 @@ class RendezvousNode:
         """(Re)load one part of the state and watch it from the revision read.
         Stays pending (retried on the next pass) until it succeeds."""
         self._pending_resync.add(which)
-        if which in ("round", "leader"):
-            key = self.keys.round if which == "round" else self.keys.leader
+        if which in ("round", "leader", "standbys"):
+            key = {"round": self.keys.round, "leader": self.keys.leader,
+                   "standbys": self.keys.standbys}[which]
             kv, rev = self._read(key)
             if which == "round":
                 self._apply_round(key, kv.value if kv else None, kv.version if kv else 0,
                                   kv.mod_revision if kv else 0)
-            else:
+            elif which == "leader":
                 self._leader = kv.value.decode(errors="replace") if kv else None
+            else:
+                self._apply_standbys(key, kv.value if kv else None, kv.mod_revision if kv else 0)
             self._watches.append(self.store.watch(
                 key, self._poster(which), start_revision=rev + 1,
                 on_error=self._error_poster(which)))
@@ -581,6 +610,21 @@ class RendezvousNode:
             if me is not None and me.node_rank == 0 and not parsed.outcome:
                 self._advertise_pending = True
 
+    def _apply_standbys(self, key: str, value: bytes | None, revision: int) -> None:
+        try:
+            self._standbys = Standbys.from_json(key, value) if value is not None else Standbys()
+        except MalformedRecordError as exc:
+            self._report_bad(exc, revision)
+
+    def _publish_standbys(self) -> None:
+        """Keep ``standbys`` up to date (under the leader's lease: a new leader
+        rewrites it). Not fenced: it only says whom to ask about etcd."""
+        members = self._round.node_ids if self._round is not None else ()
+        wanted = Standbys(self._view.standby_addrs(members))
+        if wanted != self._standbys_written:
+            self.store.put(self.keys.standbys, wanted.to_json(), lease=self._session.lease_id)
+            self._standbys_written = wanted
+
     def _advertise_fresh_master_port(self) -> None:
         """Offer a new free port for the next round's MASTER_PORT: a restarted
         group never races the old group's sockets for the same port."""
@@ -606,6 +650,8 @@ class RendezvousNode:
             registered = self._view.nodes.get(node_id, (None, 0))[1]
             self._view.suspect(node_id, now, registered + 1)
         if decision.action is Action.CLOSE_ROUND:
+            if not self._fence_lost():
+                return now + _FENCE_RETRY_S
             self._commit_round(decision)
             return None
         if decision.action in (Action.FAIL_JOB, Action.SUCCEED_JOB) and self._round is not None:
@@ -613,6 +659,33 @@ class RendezvousNode:
             self._end_job(outcome, decision)
             return None
         return decision.wake_at
+
+    def _fence_lost(self) -> bool:
+        """Before a round leaves out members whose lease expired, make sure
+        their workers stopped: a member cut off from etcd together with its
+        peers, and unaware of this leader (it registered after the cut), would
+        take etcd for down and train on. Told that the leader reaches etcd,
+        it stops. An agent that does not answer counts as stopped; after
+        three TTLs of trying the leader goes on regardless (liveness)."""
+        current = self._round
+        lost = tuple(m.addr for m in (current.members if current else ())
+                     if m.node_id not in self._view.nodes and m.addr)
+        if not lost or self._fence is None:
+            return True
+        now = self.clock.monotonic()
+        self._fencing_since = self._fencing_since or now
+        if self._fence(lost):
+            self._fencing_since = None
+            return True
+        if now - self._fencing_since > 3 * self.config.lease_ttl_s:
+            log.warning("job %s node %s (leader): lost members at %s still report running "
+                        "workers after %.0f s; forming the round anyway", self.config.job_id,
+                        self.node_id, ", ".join(lost), now - self._fencing_since)
+            self._fencing_since = None
+            return True
+        log.info("job %s node %s (leader): waiting for the workers of lost members at %s to "
+                 "stop", self.config.job_id, self.node_id, ", ".join(lost))
+        return False
 
     def _commit_round(self, decision: Decision) -> None:
         number = self._round_version + 1
@@ -627,7 +700,6 @@ class RendezvousNode:
             number=number, members=members, master_addr=rank0.host,
             master_port=rank0.master_port, reason=decision.reason, leader=self.node_id,
             created_at=self.clock.wall(), failures=decision.failures,
-            standby_addrs=self._view.standby_addrs(decision.members),
         )
         # Served and stale restart requests go in the same transaction: a
         # request is consumed exactly by the round that answers it.

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65lastic/v1/agent.proto\x12\nelastic.v1\"\x14\n\x12\x41gentStatusRequest\"\x9e\x01\n\x0cWorkerStatus\x12\x12\n\nlocal_rank\x18\x01 \x01(\x05\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12\r\n\x05state\x18\x04 \x01(\t\x12\x11\n\tlast_step\x18\x05 \x01(\x03\x12\x11\n\tstep_rate\x18\x06 \x01(\x01\x12\x17\n\x0fheartbeat_age_s\x18\x07 \x01(\x01\x12\x11\n\texit_code\x18\x08 \x01(\x05\"\xdf\x01\n\x13\x41gentStatusResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\r\n\x05round\x18\x04 \x01(\x03\x12\x11\n\tnode_rank\x18\x05 \x01(\x05\x12\x12\n\nworld_size\x18\x06 \x01(\x05\x12)\n\x07workers\x18\x07 \x03(\x0b\x32\x18.elastic.v1.WorkerStatus\x12\x10\n\x08restarts\x18\x08 \x01(\x05\x12\x14\n\x0clast_failure\x18\t \x01(\t\x12\x0f\n\x07version\x18\n \x01(\t\"#\n\x11\x41gentDrainRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"7\n\x12\x41gentDrainResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\",\n\x1a\x41gentRequestRestartRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x19\n\x17\x41gentStoreHealthRequest\"F\n\x18\x41gentStoreHealthResponse\x12\x11\n\treachable\x18\x01 \x01(\x08\x12\x17\n\x0f\x63onfirmed_age_s\x18\x02 \x01(\x01\">\n\x1b\x41gentRequestRestartResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05round\x18\x02 \x01(\x03\"\x92\x01\n\x1dWorkerChannelHeartbeatRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12\r\n\x05round\x18\x04 \x01(\x03\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x14\n\x0csaving_for_s\x18\x06 \x01(\x01\x12\x0f\n\x07\x65xiting\x18\x07 \x01(\x08\"8\n\x1eWorkerChannelHeartbeatResponse\x12\x16\n\x0estop_requested\x18\x01 \x01(\x08\"^\n\x0f\x43heckpointEntry\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x0c\n\x04path\x18\x04 \x01(\t\x12\x0c\n\x04time\x18\x05 \x01(\x01\"R\n$WorkerChannelCommitCheckpointRequest\x12*\n\x05\x65ntry\x18\x01 \x01(\x0b\x32\x1b.elastic.v1.CheckpointEntry\"K\n%WorkerChannelCommitCheckpointResponse\x12\x11\n\tcommitted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"&\n$WorkerChannelLatestCheckpointRequest\"b\n%WorkerChannelLatestCheckpointResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12*\n\x05\x65ntry\x18\x02 \x01(\x0b\x32\x1b.elastic.v1.CheckpointEntry2\xd7\x02\n\x05\x41gent\x12I\n\x06Status\x12\x1e.elastic.v1.AgentStatusRequest\x1a\x1f.elastic.v1.AgentStatusResponse\x12\x46\n\x05\x44rain\x12\x1d.elastic.v1.AgentDrainRequest\x1a\x1e.elastic.v1.AgentDrainResponse\x12\x61\n\x0eRequestRestart\x12&.elastic.v1.AgentRequestRestartRequest\x1a\'.elastic.v1.AgentRequestRestartResponse\x12X\n\x0bStoreHealth\x12#.elastic.v1.AgentStoreHealthRequest\x1a$.elastic.v1.AgentStoreHealthResponse2\xe5\x02\n\rWorkerChannel\x12\x62\n\tHeartbeat\x12).elastic.v1.WorkerChannelHeartbeatRequest\x1a*.elastic.v1.WorkerChannelHeartbeatResponse\x12w\n\x10\x43ommitCheckpoint\x12\x30.elastic.v1.WorkerChannelCommitCheckpointRequest\x1a\x31.elastic.v1.WorkerChannelCommitCheckpointResponse\x12w\n\x10LatestCheckpoint\x12\x30.elastic.v1.WorkerChannelLatestCheckpointRequest\x1a\x31.elastic.v1.WorkerChannelLatestCheckpointResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65lastic/v1/agent.proto\x12\nelastic.v1\"\x14\n\x12\x41gentStatusRequest\"\x9e\x01\n\x0cWorkerStatus\x12\x12\n\nlocal_rank\x18\x01 \x01(\x05\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12\r\n\x05state\x18\x04 \x01(\t\x12\x11\n\tlast_step\x18\x05 \x01(\x03\x12\x11\n\tstep_rate\x18\x06 \x01(\x01\x12\x17\n\x0fheartbeat_age_s\x18\x07 \x01(\x01\x12\x11\n\texit_code\x18\x08 \x01(\x05\"\xdf\x01\n\x13\x41gentStatusResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\r\n\x05round\x18\x04 \x01(\x03\x12\x11\n\tnode_rank\x18\x05 \x01(\x05\x12\x12\n\nworld_size\x18\x06 \x01(\x05\x12)\n\x07workers\x18\x07 \x03(\x0b\x32\x18.elastic.v1.WorkerStatus\x12\x10\n\x08restarts\x18\x08 \x01(\x05\x12\x14\n\x0clast_failure\x18\t \x01(\t\x12\x0f\n\x07version\x18\n \x01(\t\"#\n\x11\x41gentDrainRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"7\n\x12\x41gentDrainResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\",\n\x1a\x41gentRequestRestartRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"A\n\x17\x41gentStoreHealthRequest\x12\x17\n\x0f\x61sker_has_store\x18\x01 \x01(\x08\x12\r\n\x05\x61sker\x18\x02 \x01(\t\"_\n\x18\x41gentStoreHealthResponse\x12\x11\n\treachable\x18\x01 \x01(\x08\x12\x17\n\x0f\x63onfirmed_age_s\x18\x02 \x01(\x01\x12\x17\n\x0fworkers_running\x18\x03 \x01(\x08\">\n\x1b\x41gentRequestRestartResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05round\x18\x02 \x01(\x03\"\x92\x01\n\x1dWorkerChannelHeartbeatRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12\r\n\x05round\x18\x04 \x01(\x03\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x14\n\x0csaving_for_s\x18\x06 \x01(\x01\x12\x0f\n\x07\x65xiting\x18\x07 \x01(\x08\"8\n\x1eWorkerChannelHeartbeatResponse\x12\x16\n\x0estop_requested\x18\x01 \x01(\x08\"^\n\x0f\x43heckpointEntry\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x0c\n\x04path\x18\x04 \x01(\t\x12\x0c\n\x04time\x18\x05 \x01(\x01\"R\n$WorkerChannelCommitCheckpointRequest\x12*\n\x05\x65ntry\x18\x01 \x01(\x0b\x32\x1b.elastic.v1.CheckpointEntry\"K\n%WorkerChannelCommitCheckpointResponse\x12\x11\n\tcommitted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"&\n$WorkerChannelLatestCheckpointRequest\"b\n%WorkerChannelLatestCheckpointResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12*\n\x05\x65ntry\x18\x02 \x01(\x0b\x32\x1b.elastic.v1.CheckpointEntry2\xd7\x02\n\x05\x41gent\x12I\n\x06Status\x12\x1e.elastic.v1.AgentStatusRequest\x1a\x1f.elastic.v1.AgentStatusResponse\x12\x46\n\x05\x44rain\x12\x1d.elastic.v1.AgentDrainRequest\x1a\x1e.elastic.v1.AgentDrainResponse\x12\x61\n\x0eRequestRestart\x12&.elastic.v1.AgentRequestRestartRequest\x1a\'.elastic.v1.AgentRequestRestartResponse\x12X\n\x0bStoreHealth\x12#.elastic.v1.AgentStoreHealthRequest\x1a$.elastic.v1.AgentStoreHealthResponse2\xe5\x02\n\rWorkerChannel\x12\x62\n\tHeartbeat\x12).elastic.v1.WorkerChannelHeartbeatRequest\x1a*.elastic.v1.WorkerChannelHeartbeatResponse\x12w\n\x10\x43ommitCheckpoint\x12\x30.elastic.v1.WorkerChannelCommitCheckpointRequest\x1a\x31.elastic.v1.WorkerChannelCommitCheckpointResponse\x12w\n\x10LatestCheckpoint\x12\x30.elastic.v1.WorkerChannelLatestCheckpointRequest\x1a\x31.elastic.v1.WorkerChannelLatestCheckpointResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,27 +44,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_AGENTREQUESTRESTARTREQUEST']._serialized_start=541
   _globals['_AGENTREQUESTRESTARTREQUEST']._serialized_end=585
   _globals['_AGENTSTOREHEALTHREQUEST']._serialized_start=587
-  _globals['_AGENTSTOREHEALTHREQUEST']._serialized_end=612
-  _globals['_AGENTSTOREHEALTHRESPONSE']._serialized_start=614
-  _globals['_AGENTSTOREHEALTHRESPONSE']._serialized_end=684
-  _globals['_AGENTREQUESTRESTARTRESPONSE']._serialized_start=686
-  _globals['_AGENTREQUESTRESTARTRESPONSE']._serialized_end=748
-  _globals['_WORKERCHANNELHEARTBEATREQUEST']._serialized_start=751
-  _globals['_WORKERCHANNELHEARTBEATREQUEST']._serialized_end=897
-  _globals['_WORKERCHANNELHEARTBEATRESPONSE']._serialized_start=899
-  _globals['_WORKERCHANNELHEARTBEATRESPONSE']._serialized_end=955
-  _globals['_CHECKPOINTENTRY']._serialized_start=957
-  _globals['_CHECKPOINTENTRY']._serialized_end=1051
-  _globals['_WORKERCHANNELCOMMITCHECKPOINTREQUEST']._serialized_start=1053
-  _globals['_WORKERCHANNELCOMMITCHECKPOINTREQUEST']._serialized_end=1135
-  _globals['_WORKERCHANNELCOMMITCHECKPOINTRESPONSE']._serialized_start=1137
-  _globals['_WORKERCHANNELCOMMITCHECKPOINTRESPONSE']._serialized_end=1212
-  _globals['_WORKERCHANNELLATESTCHECKPOINTREQUEST']._serialized_start=1214
-  _globals['_WORKERCHANNELLATESTCHECKPOINTREQUEST']._serialized_end=1252
-  _globals['_WORKERCHANNELLATESTCHECKPOINTRESPONSE']._serialized_start=1254
-  _globals['_WORKERCHANNELLATESTCHECKPOINTRESPONSE']._serialized_end=1352
-  _globals['_AGENT']._serialized_start=1355
-  _globals['_AGENT']._serialized_end=1698
-  _globals['_WORKERCHANNEL']._serialized_start=1701
-  _globals['_WORKERCHANNEL']._serialized_end=2058
+  _globals['_AGENTSTOREHEALTHREQUEST']._serialized_end=652
+  _globals['_AGENTSTOREHEALTHRESPONSE']._serialized_start=654
+  _globals['_AGENTSTOREHEALTHRESPONSE']._serialized_end=749
+  _globals['_AGENTREQUESTRESTARTRESPONSE']._serialized_start=751
+  _globals['_AGENTREQUESTRESTARTRESPONSE']._serialized_end=813
+  _globals['_WORKERCHANNELHEARTBEATREQUEST']._serialized_start=816
+  _globals['_WORKERCHANNELHEARTBEATREQUEST']._serialized_end=962
+  _globals['_WORKERCHANNELHEARTBEATRESPONSE']._serialized_start=964
+  _globals['_WORKERCHANNELHEARTBEATRESPONSE']._serialized_end=1020
+  _globals['_CHECKPOINTENTRY']._serialized_start=1022
+  _globals['_CHECKPOINTENTRY']._serialized_end=1116
+  _globals['_WORKERCHANNELCOMMITCHECKPOINTREQUEST']._serialized_start=1118
+  _globals['_WORKERCHANNELCOMMITCHECKPOINTREQUEST']._serialized_end=1200
+  _globals['_WORKERCHANNELCOMMITCHECKPOINTRESPONSE']._serialized_start=1202
+  _globals['_WORKERCHANNELCOMMITCHECKPOINTRESPONSE']._serialized_end=1277
+  _globals['_WORKERCHANNELLATESTCHECKPOINTREQUEST']._serialized_start=1279
+  _globals['_WORKERCHANNELLATESTCHECKPOINTREQUEST']._serialized_end=1317
+  _globals['_WORKERCHANNELLATESTCHECKPOINTRESPONSE']._serialized_start=1319
+  _globals['_WORKERCHANNELLATESTCHECKPOINTRESPONSE']._serialized_end=1417
+  _globals['_AGENT']._serialized_start=1420
+  _globals['_AGENT']._serialized_end=1763
+  _globals['_WORKERCHANNEL']._serialized_start=1766
+  _globals['_WORKERCHANNEL']._serialized_end=2123
 # @@protoc_insertion_point(module_scope)

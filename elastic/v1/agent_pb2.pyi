@@ -75,16 +75,22 @@ class AgentRequestRestartRequest(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class AgentStoreHealthRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("asker_has_store", "asker")
+    ASKER_HAS_STORE_FIELD_NUMBER: _ClassVar[int]
+    ASKER_FIELD_NUMBER: _ClassVar[int]
+    asker_has_store: bool
+    asker: str
+    def __init__(self, asker_has_store: _Optional[bool] = ..., asker: _Optional[str] = ...) -> None: ...
 
 class AgentStoreHealthResponse(_message.Message):
-    __slots__ = ("reachable", "confirmed_age_s")
+    __slots__ = ("reachable", "confirmed_age_s", "workers_running")
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     CONFIRMED_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     reachable: bool
     confirmed_age_s: float
-    def __init__(self, reachable: _Optional[bool] = ..., confirmed_age_s: _Optional[float] = ...) -> None: ...
+    workers_running: bool
+    def __init__(self, reachable: _Optional[bool] = ..., confirmed_age_s: _Optional[float] = ..., workers_running: _Optional[bool] = ...) -> None: ...
 
 class AgentRequestRestartResponse(_message.Message):
     __slots__ = ("accepted", "round")

@@ -84,7 +84,8 @@ class AgentServicer:
 
     def StoreHealth(self, request, context):
         """Whether this agent reaches etcd now: a peer whose own lease is unconfirmed
-        asks, to tell "I am cut off" (stop my workers) from "etcd is down" (go on).
+        asks, to tell "I am cut off" (stop my workers) from "etcd is down" (go on);
+        a leader asks the members it is about to leave out, telling them it has etcd.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

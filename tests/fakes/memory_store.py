@@ -466,6 +466,11 @@ class MemoryStore(Store):
         with self._lock:
             self._failures.setdefault(kind, []).extend([error] * times)
 
+    def clear_failures(self) -> None:
+        """Forget every failure queued by :meth:`fail_next`."""
+        with self._lock:
+            self._failures.clear()
+
     # -------------------------------------------------------------- internals
 
     @contextlib.contextmanager

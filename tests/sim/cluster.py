@@ -96,10 +96,11 @@ class Cluster:
         self.keys = JobKeys(JOB)
         self.network = Network()
         n = self.rng.choice((2, 3, 3, 4))
-        self.min_nodes = self.rng.randint(1, n)
-        self.max_nodes = n
+        # Sometimes fewer places than nodes: the rest wait as standbys.
+        self.max_nodes = self.rng.choice((n, n, n - 1)) if n > 2 else n
+        self.min_nodes = self.rng.randint(1, self.max_nodes)
         self.workers = Workers(self.network, step_s=0.5, total_steps=self.rng.randint(16, 30),
-                               ckpt_every=4, init_timeout_s=30.0, crash_delay_s=0.5,
+                               ckpt_every=4, init_timeout_s=30.0, crash_delay_s=0.5, form_s=0.5,
                                latest_step=self._latest_checkpoint)
         self.nodes: dict[str, Node] = {f"n{i}": Node(f"n{i}") for i in range(n)}
         self.schedule = make_schedule(self.rng, sorted(self.nodes), self.min_nodes)
@@ -108,6 +109,7 @@ class Cluster:
         self.result = Result(seed, schedule=list(self.schedule))
         self.latest_ckpt: tuple[int, int] | None = None
         self.final: Round | None = None
+        self.cut_rounds: dict[Fault, list[Proc]] = {}
         self.quiet_at = max((f.at + f.duration for f in self.schedule), default=0.0)
 
     # ------------------------------------------------------------ processes
@@ -141,7 +143,8 @@ class Cluster:
                               on_round=lambda _r: inbox.put(RoundChanged()),
                               takeover=lambda old: old.host == info.host and old.addr != addr
                               and not mesh.answers(old.addr),
-                              port_picker=lambda _host: 1)
+                              port_picker=lambda _host: 1,
+                              fence=lambda addrs: mesh.fence(addrs, node.node_id))
         supervisor = FakeSupervisor(self.workers, node.node_id, self.now)
         agent = Agent(config, conn, rdzv, supervisor, server, mesh, inbox=inbox,
                       clock=self.clock)
@@ -201,6 +204,13 @@ class Cluster:
             self.start(self.nodes[fault.node])
         elif kind == "outage":
             self.store.set_outage(True)
+        elif kind == "cut_round":
+            kv = self.store.peek(self.keys.round)
+            members = Round.from_json(kv.key, kv.value, kv.version).node_ids if kv else ()
+            self.cut_rounds[fault] = [self.nodes[m].proc for m in members
+                                      if self.nodes[m].proc and self.nodes[m].proc.exit_code is None]
+            for proc in self.cut_rounds[fault]:
+                proc.conn.cut()
         elif kind == "leader_loss":
             kv = self.store.peek(self.keys.leader)
             if kv is not None and not self.store.outage:
@@ -235,6 +245,9 @@ class Cluster:
         self.say(f"healed: {fault}")
         if fault.kind == "outage":
             self.store.set_outage(False)
+        for proc in self.cut_rounds.pop(fault, []):
+            if proc.exit_code is None:
+                proc.conn.heal()
         if fault.kind in ("cut_peers", "cut_both"):
             self.network.cut_off.discard(fault.node)
         node = self.nodes.get(fault.node)

@@ -13,6 +13,7 @@ KINDS = {
     "cut_store": 3,  # the node loses etcd but not its peers
     "cut_peers": 2,  # the node loses its peers but not etcd
     "cut_both": 2,  # the node loses everything (a dead switch port)
+    "cut_round": 2,  # every member of the round loses etcd, not each other (standbys keep it)
     "store_errors": 2,  # 30 % of the node's etcd calls fail
     "ambiguous": 2,  # 30 % of the node's writes land but report a timeout
     "expire_lease": 2,  # etcd drops the node's lease
@@ -54,8 +55,10 @@ def make_schedule(rng: random.Random, nodes: list[str], min_nodes: int) -> list[
         drained = drained or kind == "drain"
         node = rng.choice(nodes)
         duration = 0.0
-        if kind in ("cut_store", "cut_peers", "cut_both", "store_errors", "ambiguous",
-                    "outage"):
+        if kind == "cut_round":
+            node = "*"  # whoever the members are when it strikes
+        if kind in ("cut_store", "cut_peers", "cut_both", "cut_round", "store_errors",
+                    "ambiguous", "outage"):
             duration = round(rng.uniform(0.5, 12.0), 2)
         elif kind == "kill_agent":
             duration = round(rng.choice((0.5, 1.0, 2.0, 6.0)), 2)

@@ -248,15 +248,20 @@ class FakeMesh:
     def answers(self, addr: str) -> bool:
         return self.network.health(self.node_id, addr) != "UNREACHABLE"
 
+    def _ask(self, addr: str, *, asker_has_store: bool):
+        if self.network.health(self.node_id, addr) == "UNREACHABLE":
+            return None
+        agent = self.network.servers[addr][1].agent
+        return agent.store_health(asker_has_store, self.node_id) if agent is not None else None
+
     def check_store(self, addrs, on_answer) -> None:
-        have = []
-        for addr in addrs:
-            if self.network.health(self.node_id, addr) == "UNREACHABLE":
-                continue
-            agent = self.network.servers[addr][1].agent
-            if agent is not None and agent.store_health()[0]:
-                have.append(addr)
-        on_answer(tuple(have))
+        answers = [self._ask(a, asker_has_store=False) for a in addrs]
+        on_answer(tuple(a for a, r in zip(addrs, answers) if r is not None and r[0]),
+                  sum(r is not None for r in answers))
+
+    def fence(self, addrs, asker: str) -> bool:
+        answers = [self._ask(a, asker_has_store=True) for a in addrs]
+        return not any(r is not None and r[2] for r in answers)
 
 
 # ----------------------------------------------------------------- workers
@@ -289,6 +294,7 @@ class Group:
     formed: bool = False
     broken: bool = False
     finishing: bool = False
+    complete_at: float | None = None
     step: int = 0
     next_step_at: float = 0.0
 
@@ -299,13 +305,14 @@ class Workers:
     ``step_s`` per training step; a checkpoint every ``ckpt_every`` steps,
     committed through rank 0's agent; ``total_steps`` then each node's workers
     finish after that node's ``finish_delay`` (rank 0 writing the final model).
-    A group that never forms within ``init_timeout_s`` crashes (torch's store
-    timeout); a broken group's survivors crash after ``crash_delay_s`` (gloo's
+    A group forms ``form_s`` after its last rank started (process start and
+    rendezvous of the process group); one that never forms within
+    ``init_timeout_s`` crashes (torch's store timeout); a broken group's survivors crash after ``crash_delay_s`` (gloo's
     connection reset).
     """
 
     def __init__(self, network: Network, *, step_s: float, total_steps: int, ckpt_every: int,
-                 init_timeout_s: float, crash_delay_s: float,
+                 init_timeout_s: float, crash_delay_s: float, form_s: float,
                  latest_step: Callable[[], tuple[int, int]]):
         self.network = network
         self.step_s = step_s
@@ -313,6 +320,7 @@ class Workers:
         self.ckpt_every = ckpt_every
         self.init_timeout_s = init_timeout_s
         self.crash_delay_s = crash_delay_s
+        self.form_s = form_s
         self.latest_step = latest_step
         self.groups: dict[int, Group] = {}
         self.finish_delay: dict[str, float] = {}
@@ -370,7 +378,11 @@ class Workers:
             return
         lost = any(not w.alive and w.exit_code != 0 for w in g.workers)
         if not g.formed:
-            if len(g.workers) == g.world_size and not lost and self._connected(g):
+            if len(g.workers) < g.world_size or lost or not self._connected(g):
+                g.complete_at = None
+            elif g.complete_at is None:
+                g.complete_at = now  # every rank started: init_process_group runs
+            if g.complete_at is not None and now - g.complete_at >= self.form_s:
                 g.formed = True
                 g.step = self.latest_step()[0]  # every rank restores the latest checkpoint
                 g.next_step_at = now + self.step_s

@@ -288,3 +288,14 @@ class TestSuspectsAndStartDeadline:
         assert d.members == ("a", "b")
         assert "c did not start workers within 30 s" in d.reason
         assert d.suspects == ("c",)
+
+
+def test_a_member_registered_again_since_the_round_gets_a_new_round():
+    # Its agent was restarted (or lost its lease and came back): the member set
+    # looks the same, but its workers of the round are gone.
+    obs = Observed(round_of(4, "a", "b"), nodes("a", "b"), started=dict.fromkeys("ab", 4),
+                   registered_since_round=frozenset({"b"}))
+    d = decide(obs, 10.0, cfg())
+    assert d.action is Action.CLOSE_ROUND
+    assert d.members == ("a", "b")
+    assert "registered again: b" in d.reason

@@ -36,12 +36,12 @@ from elastic.rendezvous.api import Member, ReportKind, Round
 SETTINGS = Settings(node_id="a", nproc=2, lease_ttl_s=4.0, join_timeout_s=60.0, job_id="j")
 
 
-def round_of(number, *ids, outcome="", standby_addrs=()):
+def round_of(number, *ids, outcome=""):
     return Round(number=number,
                  members=tuple(Member(i, r, "127.0.0.1", 2, addr=f"{i}:1")
                                for r, i in enumerate(ids)),
                  master_addr="127.0.0.1", master_port=1, reason="why", leader=ids[0],
-                 created_at=0.0, outcome=outcome, standby_addrs=standby_addrs)
+                 created_at=0.0, outcome=outcome)
 
 
 def running(number=3, *ids, **extra):
@@ -170,11 +170,13 @@ class TestPartition:
     """Cut off from etcd: ask the peers; stop only if one of them still has it."""
 
     def test_an_unconfirmed_lease_asks_members_and_standbys_again_every_quarter_ttl(self):
-        view = AgentView(state=S.RUNNING,
-                         round=round_of(3, "a", "b", "c", standby_addrs=("d:1",)),
-                         started_at=0.0, rounds_started=1)
-        assert react(view, Tick(lease_unconfirmed_s=2.0), 10.0, SETTINGS)[1] == []
-        view, commands = react(view, Tick(lease_unconfirmed_s=2.1), 10.0, SETTINGS)
+        view = AgentView(state=S.RUNNING, round=round_of(3, "a", "b", "c"), started_at=0.0,
+                         rounds_started=1)
+        standbys = ("d:1",)
+        assert react(view, Tick(lease_unconfirmed_s=2.0, standby_addrs=standbys), 10.0,
+                     SETTINGS)[1] == []
+        view, commands = react(view, Tick(lease_unconfirmed_s=2.1, standby_addrs=standbys),
+                               10.0, SETTINGS)
         assert commands == [CheckPeersStore(("b:1", "c:1", "d:1"))]
         assert react(view, Tick(lease_unconfirmed_s=2.5), 10.9, SETTINGS)[1] == []
         assert react(view, Tick(lease_unconfirmed_s=3.1), 11.0, SETTINGS)[1] != []
@@ -187,6 +189,15 @@ class TestPartition:
         assert "cut off from etcd for 2.5 s while 1 of 1 peers still reach it" in stop.reason
         # When back, a new round (not a failure) brings everyone together again.
         assert RequestRestart(3, stop.reason, failure=False) in commands
+
+    def test_no_peer_answering_at_all_cannot_prove_an_outage_so_it_stops(self):
+        # Alone, or cut off from everyone: an etcd outage looks the same as
+        # this node being isolated, and only the latter can be fatal.
+        view, commands = react(running(3), LeaseState(2.5, (), 2, peers_answered=0), 10.0,
+                               SETTINGS)
+        assert view.state is S.JOINING
+        stop = next(c for c in commands if isinstance(c, StopWorkers))
+        assert stop.fast and "none of the 2 peers asked answers" in stop.reason
 
     def test_no_peer_with_etcd_means_etcd_is_down_and_training_goes_on(self):
         view, commands = react(running(3), LeaseState(2.5, (), 3), 10.0, SETTINGS)

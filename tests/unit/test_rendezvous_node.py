@@ -27,3 +27,108 @@ def test_a_node_joining_after_compaction_watches_from_the_present(caplog):
             node.stop()
     assert r.node_ids == ("a",)
     assert "compacted" not in caplog.text
+
+
+# -- Driven step by step: a synchronous store, a fake clock, pump() ---------
+
+from elastic.errors import StoreUnavailableError  # noqa: E402
+from elastic.rendezvous.api import ReportKind  # noqa: E402
+from tests.fakes.clock import FakeClock  # noqa: E402
+
+BLIP = StoreUnavailableError("etcd did not answer (injected)")
+
+
+class Cluster:
+    """Rendezvous nodes over one synchronous MemoryStore, moved by hand."""
+
+    def __init__(self, *ids, min_nodes=1, max_nodes=None):
+        self.clock = FakeClock()
+        self.store = MemoryStore(clock=self.clock, synchronous=True)
+        self.config = RendezvousConfig(job_id="j", min_nodes=min_nodes,
+                                       max_nodes=max_nodes or len(ids), settle_s=0.0,
+                                       lease_ttl_s=3.0)
+        self.nodes = {i: self.add(i) for i in ids}
+
+    def add(self, node_id):
+        node = RendezvousNode(self.store, self.config, NodeInfo(node_id=node_id, host="h"),
+                              clock=self.clock, port_picker=lambda _h: 1)
+        return node.start(thread=False)
+
+    def settle(self, passes=4):
+        for _ in range(passes):
+            self.store.deliver_pending()
+            for node in self.nodes.values():
+                node.pump()
+        self.store.deliver_pending()
+
+    def round(self):
+        return self.nodes[next(iter(self.nodes))].latest_round
+
+
+def test_a_store_error_while_taking_over_as_leader_is_retried_until_it_leads():
+    # Before: the takeover's failed read left a leader with no watches whose
+    # key lived on (kept alive by its lease): no round ever formed again.
+    c = Cluster("a")
+    c.store.fail_next("get_prefix", BLIP, times=3)
+    c.settle(passes=8)
+    assert c.nodes["a"].is_leader
+    assert c.round() is not None and c.round().node_ids == ("a",)
+
+
+def test_a_leader_that_cannot_take_over_for_a_ttl_steps_down_then_leads_again():
+    c = Cluster("a")
+    c.store.fail_next("get_prefix", BLIP, times=1000)
+    c.settle(passes=2)
+    leader_key = c.nodes["a"].keys.leader
+    assert c.store.peek(leader_key) is not None and c.round() is None
+    c.clock.advance(3.5)
+    c.settle(passes=2)
+    assert c.store.peek(leader_key) is None  # stepped down: another node may lead
+    c.store.clear_failures()
+    c.settle(passes=2)
+    assert c.store.peek(leader_key) is None  # and it waits a TTL before trying again
+    c.clock.advance(3.5)
+    c.settle(passes=6)
+    assert c.round() is not None and c.round().node_ids == ("a",)
+
+
+def test_a_watch_ended_by_compaction_is_recreated_even_if_the_first_reread_fails():
+    c = Cluster("a", "b", min_nodes=2)
+    c.settle()
+    first = c.round().number
+    c.store.compact(c.store.revision)
+    # The round watch of b ends (as etcd ends a compacted watch); the re-read fails once.
+    c.store.fail_next("txn", BLIP, times=1)
+    c.nodes["b"]._inbox.put(("error", ("round", RuntimeError("compacted"))))
+    c.settle()
+    c.nodes["a"].request_restart("operator", first, failure=False)
+    c.settle()
+    assert c.nodes["b"].latest_round.number == first + 1
+
+
+def test_the_master_port_is_advertised_after_the_round_is_handed_on_and_retried():
+    seen = []
+    clock = FakeClock()
+    store = MemoryStore(clock=clock, synchronous=True)
+    config = RendezvousConfig(job_id="j", min_nodes=1, max_nodes=1, settle_s=0.0)
+    ports = iter(range(2000, 3000))
+    node = RendezvousNode(store, config, NodeInfo(node_id="a", host="h"), clock=clock,
+                          on_round=seen.append, port_picker=lambda _h: next(ports)).start(
+        thread=False)
+    store.fail_next("put", BLIP, times=1)  # the advertisement fails once
+    for _ in range(4):
+        store.deliver_pending()
+        node.pump()
+    assert [r.number for r in seen] == [1]  # the round reached the agent regardless
+    advertised = NodeInfo.from_json(node.keys.node("a"), store.peek(node.keys.node("a")).value)
+    assert advertised.master_port >= 2000  # and the fresh port got out on a later pass
+
+
+def test_reports_are_written_under_the_reporters_lease():
+    c = Cluster("a", "b")
+    c.settle()
+    c.nodes["a"].report(ReportKind.DONE, c.round().number)
+    c.nodes["a"].report(ReportKind.SUSPECT, c.round().number, about="b")
+    keys = c.nodes["a"].keys
+    assert c.store.peek(keys.done_report("a")).lease == c.nodes["a"].lease_id
+    assert c.store.peek(keys.suspect_report("b")).lease == c.nodes["a"].lease_id
