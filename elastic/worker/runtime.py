@@ -11,6 +11,7 @@ import datetime
 import logging
 import os
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,10 @@ class _Heartbeat:
         self.local_rank = _env_int("LOCAL_RANK", 0)
         self.round = _env_int("ELASTIC_ROUND", 0)
         self.step = -1
-        self.saving_for_s = 0.0
+        # Monotonic time the announced save should be over: each heartbeat
+        # sends what is left of it (the proto's "for this many seconds from
+        # now"), so a save that overruns is judged like any hang.
+        self.saving_until = 0.0
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elastic-heartbeat", daemon=True)
@@ -46,7 +50,7 @@ class _Heartbeat:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.client.heartbeat(self.rank, self.local_rank, os.getpid(), self.round, self.step,
-                                  self.saving_for_s)
+                                  max(0.0, self.saving_until - time.monotonic()))
             self._wake.wait(self.interval_s)
             self._wake.clear()
 
@@ -54,7 +58,7 @@ class _Heartbeat:
         first = self.step < 0
         self.step = step
         if saving_for_s is not None:
-            self.saving_for_s = saving_for_s
+            self.saving_until = time.monotonic() + saving_for_s if saving_for_s > 0 else 0.0
         if first or saving_for_s is not None:
             self._wake.set()  # the agent hears at once about the first step and saves
 

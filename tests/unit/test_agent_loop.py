@@ -1,0 +1,108 @@
+"""The agent's loop in-process: a real Agent and RendezvousNode over the
+synchronous in-memory store and fake workers (the simulator's parts), moved by
+a fake clock. Each test: a scenario, a fault, what the agent must do."""
+
+from __future__ import annotations
+
+import queue
+
+from agent.config import AgentConfig
+from agent.daemon import Agent, RoundChanged
+from agent.lifecycle import AgentState as S
+from elastic.errors import StoreUnavailableError
+from elastic.rendezvous.api import NodeInfo, Round
+from elastic.rendezvous.node import RendezvousNode
+from elastic.store.api import EventType
+from tests.fakes.clock import FakeClock
+from tests.fakes.memory_store import MemoryStore
+from tests.sim.world import FakeMesh, FakeServer, FakeSupervisor, Network, Workers
+
+BLIP = StoreUnavailableError("etcd did not answer (injected)")
+
+
+class OneNode:
+    """One agent with two fake workers; ``run(seconds)`` moves everything."""
+
+    def __init__(self, total_steps=1000):
+        self.clock = FakeClock()
+        self.store = MemoryStore(clock=self.clock, synchronous=True)
+        network = Network()
+        self.workers = Workers(network, step_s=0.5, total_steps=total_steps, ckpt_every=10,
+                               init_timeout_s=30.0, crash_delay_s=0.5, form_s=0.5,
+                               latest_step=lambda: (0, 0))
+        config = AgentConfig(
+            job_id="j", etcd="mem", standalone=False, min_nodes=1, max_nodes=1,
+            nproc_per_node=2, node_id="a", max_restarts=3, restart_window_s=3600.0,
+            checkpoint_dir=None, hang_timeout_s=30.0, lease_ttl_s=3.0, settle_s=0.0,
+            join_timeout_s=600.0, start_timeout_s=60.0, exit_barrier_timeout_s=300.0,
+            listen="mem:0", advertise_addr="h", log_dir="/nonexistent", stop_grace_s=1.0,
+            prestart=False, connect_timeout_s=1.0, script="train.py", module=None,
+            script_args=())
+        inbox: queue.Queue = queue.Queue()
+        server = FakeServer("a:1")
+        network.servers["a:1"] = ("a", server)
+        self.rdzv = RendezvousNode(self.store, config.rendezvous(),
+                                   NodeInfo(node_id="a", host="h", nproc=2, addr="a:1"),
+                                   clock=self.clock, on_round=lambda _r: inbox.put(RoundChanged()),
+                                   port_picker=lambda _h: 1)
+        self.supervisor = FakeSupervisor(self.workers, "a", self.clock.monotonic)
+        self.agent = Agent(config, self.store, self.rdzv, self.supervisor, server,
+                           FakeMesh(network, "a"), inbox=inbox, clock=self.clock)
+        server.agent = self.agent
+        self.workers.agents["a"] = self.agent
+        self.workers.on_exit["a"] = inbox.put
+        self.status_writes = 0
+        self.store.watch(self.rdzv.keys.status_of("a"), self._count, start_revision=1)
+        self.agent.start(threaded=False)
+
+    def _count(self, events):
+        self.status_writes += sum(e.type is EventType.PUT for e in events)
+
+    def run(self, seconds, dt=0.25):
+        for _ in range(int(seconds / dt)):
+            self.store.deliver_pending()
+            self.rdzv.pump()
+            self.store.deliver_pending()
+            self.agent.step(0)
+            self.workers.advance(self.clock.monotonic())
+            self.clock.advance(dt)
+
+    def round(self) -> Round | None:
+        return self.rdzv.latest_round
+
+
+def test_status_is_rewritten_when_its_meaning_changes_not_for_every_heartbeat():
+    node = OneNode()
+    node.run(5)
+    assert node.agent.lifecycle.state is S.RUNNING
+    settled = node.status_writes
+    node.run(40)  # 80 more steps, heartbeats every 0.25 s: nothing that changes the meaning
+    assert node.status_writes == settled, "status rewritten without a change of meaning"
+    node.run(15)  # past step 100: the step bucket changes once
+    assert node.status_writes == settled + 1
+
+
+def test_a_crash_stops_the_workers_at_once_even_while_etcd_refuses_the_restart_request():
+    node = OneNode()
+    node.run(3)
+    first = node.round().number
+    crashed = next(w for w in node.supervisor.current if w.alive)
+    node.store.fail_next("put", BLIP, times=6)  # the restart request fails six times
+    node.workers.end(crashed, 1, node.clock.monotonic())
+    node.run(0.25)
+    assert node.agent.lifecycle.state is not S.RUNNING
+    assert not any(w.alive for w in node.supervisor.current), "workers left running"
+    node.run(5)  # the request is retried until etcd takes it, and a new round forms
+    assert node.round().number == first + 1
+    assert node.agent.lifecycle.state is S.RUNNING
+
+
+def test_job_end_is_retried_through_store_errors_and_never_kills_a_worker():
+    node = OneNode(total_steps=6)
+    node.run(2)
+    node.store.fail_next("txn", BLIP, times=4)  # the final round's commit fails at first
+    node.run(10)
+    assert node.agent.lifecycle.state is S.SUCCEEDED
+    final = node.round()
+    assert final.outcome == "succeeded"
+    assert all(w.exit_code == 0 and not w.stopped for w, _ in node.workers.exits)
