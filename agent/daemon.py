@@ -64,6 +64,8 @@ _TICK_S = 0.5
 # The status key is rewritten when its meaning changes: state, round, failure,
 # worker states, or the step moving into another bucket of this many steps.
 STATUS_STEP_BUCKET = 100
+# Transitions kept for etcd while it cannot be reached; older ones are dropped.
+_MAX_QUEUED_EVENTS = 50
 
 
 class Supervisor(Protocol):
@@ -141,6 +143,10 @@ class Agent:
         self.workers: dict[int, WorkerHealth] = {}
         self._workers_lock = threading.Lock()
         self._intents: list[reactor.RequestRestart | reactor.Report] = []
+        self._events: list[Put] = []  # transitions not yet written to etcd
+        # Calls from the loop are short: a node cut off from etcd must keep
+        # judging its lease and its workers.
+        self._store_timeout_s = min(1.0, config.lease_ttl_s / 4)
         self._peer_watch: Any = None
         self._last_status_meaning: tuple | None = None
 
@@ -233,7 +239,7 @@ class Agent:
         pending.append(None)  # the tick
         for item in pending:
             if self.lifecycle.state.final:
-                return
+                break
             try:
                 event = self._tick() if item is None else (
                     self._round_event() if isinstance(item, RoundChanged) else item)
@@ -244,8 +250,18 @@ class Agent:
                 self.log.warning("store error, retrying: %s", exc)
                 if isinstance(item, RoundChanged):
                     self.inbox.put(item)
-        self._flush_intents()
-        self._publish_status()
+        self.flush()
+
+    def flush(self) -> None:
+        """Tell etcd what is pending: intents first, then the status and
+        events. Each call is short (a fraction of the lease TTL) and a pass
+        stops at the first failure, so a node cut off from etcd is never held
+        up by it: whatever did not go through waits for the next pass."""
+        try:
+            self._flush_intents()
+            self._flush_publications()
+        except StoreError as exc:
+            self.log.debug("etcd did not take everything yet (will retry): %s", exc)
 
     def _react(self, event: reactor.Event) -> None:
         self.view, commands = reactor.react(self.view, event, self.clock.monotonic(),
@@ -258,8 +274,8 @@ class Agent:
         if latest is None:
             return None
         drain = (latest.member(self.config.node_id) is None and not latest.outcome
-                 and self.store.get(self.rdzv.keys.drain_request(self.config.node_id))
-                 is not None)
+                 and self.store.get(self.rdzv.keys.drain_request(self.config.node_id),
+                                    timeout_s=self._store_timeout_s) is not None)
         return reactor.RoundCommitted(latest, drain_requested=drain)
 
     def _tick(self) -> reactor.Tick:
@@ -333,36 +349,32 @@ class Agent:
         keys = self.rdzv.keys
         try:
             self.store.put(keys.drain_request(self.config.node_id),
-                           json.dumps({"by": self.config.node_id, "reason": reason}).encode())
+                           json.dumps({"by": self.config.node_id, "reason": reason}).encode(),
+                           timeout_s=self._store_timeout_s)
         except StoreError as exc:
             self.log.warning("could not record the drain (leaving anyway): %s", exc)
         self.rdzv.stop()
         try:
-            self.store.delete(keys.drain_request(self.config.node_id))
+            self.store.delete(keys.drain_request(self.config.node_id),
+                              timeout_s=self._store_timeout_s)
         except StoreError as exc:
             self.log.warning("could not remove the drain request: %s", exc)
 
     def _flush_intents(self) -> None:
-        """Try every pending intent once; keep those etcd did not take, drop
-        those a newer round has made moot."""
-        if not self._intents:
-            return
+        """Send the pending intents in order; drop those a newer round has
+        made moot. Raises StoreError at the first that etcd does not take."""
         latest = self.rdzv.latest_round
         newest = latest.number if latest else 0
-        keep = []
-        for intent in self._intents:
-            if intent.round < newest:
-                continue
-            try:
-                if isinstance(intent, reactor.RequestRestart):
-                    self.rdzv.request_restart(intent.reason, intent.round, failure=intent.failure)
-                else:
-                    self.rdzv.report(intent.kind, intent.round, intent.about)
-            except StoreError as exc:
-                if not keep:
-                    self.log.warning("could not tell etcd yet (will retry): %s", exc)
-                keep.append(intent)
-        self._intents = keep
+        self._intents = [i for i in self._intents if i.round >= newest]
+        while self._intents:
+            intent = self._intents[0]
+            if isinstance(intent, reactor.RequestRestart):
+                self.rdzv.request_restart(intent.reason, intent.round, failure=intent.failure,
+                                          timeout_s=self._store_timeout_s)
+            else:
+                self.rdzv.report(intent.kind, intent.round, intent.about,
+                                 timeout_s=self._store_timeout_s)
+            self._intents.pop(0)
 
     def _lease_unconfirmed_s(self) -> float:
         confirmed = self.rdzv.lease_confirmed_at
@@ -477,38 +489,33 @@ class Agent:
         }, sort_keys=True).encode()
 
     def _publish(self, t: Transition) -> None:
-        """Publish a transition: the status key and an event, in one transaction."""
+        """Queue a transition's event; the loop's flush writes it with the status."""
+        self._events.append(events.event_op(
+            self.rdzv.keys, self.clock, self.config.node_id, t.round, "state",
+            f"{t.before.value} -> {t.after.value}: {t.reason}"))
+        del self._events[:-_MAX_QUEUED_EVENTS]
+
+    def _flush_publications(self) -> None:
+        """Write the queued events, and the status key when its meaning changed
+        (not for every heartbeat: at 1,000 nodes a write every few seconds
+        each would fill etcd), in one transaction under this node's lease."""
         lease = self.rdzv.lease_id
         if lease is None:
             return
-        meaning, record = self._status_meaning(), self._status_record(self._worker_rows())
-        try:
-            self.store.txn([], [
-                Put(self.rdzv.keys.status_of(self.config.node_id), record, lease=lease),
-                events.event_op(self.rdzv.keys, self.clock, self.config.node_id, t.round,
-                                "state", f"{t.before.value} -> {t.after.value}: {t.reason}"),
-            ])
-            self._last_status_meaning = meaning
-        except StoreError as exc:
-            self.log.warning("could not publish %s: %s", t.after.value, exc)
-
-    def _publish_status(self) -> None:
-        """Rewrite the status key only when its meaning changed (not for every
-        heartbeat): at 1,000 nodes a write every few seconds each fills etcd."""
-        lease = self.rdzv.lease_id
-        if lease is None or self.lifecycle.state.final:
-            return
         meaning = self._status_meaning()
-        if meaning == self._last_status_meaning:
+        queued = list(self._events)
+        ops = list(queued)
+        if meaning != self._last_status_meaning:
+            ops.append(Put(self.rdzv.keys.status_of(self.config.node_id),
+                           self._status_record(self._worker_rows()), lease=lease))
+        if not ops:
             return
-        try:
-            self.store.put(self.rdzv.keys.status_of(self.config.node_id),
-                           self._status_record(self._worker_rows()), lease=lease)
-            self._last_status_meaning = meaning
-        except StoreError as exc:
-            self.log.debug("could not refresh the status: %s", exc)
+        self.store.txn([], ops, timeout_s=self._store_timeout_s)
+        del self._events[:len(queued)]
+        self._last_status_meaning = meaning
 
     def shutdown(self) -> None:
+        self.flush()  # the final state, if etcd can be reached
         self._watch_peer(None, "")
         self.supervisor.shutdown()
         self.rdzv.stop()

@@ -295,7 +295,8 @@ class RendezvousNode:
         timeout passes; return the latest round either way."""
         return self._wait(lambda r: r is not None and r.number != known, timeout_s)
 
-    def request_restart(self, reason: str, round_number: int, *, failure: bool) -> None:
+    def request_restart(self, reason: str, round_number: int, *, failure: bool,
+                        timeout_s: float | None = None) -> None:
         """Ask the leader for a new round with the same members. ``failure``
         counts it against the restart budget (a worker crashed or hung).
         Requests about an older round are ignored by the leader. Idempotent
@@ -303,9 +304,10 @@ class RendezvousNode:
         req = RestartRequest(node_id=self.node_id, round=round_number, reason=reason,
                              failure=failure)
         self.store.put(f"{self.keys.restart_requests}{round_number:012d}-{self.node_id}",
-                       req.to_json())
+                       req.to_json(), timeout_s=timeout_s)
 
-    def report(self, kind: ReportKind, round_number: int, about: str | None = None) -> None:
+    def report(self, kind: ReportKind, round_number: int, about: str | None = None, *,
+               timeout_s: float | None = None) -> None:
         """Tell the leader this node started ``round_number``'s workers, that
         they all exited 0, or (SUSPECT) that node ``about``'s agent does not
         answer. Idempotent; held under this node's lease; raises the store's
@@ -316,7 +318,8 @@ class RendezvousNode:
         key = {ReportKind.STARTED: self.keys.started_report,
                ReportKind.DONE: self.keys.done_report,
                ReportKind.SUSPECT: self.keys.suspect_report}[kind](about or self.node_id)
-        self.store.put(key, Report(round=round_number, by=self.node_id).to_json(), lease=lease)
+        self.store.put(key, Report(round=round_number, by=self.node_id).to_json(), lease=lease,
+                       timeout_s=timeout_s)
 
     def fenced_put(self, key: str, value: bytes, round_number: int) -> int:
         """Write ``key`` only if ``round_number`` is still the current round.
