@@ -52,7 +52,7 @@ from elastic.errors import (
 )
 from elastic.joblog import JobLogger
 from elastic.net import free_port
-from elastic.rendezvous.api import NodeInfo, Round
+from elastic.rendezvous.api import NodeInfo, ReportKind, Round
 from elastic.rendezvous.node import RendezvousNode
 from elastic.store import open_store
 from elastic.store.api import Put, Store
@@ -144,6 +144,7 @@ class Agent:
         self._workers_lock = threading.Lock()
         self._intents: list[reactor.RequestRestart | reactor.Report] = []
         self._events: list[Put] = []  # transitions not yet written to etcd
+        self._reports_lease: int | None = None  # the lease the reports were made under
         # Calls from the loop are short: a node cut off from etcd must keep
         # judging its lease and its workers.
         self._store_timeout_s = min(1.0, config.lease_ttl_s / 4)
@@ -172,7 +173,8 @@ class Agent:
             # this host and its address no longer answers (systemd restart).
             takeover=lambda old: old.host == host and old.addr != addr
             and not peers.answers(old.addr),
-            fence=lambda addrs: peers.fence(addrs, config.node_id))
+            fence=lambda addrs: peers.fence(addrs, config.node_id),
+            running_round=lambda: handlers.agent.running_round() if handlers.agent else 0)
         supervisor = WorkerSupervisor(
             job_id=config.job_id, node_id=config.node_id, nproc=config.nproc_per_node,
             entrypoint=Entrypoint(script=config.script, module=config.module,
@@ -207,6 +209,11 @@ class Agent:
         self.lifecycle.to(S.JOINING, "registered with the rendezvous" if self.rdzv.registered
                           else f"joined the rendezvous; {self.rdzv.registration_problem}")
         self.inbox.put(RoundChanged())
+
+    def running_round(self) -> int:
+        """The round whose workers run here now (0: none); any thread."""
+        view = self.view
+        return view.round_number if view.state in (S.STARTING, S.RUNNING, S.DONE) else 0
 
     @property
     def exit_code(self) -> int:
@@ -363,6 +370,14 @@ class Agent:
     def _flush_intents(self) -> None:
         """Send the pending intents in order; drop those a newer round has
         made moot. Raises StoreError at the first that etcd does not take."""
+        lease = self.rdzv.lease_id
+        if lease is not None and lease != self._reports_lease:
+            # Reports live under the lease: a new one (the old ran out) needs
+            # them again, or the leader would wait for this node's "done".
+            self._reports_lease = lease
+            view = self.view
+            if view.state is S.DONE:
+                self._intents.append(reactor.Report(ReportKind.DONE, view.round_number))
         latest = self.rdzv.latest_round
         newest = latest.number if latest else 0
         self._intents = [i for i in self._intents if i.round >= newest]

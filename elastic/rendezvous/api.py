@@ -235,6 +235,9 @@ class NodeInfo:
     addr: str = ""  # host:port of the agent's gRPC server, "" if it serves none
     master_port: int = 0  # a port free on ``host`` for the workers' rendezvous if rank 0
     version: str = ""
+    # The round whose workers this agent still runs when it registers (again,
+    # after its lease ran out during an etcd outage); 0 when it runs none.
+    running_round: int = 0
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -255,6 +258,7 @@ class NodeInfo:
             addr=typed_field(key, obj, "addr", str, ""),
             master_port=port_field(key, obj, "master_port", 0),
             version=typed_field(key, obj, "version", str, ""),
+            running_round=int_field(key, obj, "running_round", 0, default=0),
         )
         if not key.endswith("/" + info.node_id):
             raise MalformedRecordError(key, f"node_id {info.node_id!r} does not match the key")

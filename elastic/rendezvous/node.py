@@ -109,6 +109,7 @@ class RendezvousNode:
         takeover: Takeover | None = None,
         port_picker: Callable[[str], int] = free_port,
         fence: Fence | None = None,
+        running_round: Callable[[], int] = lambda: 0,
     ):
         self.store = store
         self.config = config
@@ -119,6 +120,7 @@ class RendezvousNode:
         self._takeover = takeover
         self._port_picker = port_picker
         self._fence = fence
+        self._running_round = running_round
         self._fencing_since: float | None = None
         self._election = Election(store, self.keys, info.node_id)
 
@@ -453,6 +455,7 @@ class RendezvousNode:
         previous agent's registration of this id (see the module docstring)."""
         key = self.keys.node(self.node_id)
         lease = self._session.lease_id
+        self.info = dataclasses.replace(self.info, running_round=self._running_round())
         result = self.store.txn([Compare.absent(key)], [Put(key, self.info.to_json(), lease=lease)],
                                 [Get(key)])
         existing = None if result.succeeded else (result.results[0] or [None])[0]

@@ -104,7 +104,8 @@ class LeaderView:
     def observed(self, current: Round | None, round_revision: int = 0) -> Observed:
         """What :func:`decide` needs; ``round_revision`` is the store revision
         ``current`` was written at: a node registered after it is a newcomer
-        to that round, whatever its id."""
+        to that round, whatever its id, unless it says it still runs that
+        round's workers (its lease ran out while etcd was down)."""
         joined = sorted(self.nodes.values(), key=lambda pair: pair[1])
         registered_at = {info.node_id: rev for info, rev in joined}
         return Observed(
@@ -113,12 +114,16 @@ class LeaderView:
             first_seen=dict(self.first_seen),
             restart_requests=tuple(self.restarts.values()),
             draining=frozenset(self.draining),
-            started=dict(self.started),
+            # A registration that says it runs a round's workers has started them.
+            started={**self.started, **{info.node_id: max(info.running_round,
+                                                          self.started.get(info.node_id, 0))
+                                        for info, _ in joined if info.running_round}},
             done=dict(self.done),
             suspects={n: at for n, (at, rev) in self.suspects.items()
                       if rev > registered_at.get(n, 0)},
-            registered_since_round=frozenset(n for n, rev in registered_at.items()
-                                             if rev > round_revision),
+            registered_since_round=frozenset(
+                info.node_id for info, rev in joined if rev > round_revision
+                and (current is None or info.running_round != current.number)),
         )
 
     def standby_addrs(self, members: tuple[str, ...]) -> tuple[str, ...]:

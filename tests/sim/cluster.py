@@ -46,6 +46,15 @@ JOB = "sim"
 NO_RESTART_CODES = (0, 1, 2, 4)
 
 
+class _Later:
+    """The agent, for callbacks of parts built before it."""
+
+    agent: Agent | None = None
+
+    def running_round(self) -> int:
+        return self.agent.running_round() if self.agent is not None else 0
+
+
 @dataclass
 class Proc:
     """One elasticd process (an incarnation of a node)."""
@@ -137,6 +146,7 @@ class Cluster:
         self.network.servers[addr] = (node.node_id, server)
         mesh = FakeMesh(self.network, node.node_id)
         inbox: queue.Queue = queue.Queue()
+        agent_of = _Later()
         info = NodeInfo(node_id=node.node_id, host=config.advertise_addr, nproc=2, addr=addr,
                         master_port=1)
         rdzv = RendezvousNode(conn, config.rendezvous(), info, clock=self.clock,
@@ -144,11 +154,13 @@ class Cluster:
                               takeover=lambda old: old.host == info.host and old.addr != addr
                               and not mesh.answers(old.addr),
                               port_picker=lambda _host: 1,
-                              fence=lambda addrs: mesh.fence(addrs, node.node_id))
+                              fence=lambda addrs: mesh.fence(addrs, node.node_id),
+                              running_round=lambda: agent_of.running_round())
         supervisor = FakeSupervisor(self.workers, node.node_id, self.now)
         agent = Agent(config, conn, rdzv, supervisor, server, mesh, inbox=inbox,
                       clock=self.clock)
         server.agent = agent
+        agent_of.agent = agent
         proc = Proc(node.node_id, node.incarnations, conn, server, supervisor, rdzv, agent)
         node.proc = proc
         self.workers.on_exit[node.node_id] = inbox.put

@@ -299,3 +299,18 @@ def test_a_member_registered_again_since_the_round_gets_a_new_round():
     assert d.action is Action.CLOSE_ROUND
     assert d.members == ("a", "b")
     assert "registered again: b" in d.reason
+
+
+def test_a_member_back_after_an_etcd_outage_with_its_workers_running_keeps_the_round():
+    # Its lease ran out while etcd could not be reached; its workers trained on.
+    from elastic.rendezvous.view import LeaderView
+    from elastic.keyspace import JobKeys
+
+    keys = JobKeys("j")
+    view = LeaderView(keys, lambda exc, rev: None)
+    back = NodeInfo(node_id="b", host="h", running_round=4)
+    restarted = NodeInfo(node_id="a", host="h", running_round=0)
+    view.apply_node(keys.node("b"), back.to_json(), 50, 0.0)
+    view.apply_node(keys.node("a"), restarted.to_json(), 51, 0.0)
+    observed = view.observed(round_of(4, "a", "b"), round_revision=40)
+    assert observed.registered_since_round == frozenset({"a"})
