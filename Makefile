@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench protos clean
+.PHONY: setup demo test sim bench protos clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,13 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# More fault schedules than `make test` runs (10,000): `make sim SEEDS=100000 FIRST=10000`.
+# A failing seed prints the command that replays it with every agent's log.
+SEEDS ?= 10000
+FIRST ?= 0
+sim: setup
+	$(PY) -m tests.sim --seeds $(SEEDS) --first $(FIRST)
 
 bench: setup
 	$(PY) bench/rendezvous.py

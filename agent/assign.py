@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Mapping
+
+from agent.netaddr import SYSTEM_NETWORK, HostNetwork, socket_ifname_env
 from elastic.rendezvous.api import Round
 
 
@@ -47,11 +50,23 @@ def worker_envs(round_: Round, node_id: str, *, job_id: str, restart_count: int,
     return envs
 
 
-def startup_env(nproc: int, environ: dict[str, str]) -> dict[str, str]:
+def startup_env(nproc: int, environ: Mapping[str, str], advertise_addr: str | None = None, *,
+                net: HostNetwork = SYSTEM_NETWORK) -> dict[str, str]:
     """Variables every worker of this node gets in every round, read when the
-    interpreter or torch starts (so warm workers must be started with them)."""
+    interpreter or torch starts (so warm workers must be started with them).
+
+    ``environ`` is the agent's environment: a variable set there is never
+    overridden. ``OMP_NUM_THREADS=1`` with several workers per node.
+    ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` name the interface that
+    carries ``advertise_addr`` (see :func:`agent.netaddr.socket_ifname_env`:
+    none, and a warning, when no interface does); none without
+    ``advertise_addr``. Never raises.
+    """
+    env: dict[str, str] = {}
     if nproc > 1 and "OMP_NUM_THREADS" not in environ:
         # As torchrun: several workers on one node each using every core would
         # oversubscribe it.
-        return {"OMP_NUM_THREADS": "1"}
-    return {}
+        env["OMP_NUM_THREADS"] = "1"
+    if advertise_addr:
+        env.update(socket_ifname_env(advertise_addr, environ, net=net))
+    return env

@@ -32,6 +32,7 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
+from agent.netaddr import SYSTEM_NETWORK, HostNetwork, choose_advertise_addr
 from elastic.errors import ConfigError
 from elastic.rendezvous.api import (
     DEFAULT_EXIT_BARRIER_TIMEOUT_S,
@@ -155,8 +156,9 @@ OPTIONS = [
            "the job fails naming them", "SECONDS"),
     Option("listen", _host_port, "0.0.0.0:0", "address of the agent's gRPC server", "HOST:PORT"),
     Option("advertise-addr", _text, None,
-           "address peers and workers reach this node at (default: its host name; "
-           "127.0.0.1 with --standalone)", "HOST"),
+           "address peers and workers reach this node at (default: the host name if it "
+           "resolves to an address that is not loopback, else this host's source address on "
+           "the route to etcd; 127.0.0.1 with --standalone or an etcd on loopback)", "HOST"),
     Option("log-dir", _text, None, "per-round worker logs (default: a temp dir)", "DIR"),
     Option("stop-grace", _non_negative(float), 5.0,
            "after SIGTERM, wait this long before SIGKILL of a worker", "SECONDS"),
@@ -265,10 +267,14 @@ def _read_file(path: str) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in data.items() if v is not None}
 
 
-def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> AgentConfig:
+def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None, *,
+         net: HostNetwork = SYSTEM_NETWORK) -> AgentConfig:
     """Parse flags, environment and config file into a validated AgentConfig.
 
-    Raises ConfigError naming the offending option and value.
+    Without --advertise-addr, the address is chosen by
+    :func:`agent.netaddr.choose_advertise_addr` (asking ``net``), and the choice
+    and its reason are logged. Raises ConfigError naming the offending option
+    and value, or telling to pass --advertise-addr when no address is usable.
     """
     environ = os.environ if environ is None else environ
     args = parser().parse_args(argv)
@@ -320,7 +326,10 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         raise ConfigError(f"training script {script!r} not found (working directory "
                           f"{os.getcwd()})")
 
-    advertise = v["advertise_addr"] or ("127.0.0.1" if v["standalone"] else socket.getfqdn())
+    advertise = choose_advertise_addr(v["advertise_addr"], standalone=v["standalone"],
+                                      etcd=v["etcd"], net=net)
+    log.info("job %s node %s: advertising %s to the other nodes and the workers: %s.",
+             v["job_id"], node_id, advertise.addr, advertise.reason)
     log_dir = v["log_dir"] or os.path.join(tempfile.gettempdir(), "elastic", v["job_id"], node_id)
     return AgentConfig(
         job_id=v["job_id"], etcd=v["etcd"], standalone=v["standalone"], min_nodes=min_nodes,
@@ -329,7 +338,8 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         checkpoint_dir=os.path.abspath(v["checkpoint_dir"]) if v["checkpoint_dir"] else None,
         hang_timeout_s=v["hang_timeout"], lease_ttl_s=v["lease_ttl"], settle_s=v["settle"],
         join_timeout_s=v["join_timeout"], start_timeout_s=v["start_timeout"],
-        exit_barrier_timeout_s=v["exit_barrier_timeout"], listen=v["listen"], advertise_addr=advertise,
+        exit_barrier_timeout_s=v["exit_barrier_timeout"], listen=v["listen"],
+        advertise_addr=advertise.addr,
         log_dir=log_dir, stop_grace_s=v["stop_grace"], prestart=v["prestart"],
         connect_timeout_s=v["connect_timeout"],
         script=None if as_module else os.path.abspath(script),

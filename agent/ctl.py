@@ -24,6 +24,7 @@ import time
 
 from agent import status as status_view
 from elastic import events
+from elastic.checkpoint.etcd_log import decode_latest
 from elastic.errors import ConfigError, ElasticError, exit_code_for
 from elastic.rendezvous.api import RestartRequest, Round, cap_text, validate_id
 from elastic.keyspace import JobKeys
@@ -78,7 +79,7 @@ def _events(store: Store, args) -> str:
 def _checkpoints(store: Store, args) -> str:
     keys = JobKeys(args.job_id)
     kv = store.get(keys.checkpoint_latest)
-    latest = json.loads(kv.value) if kv else None
+    latest = decode_latest(kv.key, kv.value).to_dict() if kv else None
     history = [e for e in events.read_events(store, keys) if e.kind == "checkpoint"]
     if args.json:
         return json.dumps({"latest": latest, "history": [e.__dict__ for e in history]}, indent=2)

@@ -181,7 +181,8 @@ class Agent:
                                   args=config.script_args),
             log_dir=config.log_dir, stop_grace_s=config.stop_grace_s,
             prestart=config.prestart, on_exit=lambda e: inbox.put(_exit_event(e)),
-            worker_env=startup_env(config.nproc_per_node, dict(os.environ)))
+            worker_env=startup_env(config.nproc_per_node, dict(os.environ),
+                                   config.advertise_addr))
         agent = cls(config, store, rendezvous, supervisor, server, peers, inbox=inbox,
                     socket_path=socket_path, clock=clock)
         handlers.agent = agent

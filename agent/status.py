@@ -12,6 +12,7 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from elastic.checkpoint.etcd_log import decode_latest
 from elastic.errors import MalformedRecordError
 from elastic.rendezvous.api import NodeInfo, Round
 from elastic.keyspace import JobKeys
@@ -90,9 +91,9 @@ def collect(store: Store, job_id: str, query_agents: bool = True,
     ckpt_kv = by_key.get(keys.checkpoint_latest)
     if ckpt_kv is not None:
         try:
-            checkpoint = json.loads(ckpt_kv.value)
-        except ValueError as exc:
-            problems.append(f"malformed record at key {ckpt_kv.key!r}: {exc}")
+            checkpoint = decode_latest(ckpt_kv.key, ckpt_kv.value).to_dict()
+        except MalformedRecordError as exc:
+            problems.append(str(exc))
 
     leader_kv = by_key.get(keys.leader)
     nodes = []

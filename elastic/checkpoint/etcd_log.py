@@ -53,7 +53,7 @@ class EtcdCommitLog(CommitLog):
         errors (:class:`elastic.errors.StoreError`) otherwise; the
         transaction is never retried, since it may have taken effect.
         """
-        record = json.dumps(entry.to_dict(), sort_keys=True).encode()
+        record = encode_latest(entry)
         event = event_op(self.keys, self.clock, self.writer, entry.round, EVENT_KIND,
                          f"checkpoint of step {entry.step} committed ({entry.path})")
         result = fenced_txn(self.store, self.keys, entry.round,
@@ -77,10 +77,17 @@ class EtcdCommitLog(CommitLog):
         store's errors otherwise.
         """
         kv = self.store.get(self.keys.checkpoint_latest)
-        if kv is None:
-            return None
-        try:
-            return CommitEntry.from_dict(json.loads(kv.value))
-        except (ValueError, CheckpointError) as exc:  # UnicodeDecodeError is a ValueError
-            raise MalformedRecordError(kv.key, f"not a checkpoint commit record ({exc})") \
-                from exc
+        return None if kv is None else decode_latest(kv.key, kv.value)
+
+
+def encode_latest(entry: CommitEntry) -> bytes:
+    """The ``checkpoint/latest`` record: the one codec, with :func:`decode_latest`."""
+    return json.dumps(entry.to_dict(), sort_keys=True).encode()
+
+
+def decode_latest(key: str, raw: bytes) -> CommitEntry:
+    """Parse a ``checkpoint/latest`` record; MalformedRecordError naming ``key`` if invalid."""
+    try:
+        return CommitEntry.from_dict(json.loads(raw))
+    except (ValueError, CheckpointError) as exc:  # UnicodeDecodeError is a ValueError
+        raise MalformedRecordError(key, f"not a checkpoint commit record ({exc})") from exc

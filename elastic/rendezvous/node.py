@@ -373,8 +373,12 @@ class RendezvousNode:
                 self._drop_leadership()
         elif tag == "nodes" and self.is_leader:
             for ev in payload:
-                self._view.apply_node(ev.kv.key, ev.kv.value if ev.type is EventType.PUT else None,
-                                      ev.kv.create_revision, now)
+                left = self._view.apply_node(ev.kv.key,
+                                             ev.kv.value if ev.type is EventType.PUT else None,
+                                             ev.kv.create_revision, now)
+                if left is not None:
+                    log.info("job %s node %s: node %s left", self.config.job_id, self.node_id,
+                             left)
         elif tag == "requests" and self.is_leader:
             for ev in payload:
                 self._view.apply_request(ev.kv.key,

@@ -68,6 +68,7 @@ class Proc:
     agent: Agent
     exit_code: int | None = None  # set once it exited
     killed: bool = False
+    stalled: bool = False  # its loops make no progress (slow etcd calls, or frozen)
 
 
 @dataclass
@@ -110,6 +111,7 @@ class Cluster:
         self.min_nodes = self.rng.randint(1, self.max_nodes)
         self.workers = Workers(self.network, step_s=0.5, total_steps=self.rng.randint(16, 30),
                                ckpt_every=4, init_timeout_s=30.0, crash_delay_s=0.5, form_s=0.5,
+                               rng=random.Random(self.rng.random()),
                                latest_step=self._latest_checkpoint)
         self.nodes: dict[str, Node] = {f"n{i}": Node(f"n{i}") for i in range(n)}
         self.schedule = make_schedule(self.rng, sorted(self.nodes), self.min_nodes)
@@ -244,6 +246,13 @@ class Cluster:
             self.network.cut_off.add(fault.node)
         elif kind == "store_errors":
             proc.conn.error_rate = 0.3
+        elif kind == "slow_store":
+            proc.stalled = True
+        elif kind == "freeze":
+            proc.stalled = True
+            proc.conn.freeze()
+            for w in proc.supervisor.current:
+                w.frozen = True
         elif kind == "ambiguous":
             proc.conn.ambiguous_rate = 0.3
         elif self.store.outage:
@@ -270,6 +279,12 @@ class Cluster:
             proc.conn.heal()
         elif fault.kind == "store_errors":
             proc.conn.error_rate = 0.0
+        elif fault.kind in ("slow_store", "freeze"):
+            proc.stalled = False
+            if fault.kind == "freeze":
+                proc.conn.thaw()
+                for w in proc.supervisor.current:
+                    w.frozen = False
         elif fault.kind == "ambiguous":
             proc.conn.ambiguous_rate = 0.0
 
@@ -314,12 +329,13 @@ class Cluster:
         sees what the other wrote through the store), then the workers."""
         self.store.deliver_pending()
         for proc in self.live_procs():
-            proc.rdzv.pump()
+            if not proc.stalled:
+                proc.rdzv.pump()
         self.store.deliver_pending()
         self.network.update()
         for node in list(self.nodes.values()):
             proc = node.proc
-            if proc is None or proc.exit_code is not None:
+            if proc is None or proc.exit_code is not None or proc.stalled:
                 continue
             try:
                 proc.agent.step(0)

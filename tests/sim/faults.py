@@ -15,6 +15,8 @@ KINDS = {
     "cut_both": 2,  # the node loses everything (a dead switch port)
     "cut_round": 2,  # every member of the round loses etcd, not each other (standbys keep it)
     "store_errors": 2,  # 30 % of the node's etcd calls fail
+    "slow_store": 2,  # the node's loops are stuck in slow etcd calls (keep-alives go on)
+    "freeze": 2,  # the whole node is frozen (SIGSTOP of agent and workers), then resumed
     "ambiguous": 2,  # 30 % of the node's writes land but report a timeout
     "expire_lease": 2,  # etcd drops the node's lease
     "leader_loss": 2,  # etcd drops the leader's lease
@@ -58,7 +60,7 @@ def make_schedule(rng: random.Random, nodes: list[str], min_nodes: int) -> list[
         if kind == "cut_round":
             node = "*"  # whoever the members are when it strikes
         if kind in ("cut_store", "cut_peers", "cut_both", "cut_round", "store_errors",
-                    "ambiguous", "outage"):
+                    "ambiguous", "outage", "slow_store", "freeze"):
             duration = round(rng.uniform(0.5, 12.0), 2)
         elif kind == "kill_agent":
             duration = round(rng.choice((0.5, 1.0, 2.0, 6.0)), 2)

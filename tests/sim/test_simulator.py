@@ -19,6 +19,7 @@ from elastic.rendezvous import decisions
 from elastic.rendezvous.api import Action, Decision
 from tests.sim import cluster
 from tests.sim.runner import REPLAY, run_many
+from tests.sim.world import FakeMesh
 
 SEEDS = int(os.environ.get("SIM_SEEDS", "10000"))
 
@@ -54,8 +55,17 @@ def _violations(seeds) -> list[str]:
 
 
 def test_a_cut_off_node_that_keeps_training_is_caught(monkeypatch):
-    # The partition rule switched off: a node cut off from etcd never stops.
-    monkeypatch.setattr(reactor, "_on_lease", lambda view, event, settings: (view, []))
+    # No fail-stop: a node cut off from etcd never stops its workers, and a
+    # leader does not wait for the workers of the members it leaves out.
+    real = reactor.react
+
+    def no_fail_stop(view, event, now, settings):
+        if isinstance(event, reactor.LeaseState):
+            return view, []
+        return real(view, event, now, settings)
+
+    monkeypatch.setattr(reactor, "react", no_fail_stop)
+    monkeypatch.setattr(FakeMesh, "fence", lambda self, addrs, asker: True)
     found = _violations(PLANTED_SEEDS)
     assert any("train at the same time" in v for v in found), found[:5]
 

@@ -168,6 +168,14 @@ class NodeStore(Store):
             for w in self._watches:
                 w.release()
 
+    def freeze(self) -> None:
+        """SIGSTOP: no keep-alive leaves the frozen process (its calls just wait)."""
+        self._keepalive(False)
+
+    def thaw(self) -> None:
+        if not self.dead and not self.partitioned:
+            self._keepalive(True)
+
     def kill(self) -> None:
         self.dead = True
         self._keepalive(False)
@@ -276,6 +284,7 @@ class FakeWorker:
     world_size: int
     alive: bool = True
     hung: bool = False
+    frozen: bool = False  # SIGSTOP with its agent: silent and stuck until resumed
     exit_code: int | None = None
     stopped: bool = False
     crash_at: float | None = None  # a crash is coming (its group broke)
@@ -302,8 +311,8 @@ class Group:
 class Workers:
     """Every fake worker of the simulated cluster, and the rules they follow.
 
-    ``step_s`` per training step; a checkpoint every ``ckpt_every`` steps,
-    committed through rank 0's agent; ``total_steps`` then each node's workers
+    ``step_s`` per training step; an async checkpoint every ``ckpt_every``
+    steps, committed through rank 0's agent ``save_s`` (a range) later; ``total_steps`` then each node's workers
     finish after that node's ``finish_delay`` (rank 0 writing the final model).
     A group forms ``form_s`` after its last rank started (process start and
     rendezvous of the process group); one that never forms within
@@ -313,6 +322,8 @@ class Workers:
 
     def __init__(self, network: Network, *, step_s: float, total_steps: int, ckpt_every: int,
                  init_timeout_s: float, crash_delay_s: float, form_s: float,
+                 rng: random.Random, save_s: tuple[float, float] = (0.25, 3.0),
+                 grace_s: float = 1.0,
                  latest_step: Callable[[], tuple[int, int]]):
         self.network = network
         self.step_s = step_s
@@ -321,6 +332,10 @@ class Workers:
         self.init_timeout_s = init_timeout_s
         self.crash_delay_s = crash_delay_s
         self.form_s = form_s
+        self.rng = rng
+        self.save_s = save_s
+        self.grace_s = grace_s
+        self.saves: list[_Save] = []
         self.latest_step = latest_step
         self.groups: dict[int, Group] = {}
         self.finish_delay: dict[str, float] = {}
@@ -356,6 +371,7 @@ class Workers:
         return [g for g in self.groups.values() if g.formed and not g.broken and not g.finishing]
 
     def advance(self, now: float) -> None:
+        self._commit_due(now)
         for group in list(self.groups.values()):
             self._advance_group(group, now)
         for group in list(self.groups.values()):
@@ -369,6 +385,8 @@ class Workers:
     def _advance_group(self, g: Group, now: float) -> None:
         live = [w for w in g.workers if w.alive]
         for w in live:
+            if w.frozen:
+                continue  # a stopped process neither crashes nor finishes until resumed
             if w.crash_at is not None and now >= w.crash_at:
                 self.end(w, 1, now)
             elif w.finish_at is not None and now >= w.finish_at:
@@ -395,36 +413,58 @@ class Workers:
             for w in live:
                 w.crash_at = now + self.crash_delay_s
         if g.formed and not g.broken and not g.finishing:
-            if any(w.hung for w in live):
+            if any(w.hung or w.frozen for w in live):
                 g.next_step_at = now + self.step_s  # collectives wait on the hung rank
             elif now >= g.next_step_at:
                 g.step += 1
                 g.next_step_at = now + self.step_s
                 if g.step % self.ckpt_every == 0:
-                    self._commit(g, now)
+                    self._save(g, now)
                 if g.step >= self.total_steps:
                     g.finishing = True
                     for w in live:
                         w.finish_at = now + self.finish_delay.get(w.node_id, 0.0)
         for w in live:
-            if not w.hung and (g.formed or g.finishing):
+            if not (w.hung or w.frozen) and (g.formed or g.finishing):
                 agent = self.agents.get(w.node_id)
                 if agent is not None:
                     agent.heartbeat(agent_pb2.WorkerChannelHeartbeatRequest(
                         rank=w.rank, local_rank=w.local_rank, round=w.round, step=g.step,
                         exiting=g.finishing))
 
-    def _commit(self, g: Group, now: float) -> None:
+    def _save(self, g: Group, now: float) -> None:
+        """Rank 0 starts an async save of this step; it commits ``save_s`` later."""
         rank0 = next((w for w in g.workers if w.rank == 0 and w.alive), None)
         agent = self.agents.get(rank0.node_id) if rank0 else None
-        if agent is None:
-            return
-        entry = agent_pb2.CheckpointEntry(step=g.step, round=g.round, world_size=g.world_size,
-                                          path=f"step-{g.step:012d}", time=now)
-        try:
-            agent.commit_checkpoint(entry)
-        except StoreError:
-            pass  # the save fails; training goes on and the next one tries again
+        if agent is not None:
+            self.saves.append(_Save(now + self.rng.uniform(*self.save_s), rank0, agent,
+                                    agent_pb2.CheckpointEntry(
+                                        step=g.step, round=g.round, world_size=g.world_size,
+                                        path=f"step-{g.step:012d}", time=now)))
+
+    def _commit_due(self, now: float) -> None:
+        """A save commits through rank 0's agent when it is done, if that worker
+        still runs or was stopped less than a grace period ago (SIGTERM lets
+        a checkpointer finish): a worker of an older round may commit late."""
+        due = [s for s in self.saves if s.at <= now]
+        self.saves = [s for s in self.saves if s.at > now]
+        for save in due:
+            w = save.worker
+            stopped_at = next((t for x, t in self.exits if x is w), None)
+            if stopped_at is not None and (now - stopped_at > self.grace_s or not w.stopped):
+                continue
+            try:
+                save.agent.commit_checkpoint(save.entry)
+            except StoreError:
+                pass  # the save fails; training goes on and the next one tries again
+
+
+@dataclass
+class _Save:
+    at: float
+    worker: FakeWorker
+    agent: object
+    entry: agent_pb2.CheckpointEntry
 
 
 class FakeSupervisor:

@@ -5,6 +5,7 @@ a fake clock. Each test: a scenario, a fault, what the agent must do."""
 from __future__ import annotations
 
 import queue
+import random
 
 from agent.config import AgentConfig
 from agent.daemon import Agent, RoundChanged
@@ -29,6 +30,7 @@ class OneNode:
         network = Network()
         self.workers = Workers(network, step_s=0.5, total_steps=total_steps, ckpt_every=10,
                                init_timeout_s=30.0, crash_delay_s=0.5, form_s=0.5,
+                               rng=random.Random(0),
                                latest_step=lambda: (0, 0))
         config = AgentConfig(
             job_id="j", etcd="mem", standalone=False, min_nodes=1, max_nodes=1,

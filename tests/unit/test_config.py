@@ -8,7 +8,8 @@ import os
 import pytest
 
 from agent import config
-from elastic.errors import ConfigError
+from agent.netaddr import HostNetwork
+from elastic.errors import EXIT_BAD_INPUT, ConfigError, exit_code_for
 
 REQUIRED = {"job-id": "j", "nnodes": "1", "etcd": "http://127.0.0.1:2379"}
 SOURCES = ["flag", "env", "file"]
@@ -105,8 +106,40 @@ def test_script_and_its_arguments_from_the_file_stay_text(tmp_path):
     path = tmp_path / "elasticd.yaml"
     path.write_text(f"script: {script}\nmodule: false\nscript_args: [--lr, 0.10, --epochs, 010]\n")
 
-    cfg = config.load(["--config", str(path), "--job-id", "j", "--nnodes", "1", "--etcd", "e"],
-                      {})
+    cfg = config.load(["--config", str(path), "--job-id", "j", "--nnodes", "1", "--etcd",
+                       REQUIRED["etcd"]], {})
 
     assert cfg.script == str(script) and cfg.module is None
     assert cfg.script_args == ("--lr", "0.10", "--epochs", "010")
+
+
+def test_the_advertised_address_and_why_are_logged_once_at_load(tmp_path, caplog):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    hosts = {"localhost": ["127.0.0.1"], "etcd1": ["10.0.0.9"]}
+    net = HostNetwork(fqdn=lambda: "localhost", resolve=lambda host: hosts.get(host, []),
+                      route_source=lambda addr, port: "10.0.0.5")
+    caplog.set_level("INFO", logger="agent.config")
+
+    cfg = config.load(["--job-id", "j", "--nnodes", "2", "--node-id", "n1",
+                       "--etcd", "http://etcd1:2379", str(script)], {}, net=net)
+
+    assert cfg.advertise_addr == "10.0.0.5"
+    lines = [r.getMessage() for r in caplog.records if "advertising" in r.getMessage()]
+    assert len(lines) == 1
+    assert "job j node n1: advertising 10.0.0.5" in lines[0]
+    assert "route to etcd at etcd1:2379" in lines[0]
+
+
+def test_no_usable_address_is_bad_input_that_names_the_flag(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    hosts = {"localhost": ["127.0.0.1"], "etcd1": ["10.0.0.9"]}
+    net = HostNetwork(fqdn=lambda: "localhost", resolve=lambda host: hosts.get(host, []),
+                      route_source=lambda addr, port: None)
+
+    with pytest.raises(ConfigError, match="--advertise-addr") as info:
+        config.load(["--job-id", "j", "--nnodes", "2", "--etcd", "http://etcd1:2379",
+                     str(script)], {}, net=net)
+
+    assert exit_code_for(info.value) == EXIT_BAD_INPUT
