@@ -367,8 +367,16 @@ class Workers:
                                 exit_code=code, signal=9 if code < 0 else None, stopped=stopped))
 
     def training(self) -> list[Group]:
-        """Groups training now: formed, not broken, not yet finishing."""
-        return [g for g in self.groups.values() if g.formed and not g.broken and not g.finishing]
+        """Groups training now: formed, not broken, not yet finishing, and not
+        held by a frozen or hung rank (such a group makes no step).
+
+        A frozen node is resumed at the start of a simulator step, so its agent
+        acts on what happened meanwhile before its workers step again. On a
+        real machine the workers may get a few steps in first, until the agent
+        stops them; the round fence keeps those steps from being committed."""
+        return [g for g in self.groups.values()
+                if g.formed and not g.broken and not g.finishing
+                and not any(w.alive and (w.frozen or w.hung) for w in g.workers)]
 
     def advance(self, now: float) -> None:
         self._commit_due(now)
@@ -433,7 +441,11 @@ class Workers:
                         exiting=g.finishing))
 
     def _save(self, g: Group, now: float) -> None:
-        """Rank 0 starts an async save of this step; it commits ``save_s`` later."""
+        """Rank 0 starts an async save of this step; it commits ``save_s`` later.
+        One save at a time, as the checkpointer does: while one is in flight
+        this step is not saved."""
+        if any(save.entry.round == g.round for save in self.saves):
+            return
         rank0 = next((w for w in g.workers if w.rank == 0 and w.alive), None)
         agent = self.agents.get(rank0.node_id) if rank0 else None
         if agent is not None:
