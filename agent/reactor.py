@@ -25,10 +25,10 @@ The rules:
   TTL while its workers run, it asks the round's peers and standbys whether
   they reach etcd. If any does, this node is the one cut off: it kills its
   workers before its lease can expire at etcd (fail-stop, no zombie group),
-  and asks for a new round (not a failure) for when it is back. If peers
-  answered and none does, etcd itself is down: no round can form anywhere,
-  and training goes on. If no peer answered at all, the two cannot be told
-  apart, and the node stops its workers as if cut off. A leader about to
+  and asks for a new round (not a failure) for when it is back. Only if
+  every peer asked answered and none reaches etcd is etcd itself down: no
+  round can form anywhere, and training goes on. A peer that does not answer
+  might have etcd, so the node then stops its workers as if cut off. A leader about to
   leave out members whose lease expired tells them it reaches etcd, which
   stops them too (:meth:`elastic.rendezvous.node.RendezvousNode`'s fence).
 * A node never included in a round within the join timeout gives up.
@@ -415,13 +415,17 @@ def _on_tick(view: AgentView, tick: Tick, now: float, settings: Settings) -> Res
 def _on_lease(view: AgentView, event: LeaseState, settings: Settings) -> Result:
     if view.state is not S.RUNNING or event.unconfirmed_s <= settings.lease_ttl_s / 2:
         return view, []
-    answered = event.peers_asked if event.peers_answered < 0 else event.peers_answered
-    if event.peers_with_store or not answered:
+    asked = event.peers_asked
+    answered = asked if event.peers_answered < 0 else event.peers_answered
+    # etcd is down for everyone only if every peer asked answered without it;
+    # a peer that cannot be asked might have etcd and form a round.
+    if event.peers_with_store or answered < asked or asked == 0:
         number = view.round_number
-        why = (f"{len(event.peers_with_store)} of {event.peers_asked} peers still reach it"
+        why = (f"{len(event.peers_with_store)} of {asked} peers still reach it"
                if event.peers_with_store else
-               f"none of the {event.peers_asked} peers asked answers, so an outage of etcd "
-               "cannot be told from this node being cut off")
+               "there is no peer to ask" if asked == 0 else
+               f"only {answered} of {asked} peers answered, so an outage of etcd cannot be "
+               "told from this node being cut off")
         reason = (f"cut off from etcd for {event.unconfirmed_s:.1f} s while {why}: stopping "
                   "the workers before this node's lease can expire")
         view, commands = _stop(view, reason, fast=True)
@@ -431,8 +435,8 @@ def _on_lease(view: AgentView, event: LeaseState, settings: Settings) -> Result:
     if view.store_down_noted:
         return view, []
     return dataclasses.replace(view, store_down_noted=True), [Note(
-        f"etcd unconfirmed for {event.unconfirmed_s:.1f} s and none of the {answered} peers "
-        "that answered reaches it: etcd itself is down, no round can form; training goes on")]
+        f"etcd unconfirmed for {event.unconfirmed_s:.1f} s and all {asked} peers asked answered "
+        "without it: etcd itself is down, no round can form; training goes on")]
 
 
 def _drain(view: AgentView, reason: str) -> Result:

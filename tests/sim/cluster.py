@@ -367,10 +367,16 @@ class Cluster:
                 v.append(f"committed checkpoint {self.latest_ckpt} disappeared")
             elif latest[0] < self.latest_ckpt[0] or latest[1] < self.latest_ckpt[1]:
                 v.append(f"committed checkpoint went back from {self.latest_ckpt} to {latest}")
-        if latest != (0, 0):
+        kv = self.store.peek(self.keys.round)
+        if latest != (0, 0) and latest != self.latest_ckpt:
+            # Commits happen after the rendezvous moved in a step, so the round
+            # is the one the commit was fenced by.
+            now_round = kv.version if kv else 0
+            if latest[1] != now_round:
+                v.append(f"a checkpoint of round {latest[1]} (step {latest[0]}) was committed "
+                         f"while the job was in round {now_round}")
             self.latest_ckpt = latest
             self.result.steps_committed = latest[0]
-        kv = self.store.peek(self.keys.round)
         if kv is None or self.final is not None or kv.version == self.result.rounds:
             return
         try:

@@ -190,14 +190,18 @@ class TestPartition:
         # When back, a new round (not a failure) brings everyone together again.
         assert RequestRestart(3, stop.reason, failure=False) in commands
 
-    def test_no_peer_answering_at_all_cannot_prove_an_outage_so_it_stops(self):
-        # Alone, or cut off from everyone: an etcd outage looks the same as
-        # this node being isolated, and only the latter can be fatal.
-        view, commands = react(running(3), LeaseState(2.5, (), 2, peers_answered=0), 10.0,
-                               SETTINGS)
+    @pytest.mark.parametrize("asked,answered,why", [
+        (2, 0, "only 0 of 2 peers answered"),  # cut off from everyone
+        (3, 2, "only 2 of 3 peers answered"),  # the silent one may have etcd
+        (0, 0, "there is no peer to ask"),  # alone: nothing proves an outage
+    ])
+    def test_an_outage_is_proven_only_when_every_peer_answers_without_etcd(self, asked,
+                                                                           answered, why):
+        view, commands = react(running(3), LeaseState(2.5, (), asked, peers_answered=answered),
+                               10.0, SETTINGS)
         assert view.state is S.JOINING
         stop = next(c for c in commands if isinstance(c, StopWorkers))
-        assert stop.fast and "none of the 2 peers asked answers" in stop.reason
+        assert stop.fast and why in stop.reason
 
     def test_no_peer_with_etcd_means_etcd_is_down_and_training_goes_on(self):
         view, commands = react(running(3), LeaseState(2.5, (), 3), 10.0, SETTINGS)

@@ -1,0 +1,352 @@
+"""The chaos campaign's faults: one function per kind, each injected at a seeded moment.
+
+Every fault function takes the campaign (see :class:`Context`) and a seeded
+``random.Random``, injects the fault, holds it as long as the kind says
+(healing network faults and restarting what it stopped), and returns a
+:class:`FaultRecord`. It does *not* wait for the job to recover: the campaign
+does that, the same way for every kind.
+
+``expect_restart`` says what DESIGN.md's failure table promises: a new round
+(worker and node failures, cuts, drains), or training that goes on without
+one (a lost etcd member, a lost leader, lost quorum: "nothing restarts for a
+store blip"). Delay and loss promise neither; they are recorded as observed.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from tests.chaos.cluster import alive, node_pids, signal_pids
+
+
+@dataclass
+class FaultRecord:
+    kind: str
+    target: str
+    t_start: float  # wall time of the injection
+    t_end: float = 0.0  # wall time the fault was over (healed, restarted, joined)
+    round_before: int = 0  # the newest round training when it was injected
+    expect_restart: bool | None = True  # None: no promise either way
+    notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # violations seen while injecting
+
+
+class Context(Protocol):
+    """What the faults need of the campaign (:class:`tests.chaos.campaign.Campaign`)."""
+
+    topo: object
+    etcd: object
+    tag: str
+    settings: object
+
+    def active_agents(self) -> list: ...
+    def worker_pids(self) -> dict[int, tuple[str, int]]: ...
+    def current_round(self) -> int: ...
+    def restart_agent(self, agent) -> object: ...
+    def drain(self, node_id: str) -> tuple[int, str]: ...
+    def join_new_node(self) -> object: ...
+    def wait_for(self, predicate, timeout_s: float, what: str): ...
+
+
+@dataclass(frozen=True)
+class FaultKind:
+    name: str
+    inject: Callable[[Context, random.Random], FaultRecord]
+    needs_isolation: bool = False  # network namespaces
+    expect_restart: bool | None = True
+
+
+def _record(ctx: Context, kind: str, target: str) -> FaultRecord:
+    return FaultRecord(kind, target, time.time(), round_before=ctx.current_round(),
+                       expect_restart=KINDS[kind].expect_restart)
+
+
+def _pick_worker(ctx: Context, rng: random.Random, exclude_node: str | None = None
+                 ) -> tuple[int, str, int]:
+    """(rank, node, pid) of a live worker of the current round."""
+    workers = {r: v for r, v in sorted(ctx.worker_pids().items()) if v[0] != exclude_node}
+    if not workers:
+        raise RuntimeError("no live worker of the current round to hit")
+    rank = rng.choice(sorted(workers))
+    node, pid = workers[rank]
+    return rank, node, pid
+
+
+def _pick_node(ctx: Context, rng: random.Random):
+    return rng.choice(sorted(ctx.active_agents(), key=lambda a: a.node_id))
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def worker_kill(ctx: Context, rng: random.Random) -> FaultRecord:
+    rank, node, pid = _pick_worker(ctx, rng)
+    rec = _record(ctx, "worker_kill", f"rank {rank} on {node} (pid {pid})")
+    signal_pids([pid], signal.SIGKILL)
+    rec.t_end = time.time()
+    return rec
+
+
+def worker_hang(ctx: Context, rng: random.Random) -> FaultRecord:
+    """SIGSTOP one worker: its agent must judge it hung (no heartbeat) and kill it."""
+    rank, node, pid = _pick_worker(ctx, rng)
+    rec = _record(ctx, "worker_hang", f"rank {rank} on {node} (pid {pid})")
+    signal_pids([pid], signal.SIGSTOP)
+    timeout = ctx.settings.hang_timeout_s + ctx.settings.stop_grace_s + 15
+    try:
+        ctx.wait_for(lambda: not alive(pid), timeout, f"the agent to kill hung pid {pid}")
+    except AssertionError:
+        rec.problems.append(f"hung worker pid {pid} still alive {timeout:g} s after SIGSTOP")
+        signal_pids([pid], signal.SIGKILL)
+    rec.notes.append(f"hung worker gone after {time.time() - rec.t_start:.1f} s")
+    rec.t_end = time.time()
+    return rec
+
+
+def double_worker_fail(ctx: Context, rng: random.Random) -> FaultRecord:
+    """Two workers (on different nodes where possible) killed less than 1 s apart."""
+    rank1, node1, pid1 = _pick_worker(ctx, rng)
+    try:
+        rank2, node2, pid2 = _pick_worker(ctx, rng, exclude_node=node1)
+    except RuntimeError:
+        rank2, node2, pid2 = _pick_worker(ctx, rng)
+    gap = rng.uniform(0.05, 0.9)
+    rec = _record(ctx, "double_worker_fail",
+                  f"rank {rank1} on {node1}, then rank {rank2} on {node2} {gap:.2f} s later")
+    signal_pids([pid1], signal.SIGKILL)
+    time.sleep(gap)
+    if not alive(pid2):
+        rec.notes.append(f"second worker pid {pid2} was already gone (stopped by its agent)")
+    signal_pids([pid2], signal.SIGKILL)
+    rec.t_end = time.time()
+    return rec
+
+
+def fail_after_restart(ctx: Context, rng: random.Random) -> FaultRecord:
+    """Kill a worker; once its node's workers train in the next round, kill one of
+    them again, within 5 s of that restart."""
+    rank, node, pid = _pick_worker(ctx, rng)
+    rec = _record(ctx, "fail_after_restart", f"rank {rank} on {node} (pid {pid}), twice")
+    signal_pids([pid], signal.SIGKILL)
+
+    def restarted():
+        if ctx.current_round() <= rec.round_before:
+            return None
+        mine = [(r, p) for r, (n, p) in ctx.worker_pids().items() if n == node]
+        return mine or None
+
+    try:
+        mine = ctx.wait_for(restarted, 90, f"{node}'s workers to train in a new round")
+    except AssertionError as exc:
+        rec.problems.append(f"no restart to fail again: {exc}"[:300])
+        rec.t_end = time.time()
+        return rec
+    restart_seen = time.time()
+    time.sleep(rng.uniform(0.0, 1.5))
+    rank2, pid2 = rng.choice(sorted(mine))
+    signal_pids([pid2], signal.SIGKILL)
+    rec.t_end = time.time()
+    rec.notes.append(f"killed rank {rank2} (pid {pid2}) of round {ctx.current_round()} "
+                     f"{rec.t_end - restart_seen:.2f} s after its first step")
+    return rec
+
+
+# ----------------------------------------------------------------------------- agents, nodes
+
+
+def agent_restart(ctx: Context, rng: random.Random) -> FaultRecord:
+    """SIGKILL an agent, start it again 1 s later with the same node id."""
+    agent = _pick_node(ctx, rng)
+    children = [p for p in node_pids(ctx.tag, agent.node_id) if p != agent.pid]
+    rec = _record(ctx, "agent_restart", f"{agent.node_id} (agent pid {agent.pid})")
+    agent.kill()
+    time.sleep(1.0)
+    left = [p for p in children if alive(p)]
+    if left:
+        rec.notes.append(f"{len(left)} of its {len(children)} children still alive 1 s after "
+                         f"the agent's SIGKILL: {left}")
+    ctx.restart_agent(agent)
+    rec.t_end = time.time()
+    return rec
+
+
+def node_freeze(ctx: Context, rng: random.Random) -> FaultRecord:
+    """SIGSTOP a node's agent and workers for longer than the lease TTL, then SIGCONT."""
+    agent = _pick_node(ctx, rng)
+    hold = ctx.settings.lease_ttl_s + rng.uniform(1.0, 2.5)
+    rec = _record(ctx, "node_freeze", f"{agent.node_id} for {hold:.1f} s")
+    signal_pids([agent.pid], signal.SIGSTOP)  # first, so it does not see its workers stop
+    pids = [agent.pid] + [p for p in node_pids(ctx.tag, agent.node_id) if p != agent.pid]
+    signal_pids(pids[1:], signal.SIGSTOP)
+    time.sleep(hold)
+    pids += [p for p in node_pids(ctx.tag, agent.node_id) if p not in pids]
+    signal_pids(pids[1:], signal.SIGCONT)
+    signal_pids([agent.pid], signal.SIGCONT)
+    rec.t_end = time.time()
+    return rec
+
+
+def drain_join(ctx: Context, rng: random.Random) -> FaultRecord:
+    """``elasticctl drain`` a node, then a new node joins.
+
+    The drained agent may leave at once (above min nodes) or only once a
+    replacement is there (a fixed-size job keeps training meanwhile): the new
+    node joins after the drained one left, or after 10 s if it has not.
+    """
+    agent = _pick_node(ctx, rng)
+    rec = _record(ctx, "drain_join", f"drain {agent.node_id}")
+    code, out = ctx.drain(agent.node_id)
+    if code != 0:
+        rec.problems.append(f"elasticctl drain {agent.node_id} exited {code}: {out.strip()}")
+    try:
+        ctx.wait_for(lambda: agent.poll() is not None, 10, f"drained {agent.node_id} to exit")
+        rec.notes.append(f"{agent.node_id} left {time.time() - rec.t_start:.1f} s after the drain")
+    except AssertionError:
+        rec.notes.append(f"{agent.node_id} still there 10 s after the drain")
+    time.sleep(rng.uniform(0.5, 2.0))
+    new = ctx.join_new_node()
+    rec.target += f", join {new.node_id}"
+    try:
+        ctx.wait_for(lambda: agent.poll() is not None, 60, f"drained {agent.node_id} to exit")
+        if agent.poll() != 0:
+            rec.problems.append(f"drained agent {agent.node_id} exited {agent.poll()}")
+    except AssertionError:
+        rec.problems.append(f"drained agent {agent.node_id} still running 60 s after the "
+                            f"drain, with {new.node_id} there to replace it")
+        agent.kill()
+    rec.t_end = time.time()
+    return rec
+
+
+# ----------------------------------------------------------------------------- network
+
+
+def _hold_cut(ctx: Context, rng: random.Random, kind: str, what: str, others_of) -> FaultRecord:
+    agent = _pick_node(ctx, rng)
+    others = others_of(agent)
+    hold = {"cut_etcd": 2 * ctx.settings.lease_ttl_s + rng.uniform(0.5, 2.0),
+            "cut_peers": ctx.settings.hang_timeout_s + rng.uniform(1.0, 3.0)}[kind]
+    rec = _record(ctx, kind, f"{agent.node_id} from {what} for {hold:.1f} s")
+    ctx.topo.cut(agent.slot, others)
+    try:
+        time.sleep(hold)
+    finally:
+        ctx.topo.heal(agent.slot, others)
+    rec.t_end = time.time()
+    return rec
+
+
+def cut_etcd(ctx: Context, rng: random.Random) -> FaultRecord:
+    return _hold_cut(ctx, rng, "cut_etcd", "etcd",
+                     lambda agent: list(ctx.topo.etcd_hosts))
+
+
+def cut_peers(ctx: Context, rng: random.Random) -> FaultRecord:
+    return _hold_cut(ctx, rng, "cut_peers", "its peers",
+                     lambda agent: [s for s in ctx.topo.slots if s is not agent.slot])
+
+
+def cut_all(ctx: Context, rng: random.Random) -> FaultRecord:
+    agent = _pick_node(ctx, rng)
+    hold = ctx.settings.lease_ttl_s + rng.uniform(1.0, 3.0)
+    rec = _record(ctx, "cut_all", f"{agent.node_id}'s link down for {hold:.1f} s")
+    ctx.topo.link_down(agent.slot)
+    try:
+        time.sleep(hold)
+    finally:
+        ctx.topo.link_up(agent.slot)
+    rec.t_end = time.time()
+    return rec
+
+
+def delay_loss(ctx: Context, rng: random.Random) -> FaultRecord:
+    agent = _pick_node(ctx, rng)
+    hold = rng.uniform(5.0, 8.0)
+    rec = _record(ctx, "delay_loss", f"{agent.node_id}: 200 ms, 5% loss for {hold:.1f} s")
+    how = ctx.topo.impair(agent.slot, 200, 5.0, seed=rng.randrange(1 << 30))
+    rec.notes.append(f"by {how}")
+    try:
+        time.sleep(hold)
+    finally:
+        ctx.topo.unimpair(agent.slot)
+    rec.t_end = time.time()
+    return rec
+
+
+# ----------------------------------------------------------------------------- etcd
+
+
+def _restart_members(ctx: Context, members, down_s: float, rec: FaultRecord) -> None:
+    for m in members:
+        m.kill()
+    time.sleep(down_s)
+    for m in members:
+        m.start()
+    try:
+        ctx.etcd.wait_ready(30)
+    except RuntimeError as exc:
+        rec.problems.append(f"etcd did not come back: {exc}"[:400])
+    rec.t_end = time.time()
+
+
+def etcd_member(ctx: Context, rng: random.Random) -> FaultRecord:
+    leader = ctx.etcd.leader()
+    member = rng.choice([m for m in ctx.etcd.members if m is not leader])
+    down = rng.uniform(2.0, 4.0)
+    rec = _record(ctx, "etcd_member", f"follower {member.name} down {down:.1f} s")
+    _restart_members(ctx, [member], down, rec)
+    return rec
+
+
+def etcd_leader(ctx: Context, rng: random.Random) -> FaultRecord:
+    leader = ctx.etcd.leader()
+    if leader is None:
+        raise RuntimeError("no etcd leader to kill")
+    down = rng.uniform(2.0, 4.0)
+    rec = _record(ctx, "etcd_leader", f"leader {leader.name} down {down:.1f} s")
+    _restart_members(ctx, [leader], down, rec)
+    return rec
+
+
+def quorum_loss(ctx: Context, rng: random.Random) -> FaultRecord:
+    members = rng.sample(ctx.etcd.members, 2)
+    rec = _record(ctx, "quorum_loss", f"{members[0].name} and {members[1].name} down 20 s")
+    _restart_members(ctx, members, 20.0, rec)
+    return rec
+
+
+KINDS: dict[str, FaultKind] = {k.name: k for k in [
+    FaultKind("worker_kill", worker_kill),
+    FaultKind("worker_hang", worker_hang),
+    FaultKind("double_worker_fail", double_worker_fail),
+    FaultKind("fail_after_restart", fail_after_restart),
+    FaultKind("agent_restart", agent_restart),
+    FaultKind("node_freeze", node_freeze),
+    FaultKind("cut_etcd", cut_etcd, needs_isolation=True),
+    FaultKind("cut_peers", cut_peers, needs_isolation=True),
+    FaultKind("cut_all", cut_all, needs_isolation=True),
+    FaultKind("delay_loss", delay_loss, needs_isolation=True, expect_restart=None),
+    FaultKind("etcd_member", etcd_member, expect_restart=False),
+    FaultKind("etcd_leader", etcd_leader, expect_restart=False),
+    FaultKind("quorum_loss", quorum_loss, expect_restart=False),
+    FaultKind("drain_join", drain_join),
+]}
+
+
+def plan(seed: int, count: int, *, isolated: bool, kinds: list[str] | None = None) -> list[str]:
+    """``count`` fault kinds in a seeded order: every available kind once (as far
+    as ``count`` goes), then seeded random picks."""
+    rng = random.Random(f"plan-{seed}")
+    available = [k for k in (kinds or list(KINDS)) if isolated or not KINDS[k].needs_isolation]
+    if not available:
+        return []
+    first = available[:]
+    rng.shuffle(first)
+    picks = first[:count]
+    while len(picks) < count:
+        picks.append(rng.choice(available))
+    return picks
