@@ -19,7 +19,6 @@ The same seed gives the same run, bit for bit: replay a failure with
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import queue
@@ -29,7 +28,6 @@ from dataclasses import dataclass, field
 
 from agent.config import AgentConfig
 from agent.daemon import Agent, RoundChanged
-from agent.lifecycle import AgentState
 from elastic.errors import ElasticError, MalformedRecordError, exit_code_for
 from elastic.keyspace import JobKeys
 from elastic.rendezvous.api import NodeInfo, Round
