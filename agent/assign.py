@@ -10,7 +10,7 @@ from elastic.rendezvous.api import Round
 
 def worker_envs(round_: Round, node_id: str, *, job_id: str, restart_count: int,
                 max_restarts: int, agent_socket: str, checkpoint_dir: str | None,
-                hang_timeout_s: float) -> list[dict[str, str]]:
+                hang_timeout_s: float, lease_ttl_s: float = 0.0) -> list[dict[str, str]]:
     """The environment of each local worker of ``node_id`` in ``round_``, by local rank.
 
     Global ranks are dense and follow node ranks: a node's first rank is the
@@ -39,6 +39,9 @@ def worker_envs(round_: Round, node_id: str, *, job_id: str, restart_count: int,
         "ELASTIC_NODE_ID": node_id,
         "ELASTIC_AGENT_SOCKET": agent_socket,
         "ELASTIC_HANG_TIMEOUT_S": f"{hang_timeout_s:g}",
+        # A worker whose agent has not vouched for its round this long waits
+        # (elastic.step); 0 turns that off.
+        "ELASTIC_LEASE_TTL_S": f"{lease_ttl_s:g}",
     }
     if checkpoint_dir:
         common["ELASTIC_CHECKPOINT_DIR"] = checkpoint_dir

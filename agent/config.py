@@ -51,7 +51,8 @@ log = logging.getLogger(__name__)
 
 # Variables the agent sets for its workers: not options, never warned about.
 WORKER_ENV = {"ELASTIC_ROUND", "ELASTIC_AGENT_SOCKET", "ELASTIC_CHECKPOINT_DIR",
-              "ELASTIC_JOB_ID", "ELASTIC_NODE_ID", "ELASTIC_PRELOAD", "ELASTIC_HANG_TIMEOUT_S"}
+              "ELASTIC_JOB_ID", "ELASTIC_NODE_ID", "ELASTIC_PRELOAD", "ELASTIC_HANG_TIMEOUT_S",
+              "ELASTIC_LEASE_TTL_S"}
 
 
 def _number(kind: type, *, allow_zero: bool) -> Callable[[str, Any], Any]:

@@ -333,7 +333,8 @@ class Agent:
                            restart_count=restart_count, max_restarts=self.config.max_restarts,
                            agent_socket=self.socket_path,
                            checkpoint_dir=self.config.checkpoint_dir,
-                           hang_timeout_s=self.config.hang_timeout_s)
+                           hang_timeout_s=self.config.hang_timeout_s,
+                           lease_ttl_s=self.config.lease_ttl_s)
         now = self.clock.monotonic()
         with self._workers_lock:
             self.workers = {i: WorkerHealth(local_rank=i, rank=int(env["RANK"]), started_at=now)
@@ -399,14 +400,20 @@ class Agent:
     # ------------------------------------------------------ gRPC handlers
     # Called from gRPC threads: read-only or posted to the loop.
 
-    def heartbeat(self, req: agent_pb2.WorkerChannelHeartbeatRequest) -> bool:
+    def heartbeat(self, req: agent_pb2.WorkerChannelHeartbeatRequest) -> tuple[bool, bool]:
+        """(stop_requested, hold). Hold while this node's lease is unconfirmed
+        and no etcd outage is proven: a node resumed after a freeze longer than
+        its lease must not let its workers step before it learns whether a
+        newer round has formed meanwhile."""
         view = self.view
         current = view.round is not None and req.round == view.round.number
         with self._workers_lock:
             w = self.workers.get(req.local_rank)
             if w is not None and current:
                 w.on_heartbeat(self.clock.monotonic(), req.step, req.saving_for_s, req.exiting)
-        return not current or view.state not in (S.RUNNING, S.DONE)
+        hold = (view.state is S.RUNNING and not view.store_down_noted
+                and self._lease_unconfirmed_s() > self.config.lease_ttl_s / 2)
+        return not current or view.state not in (S.RUNNING, S.DONE), hold
 
     def commit_checkpoint(self, entry: agent_pb2.CheckpointEntry) -> tuple[bool, str]:
         """Advance ``checkpoint/latest`` through the fenced commit log: a

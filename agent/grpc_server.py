@@ -94,8 +94,9 @@ class AgentControl(Protocol):
 class HeartbeatSink(Protocol):
     """What the ``elastic.v1.WorkerChannel`` service delivers to the agent."""
 
-    def heartbeat(self, request: agent_pb2.WorkerChannelHeartbeatRequest) -> bool:
-        """Record one heartbeat; returns True when the worker should stop (stop_requested)."""
+    def heartbeat(self, request: agent_pb2.WorkerChannelHeartbeatRequest) -> tuple[bool, bool]:
+        """Record one heartbeat; returns (stop_requested, hold): whether the
+        worker should stop, and whether it should not start another step yet."""
         ...
 
     def commit_checkpoint(self, entry: agent_pb2.CheckpointEntry) -> tuple[bool, str]:
@@ -190,8 +191,9 @@ class _WorkerChannelServicer(agent_pb2_grpc.WorkerChannelServicer):
         self._sink = sink
 
     def Heartbeat(self, request, context):  # noqa: N802
-        stop = _serve_call(context, "Heartbeat", self._sink.heartbeat, request)
-        return agent_pb2.WorkerChannelHeartbeatResponse(stop_requested=bool(stop))
+        stop, hold = _serve_call(context, "Heartbeat", self._sink.heartbeat, request)
+        return agent_pb2.WorkerChannelHeartbeatResponse(stop_requested=bool(stop),
+                                                        hold=bool(hold))
 
     def CommitCheckpoint(self, request, context):  # noqa: N802
         committed, message = _serve_call(context, "CommitCheckpoint",

@@ -119,10 +119,12 @@ class WorkerChannelHeartbeatRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., saving_for_s: _Optional[float] = ..., exiting: _Optional[bool] = ...) -> None: ...
 
 class WorkerChannelHeartbeatResponse(_message.Message):
-    __slots__ = ("stop_requested",)
+    __slots__ = ("stop_requested", "hold")
     STOP_REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
     stop_requested: bool
-    def __init__(self, stop_requested: _Optional[bool] = ...) -> None: ...
+    hold: bool
+    def __init__(self, stop_requested: _Optional[bool] = ..., hold: _Optional[bool] = ...) -> None: ...
 
 class CheckpointEntry(_message.Message):
     __slots__ = ("step", "round", "world_size", "path", "time")

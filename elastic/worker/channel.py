@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import grpc
 
@@ -39,6 +40,9 @@ class WorkerChannelClient:
         self._lock = threading.Lock()
         self._closed = False
         self._last_failure: grpc.StatusCode | None = None
+        # Monotonic time of the agent's last answer that did not ask to hold
+        # (the agent that started this worker vouched for it just now).
+        self.confirmed_at = time.monotonic()
 
     def heartbeat(
         self,
@@ -84,6 +88,8 @@ class WorkerChannelClient:
             logger.debug("Rank %d (pid %d, round %d) reaches the agent at %s again.",
                          rank, pid, round, self._target)
             self._last_failure = None
+        if not response.hold:
+            self.confirmed_at = time.monotonic()
         return response.stop_requested
 
     def _note_failure(self, exc: grpc.RpcError, rank: int, pid: int, round_: int) -> None:

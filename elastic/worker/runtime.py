@@ -54,6 +54,23 @@ class _Heartbeat:
             self._wake.wait(self.interval_s)
             self._wake.clear()
 
+    def wait_until_confirmed(self, hold_after_s: float) -> None:
+        """Block while the agent has not vouched for this round for
+        ``hold_after_s`` (0: never block). The agent then either confirms,
+        or stops this worker: its node was cut off, or frozen past its lease."""
+        if hold_after_s <= 0:
+            return
+        logged = False
+        while time.monotonic() - self.client.confirmed_at > hold_after_s \
+                and not self._stop.is_set():
+            if not logged:
+                log.warning("Rank %d: the agent has not confirmed round %d for %.0f s; "
+                               "waiting for it before the next step.", self.rank, self.round,
+                               hold_after_s)
+                logged = True
+            self._wake.set()
+            self._stop.wait(0.05)
+
     def report(self, step: int, saving_for_s: float | None = None) -> None:
         first = self.step < 0
         self.step = step
@@ -75,6 +92,9 @@ class _Heartbeat:
 
 _heartbeat: _Heartbeat | None = None
 _step = -1
+# The agent's lease TTL (set by elasticd): a worker whose agent has not vouched
+# for its round that long waits before its next step.
+_hold_after_s = 0.0
 
 
 def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
@@ -85,7 +105,7 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
     whatever ``init_process_group`` raises when the group cannot form within
     ``timeout_s``.
     """
-    global _heartbeat
+    global _heartbeat, _hold_after_s
     if not dist.is_initialized():
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -98,6 +118,7 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
         hang_timeout = float(os.environ.get("ELASTIC_HANG_TIMEOUT_S", "300") or 300)
         interval = min(2.0, max(0.2, hang_timeout / 5)) if hang_timeout > 0 else 2.0
         _heartbeat = _Heartbeat(socket_path, interval)
+        _hold_after_s = float(os.environ.get("ELASTIC_LEASE_TTL_S", "0") or 0)
         atexit.register(shutdown)
 
 
@@ -109,6 +130,7 @@ def step(n: int | None = None) -> int:
     _step = _step + 1 if n is None else int(n)
     if _heartbeat is not None:
         _heartbeat.report(_step)
+        _heartbeat.wait_until_confirmed(_hold_after_s)
     return _step
 
 

@@ -108,3 +108,18 @@ def test_job_end_is_retried_through_store_errors_and_never_kills_a_worker():
     final = node.round()
     assert final.outcome == "succeeded"
     assert all(w.exit_code == 0 and not w.stopped for w, _ in node.workers.exits)
+
+
+def test_workers_are_told_to_hold_while_the_lease_is_unconfirmed():
+    # A node resumed after a freeze longer than its lease: its workers must not
+    # step before the agent knows whether a newer round formed meanwhile.
+    from elastic.v1 import agent_pb2
+
+    node = OneNode()
+    node.run(3)
+    beat = agent_pb2.WorkerChannelHeartbeatRequest(rank=0, local_rank=0, round=node.round().number,
+                                                   step=1)
+    assert node.agent.heartbeat(beat) == (False, False)
+    node.store.suspend_keepalive(node.rdzv.lease_id)  # etcd stops confirming the lease
+    node.clock.advance(1.6)  # more than half the 3 s TTL
+    assert node.agent.heartbeat(beat) == (False, True)

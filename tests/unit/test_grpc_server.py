@@ -68,18 +68,19 @@ class RecordingControl:
 
 
 class RecordingSink:
-    """A HeartbeatSink that keeps every heartbeat and answers ``stop_requested``."""
+    """A HeartbeatSink that keeps every heartbeat and answers ``stop_requested``, ``hold``."""
 
     def __init__(self):
         self.requests: list[agent_pb2.WorkerChannelHeartbeatRequest] = []
         self.stop_requested = False
+        self.hold = False
         self.error: BaseException | None = None
 
-    def heartbeat(self, request: agent_pb2.WorkerChannelHeartbeatRequest) -> bool:
+    def heartbeat(self, request: agent_pb2.WorkerChannelHeartbeatRequest) -> tuple[bool, bool]:
         self.requests.append(request)
         if self.error is not None:
             raise self.error
-        return self.stop_requested
+        return self.stop_requested, self.hold
 
 
 @pytest.fixture
@@ -277,6 +278,18 @@ def test_heartbeats_reach_the_sink_over_the_unix_socket(server, sink):
     assert (first.rank, first.local_rank, first.pid, first.round, first.step,
             first.saving_for_s) == (5, 1, 777, 3, 41, 12.5)
     assert (second.step, second.saving_for_s) == (42, 0.0)
+
+
+def test_an_answer_asking_to_hold_does_not_vouch_for_the_round(server, sink):
+    with WorkerChannelClient(server.worker_socket, timeout_s=2.0) as client:
+        client.heartbeat(0, 0, 1, 1, 1)
+        vouched = client.confirmed_at
+        sink.hold = True
+        client.heartbeat(0, 0, 1, 1, 2)
+        assert client.confirmed_at == vouched
+        sink.hold = False
+        client.heartbeat(0, 0, 1, 1, 3)
+        assert client.confirmed_at > vouched
 
 
 def test_worker_socket_is_private_and_services_are_separated(server):

@@ -9,6 +9,7 @@ by a factor (three times too long, or half) fails. Time is passed in, never slep
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -197,6 +198,7 @@ class RecordingClient:
     def __init__(self, socket_path: str):
         self.sent: list[float] = []
         self.cond = threading.Condition()
+        self.confirmed_at = time.monotonic()
 
     def heartbeat(self, rank, local_rank, pid, round, step, saving_for_s=0.0,  # noqa: A002
                   exiting=False):
@@ -231,3 +233,26 @@ def test_the_heartbeats_of_a_save_count_its_time_down(monkeypatch):
         beat._thread.join(timeout=5)
     # each heartbeat a little later says a little less time is left
     assert during[0] <= SAVE_S and during[0] > during[1] > during[2], during
+
+
+def test_a_worker_waits_for_its_agent_to_vouch_for_the_round_before_its_next_step(monkeypatch):
+    # What a worker resumed after a freeze longer than the lease does: no step
+    # until its agent confirms the round (or stops it).
+    pytest.importorskip("torch")
+    from elastic.worker import runtime
+
+    monkeypatch.setattr(runtime, "WorkerChannelClient", RecordingClient)
+    beat = runtime._Heartbeat("/nonexistent/agent.sock", interval_s=0.02)
+    try:
+        beat.client.confirmed_at = time.monotonic() - 10.0  # last vouched 10 s ago
+        done = threading.Event()
+        waiter = threading.Thread(target=lambda: (beat.wait_until_confirmed(5.0), done.set()))
+        waiter.start()
+        assert not done.wait(0.3), "stepped without the agent vouching for the round"
+        beat.client.confirmed_at = time.monotonic()  # the agent answers without hold
+        assert done.wait(5.0)
+        beat.wait_until_confirmed(0.0)  # 0: never waits
+    finally:
+        beat._stop.set()
+        beat._wake.set()
+        beat._thread.join(timeout=5)
