@@ -48,6 +48,11 @@ from elastic.rendezvous.api import ReportKind, Round
 S = AgentState
 # Scripts that never report a step get their next warm set after this long.
 WARM_DELAY_S = 10.0
+# A node cut off from etcd stops its workers once its lease has gone this
+# fraction of its TTL unconfirmed: late enough that an etcd leader election or
+# a reconnect to another member (seconds) restarts nothing, early enough that
+# the workers are gone before etcd can expire the lease.
+STOP_AT_TTL_FRACTION = 0.7
 
 
 # ------------------------------------------------------------------ events
@@ -227,6 +232,9 @@ class AgentView:
     waiting_since: float = 0.0  # when the node began waiting for its first round
     peers_asked_at: float | None = None  # last CheckPeersStore, while unconfirmed
     store_down_noted: bool = False
+    # Why the peers' answers say this node is cut off from etcd, while it is
+    # too early to stop (see STOP_AT_TTL_FRACTION); "" when they do not.
+    cut_off: str = ""
     warm_pending: bool = False
     last_failure: str = ""
     outcome_reason: str = ""
@@ -389,6 +397,9 @@ def _on_tick(view: AgentView, tick: Tick, now: float, settings: Settings) -> Res
             if now - since > settings.lease_ttl_s:
                 return _fail_round(view, f"peer {peer} has reported its workers unhealthy "
                                          f"(NOT_SERVING) for over {settings.lease_ttl_s:g} s")
+    if view.state is S.RUNNING and view.cut_off \
+            and tick.lease_unconfirmed_s >= STOP_AT_TTL_FRACTION * settings.lease_ttl_s:
+        return _stop_cut_off(view, tick.lease_unconfirmed_s)
     commands: list[Command] = []
     if view.state is S.RUNNING and view.warm_pending and (
             tick.workers_stepped or now - view.started_at > WARM_DELAY_S):
@@ -401,8 +412,9 @@ def _on_tick(view: AgentView, tick: Tick, now: float, settings: Settings) -> Res
             commands.append(CheckPeersStore(_peers_to_ask(view.round, settings.node_id,
                                                           tick.standby_addrs)))
     elif tick.lease_unconfirmed_s <= settings.lease_ttl_s / 2 and (
-            view.peers_asked_at is not None or view.store_down_noted):
-        view = dataclasses.replace(view, peers_asked_at=None, store_down_noted=False)
+            view.peers_asked_at is not None or view.store_down_noted or view.cut_off):
+        view = dataclasses.replace(view, peers_asked_at=None, store_down_noted=False,
+                                   cut_off="")
     if view.state is S.JOINING and view.rounds_started == 0 \
             and now - view.waiting_since > settings.join_timeout_s:
         why = f" ({tick.registration_problem})" if tick.registration_problem else ""
@@ -420,23 +432,30 @@ def _on_lease(view: AgentView, event: LeaseState, settings: Settings) -> Result:
     # etcd is down for everyone only if every peer asked answered without it;
     # a peer that cannot be asked might have etcd and form a round.
     if event.peers_with_store or answered < asked or asked == 0:
-        number = view.round_number
         why = (f"{len(event.peers_with_store)} of {asked} peers still reach it"
                if event.peers_with_store else
                "there is no peer to ask" if asked == 0 else
                f"only {answered} of {asked} peers answered, so an outage of etcd cannot be "
                "told from this node being cut off")
-        reason = (f"cut off from etcd for {event.unconfirmed_s:.1f} s while {why}: stopping "
-                  "the workers before this node's lease can expire")
-        view, commands = _stop(view, reason, fast=True)
-        # Not a failure of the job: when this node is back, its peers and it
-        # need a new round (unless its lease expired, which makes one anyway).
-        return view, commands + [RequestRestart(number, reason, failure=False)]
+        view = dataclasses.replace(view, cut_off=why)
+        if event.unconfirmed_s < STOP_AT_TTL_FRACTION * settings.lease_ttl_s:
+            return view, []  # maybe a reconnect to another member: the tick decides
+        return _stop_cut_off(view, event.unconfirmed_s)
     if view.store_down_noted:
         return view, []
     return dataclasses.replace(view, store_down_noted=True), [Note(
         f"etcd unconfirmed for {event.unconfirmed_s:.1f} s and all {asked} peers asked answered "
         "without it: etcd itself is down, no round can form; training goes on")]
+
+
+def _stop_cut_off(view: AgentView, unconfirmed_s: float) -> Result:
+    number = view.round_number
+    reason = (f"cut off from etcd for {unconfirmed_s:.1f} s while {view.cut_off}: stopping "
+              "the workers before this node's lease can expire")
+    view, commands = _stop(dataclasses.replace(view, cut_off=""), reason, fast=True)
+    # Not a failure of the job: when this node is back, its peers and it need
+    # a new round (unless its lease expired, which makes one anyway).
+    return view, commands + [RequestRestart(number, reason, failure=False)]
 
 
 def _drain(view: AgentView, reason: str) -> Result:

@@ -3,11 +3,12 @@
 One job, ``examples/ddp.py`` (``examples/common.py``), 2 nodes x 2 workers on this
 machine (two agents, or two torchrun "nodes" on a c10d rendezvous, ``--nnodes 1:2`` for
 both), trains for a fixed wall time (``--duration``, 600 s, counted from the job's first
-step at full size) while faults arrive at random: ``--duration / --mean-interval`` of
-them (one per 30 s on average) at uniformly random times seeded by ``--seed`` (a Poisson
-process of that count), worker SIGKILLs and node freezes (``--freeze-share`` of them,
-1/3). The same schedule, script, checkpoint interval (``--ckpt-every``) and seed run
-under elasticd, then under torchrun, in one run.
+step at full size) while faults arrive at random, one per ``--mean-interval`` (30 s) of
+healthy training on average: the gaps between ``--duration / --mean-interval`` uniformly
+random times seeded by ``--seed`` (a Poisson process of that count), worker SIGKILLs and
+node freezes (``--freeze-share`` of them, 1/3, in random order). The same gaps, kinds
+and targets, script, checkpoint interval (``--ckpt-every``) and seed run under elasticd,
+then under torchrun, in one run.
 
 Faults:
 
@@ -23,11 +24,13 @@ Faults:
   the benchmark restarts the whole job (both nodes, from the last checkpoint), as an
   operator would. The whole interval counts as lost.
 
-A fault due while the job is still recovering from the previous one (no step yet since
-it, a node frozen, or not back at full size, which is awaited at most ``--rejoin-wait``)
-is deferred until it has: each recovery is then measured alone. The deferral is shown;
-a launcher that recovers slowly therefore sees fewer faults in the same wall time.
-Any stall without a fault (no step for ``--hang-cap``) or a launcher that exits makes
+The fault clock runs only while the job is healthy: a fault's gap starts when the job
+has recovered from the previous one (every rank stepped since, nothing frozen, back at
+world 4, which is awaited at most ``--rejoin-wait``). Each recovery is then measured
+alone, and a backlog of faults never lands on a group that has just come back (which
+would kill it before its first checkpoint, again and again). A launcher that recovers
+slowly therefore meets fewer faults in the same wall time (shown: faults injected of
+those planned): that favours it, in the ratio. Any stall without a fault (no step for ``--hang-cap``) or a launcher that exits makes
 the benchmark restart the job too (shown as interventions).
 
 What is measured, from the progress file (one JSON line per step and rank: ``t``,
@@ -107,33 +110,35 @@ class Fault:
 
     index: int
     kind: str  # "kill" or "freeze"
-    due_s: float  # after the job's first step at full size
+    gap_s: float  # of healthy training before it (after the previous fault's recovery)
     node: int  # index into NODES (drawn; the other node if this one has no worker)
     worker: int  # local index of the worker to kill on that node
     injected_at: float | None = None
-    deferred_s: float = 0.0
+    at_s: float | None = None  # after the job's first step at full size
     target: str = ""
     pids: list[int] = field(default_factory=list)
     thawed_at: float | None = None
     recovered_at: float | None = None
     full_size_at: float | None = None
     how: str = ""  # "itself", "thawed at cap", "restarted by the benchmark"
+    not_full_logged: bool = False
 
 
 def schedule(seed: int, horizon_s: float, mean_interval_s: float,
              freeze_share: float) -> list[Fault]:
-    """round(horizon / mean interval) faults at uniformly random times in the horizon (a
-    Poisson process given its count: the rate is exact, not itself left to chance), of
-    which round(count x freeze_share) are freezes, in random order; the same list for a
-    seed."""
+    """round(horizon / mean interval) faults, their gaps those between as many uniformly
+    random times in the horizon (a Poisson process given its count: the rate is exact,
+    not itself left to chance), round(count x freeze_share) of them freezes, in random
+    order; the same list for a seed."""
     rng = random.Random(seed)
     n = max(1, round(horizon_s / mean_interval_s))
     times = sorted(rng.uniform(0, horizon_s) for _ in range(n))
+    gaps = [b - a for a, b in zip([0.0, *times], times)]
     freezes = round(n * freeze_share)
     kinds = ["freeze"] * freezes + ["kill"] * (n - freezes)
     rng.shuffle(kinds)
-    return [Fault(i, kind, round(t, 3), rng.randrange(2), rng.randrange(2))
-            for i, (t, kind) in enumerate(zip(times, kinds))]
+    return [Fault(i, kind, round(gap, 3), rng.randrange(2), rng.randrange(2))
+            for i, (gap, kind) in enumerate(zip(gaps, kinds))]
 
 
 # ---------------------------------------------------------------- analysis (pure)
@@ -181,14 +186,14 @@ def final_lineage(incs: list[Incarnation]) -> tuple[set[tuple[int, int]], str | 
 
 
 def step_times(inc: Incarnation, events: list[float], fallback_s: float) -> list[float]:
-    """Seconds each step of ``inc`` took: the gap to its previous step, or the
-    incarnation's median gap for its first step and for a gap spanning an event."""
-    gaps = [b["t"] - a["t"] for a, b in zip(inc.records, inc.records[1:])]
-    median = statistics.median(gaps) if gaps else fallback_s
-    out = [median]
-    for a, b, gap in zip(inc.records, inc.records[1:], gaps):
-        out.append(median if any(a["t"] < e <= b["t"] for e in events) else gap)
-    return out
+    """Seconds each step of ``inc`` took: the gap to its previous step, or the median of
+    its other gaps (``fallback_s`` without any) for its first step and for a gap that
+    spans an event."""
+    pairs = list(zip(inc.records, inc.records[1:]))
+    spans = [any(a["t"] < e <= b["t"] for e in events) for a, b in pairs]
+    clean = [b["t"] - a["t"] for (a, b), span in zip(pairs, spans) if not span]
+    median = statistics.median(clean) if clean else fallback_s
+    return [median] + [median if span else b["t"] - a["t"] for (a, b), span in zip(pairs, spans)]
 
 
 def _ending_fault(inc: Incarnation, nxt: Incarnation | None, faults: list[Fault]) -> Fault | None:
@@ -209,7 +214,8 @@ def analyze(records: list[dict], faults: list[Fault], events: list[float],
     """Goodput, lost work and its attribution, from the progress records."""
     incs = incarnations([r for r in records if r["t"] <= t_end])
     kept, problem = final_lineage(incs)
-    all_gaps = [b["t"] - a["t"] for i in incs for a, b in zip(i.records, i.records[1:])]
+    all_gaps = [b["t"] - a["t"] for i in incs for a, b in zip(i.records, i.records[1:])
+                if not any(a["t"] < e <= b["t"] for e in events)]
     fallback = statistics.median(all_gaps) if all_gaps else 0.1
     kept_s = lost_s = 0.0
     kept_n = lost_n = 0
@@ -371,6 +377,7 @@ class Chaos:
         self.track = Tracker()
         self.events: list[float] = []  # faults, thaws, restarts: gaps across them are not steps
         self.last_event = 0.0
+        self.clock_from = 0.0  # the fault clock: the next gap counts from here
         self.interventions: list[dict] = []
         self.started_at = time.time()
         self.restarted_at = 0.0  # the benchmark's latest restart of the job
@@ -392,7 +399,7 @@ class Chaos:
                          self.args.start_timeout, run=self.run)
         self.t_start = first["t"]
         self.t_end = self.t_start + self.args.duration
-        self.last_event = self.t_start
+        self.last_event = self.clock_from = self.t_start
 
     def loop(self) -> None:
         while time.time() < self.t_end:
@@ -401,7 +408,7 @@ class Chaos:
             self.watch(now)
             if self.active is not None:
                 self.follow(self.active, now)
-            if self.active is None and self.todo and now >= self.t_start + self.todo[0].due_s:
+            if self.active is None and self.todo and now >= self.clock_from + self.todo[0].gap_s:
                 self.inject(self.todo.pop(0), now)
             time.sleep(POLL_S)
 
@@ -432,11 +439,10 @@ class Chaos:
             f.injected_at = time.time()
             f.pids = self.freeze(nodes[node].pid)
             f.target = f"node {NODES[node]} ({len(f.pids)} processes)"
-        f.deferred_s = round(max(0.0, f.injected_at - (self.t_start + f.due_s)), 2)
+        f.at_s = round(f.injected_at - self.t_start, 2)
         self.active = f
         self.event(f.injected_at)
-        self.log(f"fault {f.index} {f.kind} {f.target}"
-                 + (f" (deferred {f.deferred_s:.1f} s)" if f.deferred_s > 0.5 else ""))
+        self.log(f"fault {f.index} {f.kind} {f.target}")
 
     def freeze(self, launcher_pid: int) -> list[int]:
         """SIGSTOP a launcher, then (twice) everything below it."""
@@ -492,10 +498,12 @@ class Chaos:
         if full and f.full_size_at is None and f.kind == "freeze":
             f.full_size_at = r["t"]
         if full or now - self.last_event >= a.rejoin_wait:
-            if not full:
+            if not full and not f.not_full_logged:
+                f.not_full_logged = True
                 self.log(f"fault {f.index}: not back at world 4 within {a.rejoin_wait:g} s")
             if self.track.current_workers(self.last_event) is not None:
                 self.active = None
+                self.clock_from = now
 
     # -- the benchmark's own interventions ---------------------------------------------
 
@@ -590,14 +598,14 @@ def _stats(values: list[float]) -> dict | None:
 
 
 def summarize(r: dict) -> dict:
-    """Per fault kind: count, deferrals, recoveries, lost work."""
+    """Per fault kind: count, recoveries, lost work."""
     kinds = {}
     for kind in ("kill", "freeze"):
         fs = [f for f in r["faults"] if f["kind"] == kind]
         rec = [f["recovered_at"] - f["injected_at"] for f in fs if f["recovered_at"]]
         lost = [r["lost_by_fault"].get(f["index"], [0, 0.0]) for f in fs]
         kinds[kind] = {
-            "n": len(fs), "deferred": sum(1 for f in fs if f["deferred_s"] > 0.5),
+            "n": len(fs),
             "recovery": _stats(rec), "not_recovered": len(fs) - len(rec),
             "how": {h: sum(1 for f in fs if f["how"] == h) for h in
                     sorted({f["how"] for f in fs if f["how"]})},
@@ -629,7 +637,7 @@ def render(results: dict) -> str:
     names = [n for n in ("elasticd", "torchrun") if n in runs]
     w = 34
     out.append("")
-    out.append(f"  {'':<{w}}" + "".join(f"{n:>22}" for n in names))
+    out.append(f"  {'':<{w}}" + "".join(f"{n:>26}" for n in names))
 
     def row(label, fn):
         cells = []
@@ -639,17 +647,18 @@ def render(results: dict) -> str:
                 cells.append(str(fn(r)) if not r.get("error") else "error")
             except (KeyError, TypeError, ZeroDivisionError):
                 cells.append("-")
-        out.append(f"  {label:<{w}}" + "".join(f"{c:>22}" for c in cells))
+        out.append(f"  {label:<{w}}" + "".join(f"{c:>26}" for c in cells))
 
     row("goodput", lambda r: f"{100 * r['goodput']:.1f} %")
+    row("faults injected (wall s per fault)", lambda r: (
+        f"{len(r['faults'])} ({r['wall_s'] / len(r['faults']):.0f} s)"))
     row("steps kept / lost (redone)", lambda r: f"{r['kept_steps']} / {r['lost_steps']}")
     row("s on kept / lost steps / rest", lambda r: f"{r['kept_s']:.0f} / {r['lost_s']:.0f} / "
                                                    f"{r['other_s']:.0f}")
     row("median step, start-up", lambda r: f"{r['median_step_s']:.3f} s, {r['startup_s']:.0f} s")
     row("load avg at start / end", lambda r: f"{r['loadavg'][0]:.1f} / {r['loadavg'][1]:.1f}")
     for kind in ("kill", "freeze"):
-        row(f"{kind}: faults (deferred)", lambda r, k=kind: f"{r['kinds'][k]['n']} "
-                                                            f"({r['kinds'][k]['deferred']})")
+        row(f"{kind}: faults", lambda r, k=kind: r["kinds"][k]["n"])
         row(f"{kind}: lost work per fault", lambda r, k=kind: (
             f"{r['kinds'][k]['lost_steps_per_fault']} st, {r['kinds'][k]['lost_s_per_fault']} s"))
         row(f"{kind}: recovery median / worst", lambda r, k=kind: (
@@ -679,7 +688,9 @@ def render(results: dict) -> str:
         if r.get("lost_unattributed", [0])[0]:
             out.append(f"  {n}: lost steps with no fault before them: {r['lost_unattributed']}")
         if r.get("not_injected"):
-            out.append(f"  {n}: {r['not_injected']} planned faults fell after the end (deferred)")
+            out.append(f"  {n}: {r['not_injected']} of {len(r['faults']) + r['not_injected']} "
+                       "planned faults not reached by the end (the fault clock stops while "
+                       "the job recovers)")
     c = results.get("cleanup", {})
     out.append("stray processes: " + ("none" if not c.get("left") and not any(
         runs[n].get("stray") for n in names) else f"FOUND {c}"))

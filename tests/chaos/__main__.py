@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="fixed: --nnodes 3 (with the weights oracle); elastic: --nnodes 2:3")
     ap.add_argument("--kinds", default=None,
                     help=f"comma-separated subset of: {', '.join(KINDS)}")
+    ap.add_argument("--lease-ttl", type=float, default=3.0, help="elasticd --lease-ttl (s)")
+    ap.add_argument("--hang-timeout", type=float, default=4.0, help="elasticd --hang-timeout (s)")
     ap.add_argument("--loopback", action="store_true", help="skip namespaces (and net faults)")
     ap.add_argument("--workdir", default=None, help="keep everything here")
     ap.add_argument("--keep", action="store_true", help="keep the working directory on success")
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown fault kinds {unknown}; known: {', '.join(KINDS)}")
     report = run_campaign(args.seed, args.faults, args.variant, kinds=kinds,
                           loopback=args.loopback, workdir=args.workdir, keep=args.keep,
+                          lease_ttl_s=args.lease_ttl, hang_timeout_s=args.hang_timeout,
                           say=lambda m: print(m, flush=True))
     print(render(report), flush=True)
     return 0 if report.ok else 1

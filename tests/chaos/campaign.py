@@ -18,6 +18,7 @@ import logging
 import os
 import random
 import shutil
+import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from tests.chaos.cluster import (
     NodeAgent,
     StepLog,
     alive,
+    dump_python_stacks,
+    signal_pids,
     elasticctl,
     read_events,
 )
@@ -63,6 +66,7 @@ class Report:
     workdir: str = ""
     duration_s: float = 0.0
     tails: str = ""
+    options: str = ""  # non-default agent timings, for the replay command
 
     @property
     def ok(self) -> bool:
@@ -74,14 +78,14 @@ class Report:
                f"--variant {self.variant}")
         if self.kinds:
             cmd += f" --kinds {','.join(self.kinds)}"
-        return cmd
+        return cmd + self.options
 
 
 class Campaign:
     """The run's state; also the :class:`tests.chaos.faults.Context` the faults use."""
 
     def __init__(self, topo: Topology, etcd: EtcdCluster, workdir: str, *, variant: str,
-                 job_id: str, say):
+                 job_id: str, say, lease_ttl_s: float = 3.0, hang_timeout_s: float = 4.0):
         self.topo = topo
         self.etcd = etcd
         self.tag = topo.tag
@@ -89,7 +93,8 @@ class Campaign:
         self.job_id = job_id
         self.say = say
         nnodes = f"2:{N_NODES}" if variant == "elastic" else str(N_NODES)
-        self.settings = AgentSettings(nnodes=nnodes)
+        self.settings = AgentSettings(nnodes=nnodes, lease_ttl_s=lease_ttl_s,
+                                      hang_timeout_s=hang_timeout_s)
         self.full_world = N_NODES * self.settings.nproc
         self.pace_file = os.path.join(workdir, "pace")
         self.target_file = os.path.join(workdir, "target")
@@ -98,6 +103,7 @@ class Campaign:
         self.active: dict[str, NodeAgent] = {}  # node id -> its current incarnation
         self.next_node = N_NODES + 1
         self.events: dict = {}
+        self.ctl_failures = 0
         self._set_pace(PACE_S)
 
     # -- the Context protocol ---------------------------------------------------------------
@@ -138,8 +144,7 @@ class Campaign:
 
     def drain(self, node_id: str) -> tuple[int, str]:
         proc = elasticctl(self.etcd.endpoints, self.job_id, "drain", node_id)
-        agent = self.active.pop(node_id)
-        self.drained = getattr(self, "drained", []) + [agent]
+        self.active.pop(node_id)  # leaving: its exit is checked by the fault, not awaited here
         return proc.returncode, proc.stdout + proc.stderr
 
     def join_new_node(self) -> NodeAgent:
@@ -168,7 +173,7 @@ class Campaign:
     def exited_agents(self) -> list[NodeAgent]:
         return [a for a in self.active.values() if a.poll() is not None]
 
-    def training_at_full_size(self, since: float, steps_per_rank: int = 3):
+    def training_at_full_size(self, since: float, steps_per_rank: int = 2):
         """The newest round if it has every rank of a full-size job, each with
         ``steps_per_rank`` steps logged after ``since``."""
         span = self.steps.latest_round()
@@ -191,11 +196,26 @@ class Campaign:
             return self.training_at_full_size(since)
         return self.wait_for(ready, timeout_s, what)
 
-    def refresh_events(self) -> None:
+    def refresh_events(self, *, with_elasticctl: bool = False) -> None:
+        """Merge the job's event history into ``self.events``: what ``elasticctl events
+        --json`` prints (it runs elasticctl itself when asked; in between, the same
+        read in-process, which costs no interpreter start on a 2-core machine)."""
+        if with_elasticctl:
+            code = read_events(self.etcd.endpoints, self.job_id, self.events)
+            if code != 0:
+                self.ctl_failures += 1
+            return
+        from elastic import events as job_events
+        from elastic.errors import ElasticError
+        from elastic.keyspace import JobKeys
+        from elastic.store import open_store
+
         try:
-            read_events(self.etcd.endpoints, self.job_id, self.events)
-        except Exception as exc:  # noqa: BLE001 - a failed read only loses history
-            log.warning("elasticctl events failed: %s", exc)
+            with open_store(self.etcd.endpoints, connect_timeout_s=3.0) as store:
+                for e in job_events.read_events(store, JobKeys(self.job_id)):
+                    self.events[(e.time, e.node_id, e.kind, e.message)] = dict(e.__dict__)
+        except ElasticError as exc:  # a failed read only loses history; the next one retries
+            log.warning("reading the job's events failed: %s", exc)
 
     def finish(self, timeout_s: float = 120.0) -> None:
         """Let the job end: a target a few steps ahead, then full speed."""
@@ -218,17 +238,39 @@ class Campaign:
                 return left
             time.sleep(0.2)
 
+    def dump_stacks(self, report: "Report") -> None:
+        """Python stacks of the live agents (through gdb, where there is one) into the
+        working directory, for an agent that stopped acting."""
+        os.makedirs(os.path.join(self.workdir, "stacks"), exist_ok=True)
+        for a in self.active.values():
+            if a.poll() is None:
+                path = os.path.join(self.workdir, "stacks", f"{a.node_id}.{a.incarnation}.txt")
+                if dump_python_stacks(a.pid, path):
+                    report.errors.append(f"Python stacks of {a.node_id}: {path}")
+
+    def stop_agents(self) -> None:
+        for a in self.agents:
+            if a.poll() is None:
+                signal_pids([a.pid], signal.SIGCONT)
+                a.proc.kill()  # not a.kill(): the job did not finish, its exit code says so
+                a.proc.wait()
+
     def tails(self, n: int = 15) -> str:
         return "\n".join(a.tail(n) for a in self.agents[-6:])
 
 
 def run_campaign(seed: int, n_faults: int, variant: str = "fixed", *,
                  kinds: list[str] | None = None, loopback: bool = False,
-                 workdir: str | None = None, keep: bool = False, say=print) -> Report:
+                 workdir: str | None = None, keep: bool = False, lease_ttl_s: float = 3.0,
+                 hang_timeout_s: float = 4.0, say=print) -> Report:
     """Run one campaign; returns its :class:`Report` (never raises for a failed invariant)."""
     if variant not in ("fixed", "elastic"):
         raise ValueError(f"variant must be fixed or elastic, not {variant!r}")
     report = Report(seed, variant, n_faults, kinds)
+    if lease_ttl_s != 3.0:
+        report.options += f" --lease-ttl {lease_ttl_s:g}"
+    if hang_timeout_s != 4.0:
+        report.options += f" --hang-timeout {hang_timeout_s:g}"
     started = time.monotonic()
     plain_say = say
 
@@ -250,7 +292,8 @@ def run_campaign(seed: int, n_faults: int, variant: str = "fixed", *,
         etcd = EtcdCluster(topo.etcd_hosts, workdir, topo.tag)
         etcd.start()
         job_id = f"chaos-{seed}-{topo.prefix}"
-        camp = Campaign(topo, etcd, workdir, variant=variant, job_id=job_id, say=say)
+        camp = Campaign(topo, etcd, workdir, variant=variant, job_id=job_id, say=say,
+                        lease_ttl_s=lease_ttl_s, hang_timeout_s=hang_timeout_s)
         poller = CheckpointPoller(etcd.endpoints, job_id).start()
         recovered_at: dict[int, float] = {}
         try:
@@ -263,9 +306,13 @@ def run_campaign(seed: int, n_faults: int, variant: str = "fixed", *,
         except (AssertionError, RuntimeError) as exc:
             report.errors.append(str(exc)[:2000])
             report.tails = camp.tails()
+            camp.dump_stacks(report)
+            camp.stop_agents()  # the orphan check below then asks: did their workers follow?
         finally:
             poller.stop()
-        camp.refresh_events()
+        camp.refresh_events(with_elasticctl=True)
+        if camp.ctl_failures:
+            report.errors.append("elasticctl events --json failed at the end of the run")
         etcd_pids = {m.proc.pid for m in etcd.members if m.running}
         leftover = camp.leftover_processes(exclude=etcd_pids)
         events = sorted(camp.events.values(), key=lambda e: e["time"])
@@ -274,6 +321,8 @@ def run_campaign(seed: int, n_faults: int, variant: str = "fixed", *,
         if variant == "fixed" and not report.errors:
             reference, ref_steps = _reference_run(topo, etcd, workdir, camp, say, report)
         etcd.stop()
+        for m in etcd.members:  # ~120 MB of WAL each; their logs stay
+            shutil.rmtree(m.data_dir, ignore_errors=True)
 
     result = _read_json(os.path.join(workdir, "result.json"))
     rounds = camp.steps.rounds
@@ -301,7 +350,7 @@ def run_campaign(seed: int, n_faults: int, variant: str = "fixed", *,
 def _inject_all(camp: Campaign, report: Report, rng: random.Random,
                 recovered_at: dict[int, float], say) -> None:
     for i, kind in enumerate(report.planned):
-        pause = rng.uniform(0.5, 3.0)  # the seeded moment: this long into healthy training
+        pause = rng.uniform(0.3, 1.5)  # the seeded moment: this long into healthy training
         time.sleep(pause)
         rec = fault_kinds.KINDS[kind].inject(camp, rng)
         report.faults.append(rec)
@@ -331,7 +380,9 @@ def _reference_run(topo, etcd, workdir, camp: Campaign, say, report: Report):
         return None, None
     refdir = os.path.join(workdir, "reference")
     os.makedirs(refdir, exist_ok=True)
-    ref = Campaign(topo, etcd, refdir, variant="fixed", job_id=camp.job_id + "-ref", say=say)
+    ref = Campaign(topo, etcd, refdir, variant="fixed", job_id=camp.job_id + "-ref", say=say,
+                   lease_ttl_s=camp.settings.lease_ttl_s,
+                   hang_timeout_s=camp.settings.hang_timeout_s)
     _write_atomically(ref.target_file, str(result["step"]))
     ref._set_pace(0)
     say(f"chaos: reference run without faults to step {result['step']}")

@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -321,8 +320,25 @@ def elasticctl(endpoints: str, job_id: str, *args: str) -> subprocess.CompletedP
         env={k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")})
 
 
-def stop_all(agents, sig: int = signal.SIGKILL) -> None:
-    for a in agents:
-        if a.poll() is None:
-            signal_pids([a.pid], signal.SIGCONT)
-            signal_pids([a.pid], sig)
+def dump_python_stacks(pid: int, path: str, timeout_s: float = 30.0) -> bool:
+    """Write every thread's Python stack of process ``pid`` to ``path``, through gdb
+    (``faulthandler.dump_traceback`` called in the process); for an agent that
+    stopped acting. Returns whether the file was written; False without gdb."""
+    import shutil
+
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return False
+    code = ("import faulthandler\n"
+            f"with open({path!r}, 'w') as f:\n"
+            "    faulthandler.dump_traceback(file=f, all_threads=True)\n")
+    script = code.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    try:
+        subprocess.run([gdb, "-p", str(pid), "-batch", "-nx", "-ex", "set confirm off",
+                        "-ex", "call (int)PyGILState_Ensure()",
+                        "-ex", f'call (int)PyRun_SimpleString("{script}")',
+                        "-ex", "call (void)PyGILState_Release($1)", "-ex", "detach"],
+                       capture_output=True, timeout=timeout_s)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return os.path.exists(path)

@@ -72,7 +72,8 @@ class EtcdMember:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self) -> None:
-        """Start (or start again) this member; returns at once (see :meth:`EtcdCluster.wait_ready`)."""
+        """Start (or start again) this member; returns at once
+        (:meth:`EtcdCluster.wait_ready` waits for the cluster)."""
         if self.running:
             return
         state = "existing" if os.path.isdir(os.path.join(self.data_dir, "member")) else "new"

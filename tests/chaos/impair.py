@@ -1,4 +1,4 @@
-"""A userspace link impairment: delay and loss between two interfaces, where ``tc netem`` is missing.
+"""Userspace link impairment: delay and loss between two interfaces, where tc netem is missing.
 
     python -m tests.chaos.impair --from-host IF_A --to-net IF_B --delay-ms 200 --loss-pct 5
 

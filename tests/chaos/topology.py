@@ -26,7 +26,8 @@ faults that need namespaces (cuts, link down, delay/loss) are unavailable
 
 Network faults: :meth:`Topology.cut` silently drops all traffic between a host
 and a set of others with a classic-BPF ``tc`` filter on both sides' egress
-(neither iptables nor nftables is needed, nor installed here), :meth:`Topology.link_down` takes the host's switch port down, and
+(neither iptables nor nftables is needed, nor installed here),
+:meth:`Topology.link_down` takes the host's switch port down, and
 :meth:`Topology.impair` adds delay and loss to a host's egress: with ``tc
 netem`` when the kernel has it, else with :mod:`tests.chaos.impair`, a
 userspace forwarder spliced between the host's veth and the bridge.

@@ -16,8 +16,8 @@ Run by every worker of every node (``elasticd ... tests/chaos/train.py``). It
       <unix time> <round> <rank> <world size> <step> <this rank's loss, float.hex>
 
   (the loss lets a fixed-size campaign find the first step where it left the
-  fault-free run's path), written with one ``write`` and flushed, so a killed worker leaves whole
-  lines only (a torn last line is skipped by the reader),
+  fault-free run's path), written with one ``write``, so a killed worker
+  leaves whole lines only (a torn last line is skipped by the reader),
 - trains ``--steps`` steps, or the number in ``--target-file`` once that exists
   (the harness writes it when its faults are done; every rank reads it each step),
 - sleeps ``--step-time`` seconds per step, or what the ``--pace-file``
@@ -36,6 +36,7 @@ import hashlib
 import json
 import os
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -120,6 +121,7 @@ def _save(ckpt, step: int) -> bool:
 
 def main() -> None:
     args = parse_args()
+    warnings.filterwarnings("ignore", message="find_unused_parameters=True was specified")
     elastic.init(timeout_s=120.0)
     rank, world = dist.get_rank(), dist.get_world_size()
     round_ = int(os.environ.get("ELASTIC_ROUND", "0"))
@@ -127,8 +129,15 @@ def main() -> None:
         raise SystemExit(f"world size {world} does not divide the global batch {GLOBAL_BATCH}")
 
     torch.manual_seed(args.seed)
+    # find_unused_parameters=True keeps DDP from rebuilding its gradient buckets after
+    # the first iteration. The rebuild reorders the flattened bucket, which moves the
+    # chunk boundaries of gloo's ring allreduce and so the order in which each element's
+    # gradients are summed: at world size >= 3 the first step of a resumed run would then
+    # round differently from the same step of a run that never stopped, and the weights
+    # oracle would fail for a reason that has nothing to do with recovery.
     model = DistributedDataParallel(nn.Sequential(
-        nn.Linear(INPUT_DIM, HIDDEN_DIM), nn.Tanh(), nn.Linear(HIDDEN_DIM, 1)))
+        nn.Linear(INPUT_DIM, HIDDEN_DIM), nn.Tanh(), nn.Linear(HIDDEN_DIM, 1)),
+        find_unused_parameters=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     step = 0
@@ -142,6 +151,9 @@ def main() -> None:
     node = os.environ.get("ELASTIC_NODE_ID", "node")
     fd = os.open(os.path.join(args.log_dir, f"r{round_}-{node}-rank{rank}-{os.getpid()}.log"),
                  os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    print(f"rank {rank} round {round_}: world {world}, from step {step}, torch threads "
+          f"{torch.get_num_threads()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})",
+          flush=True)
     saved = step - 1
     while step < target(args):
         x, y = batch(step, args.seed, rank, world)
