@@ -190,6 +190,10 @@ def decide(observed: Observed, now: float, config: RendezvousConfig) -> Decision
             f"{standby}{barrier}",
             wake_at=_earliest(barrier_at, start_due, suspicion_ends),
         )
+    unanswering = [m for m in current.node_ids if m in suspected and m in registered]
+    if unanswering:
+        # Not a trigger: said so that the operator sees why they are left out.
+        triggers.append("left out " + ", ".join(unanswering) + " (agent does not answer)")
     why = f"round {current.number}: " + "; ".join(triggers)
     failures = tuple(t for t in current.failures if now - t <= config.restart_window_s)
     if any(r.failure for r in restarts):

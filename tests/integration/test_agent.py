@@ -94,7 +94,8 @@ def test_agent_sigkill_survivor_reforms_alone_and_no_worker_is_left(agents, tmp_
     assert a.wait_exit(150) == 0, a.text
     after = [r for r in read_progress(progress) if r["world"] == 2]
     assert after and max(r["step"] for r in after) == 59
-    assert "lost b" in a.text
+    # Gone by its lease, or left out earlier because its agent did not answer.
+    assert "lost b" in a.text or "left out b (agent does not answer)" in a.text
 
 
 def test_frozen_node_survivor_reforms(agents, tmp_path, job_id):

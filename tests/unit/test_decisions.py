@@ -260,6 +260,7 @@ class TestSuspectsAndStartDeadline:
         d = decide(obs, 101.0, cfg())  # lease TTL 5: suspicion lasts 10 s
         assert d.action is Action.CLOSE_ROUND
         assert d.members == ("a", "b")
+        assert "left out c (agent does not answer)" in d.reason
 
     def test_suspicion_alone_does_not_start_a_round(self):
         obs = Observed(round_of(4, "a", "b"), nodes("a", "b"), started=dict.fromkeys("ab", 4),
