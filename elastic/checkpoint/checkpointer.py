@@ -54,6 +54,7 @@ from elastic.errors import (
     CheckpointError,
     CheckpointWriteError,
     ConfigError,
+    ElasticError,
     FencedError,
 )
 from elastic.failpoints import failpoint
@@ -597,7 +598,7 @@ class Checkpointer:
                       "rb") as f:
                 local = state.load_local(f.read())
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - gathered below
-            failure = f"loading checkpoint {path} failed: {_first_line(exc)}"
+            failure = f"loading checkpoint {path} failed: {describe_failure(exc)}"
         problems = []
         if crc is not None:
             try:
@@ -618,7 +619,7 @@ class Checkpointer:
             state.restore_schedulers(self._schedulers, local["schedulers"])
         except Exception as exc:  # noqa: BLE001 - translated at the boundary
             raise CheckpointError(f"rank {rank}: loading checkpoint {path} failed: "
-                                  f"{_first_line(exc)}") from exc
+                                  f"{describe_failure(exc)}") from exc
         if same_world:
             state.restore_rng(local["rng"])
         else:
@@ -731,7 +732,7 @@ class _Failure:
             code = errno_module.errorcode.get(os_error.errno, os_error.errno)
             return cls(origin, f"[Errno {os_error.errno} {code}] {os_error.strerror}{where}",
                        os_error.errno)
-        return cls(rank, _first_line(exc), None)
+        return cls(rank, describe_failure(exc), None)
 
     def error(self, step: int, directory: str, more: int = 0) -> Exception:
         if self.fenced:
@@ -760,13 +761,19 @@ def _find_os_error(exc: BaseException, rank: int) -> tuple[int, OSError] | None:
     return None
 
 
-def _first_line(exc: BaseException) -> str:
+def describe_failure(exc: BaseException) -> str:
+    """One line for a rank's failure: our own errors by their message, others
+    with their type too; for DCP's CheckpointException, the first inner error."""
     if isinstance(exc, CheckpointException):
         inner = [failure[0] for _, failure in sorted(exc.failures.items())]
         if inner:
-            return f"{type(inner[0]).__name__}: {_first_line(inner[0])}"
+            return f"{type(inner[0]).__name__}: {describe_failure(inner[0])}"
     text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    if isinstance(exc, ElasticError):
+        return text[0] if text else type(exc).__name__
+    # Not ours: its type says what went wrong when its text does not (a torch
+    # error whose message is only "<class 'type'>").
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 class _RecordingWriter(dcp.FileSystemWriter):
@@ -833,4 +840,4 @@ class _Group:
 
     def _lost(self, what: str, exc: BaseException) -> CheckpointError:
         return CheckpointError(f"rank {self.rank}: the checkpoint group failed while {what} "
-                               f"(a peer probably died): {_first_line(exc)}")
+                               f"(a peer probably died): {describe_failure(exc)}")

@@ -353,3 +353,13 @@ def test_split_by_bytes_balances_and_covers_every_file_once():
     # the same split whatever the input order (every rank computes it alone)
     assert layout.split_by_bytes(list(reversed(files)), 2) == shares
     assert layout.split_by_bytes(files, 7)[5:] == [[], []]
+
+
+def test_a_foreign_failure_is_reported_with_its_type():
+    # A torch error whose whole message is "<class 'type'>" said nothing.
+    pytest.importorskip("torch")
+    from elastic.checkpoint.checkpointer import describe_failure
+
+    assert describe_failure(TypeError("<class 'type'>")) == "TypeError: <class 'type'>"
+    assert describe_failure(RuntimeError("")) == "RuntimeError"
+    assert describe_failure(CheckpointError("2 tensors changed\nmore")) == "2 tensors changed"
