@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 
-from elastic.rendezvous.api import NodeInfo, RendezvousConfig
+from elastic.errors import StoreUnavailableError
+from elastic.rendezvous.api import NodeInfo, RendezvousConfig, ReportKind
 from elastic.rendezvous.node import RendezvousNode
+from tests.fakes.clock import FakeClock
 from tests.fakes.memory_store import MemoryStore
 
 
@@ -31,9 +33,6 @@ def test_a_node_joining_after_compaction_watches_from_the_present(caplog):
 
 # -- Driven step by step: a synchronous store, a fake clock, pump() ---------
 
-from elastic.errors import StoreUnavailableError  # noqa: E402
-from elastic.rendezvous.api import ReportKind  # noqa: E402
-from tests.fakes.clock import FakeClock  # noqa: E402
 
 BLIP = StoreUnavailableError("etcd did not answer (injected)")
 
