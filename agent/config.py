@@ -166,6 +166,10 @@ OPTIONS = [
     Option("prestart", _flag, True,
            "keep warm workers (torch imported) ready for fast restarts; --no-prestart to turn off",
            is_flag=True),
+    Option("warm-sets", _positive(int), 2,
+           "sets of nproc warm workers kept ready: with 2, a failure soon after a restart "
+           "(before the set that replaces the used one has imported torch) restarts warm too",
+           "N"),
     Option("connect-timeout", _positive(float), 5.0, "give up reaching etcd after this long",
            "SECONDS"),
 ]
@@ -197,6 +201,7 @@ class AgentConfig:
     log_dir: str
     stop_grace_s: float
     prestart: bool
+    warm_sets: int
     connect_timeout_s: float
     script: str | None
     module: str | None
@@ -342,6 +347,6 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         exit_barrier_timeout_s=v["exit_barrier_timeout"], listen=v["listen"],
         advertise_addr=advertise.addr,
         log_dir=log_dir, stop_grace_s=v["stop_grace"], prestart=v["prestart"],
-        connect_timeout_s=v["connect_timeout"],
+        warm_sets=v["warm_sets"],        connect_timeout_s=v["connect_timeout"],
         script=None if as_module else os.path.abspath(script),
         module=script if as_module else None, script_args=script_args)

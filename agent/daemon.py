@@ -180,7 +180,8 @@ class Agent:
             entrypoint=Entrypoint(script=config.script, module=config.module,
                                   args=config.script_args),
             log_dir=config.log_dir, stop_grace_s=config.stop_grace_s,
-            prestart=config.prestart, on_exit=lambda e: inbox.put(_exit_event(e)),
+            prestart=config.prestart, warm_sets=config.warm_sets,
+            on_exit=lambda e: inbox.put(_exit_event(e)),
             worker_env=startup_env(config.nproc_per_node, dict(os.environ),
                                    config.advertise_addr))
         agent = cls(config, store, rendezvous, supervisor, server, peers, inbox=inbox,
@@ -315,8 +316,8 @@ class Agent:
             self._watch_peer(command.node_id, command.addr)
         elif isinstance(command, reactor.CheckPeersStore):
             asked = len(command.addrs)
-            self.peers.check_store(command.addrs, lambda have, answered: self.inbox.put(
-                reactor.LeaseState(self._lease_unconfirmed_s(), have, asked, answered)))
+            self.peers.check_store(command.addrs, lambda ages, answered: self.inbox.put(
+                reactor.LeaseState(self._lease_unconfirmed_s(), ages, asked, answered)))
         elif isinstance(command, reactor.WarmUp):
             self.supervisor.warm_up()
         elif isinstance(command, reactor.Leave):
@@ -467,7 +468,8 @@ class Agent:
         reachable = self.rdzv.registered and 0 <= age <= self.config.lease_ttl_s / 2
         running = self.view.state in (S.STARTING, S.RUNNING)
         if asker_has_store and not reachable and running:
-            self.inbox.put(reactor.LeaseState(age, (asker or "a peer",), 1))
+            # The asker confirmed its lease just now: it forms rounds.
+            self.inbox.put(reactor.LeaseState(age, ((asker or "a peer", 0.0),), 1))
         return reachable, age, running
 
     # ------------------------------------------------------------ status

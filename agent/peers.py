@@ -301,14 +301,14 @@ class GrpcPeerMesh:
         return check_health(addr) is not PeerHealth.UNREACHABLE
 
     def check_store(self, addrs: tuple[str, ...],
-                    on_answer: Callable[[tuple[str, ...], int], None]) -> None:
+                    on_answer: Callable[[tuple[tuple[str, float], ...], int], None]) -> None:
         """Ask the agents at ``addrs``, in parallel and in the background,
-        whether they reach etcd; ``on_answer`` gets the addresses that do and
-        how many answered at all."""
+        when etcd last confirmed their lease; ``on_answer`` gets ``(addr,
+        age_s)`` of each that answered (-1: never) and how many answered."""
         def ask() -> None:
             answers = self._ask_all(addrs, asker_has_store=False, asker="")
-            on_answer(tuple(a for a, r in zip(addrs, answers) if r is not None and r.reachable),
-                      sum(r is not None for r in answers))
+            ages = tuple((a, r.confirmed_age_s) for a, r in zip(addrs, answers) if r is not None)
+            on_answer(ages, len(ages))
 
         threading.Thread(target=ask, name="peers-store-check", daemon=True).start()
 

@@ -44,6 +44,7 @@ from typing import Union
 from agent.lifecycle import AgentState
 from elastic.errors import ElasticError, RendezvousTimeoutError
 from elastic.rendezvous.api import ReportKind, Round
+from elastic.store.api import KEEPALIVE_TTL_FRACTION
 
 S = AgentState
 # Scripts that never report a step get their next warm set after this long.
@@ -86,11 +87,11 @@ class PeerHealth:
 @dataclass(frozen=True)
 class LeaseState:
     """The answer to :class:`CheckPeersStore`: how long this node's lease has
-    gone unconfirmed, which of the asked peers reach etcd now, and how many
-    answered at all."""
+    gone unconfirmed, how long ago etcd last confirmed the lease of each peer
+    that answered (``(addr, age_s)``, -1 for never), and how many answered."""
 
     unconfirmed_s: float
-    peers_with_store: tuple[str, ...]
+    peer_ages: tuple[tuple[str, float], ...]
     peers_asked: int
     peers_answered: int = -1  # -1: as many as were asked
 
@@ -429,11 +430,12 @@ def _on_lease(view: AgentView, event: LeaseState, settings: Settings) -> Result:
         return view, []
     asked = event.peers_asked
     answered = asked if event.peers_answered < 0 else event.peers_answered
+    with_store = peers_with_store(event, settings.lease_ttl_s)
     # etcd is down for everyone only if every peer asked answered without it;
     # a peer that cannot be asked might have etcd and form a round.
-    if event.peers_with_store or answered < asked or asked == 0:
-        why = (f"{len(event.peers_with_store)} of {asked} peers still reach it"
-               if event.peers_with_store else
+    if with_store or answered < asked or asked == 0:
+        why = (f"{len(with_store)} of {asked} peers still reach it"
+               if with_store else
                "there is no peer to ask" if asked == 0 else
                f"only {answered} of {asked} peers answered, so an outage of etcd cannot be "
                "told from this node being cut off")
@@ -446,6 +448,20 @@ def _on_lease(view: AgentView, event: LeaseState, settings: Settings) -> Result:
     return dataclasses.replace(view, store_down_noted=True), [Note(
         f"etcd unconfirmed for {event.unconfirmed_s:.1f} s and all {asked} peers asked answered "
         "without it: etcd itself is down, no round can form; training goes on")]
+
+
+def peers_with_store(event: LeaseState, lease_ttl_s: float) -> tuple[str, ...]:
+    """The peers whose lease etcd confirmed after this node's stopped being
+    confirmed: they reach etcd while this node does not.
+
+    "Confirmed recently" is not enough: when etcd goes down for everyone, a
+    peer whose keep-alive happened to land just before the outage looks fresh
+    while this node, whose last one landed up to a keep-alive interval
+    earlier, already counts as cut off. Only a confirmation less than
+    ``unconfirmed_s`` minus one keep-alive interval ago must have come after
+    etcd stopped answering this node."""
+    newer_than = event.unconfirmed_s - KEEPALIVE_TTL_FRACTION * lease_ttl_s
+    return tuple(addr for addr, age in event.peer_ages if 0 <= age < newer_than)
 
 
 def _stop_cut_off(view: AgentView, unconfirmed_s: float) -> Result:

@@ -4,8 +4,9 @@ Every worker runs ``python -u -m elastic.worker.bootstrap`` (see that module
 for the protocol) in its own session and process group, so ``stop()`` reaches
 the worker's children too. With ``prestart`` the supervisor keeps a pool of
 *warm* workers that have already imported torch and wait for an assignment on
-stdin; a round takes them and the next set starts warming at once, so a
-restart does not wait for ``import torch``. A round takes a warm worker only if
+stdin; a round takes them (ready ones first) and the pool is filled again
+(``warm_up``, ``warm_sets`` sets of ``nproc``), so a restart does not wait
+for ``import torch``. A round takes a warm worker only if
 it would see the same *startup* variables (``PYTHON*``, ``LD_*``, ``OMP_*``,
 ``TORCH_*``, ...: read when the interpreter or torch starts, too late to change
 afterwards); otherwise that rank starts cold. The next warm set is started
@@ -271,12 +272,14 @@ class WorkerSupervisor:
 
     def __init__(self, *, job_id: str, node_id: str, nproc: int, entrypoint: Entrypoint,
                  log_dir: str, stop_grace_s: float = 5.0, prestart: bool = True,
-                 on_exit: Callable[[WorkerExit], None] | None = None,
+                 warm_sets: int = 1, on_exit: Callable[[WorkerExit], None] | None = None,
                  python: str = sys.executable, worker_env: Mapping[str, str] | None = None):
         if nproc < 1:
             raise ValueError(f"nproc must be at least 1, got {nproc}")
         if stop_grace_s < 0:
             raise ValueError(f"stop_grace_s must not be negative, got {stop_grace_s}")
+        if warm_sets < 1:
+            raise ValueError(f"warm_sets must be at least 1, got {warm_sets}")
         self.job_id = job_id
         self.node_id = node_id
         self.nproc = nproc
@@ -284,6 +287,7 @@ class WorkerSupervisor:
         self.log_dir = log_dir
         self.stop_grace_s = stop_grace_s
         self.prestart = prestart
+        self.warm_sets = warm_sets
         self.python = python
         self.worker_env = dict(worker_env or {})
         self._on_exit = on_exit
@@ -310,9 +314,9 @@ class WorkerSupervisor:
         return self.prestart and not self._warm_disabled
 
     def warm_up(self) -> None:
-        """Start warm workers until ``nproc`` are warm; returns at once (they warm in the
-        background). Does nothing without prestart, after repeated warm failures, or
-        after shutdown()."""
+        """Start warm workers until ``warm_sets * nproc`` are warm; returns at once (they
+        warm in the background). Does nothing without prestart, after repeated warm
+        failures, or after shutdown()."""
         with self._lock:
             if not self.warm_enabled or self._closed:
                 return
@@ -457,7 +461,7 @@ class WorkerSupervisor:
         with self._lock:
             if not self.warm_enabled or self._closed:
                 return
-            missing = self.nproc - sum(1 for w in self._warm if not w.exited)
+            missing = self.warm_sets * self.nproc - sum(1 for w in self._warm if not w.exited)
             env = {**self._base_env(), **self._learned_env}
             for _ in range(missing):
                 try:
@@ -478,8 +482,12 @@ class WorkerSupervisor:
         with self._lock:
             warm = [w for w in self._warm if not w.exited] if self.warm_enabled else []
             self._warm = [w for w in self._warm if w not in warm]
+        # Ready ones first: with more than one set, a restart soon after the last one
+        # takes the set that finished importing, not the one still warming.
+        warm.sort(key=lambda w: not w.ready)
         differing: set[str] = set()  # startup variables that made warm workers unusable
         cold_ranks: list[int] = []
+        unready = 0  # warm workers taken before they finished importing
         started = time.monotonic()
         try:
             for local_rank, extra in enumerate(envs):
@@ -498,6 +506,7 @@ class WorkerSupervisor:
                         self._discard(candidate)
                     elif self._assign_warm(candidate, slot, line):
                         worker = candidate
+                        unready += not candidate.ready
                 if worker is None:
                     with self._lock:
                         worker = self._spawn(env, preload="", slot=slot)
@@ -525,9 +534,10 @@ class WorkerSupervisor:
         elif cold_ranks and self.warm_enabled:
             log.info("job %s node %s round %d: ranks %s start cold: no warm worker was left.",
                      self.job_id, self.node_id, number, cold_ranks)
-        log.info("job %s node %s round %d: started %d workers (pids %s, %d cold) in %.3f s.",
-                 self.job_id, self.node_id, number, len(rnd.workers),
-                 [w.pid for w in rnd.workers], len(cold_ranks), time.monotonic() - started)
+        log.info("job %s node %s round %d: started %d workers (pids %s, %d cold, %d warm but "
+                 "still importing) in %.3f s.", self.job_id, self.node_id, number,
+                 len(rnd.workers), [w.pid for w in rnd.workers], len(cold_ranks), unready,
+                 time.monotonic() - started)
 
     def _spawn(self, env: dict[str, str], preload: str | None,
                slot: _Slot | None = None) -> _Worker:
@@ -728,9 +738,9 @@ class WorkerSupervisor:
                 self._warm_failures = 0
                 ready_now = sum(1 for x in self._warm if x.ready and not x.exited)
             # Once per set, so an operator (or a benchmark) knows a restart is fast now.
-            level = logging.INFO if ready_now == self.nproc else logging.DEBUG
+            level = logging.INFO if ready_now % self.nproc == 0 else logging.DEBUG
             log.log(level, "job %s node %s: warm worker pid %d is ready (%d of %d warm).",
-                    self.job_id, self.node_id, w.pid, ready_now, self.nproc)
+                    self.job_id, self.node_id, w.pid, ready_now, self.warm_sets * self.nproc)
 
     def _report(self, e: WorkerExit) -> None:
         how = f"was killed by signal {e.signal}" if e.signal else f"exited with code {e.exit_code}"

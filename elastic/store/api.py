@@ -173,6 +173,11 @@ class Session(abc.ABC):
         keep-alive answer): the lease lives at least until ``ttl_s`` after it."""
 
 
+KEEPALIVE_TTL_FRACTION = 1 / 3
+"""A lease's keep-alive is sent every this fraction of its TTL, so a healthy
+holder's ``confirmed_at`` is at most about that old."""
+
+
 class Watch(abc.ABC):
     """A running watch. Cancel it when done; cancelling twice is harmless."""
 

@@ -22,7 +22,7 @@ import grpc
 from pyetcd.etcdrpc import rpc_pb2
 
 from elastic.errors import StoreError
-from elastic.store.api import Session
+from elastic.store.api import KEEPALIVE_TTL_FRACTION, Session
 from elastic.store.etcd_convert import rpc_error_text
 from elastic.store.retry import reconnect_delay
 
@@ -56,7 +56,7 @@ class EtcdSession(Session):
 
     @property
     def interval_s(self) -> float:
-        return self.ttl_s / 3.0
+        return self.ttl_s * KEEPALIVE_TTL_FRACTION
 
     def close(self) -> None:
         """Stop the keep-alive and revoke the lease (best effort, at most

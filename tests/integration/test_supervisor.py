@@ -267,6 +267,33 @@ def test_warm_worker_deaths_are_not_failures_and_a_broken_pool_goes_cold(supervi
     assert sup.warm_workers() == []
 
 
+def test_a_second_warm_set_serves_a_restart_before_the_used_set_is_replaced(
+        supervise, tmp_path, monkeypatch):
+    # Warm workers import `slowpre`, which takes 30 s once the marker exists:
+    # the replacements started after round 1 are still importing at round 2.
+    marker = tmp_path / "slow"
+    (tmp_path / "slowpre.py").write_text(
+        f"import os, time\nif os.path.exists({str(marker)!r}): time.sleep(30)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("ELASTIC_PRELOAD", "slowpre")
+    sup, exits = supervise("import time\nwhile True: time.sleep(0.05)", prestart=True,
+                           warm_sets=2)
+    sup.warm_up()
+    ready = {w.pid for w in _wait(lambda: len(sup.warm_workers()) == 2 and all(
+        w.ready for w in sup.warm_workers()) and sup.warm_workers(), 20, "two sets warm")}
+    marker.touch()
+
+    sup.start_round(1, _envs(1))  # takes one ready set and starts replacing it
+    first = sup.workers()[0].pid
+    sup.stop()
+    sup.start_round(2, _envs(1))  # at once: the replacement is still importing
+
+    assert first in ready and sup.workers()[0].pid in ready - {first}
+    refilled = _wait(lambda: len(sup.warm_workers()) == 2 and sup.warm_workers(), 10,
+                     "both sets replaced")
+    assert not any(w.ready for w in refilled)
+
+
 def test_a_round_sets_startup_variables_so_it_starts_cold_and_the_next_set_learns_them(
         supervise, tmp_path, monkeypatch):
     monkeypatch.setenv("ELASTIC_PRELOAD", "json")

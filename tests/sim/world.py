@@ -264,8 +264,8 @@ class FakeMesh:
 
     def check_store(self, addrs, on_answer) -> None:
         answers = [self._ask(a, asker_has_store=False) for a in addrs]
-        on_answer(tuple(a for a, r in zip(addrs, answers) if r is not None and r[0]),
-                  sum(r is not None for r in answers))
+        ages = tuple((a, r[1]) for a, r in zip(addrs, answers) if r is not None)
+        on_answer(ages, len(ages))
 
     def fence(self, addrs, asker: str) -> bool:
         answers = [self._ask(a, asker_has_store=True) for a in addrs]

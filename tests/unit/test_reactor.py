@@ -184,7 +184,7 @@ class TestPartition:
     def test_a_peer_with_etcd_means_this_node_is_cut_off_kill_before_the_lease_can_expire(self):
         # TTL 4: at 2.5 s unconfirmed it may still be a reconnect to another
         # etcd member (a leader election); at 0.7 TTL it stops at once.
-        early, commands = react(running(3), LeaseState(2.5, ("b:1",), 1), 10.0, SETTINGS)
+        early, commands = react(running(3), LeaseState(2.5, (("b:1", 0.4),), 1), 10.0, SETTINGS)
         assert commands == [] and early.state is S.RUNNING
         view, commands = react(early, Tick(lease_unconfirmed_s=2.8), 10.3, SETTINGS)
         assert view.state is S.JOINING
@@ -213,15 +213,27 @@ class TestPartition:
         assert kinds(commands) == ["Note"] and "training goes on" in commands[0].message
         assert react(view, LeaseState(3.0, (), 3), 11.0, SETTINGS)[1] == []  # said once
 
+    def test_a_peer_confirmed_just_before_an_outage_of_etcd_is_no_proof(self):
+        # etcd went down for everyone 1.6 s ago: this node's last keep-alive
+        # landed 2.8 s ago, the peer's just before the outage (1.6 s ago),
+        # less than one keep-alive interval (TTL/3) after this node's.
+        view, commands = react(running(3), LeaseState(2.8, (("b:1", 1.6), ("c:1", 2.0)), 2),
+                               10.0, SETTINGS)
+        assert view.state is S.RUNNING and kinds(commands) == ["Note"]
+        # A peer confirmed after this node's keep-alives stopped is proof.
+        view, commands = react(running(3), LeaseState(2.8, (("b:1", 1.4), ("c:1", 2.0)), 2),
+                               10.0, SETTINGS)
+        assert view.state is S.JOINING and "1 of 2 peers still reach it" in str(commands)
+
     def test_a_lease_confirmed_again_before_the_deadline_keeps_the_workers(self):
         # An etcd leader election: peers reached etcd, this node reconnected in time.
-        early, _ = react(running(3), LeaseState(2.5, ("b:1",), 1), 10.0, SETTINGS)
+        early, _ = react(running(3), LeaseState(2.5, (("b:1", 0.4),), 1), 10.0, SETTINGS)
         view, _ = react(early, Tick(lease_unconfirmed_s=0.3), 10.5, SETTINGS)
         assert view.state is S.RUNNING and view.cut_off == ""
         assert react(view, Tick(lease_unconfirmed_s=0.8), 11.0, SETTINGS)[1] == []
 
     def test_an_answer_after_the_lease_was_confirmed_again_changes_nothing(self):
-        assert react(running(3), LeaseState(0.5, ("b:1",), 1), 10.0, SETTINGS)[1] == []
+        assert react(running(3), LeaseState(0.5, (("b:1", 0.4),), 1), 10.0, SETTINGS)[1] == []
 
 
 def test_drain_stops_workers_and_leaves():
