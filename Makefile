@@ -41,12 +41,13 @@ protos: setup
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
 
-# A chaos campaign against real agents in network namespaces (needs root; else loopback
-# and only the faults that need no namespaces): `make chaos SEED=7 FAULTS=14 VARIANT=elastic`.
+# A chaos campaign against real agents in network namespaces (needs root; else loopback and
+# only the faults that need neither namespaces nor a tmpfs):
+# `make chaos SEED=7 FAULTS=16 VARIANT=elastic`.
 # A failing campaign prints the command that replays it and keeps its logs.
 .PHONY: chaos
 SEED ?= 1
-FAULTS ?= 14
+FAULTS ?= 16
 VARIANT ?= fixed
 chaos: setup
 	$(PY) -m tests.chaos --seed $(SEED) --faults $(FAULTS) --variant $(VARIANT)

@@ -34,6 +34,7 @@ import yaml
 
 from agent.netaddr import SYSTEM_NETWORK, HostNetwork, choose_advertise_addr
 from elastic.errors import ConfigError
+from elastic.failpoints import ENV_VAR as FAILPOINT_ENV
 from elastic.rendezvous.api import (
     DEFAULT_EXIT_BARRIER_TIMEOUT_S,
     DEFAULT_JOIN_TIMEOUT_S,
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 # Variables the agent sets for its workers: not options, never warned about.
 WORKER_ENV = {"ELASTIC_ROUND", "ELASTIC_AGENT_SOCKET", "ELASTIC_CHECKPOINT_DIR",
               "ELASTIC_JOB_ID", "ELASTIC_NODE_ID", "ELASTIC_PRELOAD", "ELASTIC_HANG_TIMEOUT_S",
-              "ELASTIC_LEASE_TTL_S"}
+              "ELASTIC_LEASE_TTL_S", FAILPOINT_ENV}
 
 
 def _number(kind: type, *, allow_zero: bool) -> Callable[[str, Any], Any]:
@@ -155,6 +156,10 @@ OPTIONS = [
     Option("exit-barrier-timeout", _positive(float), DEFAULT_EXIT_BARRIER_TIMEOUT_S,
            "once one node's workers all exited 0, how long the others may go on before "
            "the job fails naming them", "SECONDS"),
+    Option("scale-up-wait", _non_negative(float), 0.0,
+           "0: grow a running round as soon as a node joins; above 0: a joining node waits "
+           "for the next committed checkpoint (so growing redoes no work), at most this long",
+           "SECONDS"),
     Option("listen", _host_port, "0.0.0.0:0", "address of the agent's gRPC server", "HOST:PORT"),
     Option("advertise-addr", _text, None,
            "address peers and workers reach this node at (default: the host name if it "
@@ -196,6 +201,7 @@ class AgentConfig:
     join_timeout_s: float
     start_timeout_s: float
     exit_barrier_timeout_s: float
+    scale_up_wait_s: float
     listen: str
     advertise_addr: str
     log_dir: str
@@ -213,7 +219,8 @@ class AgentConfig:
             settle_s=self.settle_s, lease_ttl_s=self.lease_ttl_s,
             join_timeout_s=self.join_timeout_s, max_restarts=self.max_restarts,
             restart_window_s=self.restart_window_s, start_timeout_s=self.start_timeout_s,
-            exit_barrier_timeout_s=self.exit_barrier_timeout_s)
+            exit_barrier_timeout_s=self.exit_barrier_timeout_s,
+            scale_up_wait_s=self.scale_up_wait_s)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -344,7 +351,8 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         checkpoint_dir=os.path.abspath(v["checkpoint_dir"]) if v["checkpoint_dir"] else None,
         hang_timeout_s=v["hang_timeout"], lease_ttl_s=v["lease_ttl"], settle_s=v["settle"],
         join_timeout_s=v["join_timeout"], start_timeout_s=v["start_timeout"],
-        exit_barrier_timeout_s=v["exit_barrier_timeout"], listen=v["listen"],
+        exit_barrier_timeout_s=v["exit_barrier_timeout"],
+        scale_up_wait_s=v["scale_up_wait"], listen=v["listen"],
         advertise_addr=advertise.addr,
         log_dir=log_dir, stop_grace_s=v["stop_grace"], prestart=v["prestart"],
         warm_sets=v["warm_sets"],        connect_timeout_s=v["connect_timeout"],

@@ -436,6 +436,12 @@ class Agent:
                                          world_size=latest.world_size, path=latest.path,
                                          time=latest.time)
 
+    def report_checkpoint_failure(self, step: int, round_: int, rank: int,
+                                  message: str) -> None:
+        """A worker's save failed: a ``checkpoint`` event through the commit log
+        (best effort; it never raises)."""
+        self.commit_log.report_failure(step, round_, rank, message)
+
     def status(self) -> agent_pb2.AgentStatusResponse:
         view = self.view
         me = view.round.member(self.config.node_id) if view.round else None

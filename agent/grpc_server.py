@@ -6,7 +6,7 @@
   service (Kubernetes gRPC probes and peer agents use it) and ``elastic.v1.Agent``
   (status and control for elasticctl and peers);
 * on ``worker_socket`` (a Unix socket path): ``elastic.v1.WorkerChannel``, the
-  heartbeats of this node's own workers.
+  heartbeats, checkpoint commits and failed-save reports of this node's own workers.
 
 These are two ``grpc.server`` instances, not one listening on both addresses:
 a gRPC server serves every registered service on every port, which would
@@ -108,6 +108,11 @@ class HeartbeatSink(Protocol):
         """The job's latest committed checkpoint, None when there is none."""
         ...
 
+    def report_checkpoint_failure(self, step: int, round_: int, rank: int,
+                                  message: str) -> None:
+        """Record that a worker's save of ``step`` in ``round_`` failed (an event)."""
+        ...
+
 
 def grpc_code_for(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status code a caller receives for ``exc`` raised while serving its call.
@@ -206,6 +211,12 @@ class _WorkerChannelServicer(agent_pb2_grpc.WorkerChannelServicer):
         if entry is None:
             return agent_pb2.WorkerChannelLatestCheckpointResponse(found=False)
         return agent_pb2.WorkerChannelLatestCheckpointResponse(found=True, entry=entry)
+
+    def ReportCheckpointFailure(self, request, context):  # noqa: N802
+        # The message ends up in an etcd event: capped like every reason from outside.
+        _serve_call(context, "ReportCheckpointFailure", self._sink.report_checkpoint_failure,
+                    request.step, request.round, request.rank, cap_text(request.message))
+        return agent_pb2.WorkerChannelReportCheckpointFailureResponse()
 
 
 def _split_listen(listen: str) -> tuple[str, int]:

@@ -284,7 +284,8 @@ class GoodputRun(Run):
                 self.job = _job_id()
             common = ["--etcd", self.etcd.endpoint, "--job-id", self.job, "--nnodes", "1:2",
                       "--nproc-per-node", "2", "--max-restarts", "1000000",
-                      "--lease-ttl", f"{a.lease_ttl:g}", "--checkpoint-dir", self.ckpt_dir]
+                      "--lease-ttl", f"{a.lease_ttl:g}", "--checkpoint-dir", self.ckpt_dir,
+                      "--scale-up-wait", f"{a.scale_up_wait:g}"]
             first = self.elasticd(names[0], [*common, "--node-id", NODES[0]])
             try:
                 wait_for("node a to lead", lambda: first.find(r"node a: elected leader"), 30,
@@ -632,7 +633,8 @@ def render(results: dict) -> str:
            f"ddp.py 2 nodes x 2 workers, --step-time {a['step_time']:g}, --ckpt-every "
            f"{a['ckpt_every']}; {a['duration']:g} s from the first step at world 4; faults every "
            f"{a['mean_interval']:g} s on average (seed {a['seed']}, freeze share "
-           f"{a['freeze_share']:.2f}); elasticd --lease-ttl {a['lease_ttl']:g}; freeze >= "
+           f"{a['freeze_share']:.2f}); elasticd --lease-ttl {a['lease_ttl']:g} --scale-up-wait "
+           f"{a.get('scale_up_wait', 0):g}; freeze >= "
            f"{a['freeze_s']:g} s, hang cap {a['hang_cap']:g} s"]
     names = [n for n in ("elasticd", "torchrun") if n in runs]
     w = 34
@@ -717,6 +719,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt-every", type=int, default=20, help="ddp.py --ckpt-every (20)")
     ap.add_argument("--lease-ttl", type=float, default=DEFAULT_LEASE_TTL_S,
                     help=f"elasticd --lease-ttl (its default, {DEFAULT_LEASE_TTL_S:g})")
+    ap.add_argument("--scale-up-wait", type=float, default=0.0,
+                    help="elasticd --scale-up-wait: a thawed node rejoins at the next checkpoint, "
+                         "waiting at most this long (its default, 0: at once)")
     ap.add_argument("--freeze-s", type=float, default=None,
                     help="a frozen node stays frozen at least this long (lease TTL + 3)")
     ap.add_argument("--hang-cap", type=float, default=60.0,

@@ -45,7 +45,9 @@ Saving (every rank; one save in flight at a time, over a gloo group of its own)
    time) into the directory, then writes the previous entry's marker if a
    crash had left it out, then prunes old checkpoints. The outcome is
    broadcast, so every rank's ``wait()`` or next ``save()`` raises the same
-   error, or none.
+   error, or none. A save that failed (not a fenced one) is reported once,
+   by rank 0, to ``commit_log.report_failure`` (under the agent, an event in
+   the job's history naming the error and the checkpoint that stays).
 
    A ``step-<step>`` directory already in the way of the rename is moved aside
    only when it is a leftover (a save that crashed after its rename, a fenced

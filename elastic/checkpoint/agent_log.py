@@ -7,12 +7,15 @@ A worker of an older round (a zombie that outlived its group) is refused with
 
 from __future__ import annotations
 
+import logging
 import os
 
 from elastic.checkpoint.api import CommitEntry, CommitLog
 from elastic.checkpoint.commit import FileCommitLog
-from elastic.errors import FencedError
+from elastic.errors import AgentUnreachableError, FencedError
 from elastic.worker.channel import WorkerChannelClient
+
+log = logging.getLogger(__name__)
 
 AGENT_SOCKET_ENV = "ELASTIC_AGENT_SOCKET"
 
@@ -34,6 +37,17 @@ class AgentCommitLog(CommitLog):
     def latest(self) -> CommitEntry | None:
         record = self._client.latest_checkpoint()
         return CommitEntry.from_dict(record) if record is not None else None
+
+    def report_failure(self, step: int, round_: int, rank: int, message: str) -> None:
+        """Ask the agent to record the failed save in the job's events (it names
+        the checkpoint that stays). Best effort: when the agent cannot be asked
+        within a short timeout, a warning is logged instead; never raises."""
+        try:
+            self._client.report_checkpoint_failure(step=step, round=round_, rank=rank,
+                                                   message=message)
+        except AgentUnreachableError as exc:
+            log.warning("Rank %d: checkpoint of step %d failed in round %d (%s), and %s.",
+                        rank, step, round_, message, exc)
 
 
 def default_commit_log(root: str) -> CommitLog:

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import logging
 from typing import Any
 
 from elastic.errors import CheckpointError
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,3 +89,29 @@ class CommitLog(abc.ABC):
     @abc.abstractmethod
     def latest(self) -> CommitEntry | None:
         """The latest committed entry, or None when nothing was committed yet."""
+
+    def report_failure(self, step: int, round_: int, rank: int, message: str) -> None:
+        """Make a failed save of ``step`` visible to the operator; best effort.
+
+        Called by rank 0 once the save's outcome is known on every rank (a
+        fenced save is not a failure and is not reported). This default logs
+        a warning naming the latest committed checkpoint, which stays in
+        place; the agent's log records an event in the job's history instead.
+        Must not raise for a failed report: training goes on either way.
+        """
+        try:
+            latest = self.latest()
+        except Exception as exc:  # noqa: BLE001 - only the log line's detail depends on it
+            latest, why = None, f" (the commit log cannot be read: {exc})"
+        else:
+            why = ""
+        log.warning("%s%s.", failure_message(step, rank, message, latest), why)
+
+
+def failure_message(step: int, rank: int, message: str, latest: CommitEntry | None) -> str:
+    """The one wording of a failed save, in logs and in the job's events: which
+    save, who reports it, why (``message``: the save's error, which names the
+    rank it happened on), and what stays committed."""
+    stays = (f"the latest committed checkpoint stays step {latest.step}" if latest is not None
+             else "no checkpoint is committed yet")
+    return f"checkpoint of step {step} failed (reported by rank {rank}): {message}; {stays}"

@@ -89,7 +89,9 @@ class Checkpointer:
     an optimizer or, for several chunks, one per chunk; ``scheduler`` a
     scheduler or a list. ``root`` defaults to ``$ELASTIC_CHECKPOINT_DIR``;
     ``commit_log`` to the agent's fenced log under elasticd, else a
-    :class:`~elastic.checkpoint.commit.FileCommitLog` in the root. ``on_saving(s)``
+    :class:`~elastic.checkpoint.commit.FileCommitLog` in the root; rank 0 also
+    reports each failed save to it (under the agent, an event in the job's
+    history; otherwise a warning), best effort. ``on_saving(s)``
     is called with an estimate in seconds when a save starts and with 0 when
     it ends (default: ``elastic.worker.runtime.saving``, which suspends the
     agent's hang detection). ``verify_checksums`` makes commit and restore
@@ -396,9 +398,23 @@ class Checkpointer:
         except BaseException as exc:
             log.error("Rank %d failed to save checkpoint step %d in round %d: %s", rank, step,
                       self._round, exc)
+            self._report_failure(step, exc)
             raise
         finally:
             self._announce(0.0)
+
+    def _report_failure(self, step: int, exc: BaseException) -> None:
+        """Rank 0 tells the commit log that the save of ``step`` failed, so that the
+        operator sees it (the agent records an event). Every rank has the same
+        outcome, so one report is enough; a fenced save is no failure to report
+        (it is a zombie's). A failed report never changes the save's outcome."""
+        if self._group.rank != 0 or not isinstance(exc, CheckpointError):
+            return
+        try:
+            self._commit_log.report_failure(step, self._round, 0, str(exc))
+        except Exception as report_exc:  # noqa: BLE001 - best effort, see above
+            log.warning("Rank 0 could not report the failed save of checkpoint step %d in round "
+                        "%d: %s", step, self._round, report_exc)
 
     def _prepare(self, tmp: str, step: int) -> None:
         """Rank 0: remove stale temporaries (this job's saves are serialized, so no

@@ -5,7 +5,9 @@ one transaction fenced by the entry's round (:func:`elastic.fence.fenced_txn`):
 it takes effect only while ``entry.round`` is the job's current round, so a
 worker of an older round (a zombie that outlived its group) can never make its
 checkpoint the latest, and the history never claims a commit that did not
-happen. This is the log the agent keeps for its workers (they reach it through
+happen. A failed save that a worker reports (:meth:`EtcdCommitLog.report_failure`)
+becomes a ``checkpoint`` event too, naming the checkpoint that stays. This is
+the log the agent keeps for its workers (they reach it through
 :class:`elastic.checkpoint.agent_log.AgentCommitLog`).
 
 Imports without torch, like the rest of the control plane's checkpoint code.
@@ -16,9 +18,9 @@ from __future__ import annotations
 import json
 import logging
 
-from elastic.checkpoint.api import CommitEntry, CommitLog
+from elastic.checkpoint.api import CommitEntry, CommitLog, failure_message
 from elastic.clock import Clock
-from elastic.errors import CheckpointError, FencedError, MalformedRecordError
+from elastic.errors import CheckpointError, ElasticError, FencedError, MalformedRecordError
 from elastic.events import event_op
 from elastic.fence import current_round_number, fenced_txn
 from elastic.keyspace import JobKeys
@@ -27,6 +29,8 @@ from elastic.store.api import Put, Store
 log = logging.getLogger(__name__)
 
 EVENT_KIND = "checkpoint"
+# A failure report is written from a gRPC thread the worker waits on: keep it short.
+REPORT_TIMEOUT_S = 2.0
 
 
 class EtcdCommitLog(CommitLog):
@@ -66,6 +70,27 @@ class EtcdCommitLog(CommitLog):
                 f"{current}")
         log.info("Job %s node %s round %d: checkpoint step %d committed (%s).",
                  self.keys.job_id, self.writer, entry.round, entry.step, entry.path)
+
+    def report_failure(self, step: int, round_: int, rank: int, message: str) -> None:
+        """Record a worker's failed save of ``step`` as a ``checkpoint`` event of
+        ``round_`` that names the latest committed checkpoint (which stays).
+
+        Not fenced: a failure happened whatever the round is now. Never raises:
+        a store error or an unreadable latest record is logged as a warning
+        (the event is then lost; training goes on either way).
+        """
+        try:
+            kv = self.store.get(self.keys.checkpoint_latest, timeout_s=REPORT_TIMEOUT_S)
+            latest = None if kv is None else decode_latest(kv.key, kv.value)
+            text = failure_message(step, rank, message, latest)
+            self.store.txn([], [event_op(self.keys, self.clock, self.writer, round_, EVENT_KIND,
+                                         text)], timeout_s=REPORT_TIMEOUT_S)
+        except ElasticError as exc:
+            log.warning("Job %s node %s round %d: the failed save of checkpoint step %d (%s) "
+                        "could not be recorded in the job's events: %s", self.keys.job_id,
+                        self.writer, round_, step, message, exc)
+            return
+        log.warning("Job %s node %s round %d: %s.", self.keys.job_id, self.writer, round_, text)
 
     def latest(self) -> CommitEntry | None:
         """The recorded entry, or None when nothing was committed yet.

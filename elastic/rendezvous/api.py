@@ -95,6 +95,9 @@ class RendezvousConfig:
     stops renewing its lease is considered gone after this long. The restart
     budget: the job fails when more than ``max_restarts`` failures (worker
     crashes, hangs; not membership changes) happen within ``restart_window_s``.
+    ``scale_up_wait_s``: 0 grows a running round as soon as a node joins; above
+    0, a joining node waits for the next committed checkpoint (so the restart
+    that grows the round redoes no work), at most this long.
     """
 
     job_id: str
@@ -107,6 +110,7 @@ class RendezvousConfig:
     restart_window_s: float = DEFAULT_RESTART_WINDOW_S
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
     exit_barrier_timeout_s: float = DEFAULT_EXIT_BARRIER_TIMEOUT_S
+    scale_up_wait_s: float = 0.0
 
     @property
     def suspect_s(self) -> float:
@@ -135,12 +139,15 @@ class RendezvousConfig:
         if self.exit_barrier_timeout_s <= 0:
             raise ConfigError(
                 f"exit barrier timeout {self.exit_barrier_timeout_s} s must be positive")
+        if self.scale_up_wait_s < 0:
+            raise ConfigError(f"scale-up wait {self.scale_up_wait_s} s must not be negative")
 
     def job_settings(self) -> dict[str, Any]:
         """The settings every agent of a job must agree on (stored under ``config``)."""
         return {"min_nodes": self.min_nodes, "max_nodes": self.max_nodes,
                 "max_restarts": self.max_restarts, "restart_window_s": self.restart_window_s,
-                "exit_barrier_timeout_s": self.exit_barrier_timeout_s}
+                "exit_barrier_timeout_s": self.exit_barrier_timeout_s,
+                "scale_up_wait_s": self.scale_up_wait_s}
 
 
 # Readers of record fields, shared by every record kept in etcd (events too).
@@ -496,6 +503,8 @@ class Observed:
     clock when it learnt it. ``registered_since_round`` names the nodes whose
     registration is newer than ``current`` (an agent that lost its lease, or
     was restarted, and came back): they are newcomers to that round.
+    ``checkpointed_since`` names the nodes registered before the latest
+    checkpoint commit: a checkpoint was committed since they joined.
     """
 
     current: Round | None
@@ -507,3 +516,4 @@ class Observed:
     done: dict[str, tuple[int, float]] = field(default_factory=dict)
     suspects: dict[str, float] = field(default_factory=dict)
     registered_since_round: frozenset[str] = frozenset()
+    checkpointed_since: frozenset[str] = frozenset()

@@ -15,6 +15,9 @@ The rules, in order:
   expired), a member is drained, a restart was requested for the current round,
   or nodes are waiting while the round has fewer than ``max`` members
   (scale-up). Otherwise the round stands and extra nodes wait as standbys.
+  With ``scale_up_wait_s`` above 0, a joiner starts a scale-up only once a
+  checkpoint was committed after it registered, or that long after it was
+  first seen (a round formed for another reason takes it at once).
 * A new round keeps the survivors in their old order, then adds waiting nodes
   in join order, up to ``max``. If it would include nodes that arrived less
   than ``settle_s`` ago and is not full, it waits for them to settle, so a
@@ -96,6 +99,22 @@ def _close_or_settle(
     )
 
 
+def _scale_up_ready(joiners: list[str], observed: Observed, now: float,
+                    config: RendezvousConfig) -> tuple[list[str], float | None]:
+    """The joiners that may grow the round now, and when the next of the others
+    may anyway (None: none waits). See ``RendezvousConfig.scale_up_wait_s``."""
+    if config.scale_up_wait_s <= 0:
+        return joiners, None
+    ready, waiting_until = [], []
+    for node_id in joiners:
+        until = observed.first_seen.get(node_id, now) + config.scale_up_wait_s
+        if node_id in observed.checkpointed_since or now >= until:
+            ready.append(node_id)
+        else:
+            waiting_until.append(until)
+    return ready, min(waiting_until, default=None)
+
+
 def _earliest(*times: float | None) -> float | None:
     known = [t for t in times if t is not None]
     return min(known) if known else None
@@ -173,12 +192,15 @@ def decide(observed: Observed, now: float, config: RendezvousConfig) -> Decision
         triggers.append(f"restart requested by {r.node_id}: {r.reason}")
     # Suspects still hold their places unless a round forms for another reason.
     room = config.max_nodes - len([m for m in current.node_ids if m in registered])
-    if joiners and room > 0 and not done:
-        triggers.append("joined " + ", ".join(joiners[:room]))
+    growing, scale_up_at = _scale_up_ready(joiners, observed, now, config)
+    if growing and room > 0 and not done:
+        triggers.append("joined " + ", ".join(growing[:room]))
     room = config.max_nodes - len(survivors)
 
     if not triggers:
         standby = f", {_plural(len(joiners), 'standby')}" if joiners else ""
+        if scale_up_at is not None and room > 0 and not done:
+            standby += " (joining at the next checkpoint)"
         barrier = (f", {_plural(len(done), 'member')} finished (exit barrier)"
                    if done else "")
         start_due = (current.created_at + config.start_timeout_s
@@ -188,7 +210,7 @@ def decide(observed: Observed, now: float, config: RendezvousConfig) -> Decision
             Action.WAIT,
             f"round {current.number} stands with {_plural(len(survivors), 'member')}"
             f"{standby}{barrier}",
-            wake_at=_earliest(barrier_at, start_due, suspicion_ends),
+            wake_at=_earliest(barrier_at, start_due, suspicion_ends, scale_up_at),
         )
     unanswering = [m for m in current.node_ids if m in suspected and m in registered]
     if unanswering:

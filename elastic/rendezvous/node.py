@@ -10,7 +10,8 @@ Protocol (keys in :mod:`elastic.keyspace`):
    not answer) by revoking the old lease, and otherwise waits, retrying,
    until the old lease expires.
 2. Every node campaigns for ``leader`` (:class:`~elastic.rendezvous.election.Election`).
-   The leader alone watches ``nodes/`` and ``requests/``; followers watch only
+   The leader alone watches ``nodes/``, ``requests/`` and ``checkpoint/latest``
+   (whether a joiner has seen a checkpoint since); followers watch only
    ``leader`` and ``round``. A round therefore costs O(members) etcd
    operations and events, not O(members^2).
 3. The leader feeds what it sees (:class:`~elastic.rendezvous.view.LeaderView`)
@@ -83,6 +84,8 @@ _SESSION_CHECK_S = 0.5
 _ERROR_BACKOFF_S = 0.2
 # How often a leader asks lost members again whether their workers stopped.
 _FENCE_RETRY_S = 0.25
+# The parts of the job only the leader watches (its LeaderView).
+_LEADER_PARTS = frozenset({"nodes", "requests", "checkpoint"})
 
 Takeover = Callable[[NodeInfo], bool]
 # Tells the agents at these addresses that the leader reaches etcd; True once
@@ -379,6 +382,10 @@ class RendezvousNode:
                 if left is not None:
                     log.info("job %s node %s: node %s left", self.config.job_id, self.node_id,
                              left)
+        elif tag == "checkpoint" and self.is_leader:
+            for ev in payload:
+                self._view.checkpoint_revision = (ev.kv.mod_revision
+                                                  if ev.type is EventType.PUT else 0)
         elif tag == "requests" and self.is_leader:
             for ev in payload:
                 self._view.apply_request(ev.kv.key,
@@ -403,8 +410,8 @@ class RendezvousNode:
             if self.is_leader:
                 log.info("job %s node %s: elected leader", self.config.job_id, self.node_id)
         taking_over = self.is_leader and not self._leading
-        if taking_over and not {"nodes", "requests"} & self._pending_resync:
-            self._pending_resync |= {"nodes", "requests"}  # load the leader's view
+        if taking_over and not _LEADER_PARTS & self._pending_resync:
+            self._pending_resync |= _LEADER_PARTS  # load the leader's view
         try:
             for which in sorted(self._pending_resync):
                 self._resync(which)
@@ -538,7 +545,7 @@ class RendezvousNode:
         self._leader_watches = []
         self._leading = False
         self._standbys_written = None
-        self._pending_resync -= {"nodes", "requests"}
+        self._pending_resync -= _LEADER_PARTS
         self._view = LeaderView(self.keys, self._report_bad)
 
     # ------------------------------------------------------ state loading
@@ -547,7 +554,13 @@ class RendezvousNode:
         """(Re)load one part of the state and watch it from the revision read.
         Stays pending (retried on the next pass) until it succeeds."""
         self._pending_resync.add(which)
-        if which in ("round", "leader", "standbys"):
+        if which == "checkpoint":
+            kv, rev = self._read(self.keys.checkpoint_latest)
+            self._view.checkpoint_revision = kv.mod_revision if kv else 0
+            self._leader_watches.append(self.store.watch(
+                self.keys.checkpoint_latest, self._poster(which), start_revision=rev + 1,
+                on_error=self._error_poster(which)))
+        elif which in ("round", "leader", "standbys"):
             key = {"round": self.keys.round, "leader": self.keys.leader,
                    "standbys": self.keys.standbys}[which]
             kv, rev = self._read(key)

@@ -1,6 +1,7 @@
 """The leader's picture of a job: registered nodes, requests and reports.
 
-Built from prefix reads and watch events of ``nodes/`` and ``requests/``; no
+Built from prefix reads and watch events of ``nodes/`` and ``requests/`` (and
+the revision of ``checkpoint/latest``); no
 I/O here, so the rendezvous node applies events to it and hands
 :meth:`LeaderView.observed` to the pure :func:`~elastic.rendezvous.decisions.decide`.
 Times are the leader's wall clock when it learnt a thing (never a clock of
@@ -34,6 +35,7 @@ class LeaderView:
         # suspect -> (when learnt, revision of the report): a report older than
         # the node's registration is about a previous agent with that id.
         self.suspects: dict[str, tuple[float, int]] = {}
+        self.checkpoint_revision = 0  # mod revision of checkpoint/latest (0: none)
 
     def reset_nodes(self, kvs: list[KeyValue], now: float) -> None:
         self.nodes = {}
@@ -124,6 +126,8 @@ class LeaderView:
             registered_since_round=frozenset(
                 info.node_id for info, rev in joined if rev > round_revision
                 and (current is None or info.running_round != current.number)),
+            checkpointed_since=frozenset(
+                info.node_id for info, rev in joined if rev < self.checkpoint_revision),
         )
 
     def standby_addrs(self, members: tuple[str, ...]) -> tuple[str, ...]:

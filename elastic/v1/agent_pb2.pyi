@@ -165,3 +165,19 @@ class WorkerChannelLatestCheckpointResponse(_message.Message):
     found: bool
     entry: CheckpointEntry
     def __init__(self, found: _Optional[bool] = ..., entry: _Optional[_Union[CheckpointEntry, _Mapping]] = ...) -> None: ...
+
+class WorkerChannelReportCheckpointFailureRequest(_message.Message):
+    __slots__ = ("step", "round", "rank", "message")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    round: int
+    rank: int
+    message: str
+    def __init__(self, step: _Optional[int] = ..., round: _Optional[int] = ..., rank: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class WorkerChannelReportCheckpointFailureResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -260,6 +260,11 @@ class WorkerChannelStub:
                 request_serializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelLatestCheckpointRequest.SerializeToString,
                 response_deserializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelLatestCheckpointResponse.FromString,
                 _registered_method=True)
+        self.ReportCheckpointFailure = channel.unary_unary(
+                '/elastic.v1.WorkerChannel/ReportCheckpointFailure',
+                request_serializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelReportCheckpointFailureRequest.SerializeToString,
+                response_deserializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelReportCheckpointFailureResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerChannelServicer:
@@ -288,6 +293,14 @@ class WorkerChannelServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportCheckpointFailure(self, request, context):
+        """A checkpoint save failed (e.g. the disk is full): the agent records it in
+        the job's events. Sent by rank 0 only, best effort: training goes on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerChannelServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -305,6 +318,11 @@ def add_WorkerChannelServicer_to_server(servicer, server):
                     servicer.LatestCheckpoint,
                     request_deserializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelLatestCheckpointRequest.FromString,
                     response_serializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelLatestCheckpointResponse.SerializeToString,
+            ),
+            'ReportCheckpointFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportCheckpointFailure,
+                    request_deserializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelReportCheckpointFailureRequest.FromString,
+                    response_serializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelReportCheckpointFailureResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -389,6 +407,33 @@ class WorkerChannel:
             '/elastic.v1.WorkerChannel/LatestCheckpoint',
             elastic_dot_v1_dot_agent__pb2.WorkerChannelLatestCheckpointRequest.SerializeToString,
             elastic_dot_v1_dot_agent__pb2.WorkerChannelLatestCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportCheckpointFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elastic.v1.WorkerChannel/ReportCheckpointFailure',
+            elastic_dot_v1_dot_agent__pb2.WorkerChannelReportCheckpointFailureRequest.SerializeToString,
+            elastic_dot_v1_dot_agent__pb2.WorkerChannelReportCheckpointFailureResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -141,6 +141,23 @@ class WorkerChannelClient:
         return {"step": e.step, "round": e.round, "world_size": e.world_size, "path": e.path,
                 "time": e.time}
 
+    def report_checkpoint_failure(self, *, step: int, round: int,  # noqa: A002
+                                  rank: int, message: str, timeout_s: float = 2.0) -> None:
+        """Tell the agent that the save of ``step`` failed, so that it records
+        an event. Waits at most ``timeout_s``.
+
+        Raises AgentUnreachableError when the agent cannot be asked or answers
+        with an error (the caller decides that the report is best effort).
+        """
+        request = agent_pb2.WorkerChannelReportCheckpointFailureRequest(
+            step=step, round=round, rank=rank, message=message)
+        try:
+            self._stub.ReportCheckpointFailure(request, timeout=timeout_s)
+        except (grpc.RpcError, ValueError) as exc:
+            raise AgentUnreachableError(
+                f"cannot report the failed save of checkpoint step {step} to the agent at "
+                f"{self._target}: {_describe(exc)}") from exc
+
     def close(self) -> None:
         """Close the channel; later heartbeats return False. Idempotent."""
         with self._lock:

@@ -1,13 +1,14 @@
 """Chaos campaign: real elasticd agents, a 3-member etcd and network namespaces, seeded faults.
 
-    python -m tests.chaos --seed 7 --faults 14 [--variant fixed|elastic]
-    make chaos SEED=7 FAULTS=14
+    python -m tests.chaos --seed 7 --faults 16 [--variant fixed|elastic]
+    make chaos SEED=7 FAULTS=16
     pytest -m chaos tests/chaos
 
-Modules: :mod:`~tests.chaos.topology` (namespaces, bridge, cuts, delay/loss),
-:mod:`~tests.chaos.etcd_cluster` (3 members), :mod:`~tests.chaos.cluster`
-(agents, step logs, checkpoint poller, events), :mod:`~tests.chaos.faults`
-(one function per fault kind), :mod:`~tests.chaos.invariants` (pure checks),
+Modules: :mod:`~tests.chaos.topology` (namespaces, bridge, cuts, delay/loss,
+the checkpoint tmpfs), :mod:`~tests.chaos.etcd_cluster` (3 members),
+:mod:`~tests.chaos.cluster` (agents, step logs, checkpoint poller, events),
+:mod:`~tests.chaos.faults` (one function per fault kind),
+:mod:`~tests.chaos.invariants` (pure checks),
 :mod:`~tests.chaos.campaign` (the run), ``train.py`` (the workers' script),
 :mod:`~tests.chaos.impair` (userspace delay/loss where tc netem is missing).
 """

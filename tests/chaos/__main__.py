@@ -1,14 +1,15 @@
 """Run a chaos campaign against real elasticd agents in network namespaces.
 
-    python -m tests.chaos --seed 7 --faults 14 [--variant fixed|elastic]
-    make chaos SEED=7 FAULTS=14 VARIANT=elastic
+    python -m tests.chaos --seed 7 --faults 16 [--variant fixed|elastic]
+    make chaos SEED=7 FAULTS=16 VARIANT=elastic
 
-Needs root for the namespaces (without, it falls back to loopback and skips
-the network faults, saying so). Prints a summary: the faults by kind, the
-invariants, the recovery time per kind (from the fault to the first step of
-the next round); on failure the seed, a one-line replay command and the kept
-working directory (agents' logs, step logs, etcd logs). Exit code 0 when
-every invariant held, 1 otherwise.
+Needs root for the namespaces and the checkpoint tmpfs (without, it falls
+back to loopback and skips the network and disk faults, saying so). Prints a
+summary: the faults by kind, the invariants, the recovery time per kind (from
+the fault to the first step of the next round); on failure the seed, a
+one-line replay command and the kept working directory (agents' logs, step
+logs, etcd logs; the checkpoints' tmpfs is unmounted). Exit code 0 when every
+invariant held, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def render(report: Report) -> str:
              f"{len(report.faults)}/{len(report.planned)} faults injected in "
              f"{report.duration_s:.0f} s", f"topology: {report.topology}"]
     if report.skipped_kinds:
-        lines.append(f"skipped (need namespaces): {', '.join(report.skipped_kinds)}")
+        lines.append(f"skipped (need namespaces or a checkpoint tmpfs, i.e. root): "
+                     f"{', '.join(report.skipped_kinds)}")
     by_kind = collections.Counter(f.kind for f in report.faults)
     lines.append("faults by kind:")
     for kind in KINDS:

@@ -5,6 +5,8 @@
 ``tests/chaos/train.py``), waits until they train at full size, then injects
 the planned faults one by one (:mod:`tests.chaos.faults`), each after a seeded
 random pause, waiting after each until the job trains at full size again.
+The checkpoints live on a small tmpfs of the run's (as root), which the
+``disk_full`` fault fills.
 Then it lets the job finish (the target step goes to the workers through a
 file), checks the invariants (:mod:`tests.chaos.invariants`) and, in the
 fixed-size variant, runs the same job without faults for the weights oracle.
@@ -23,6 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from elastic.checkpoint import layout
 from tests.chaos import faults as fault_kinds
 from tests.chaos import invariants
 from tests.chaos.cluster import (
@@ -31,6 +34,7 @@ from tests.chaos.cluster import (
     NodeAgent,
     StepLog,
     alive,
+    checkpoint_dir,
     dump_python_stacks,
     signal_pids,
     elasticctl,
@@ -45,6 +49,7 @@ log = logging.getLogger(__name__)
 N_NODES = 3
 PACE_S = 0.25  # sleep per training step while faults remain
 CKPT_EVERY = 10
+DISK_MIB = 64  # the checkpoint tmpfs: the chaos model's checkpoints are a few hundred KiB
 FINISH_MARGIN = 20  # steps between "finish" and the end: every rank reads the target first
 RECOVERY_TIMEOUT_S = 90.0
 MAX_STEPS = 1_000_000  # the target file ends the run; this only bounds a lost harness
@@ -99,6 +104,9 @@ class Campaign:
         self.pace_file = os.path.join(workdir, "pace")
         self.target_file = os.path.join(workdir, "target")
         self.steps = StepLog(os.path.join(workdir, "steps"))
+        self.ckpt_dir = checkpoint_dir(workdir)
+        self.ckpt_every = CKPT_EVERY
+        self.poller = CheckpointPoller(etcd.endpoints, job_id)  # started by run_campaign
         self.agents: list[NodeAgent] = []  # every incarnation ever started
         self.active: dict[str, NodeAgent] = {}  # node id -> its current incarnation
         self.next_node = N_NODES + 1
@@ -128,6 +136,12 @@ class Campaign:
     def current_round(self) -> int:
         span = self.steps.latest_round()
         return span.number if span else 0
+
+    def max_step(self) -> int:
+        return self.steps.max_step()
+
+    def latest_commit(self) -> tuple[int, int] | None:
+        return self.poller.latest()
 
     def worker_pids(self) -> dict[int, tuple[str, int]]:
         """rank -> (node id, pid) of the live workers of the newest training round."""
@@ -230,6 +244,14 @@ class Campaign:
                 raise AssertionError(f"the job did not finish within {timeout_s:g} s")
             time.sleep(0.2)
 
+    def temporaries(self) -> list[str] | None:
+        """The temporary directories (saves in flight or cut short) under the
+        checkpoint root; None when it cannot be listed."""
+        try:
+            return sorted(n for n in os.listdir(self.ckpt_dir) if n.startswith(layout.TMP_PREFIX))
+        except OSError:
+            return None
+
     def leftover_processes(self, exclude: set[int], wait_s: float = 5.0) -> dict[int, str]:
         deadline = time.monotonic() + wait_s
         while True:
@@ -281,21 +303,27 @@ def run_campaign(seed: int, n_faults: int, variant: str = "fixed", *,
     report.workdir = workdir
     rng = random.Random(seed)
     with Topology(N_NODES, N_NODES + 1, force_loopback=loopback) as topo:
-        report.topology = topo.describe()
+        disk_problem = topo.mount_disk(checkpoint_dir(workdir), DISK_MIB)
+        report.topology = topo.describe() + (
+            f"; checkpoints on a {DISK_MIB} MiB tmpfs" if not disk_problem
+            else f"; checkpoints on the working directory's disk ({disk_problem})")
         say(f"chaos: seed {seed}, {n_faults} faults, variant {variant}; {report.topology}")
-        if not topo.isolated:
-            report.skipped_kinds = [k for k, v in fault_kinds.KINDS.items()
-                                    if v.needs_isolation and (not kinds or k in kinds)]
-            if report.skipped_kinds:
-                say(f"chaos: NOTE: loopback fallback; skipping {', '.join(report.skipped_kinds)}")
-        report.planned = fault_kinds.plan(seed, n_faults, isolated=topo.isolated, kinds=kinds)
+        why_not = {k: fault_kinds.unavailable(v, isolated=topo.isolated, own_disk=not disk_problem)
+                   for k, v in fault_kinds.KINDS.items() if not kinds or k in kinds}
+        report.skipped_kinds = [k for k, why in why_not.items() if why]
+        if report.skipped_kinds:
+            say("chaos: NOTE: skipping " + ", ".join(f"{k} ({why_not[k]})"
+                                                    for k in report.skipped_kinds))
+        report.planned = fault_kinds.plan(seed, n_faults, isolated=topo.isolated,
+                                          own_disk=not disk_problem, kinds=kinds)
         etcd = EtcdCluster(topo.etcd_hosts, workdir, topo.tag)
         etcd.start()
         job_id = f"chaos-{seed}-{topo.prefix}"
         camp = Campaign(topo, etcd, workdir, variant=variant, job_id=job_id, say=say,
                         lease_ttl_s=lease_ttl_s, hang_timeout_s=hang_timeout_s)
-        poller = CheckpointPoller(etcd.endpoints, job_id).start()
+        poller = camp.poller.start()
         recovered_at: dict[int, float] = {}
+        temporaries: list[str] | None = None
         try:
             for i in range(N_NODES):
                 camp.start_node(f"n{i + 1}", topo.slots[i])
@@ -303,6 +331,7 @@ def run_campaign(seed: int, n_faults: int, variant: str = "fixed", *,
             say(f"chaos: training in round {span.number} at world size {span.world}")
             _inject_all(camp, report, rng, recovered_at, say)
             camp.finish()
+            temporaries = camp.temporaries()  # before the disk goes, with the topology
         except (AssertionError, RuntimeError) as exc:
             report.errors.append(str(exc)[:2000])
             report.tails = camp.tails()
@@ -335,7 +364,8 @@ def run_campaign(seed: int, n_faults: int, variant: str = "fixed", *,
         invariants.checkpoint_monotonic(poller.seen, poller.errors),
         invariants.no_orphans(leftover),
         invariants.faults_visible(report.faults, events, rounds),
-        invariants.store_faults_no_restart(report.faults, events, recovered_at),
+        invariants.no_restart_where_promised(report.faults, events, recovered_at),
+        invariants.interrupted_saves_discarded(report.faults, poller.seen, temporaries),
     ]
     if variant == "fixed":
         report.checks.insert(1, invariants.weights_equal(result, reference, camp.steps.lines,

@@ -26,6 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from elastic.failpoints import ENV_VAR as FAILPOINT_ENV
 from elastic.keyspace import JobKeys
 from tests.chaos.etcd_cluster import _pdeathsig
 from tests.chaos.topology import REPO, TAG_ENV, Host
@@ -34,6 +35,11 @@ log = logging.getLogger(__name__)
 
 NODE_ENV = "CHAOS_NODE"
 TRAIN_SCRIPT = os.path.join(REPO, "tests", "chaos", "train.py")
+
+
+def checkpoint_dir(workdir: str) -> str:
+    """The checkpoint root of the run in ``workdir`` (every node shares it)."""
+    return os.path.join(workdir, "checkpoints")
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,9 @@ class AgentSettings:
     start_timeout_s: float = 20.0
     join_timeout_s: float = 180.0
     exit_barrier_timeout_s: float = 60.0
+    # The workers' ELASTIC_FAILPOINT: every rank sleeps after writing its shards, so each
+    # save stays in flight long enough for a fault to crash a worker in its middle.
+    worker_failpoints: str = "ckpt.mid_write=sleep:0.4"
 
 
 def node_pids(tag: str, node_id: str) -> list[int]:
@@ -112,11 +121,13 @@ class NodeAgent:
                "--join-timeout", f"{s.join_timeout_s:g}",
                "--exit-barrier-timeout", f"{s.exit_barrier_timeout_s:g}",
                "--max-restarts", "1000", "--connect-timeout", "10",
-               "--checkpoint-dir", os.path.join(workdir, "checkpoints"),
+               "--checkpoint-dir", checkpoint_dir(workdir),
                "--log-dir", os.path.join(workdir, "worker-logs", f"{node_id}.{incarnation}"),
                TRAIN_SCRIPT, *script_args]
         env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
         env.update({TAG_ENV: tag, NODE_ENV: node_id, "PYTHONUNBUFFERED": "1"})
+        if s.worker_failpoints:  # the agent passes its environment on to its workers
+            env[FAILPOINT_ENV] = s.worker_failpoints
         with open(self.log_path, "ab") as out:
             # Spawned from the harness's main thread: PDEATHSIG follows the thread.
             self.proc = subprocess.Popen(slot.wrap(cmd), cwd=REPO, env=env,
@@ -268,6 +279,11 @@ class CheckpointPoller:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+
+    def latest(self) -> tuple[int, int] | None:
+        """(step, round) of the newest value seen, None before the first commit."""
+        seen = self.seen
+        return seen[-1][1:] if seen else None
 
     def _run(self) -> None:
         from elastic.errors import ElasticError

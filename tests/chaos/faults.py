@@ -7,20 +7,30 @@ Every fault function takes the campaign (see :class:`Context`) and a seeded
 does that, the same way for every kind.
 
 ``expect_restart`` says what DESIGN.md's failure table promises: a new round
-(worker and node failures, cuts, drains), or training that goes on without
-one (a lost etcd member, a lost leader, lost quorum: "nothing restarts for a
-store blip"). Delay and loss promise neither; they are recorded as observed.
+(worker and node failures, cuts, drains, a crash in the middle of a
+checkpoint save), or training that goes on without one (a lost etcd member, a
+lost leader, lost quorum: "nothing restarts for a store blip"; a full
+checkpoint disk: the save fails with ENOSPC, the script catches
+``CheckpointWriteError`` and trains on). Delay and loss promise neither; they
+are recorded as observed. ``event`` is what else a kind must leave in
+``elasticctl events`` (a full disk: the failed saves, with ENOSPC).
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import random
 import signal
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+from elastic.checkpoint import layout
 from tests.chaos.cluster import alive, node_pids, signal_pids
+
+FILLER_NAME = "chaos-disk-filler"  # not a checkpoint name: restore and retention ignore it
+SAVE_WAIT_S = 60.0  # for a save in flight: a few checkpoint intervals, and a restart
 
 
 @dataclass
@@ -31,6 +41,8 @@ class FaultRecord:
     t_end: float = 0.0  # wall time the fault was over (healed, restarted, joined)
     round_before: int = 0  # the newest round training when it was injected
     expect_restart: bool | None = True  # None: no promise either way
+    event: tuple[str, str] | None = None  # (kind, text) of an event it must leave
+    interrupted_save: tuple[int, int] | None = None  # (step, round) of a save it cut short
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # violations seen while injecting
 
@@ -42,10 +54,14 @@ class Context(Protocol):
     etcd: object
     tag: str
     settings: object
+    ckpt_dir: str  # the checkpoint root every node shares
+    ckpt_every: int  # steps between two saves
 
     def active_agents(self) -> list: ...
     def worker_pids(self) -> dict[int, tuple[str, int]]: ...
     def current_round(self) -> int: ...
+    def max_step(self) -> int: ...
+    def latest_commit(self) -> tuple[int, int] | None: ...
     def restart_agent(self, agent) -> object: ...
     def drain(self, node_id: str) -> tuple[int, str]: ...
     def join_new_node(self) -> object: ...
@@ -58,11 +74,22 @@ class FaultKind:
     inject: Callable[[Context, random.Random], FaultRecord]
     needs_isolation: bool = False  # network namespaces
     expect_restart: bool | None = True
+    needs_disk: bool = False  # a checkpoint disk of the harness's own (a tmpfs: root)
+    event: tuple[str, str] | None = None  # (kind, text) of an event it must leave
+
+
+def unavailable(kind: FaultKind, *, isolated: bool, own_disk: bool) -> str:
+    """Why ``kind`` cannot be injected in this topology; "" when it can."""
+    if kind.needs_isolation and not isolated:
+        return "needs network namespaces"
+    if kind.needs_disk and not own_disk:
+        return "needs a checkpoint disk of its own"
+    return ""
 
 
 def _record(ctx: Context, kind: str, target: str) -> FaultRecord:
     return FaultRecord(kind, target, time.time(), round_before=ctx.current_round(),
-                       expect_restart=KINDS[kind].expect_restart)
+                       expect_restart=KINDS[kind].expect_restart, event=KINDS[kind].event)
 
 
 def _pick_worker(ctx: Context, rng: random.Random, exclude_node: str | None = None
@@ -153,6 +180,132 @@ def fail_after_restart(ctx: Context, rng: random.Random) -> FaultRecord:
     rec.notes.append(f"killed rank {rank2} (pid {pid2}) of round {ctx.current_round()} "
                      f"{rec.t_end - restart_seen:.2f} s after its first step")
     return rec
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _save_in_flight(ctx: Context) -> tuple[int, int, str] | None:
+    """(step, round, path) of a save of the current round that is writing its
+    shards: its temporary directory exists and has no DCP metadata yet (rank 0
+    writes that once every rank has written its shards)."""
+    current = ctx.current_round()
+    try:
+        names = os.listdir(ctx.ckpt_dir)
+    except FileNotFoundError:
+        return None
+    for name in names:
+        parsed = layout.parse_tmp_dir(name)
+        path = os.path.join(ctx.ckpt_dir, name)
+        if parsed is not None and parsed[1] == current and _mid_write(path):
+            return parsed[0], parsed[1], path
+    return None
+
+
+def _mid_write(tmp: str) -> bool:
+    return os.path.isdir(tmp) and not os.path.exists(os.path.join(tmp, layout.METADATA_FILE))
+
+
+def ckpt_crash(ctx: Context, rng: random.Random) -> FaultRecord:
+    """SIGKILL a worker while a checkpoint save is writing its shards (the
+    workers' ``ckpt.mid_write`` sleep keeps every save that long in flight).
+
+    The save cannot commit: the killed rank never joins the collectives that
+    follow the write. The group restarts from the previous committed
+    checkpoint, and the next round's first save removes the temporary
+    directory (both checked by the invariants, through ``interrupted_save``).
+    """
+    deadline = time.monotonic() + SAVE_WAIT_S
+    while (save := _save_in_flight(ctx)) is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no checkpoint save in flight under {ctx.ckpt_dir} within "
+                               f"{SAVE_WAIT_S:g} s")
+        time.sleep(0.01)  # the write stays in flight for the workers' 0.4 s failpoint sleep
+    step, round_, tmp = save
+    rank, node, pid = _pick_worker(ctx, rng)
+    rec = _record(ctx, "ckpt_crash", f"rank {rank} on {node} (pid {pid}) while saving step "
+                                     f"{step} of round {round_} into {os.path.basename(tmp)}")
+    signal_pids([pid], signal.SIGKILL)
+    rec.t_end = time.time()
+    if _mid_write(tmp):  # still true after the kill: the kill landed in the write
+        rec.interrupted_save = (step, round_)
+    else:
+        rec.notes.append(f"{os.path.basename(tmp)} got its metadata (or went) before the kill "
+                         f"landed: not counted as an interrupted save")
+    return rec
+
+
+def fill_disk(path: str) -> int:
+    """Write ``path`` until its file system is full (ENOSPC); returns its size."""
+    chunk = b"\0" * (1 << 20)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        while True:
+            try:
+                os.write(fd, chunk)  # a short write near the end, then ENOSPC
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                break
+    finally:
+        os.close(fd)
+    return os.path.getsize(path)
+
+
+def disk_full(ctx: Context, rng: random.Random) -> FaultRecord:
+    """Fill the checkpoint disk (the harness's tmpfs) for a few checkpoint
+    intervals of training, then free it.
+
+    Promised: every save meanwhile fails with ENOSPC (an event says so) and
+    training goes on in the same round; the latest committed checkpoint stays
+    and still verifies; once the disk is free, a newer checkpoint commits.
+    """
+    intervals = rng.randint(3, 4)
+    filler = os.path.join(ctx.ckpt_dir, FILLER_NAME)
+    # A committed checkpoint first: the fault must show that the full disk leaves it intact.
+    ctx.wait_for(ctx.latest_commit, SAVE_WAIT_S, "a first committed checkpoint")
+    rec = _record(ctx, "disk_full", f"{ctx.ckpt_dir} full for {intervals} checkpoint "
+                                    f"intervals")
+    size = fill_disk(filler)
+    full_at = ctx.max_step()
+    rec.notes.append(f"{size >> 20} MiB filler written at step {full_at}, step "
+                     f"{ctx.latest_commit()[0]} committed")
+    try:
+        ctx.wait_for(lambda: ctx.max_step() >= full_at + intervals * ctx.ckpt_every, 90,
+                     f"training to go on for {intervals} checkpoint intervals on a full disk")
+        _check_latest_intact(ctx, full_at, rec)
+    except AssertionError as exc:
+        rec.problems.append(str(exc))
+    finally:
+        os.unlink(filler)
+    freed_at = ctx.max_step()
+    rec.t_end = time.time()
+    try:
+        committed = ctx.wait_for(lambda: _committed_after(ctx, freed_at), 90,
+                                 f"a checkpoint after step {freed_at} (the disk freed) to commit")
+        rec.notes.append(f"disk freed at step {freed_at}; step {committed[0]} committed "
+                         f"{time.time() - rec.t_end:.1f} s later")
+    except AssertionError as exc:
+        rec.problems.append(str(exc))
+    return rec
+
+
+def _committed_after(ctx: Context, step: int) -> tuple[int, int] | None:
+    latest = ctx.latest_commit()
+    return latest if latest is not None and latest[0] > step else None
+
+
+def _check_latest_intact(ctx: Context, full_at: int, rec: FaultRecord) -> None:
+    """On the full disk: nothing written after ``full_at`` committed, and the
+    latest committed checkpoint still verifies (sizes and CRC-32s)."""
+    step = ctx.latest_commit()[0]
+    if step > full_at:
+        rec.problems.append(f"checkpoint step {step} committed on the full disk (filled at "
+                            f"step {full_at})")
+    problems = layout.verify(os.path.join(ctx.ckpt_dir, layout.step_dir_name(step)))
+    if problems:
+        rec.problems.append(f"the latest committed checkpoint (step {step}) does not verify on "
+                            f"the full disk: {'; '.join(map(str, problems[:3]))}")
 
 
 # ----------------------------------------------------------------------------- agents, nodes
@@ -333,15 +486,20 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in [
     FaultKind("etcd_member", etcd_member, expect_restart=False),
     FaultKind("etcd_leader", etcd_leader, expect_restart=False),
     FaultKind("quorum_loss", quorum_loss, expect_restart=False),
+    FaultKind("ckpt_crash", ckpt_crash),
+    FaultKind("disk_full", disk_full, expect_restart=False, needs_disk=True,
+              event=("checkpoint", "ENOSPC")),
     FaultKind("drain_join", drain_join),
 ]}
 
 
-def plan(seed: int, count: int, *, isolated: bool, kinds: list[str] | None = None) -> list[str]:
+def plan(seed: int, count: int, *, isolated: bool, own_disk: bool,
+         kinds: list[str] | None = None) -> list[str]:
     """``count`` fault kinds in a seeded order: every available kind once (as far
     as ``count`` goes), then seeded random picks."""
     rng = random.Random(f"plan-{seed}")
-    available = [k for k in (kinds or list(KINDS)) if isolated or not KINDS[k].needs_isolation]
+    available = [k for k in (kinds or list(KINDS))
+                 if not unavailable(KINDS[k], isolated=isolated, own_disk=own_disk)]
     if not available:
         return []
     first = available[:]

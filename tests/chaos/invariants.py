@@ -10,6 +10,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from elastic.checkpoint import layout
 from tests.chaos.cluster import RoundSpan, StepLine
 from tests.chaos.faults import FaultRecord
 
@@ -124,25 +125,31 @@ def no_orphans(leftover: dict[int, str]) -> Check:
 def faults_visible(faults: list[FaultRecord], events: list[dict],
                    rounds: dict[int, RoundSpan]) -> Check:
     """Every fault that promises a restart is followed by a round change (an event of
-    kind ``round``, or a state change to STOPPING or FAILED) in elasticctl's history."""
+    kind ``round``, or a state change to STOPPING or FAILED) in elasticctl's history,
+    and every fault that promises an event (``FaultRecord.event``: a kind and a text
+    in its message, e.g. a failed checkpoint save with ENOSPC) is followed by one."""
     bad = []
     for f in faults:
-        if f.expect_restart is not True:
-            continue
-        after = [e for e in events if e["time"] >= f.t_start - 0.05 and (
-            e["kind"] == "round" or (e["kind"] == "state" and (
-                "-> STOPPING" in e["message"] or "-> FAILED" in e["message"])))]
-        if not after:
+        after = [e for e in events if e["time"] >= f.t_start - 0.05]
+        if f.expect_restart is True and not any(
+                e["kind"] == "round" or (e["kind"] == "state" and (
+                    "-> STOPPING" in e["message"] or "-> FAILED" in e["message"]))
+                for e in after):
             bad.append(f"{f.kind} at {f.t_start:.1f} ({f.target}): no round change or "
                        f"failure event after it")
+        if f.event is not None and not any(
+                e["kind"] == f.event[0] and f.event[1] in e["message"] for e in after):
+            bad.append(f"{f.kind} at {f.t_start:.1f} ({f.target}): no {f.event[0]} event "
+                       f"with {f.event[1]!r} after it")
+    shown = sum(f.expect_restart is True or f.event is not None for f in faults)
     return Check("every fault shows in elasticctl events", not bad,
-                 "; ".join(bad[:5]) if bad else
-                 f"{sum(f.expect_restart is True for f in faults)} faults followed by events")
+                 "; ".join(bad[:5]) if bad else f"{shown} faults followed by events")
 
 
-def store_faults_no_restart(faults: list[FaultRecord], events: list[dict],
-                            recovered_at: dict[int, float]) -> Check:
-    """etcd faults (a member, the leader, quorum) must not restart training."""
+def no_restart_where_promised(faults: list[FaultRecord], events: list[dict],
+                              recovered_at: dict[int, float]) -> Check:
+    """Faults that promise no restart (etcd: a member, the leader, quorum; a full
+    checkpoint disk) must not restart training."""
     bad = []
     for i, f in enumerate(faults):
         if f.expect_restart is not False:
@@ -152,8 +159,30 @@ def store_faults_no_restart(faults: list[FaultRecord], events: list[dict],
         if rounds:
             bad.append(f"{f.kind} ({f.target}) at {f.t_start:.1f}: {rounds[0]['message'][:160]}")
     checked = sum(f.expect_restart is False for f in faults)
-    return Check("etcd faults restart nothing", not bad,
-                 "; ".join(bad[:5]) if bad else f"{checked} etcd faults, no new round")
+    return Check("etcd and disk faults restart nothing", not bad,
+                 "; ".join(bad[:5]) if bad else f"{checked} such faults, no new round")
+
+
+def interrupted_saves_discarded(faults: list[FaultRecord], seen: list[tuple[float, int, int]],
+                                temporaries: list[str] | None) -> Check:
+    """A save that a crash cut short (``FaultRecord.interrupted_save``) never became
+    the committed checkpoint (``seen``: checkpoint/latest's values), and its
+    temporary directory is gone by the end (``temporaries``: the ``.tmp-*`` names
+    under the checkpoint root then; None when it could not be listed)."""
+    bad = []
+    cut = [f for f in faults if f.interrupted_save is not None]
+    for f in cut:
+        step, round_ = f.interrupted_save
+        if any((s, r) == (step, round_) for _, s, r in seen):
+            bad.append(f"{f.kind}: the interrupted save of step {step} in round {round_} "
+                       f"was committed")
+        name = layout.tmp_dir_name(step, round_)
+        if temporaries is None or name in temporaries:
+            bad.append(f"{f.kind}: {name} " + ("could not be checked" if temporaries is None
+                                                else "is still there at the end"))
+    return Check("interrupted saves never commit and are cleaned up", not bad,
+                 "; ".join(bad[:5]) if bad else f"{len(cut)} interrupted saves, none committed, "
+                                                f"none left")
 
 
 def recovery_times(faults: list[FaultRecord], rounds: dict[int, RoundSpan]

@@ -1,9 +1,10 @@
 """A short chaos campaign: every fault kind once, against real agents, etcd and namespaces.
 
 Runs ``tests.chaos`` in-process with a fixed seed (fixed-size variant, with the
-bitwise weights oracle). Without root (no network namespaces) it falls back to
-loopback and injects only the faults that need none. On failure the message is
-the campaign's summary: the invariants, the replay command and the kept logs.
+bitwise weights oracle). Without root (no network namespaces, no checkpoint
+tmpfs) it falls back to loopback and injects only the faults that need
+neither. On failure the message is the campaign's summary: the invariants,
+the replay command and the kept logs.
 """
 
 from __future__ import annotations

@@ -31,6 +31,12 @@ and a set of others with a classic-BPF ``tc`` filter on both sides' egress
 :meth:`Topology.impair` adds delay and loss to a host's egress: with ``tc
 netem`` when the kernel has it, else with :mod:`tests.chaos.impair`, a
 userspace forwarder spliced between the host's veth and the bridge.
+
+The checkpoint disk: :meth:`Topology.mount_disk` mounts a small tmpfs (as
+root) where the run keeps its checkpoints, so that a fault can fill it. Its
+source name is ``<p>-ckpt``: :func:`remove_prefix` finds and unmounts it by
+that name (the topology's own cleanup, and a later run's cleanup of a
+crashed one), like the namespaces and links.
 """
 
 from __future__ import annotations
@@ -166,9 +172,30 @@ def _link_names() -> list[str]:
     return names
 
 
+def _disk_source(prefix: str) -> str:
+    return f"{prefix}-ckpt"
+
+
+def _disk_mounts() -> list[tuple[str, str]]:
+    """(source, mount point) of every chaos checkpoint disk mounted in this namespace."""
+    try:
+        with open("/proc/self/mounts") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        source, target = line.split()[:2]
+        if _PREFIX_RE.match(source) and source == _disk_source(source[:len(BASE) + 4]):
+            # /proc/mounts writes a space, tab, newline or backslash as an octal escape.
+            found.append((source, re.sub(r"\\([0-7]{3})",
+                                         lambda m: chr(int(m.group(1), 8)), target)))
+    return found
+
+
 def remove_prefix(prefix: str) -> None:
     """Remove everything of run ``prefix``: its tagged processes, namespaces
-    (and the processes in them), links and state file. Idempotent."""
+    (and the processes in them), links, checkpoint disk and state file. Idempotent."""
     kill_tagged(prefix)
     for ns in _netns_names():
         if ns.startswith(prefix + "-"):
@@ -183,6 +210,10 @@ def remove_prefix(prefix: str) -> None:
     for name in _link_names():
         if name.startswith(prefix):
             run_ip("link", "del", name, check=False)
+    for source, target in _disk_mounts():
+        if source == _disk_source(prefix):
+            # Lazy: a file the harness still holds open must not keep the disk mounted.
+            subprocess.run(["umount", "-l", target], capture_output=True, timeout=20)
     try:
         os.unlink(os.path.join(STATE_DIR, f"{prefix}.json"))
     except FileNotFoundError:
@@ -206,6 +237,8 @@ def cleanup_leftovers() -> list[str]:
     for pid, tag in tagged_pids().items():
         if _PREFIX_RE.match(tag):
             prefixes.add(tag[:len(BASE) + 4])
+    for source, _ in _disk_mounts():
+        prefixes.add(source[:len(BASE) + 4])
     stale = sorted(p for p in prefixes if not _owner_alive(p))
     for prefix in stale:
         log.info("Removing the leftovers of chaos run %s (its owner is gone).", prefix)
@@ -253,6 +286,7 @@ class Topology:
         self.etcd_hosts: list[Host] = []
         self.slots: list[Host] = []
         self.netem = False
+        self.disk = ""  # the mount point of the checkpoint disk, "" when none
         self._impairs: dict[str, tuple] = {}  # host name -> (forwarder proc | None, links)
 
     @property
@@ -341,6 +375,24 @@ class Topology:
         run_ip("link", "set", inner, "up", netns=ns)
         run_ip("link", "set", "lo", "up", netns=ns)
         return Host(name, addr, ns, inner, port)
+
+    def mount_disk(self, path: str, size_mib: int) -> str:
+        """Mount a ``size_mib`` MiB tmpfs at ``path`` (created if missing) as the
+        run's checkpoint disk; :meth:`destroy` unmounts it. Returns "" when it
+        is mounted, else why not (not root, or mount refused); never raises."""
+        os.makedirs(path, exist_ok=True)
+        if sys.platform != "linux" or os.geteuid() != 0:
+            return "not root on Linux"
+        try:
+            proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m,mode=0755",
+                                   _disk_source(self.prefix), path],
+                                  capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.SubprocessError) as exc:
+            return f"mount failed: {exc}"
+        if proc.returncode != 0:
+            return f"mount failed: {proc.stderr.strip() or proc.returncode}"
+        self.disk = path
+        return ""
 
     def _host(self, name: str) -> Host:
         return next(h for h in self.etcd_hosts + self.slots if h.name == name)

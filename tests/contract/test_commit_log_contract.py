@@ -17,7 +17,7 @@ import pytest
 
 from elastic.checkpoint.api import CommitEntry
 from elastic.checkpoint.etcd_log import EtcdCommitLog
-from elastic.errors import FencedError, MalformedRecordError
+from elastic.errors import FencedError, MalformedRecordError, StoreUnavailableError
 from elastic.events import read_events
 from elastic.keyspace import JobKeys
 from elastic.store.api import Store
@@ -130,6 +130,20 @@ class CommitLogContract:
             commit_log.latest()
         assert info.value.key == keys.checkpoint_latest
 
+    def test_a_failed_save_is_an_event_of_its_round_naming_the_latest(self, store, keys,
+                                                                       commit_log, clock):
+        start_round(store, keys)
+        commit_log.commit(entry(10, round_=1))
+        start_round(store, keys)  # not fenced: a failure happened whatever the round is now
+        clock.advance(1)
+
+        commit_log.report_failure(20, 1, 0, "[Errno 28 ENOSPC] No space left on device")
+
+        assert checkpoint_events(store, keys)[-1] == (
+            WRITER, 1, "checkpoint of step 20 failed (reported by rank 0): [Errno 28 ENOSPC] "
+                       "No space left on device; the latest committed checkpoint stays step 10")
+        assert commit_log.latest() == entry(10, round_=1)
+
     def test_logs_of_two_jobs_do_not_see_each_other(self, store, keys, clock, job_id):
         other_keys = JobKeys(job_id + "-other")
         start_round(store, keys)
@@ -146,6 +160,14 @@ class TestMemoryStore(CommitLogContract):
         store = MemoryStore(clock=clock)
         yield store
         store.close()
+
+    def test_a_failure_report_that_etcd_refuses_is_only_logged(self, store, keys, commit_log,
+                                                               caplog):
+        start_round(store, keys)
+        store.fail_next("txn", StoreUnavailableError("etcd did not answer (injected)"))
+        commit_log.report_failure(20, 1, 0, "disk gone")  # does not raise
+        assert checkpoint_events(store, keys) == []
+        assert "could not be recorded in the job's events" in caplog.text
 
 
 class TestEtcdStore(CommitLogContract):

@@ -127,6 +127,27 @@ class TestLaterRounds:
         assert d.action is Action.CLOSE_ROUND
         assert d.members == ("a", "b", "c", "d")
 
+    def test_joiner_waits_for_the_next_checkpoint_when_asked_to(self):
+        config = dataclasses.replace(cfg(max_nodes=3), scale_up_wait_s=60.0)
+        obs = Observed(round_of(2, "a", "b"), nodes("a", "b", "c"), {"c": 10.0},
+                       started={"a": 2, "b": 2})
+        d = decide(obs, 12.0, config)
+        assert d.action is Action.WAIT and "joining at the next checkpoint" in d.reason
+        assert d.wake_at == pytest.approx(70.0)
+        # A checkpoint committed after c registered: grow now, nothing to redo.
+        d = decide(dataclasses.replace(obs, checkpointed_since=frozenset("abc")), 12.5, config)
+        assert d.action is Action.CLOSE_ROUND and d.members == ("a", "b", "c")
+        # No checkpoint within the wait: grow anyway.
+        d = decide(obs, 70.0, config)
+        assert d.action is Action.CLOSE_ROUND and "joined c" in d.reason
+
+    def test_a_waiting_joiner_joins_a_round_formed_for_another_reason(self):
+        config = dataclasses.replace(cfg(max_nodes=3), scale_up_wait_s=60.0)
+        obs = Observed(round_of(2, "a", "b"), nodes("a", "b", "c"), {"c": 10.0},
+                       restart_requests=(RestartRequest("a", 2, "worker 1 exited with 1"),))
+        d = decide(obs, 12.0, config)
+        assert d.action is Action.CLOSE_ROUND and d.members == ("a", "b", "c")
+
     def test_drained_member_leaves_in_the_next_round(self):
         obs = Observed(round_of(2, "a", "b", "c"), nodes("a", "b", "c"), {},
                        draining=frozenset({"b"}))

@@ -40,12 +40,12 @@ BLIP = StoreUnavailableError("etcd did not answer (injected)")
 class Cluster:
     """Rendezvous nodes over one synchronous MemoryStore, moved by hand."""
 
-    def __init__(self, *ids, min_nodes=1, max_nodes=None):
+    def __init__(self, *ids, min_nodes=1, max_nodes=None, scale_up_wait_s=0.0):
         self.clock = FakeClock()
         self.store = MemoryStore(clock=self.clock, synchronous=True)
         self.config = RendezvousConfig(job_id="j", min_nodes=min_nodes,
                                        max_nodes=max_nodes or len(ids), settle_s=0.0,
-                                       lease_ttl_s=3.0)
+                                       lease_ttl_s=3.0, scale_up_wait_s=scale_up_wait_s)
         self.nodes = {i: self.add(i) for i in ids}
 
     def add(self, node_id):
@@ -131,3 +131,16 @@ def test_reports_are_written_under_the_reporters_lease():
     keys = c.nodes["a"].keys
     assert c.store.peek(keys.done_report("a")).lease == c.nodes["a"].lease_id
     assert c.store.peek(keys.suspect_report("b")).lease == c.nodes["a"].lease_id
+
+
+def test_a_joiner_waits_for_a_checkpoint_committed_after_it_registered():
+    c = Cluster("a", min_nodes=1, max_nodes=2, scale_up_wait_s=600.0)
+    c.store.put(c.nodes["a"].keys.checkpoint_latest, b"step 9")  # before b: does not count
+    c.settle()
+    assert c.round().node_ids == ("a",)
+    c.nodes["b"] = c.add("b")
+    c.settle()
+    assert c.round().node_ids == ("a",)  # b waits for the next checkpoint
+    c.store.put(c.nodes["a"].keys.checkpoint_latest, b"step 19")
+    c.settle()
+    assert c.round().node_ids == ("a", "b")
