@@ -236,6 +236,7 @@ class AgentView:
     # Why the peers' answers say this node is cut off from etcd, while it is
     # too early to stop (see STOP_AT_TTL_FRACTION); "" when they do not.
     cut_off: str = ""
+    cut_off_since: float | None = None  # when this node counts as cut off from (monotonic)
     warm_pending: bool = False
     last_failure: str = ""
     outcome_reason: str = ""
@@ -270,7 +271,7 @@ def react(view: AgentView, event: Event, now: float, settings: Settings) -> Resu
     if isinstance(event, PeerHealth):
         return _on_peer(view, event, now)
     if isinstance(event, LeaseState):
-        return _on_lease(view, event, settings)
+        return _on_lease(view, event, now, settings)
     if isinstance(event, DrainRequested):
         return _drain(view, event.reason)
     if isinstance(event, Signalled):
@@ -398,9 +399,11 @@ def _on_tick(view: AgentView, tick: Tick, now: float, settings: Settings) -> Res
             if now - since > settings.lease_ttl_s:
                 return _fail_round(view, f"peer {peer} has reported its workers unhealthy "
                                          f"(NOT_SERVING) for over {settings.lease_ttl_s:g} s")
-    if view.state is S.RUNNING and view.cut_off \
-            and tick.lease_unconfirmed_s >= STOP_AT_TTL_FRACTION * settings.lease_ttl_s:
-        return _stop_cut_off(view, tick.lease_unconfirmed_s)
+    if view.state is S.RUNNING and view.cut_off_since is not None:
+        # Not since the lease was last confirmed, if that is later (it came back).
+        cut_off_s = min(now - view.cut_off_since, tick.lease_unconfirmed_s)
+        if cut_off_s >= STOP_AT_TTL_FRACTION * settings.lease_ttl_s:
+            return _stop_cut_off(view, cut_off_s)
     commands: list[Command] = []
     if view.state is S.RUNNING and view.warm_pending and (
             tick.workers_stepped or now - view.started_at > WARM_DELAY_S):
@@ -415,7 +418,7 @@ def _on_tick(view: AgentView, tick: Tick, now: float, settings: Settings) -> Res
     elif tick.lease_unconfirmed_s <= settings.lease_ttl_s / 2 and (
             view.peers_asked_at is not None or view.store_down_noted or view.cut_off):
         view = dataclasses.replace(view, peers_asked_at=None, store_down_noted=False,
-                                   cut_off="")
+                                   cut_off="", cut_off_since=None)
     if view.state is S.JOINING and view.rounds_started == 0 \
             and now - view.waiting_since > settings.join_timeout_s:
         why = f" ({tick.registration_problem})" if tick.registration_problem else ""
@@ -425,7 +428,7 @@ def _on_tick(view: AgentView, tick: Tick, now: float, settings: Settings) -> Res
     return view, commands
 
 
-def _on_lease(view: AgentView, event: LeaseState, settings: Settings) -> Result:
+def _on_lease(view: AgentView, event: LeaseState, now: float, settings: Settings) -> Result:
     if view.state is not S.RUNNING or event.unconfirmed_s <= settings.lease_ttl_s / 2:
         return view, []
     asked = event.peers_asked
@@ -439,10 +442,18 @@ def _on_lease(view: AgentView, event: LeaseState, settings: Settings) -> Result:
                "there is no peer to ask" if asked == 0 else
                f"only {answered} of {asked} peers answered, so an outage of etcd cannot be "
                "told from this node being cut off")
-        view = dataclasses.replace(view, cut_off=why)
-        if event.unconfirmed_s < STOP_AT_TTL_FRACTION * settings.lease_ttl_s:
+        since = view.cut_off_since
+        if since is None:
+            since = now - event.unconfirmed_s
+            if view.store_down_noted and with_store:
+                # etcd was down for everyone and a peer is back first: that proves
+                # etcd is back, not that this node is cut off. A new etcd leader
+                # renews every lease for a TTL, so count from the peer's return.
+                since = now - min(age for addr, age in event.peer_ages if addr in with_store)
+        view = dataclasses.replace(view, cut_off=why, cut_off_since=since)
+        if now - since < STOP_AT_TTL_FRACTION * settings.lease_ttl_s:
             return view, []  # maybe a reconnect to another member: the tick decides
-        return _stop_cut_off(view, event.unconfirmed_s)
+        return _stop_cut_off(view, now - since)
     if view.store_down_noted:
         return view, []
     return dataclasses.replace(view, store_down_noted=True), [Note(
@@ -464,11 +475,12 @@ def peers_with_store(event: LeaseState, lease_ttl_s: float) -> tuple[str, ...]:
     return tuple(addr for addr, age in event.peer_ages if 0 <= age < newer_than)
 
 
-def _stop_cut_off(view: AgentView, unconfirmed_s: float) -> Result:
+def _stop_cut_off(view: AgentView, cut_off_s: float) -> Result:
     number = view.round_number
-    reason = (f"cut off from etcd for {unconfirmed_s:.1f} s while {view.cut_off}: stopping "
+    reason = (f"cut off from etcd for {cut_off_s:.1f} s while {view.cut_off}: stopping "
               "the workers before this node's lease can expire")
-    view, commands = _stop(dataclasses.replace(view, cut_off=""), reason, fast=True)
+    view, commands = _stop(dataclasses.replace(view, cut_off="", cut_off_since=None), reason,
+                           fast=True)
     # Not a failure of the job: when this node is back, its peers and it need
     # a new round (unless its lease expired, which makes one anyway).
     return view, commands + [RequestRestart(number, reason, failure=False)]

@@ -407,14 +407,21 @@ class Checkpointer:
         """Rank 0 tells the commit log that the save of ``step`` failed, so that the
         operator sees it (the agent records an event). Every rank has the same
         outcome, so one report is enough; a fenced save is no failure to report
-        (it is a zombie's). A failed report never changes the save's outcome."""
+        (it is a zombie's). A failed report never changes the save's outcome, nor
+        delays it: the report goes from a thread of its own, because a save that
+        failed for want of etcd would wait on etcd again while the other ranks,
+        their save over, wait for rank 0 in the next step (and look hung)."""
         if self._group.rank != 0 or not isinstance(exc, CheckpointError):
             return
-        try:
-            self._commit_log.report_failure(step, self._round, 0, str(exc))
-        except Exception as report_exc:  # noqa: BLE001 - best effort, see above
-            log.warning("Rank 0 could not report the failed save of checkpoint step %d in round "
-                        "%d: %s", step, self._round, report_exc)
+
+        def report() -> None:
+            try:
+                self._commit_log.report_failure(step, self._round, 0, str(exc))
+            except Exception as report_exc:  # noqa: BLE001 - best effort, see above
+                log.warning("Rank 0 could not report the failed save of checkpoint step %d in "
+                            "round %d: %s", step, self._round, report_exc)
+
+        threading.Thread(target=report, name="elastic-ckpt-report", daemon=True).start()
 
     def _prepare(self, tmp: str, step: int) -> None:
         """Rank 0: remove stale temporaries (this job's saves are serialized, so no

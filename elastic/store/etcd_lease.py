@@ -86,7 +86,9 @@ class _KeepAliveStream:
 
     def __init__(self, loop: KeepAliveLoop):
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self.call = loop.store._lease.LeaseKeepAlive(self._request_iter())
+        # wait_for_ready: opened while the channel fails over to another member,
+        # the stream waits for it instead of failing at once into a longer backoff.
+        self.call = loop.store._lease.LeaseKeepAlive(self._request_iter(), wait_for_ready=True)
         self.broken = False
         self.answered = False
         self.reader = threading.Thread(
@@ -116,8 +118,11 @@ class KeepAliveLoop:
     Each lease gets a keep-alive every TTL/3. A session is lost when etcd
     answers TTL <= 0 (the lease is gone) or when no keep-alive it sent in the
     last TTL was answered; lost sessions are dropped from the loop. A stream
-    that fails, or leaves a request unanswered past the request timeout, is
-    replaced with backoff.
+    that fails, or leaves a keep-alive unanswered for a keep-alive interval
+    (etcd answers in milliseconds: the member it reaches lost its leader or
+    died), is replaced with backoff, never longer than a quarter interval:
+    a peer on another member may already be renewing, and a node whose lease
+    stays unconfirmed for most of a TTL stops its workers.
     """
 
     def __init__(self, store: EtcdStore):
@@ -192,7 +197,8 @@ class KeepAliveLoop:
         if stream is not None and not stream.broken:
             oldest = min((s.in_flight[0] for s in self._sessions.values() if s.in_flight),
                          default=None)
-            if oldest is None or now - oldest <= self.store.request_timeout_s:
+            patience = min(self.store.request_timeout_s, self._shortest_interval())
+            if oldest is None or now - oldest <= patience:
                 return True
             logger.log(logging.WARNING if self._failures == 0 else logging.DEBUG,
                        "etcd at %s left a lease keep-alive unanswered for %.1f s; "
@@ -209,10 +215,14 @@ class KeepAliveLoop:
             s.next_due = now
         return True
 
+    def _shortest_interval(self) -> float:
+        return min((s.interval_s for s in self._sessions.values()), default=math.inf)
+
     def _stream_failed(self) -> None:
         self._close_stream()
         self._failures += 1
-        self._reopen_at = time.monotonic() + reconnect_delay(self._failures)
+        self._reopen_at = time.monotonic() + min(reconnect_delay(self._failures),
+                                                 self._shortest_interval() / 4)
 
     def _close_stream(self) -> None:
         if self._stream is not None:

@@ -225,6 +225,19 @@ class TestPartition:
                                10.0, SETTINGS)
         assert view.state is S.JOINING and "1 of 2 peers still reach it" in str(commands)
 
+    def test_a_peer_back_first_after_an_outage_of_etcd_leaves_time_to_reconnect(self):
+        # etcd was down for everyone (proven), then a peer renewed 0.2 s ago:
+        # etcd is back, and a new etcd leader renewed this node's lease too.
+        down, _ = react(running(3), LeaseState(2.5, (("b:1", 2.2),), 1), 10.0, SETTINGS)
+        assert down.store_down_noted
+        view, commands = react(down, LeaseState(19.9, (("b:1", 0.2),), 1), 27.4, SETTINGS)
+        assert view.state is S.RUNNING and commands == []
+        assert react(view, Tick(lease_unconfirmed_s=20.5), 28.0, SETTINGS)[0].state is S.RUNNING
+        # Still not renewed 0.7 TTL after the peer came back: this node is cut off.
+        view, commands = react(view, Tick(lease_unconfirmed_s=22.5), 30.0, SETTINGS)
+        stop = next(c for c in commands if isinstance(c, StopWorkers))
+        assert view.state is S.JOINING and "cut off from etcd for 2.8 s" in stop.reason
+
     def test_a_lease_confirmed_again_before_the_deadline_keeps_the_workers(self):
         # An etcd leader election: peers reached etcd, this node reconnected in time.
         early, _ = react(running(3), LeaseState(2.5, (("b:1", 0.4),), 1), 10.0, SETTINGS)
