@@ -114,7 +114,10 @@ class NodeAgent:
                          script_args=script_args)
         cmd = [sys.executable, "-m", "agent.daemon", "--etcd", etcd, "--job-id", job_id,
                "--node-id", node_id, "--nnodes", s.nnodes, "--nproc-per-node", str(s.nproc),
-               "--advertise-addr", slot.addr, "--listen", f"{slot.addr}:0",
+               # In a namespace the agent finds its address itself (the route to etcd:
+               # the host name resolves to loopback here) and its workers' interface.
+               *(["--advertise-addr", slot.addr] if slot.netns is None else []),
+               "--listen", f"{slot.addr}:0",
                "--lease-ttl", f"{s.lease_ttl_s:g}", "--hang-timeout", f"{s.hang_timeout_s:g}",
                "--settle", f"{s.settle_s:g}", "--stop-grace", f"{s.stop_grace_s:g}",
                "--start-timeout", f"{s.start_timeout_s:g}",
