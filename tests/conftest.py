@@ -11,6 +11,10 @@ import uuid
 
 import pytest
 
+from elastic.net import no_grpc_fork_handlers
+
+no_grpc_fork_handlers()  # tests fork agents and etcd while their own gRPC clients run
+
 _ETCD_FIXTURES = frozenset({"etcd_server", "etcd_endpoint", "etcd_store"})
 
 

@@ -12,3 +12,8 @@ the checkpoint tmpfs), :mod:`~tests.chaos.etcd_cluster` (3 members),
 :mod:`~tests.chaos.campaign` (the run), ``train.py`` (the workers' script),
 :mod:`~tests.chaos.impair` (userspace delay/loss where tc netem is missing).
 """
+
+from elastic.net import no_grpc_fork_handlers
+
+# The harness forks (with preexec_fn) while its own etcd client runs.
+no_grpc_fork_handlers()

@@ -236,9 +236,10 @@ def ckpt_crash(ctx: Context, rng: random.Random) -> FaultRecord:
 
 
 def fill_disk(path: str) -> int:
-    """Write ``path`` until its file system is full (ENOSPC); returns its size."""
+    """Append to ``path`` until its file system is full (ENOSPC); returns its size.
+    Called again, it takes back what was freed meanwhile."""
     chunk = b"\0" * (1 << 20)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         while True:
             try:
@@ -256,9 +257,12 @@ def disk_full(ctx: Context, rng: random.Random) -> FaultRecord:
     """Fill the checkpoint disk (the harness's tmpfs) for a few checkpoint
     intervals of training, then free it.
 
-    Promised: every save meanwhile fails with ENOSPC (an event says so) and
+    Promised: the saves meanwhile fail with ENOSPC (an event says so) and
     training goes on in the same round; the latest committed checkpoint stays
     and still verifies; once the disk is free, a newer checkpoint commits.
+    The disk is kept full: a commit's retention removes an old checkpoint,
+    and a save could use that space (a save already past its writes when the
+    disk filled may still commit, which is fine).
     """
     intervals = rng.randint(3, 4)
     filler = os.path.join(ctx.ckpt_dir, FILLER_NAME)
@@ -271,7 +275,8 @@ def disk_full(ctx: Context, rng: random.Random) -> FaultRecord:
     rec.notes.append(f"{size >> 20} MiB filler written at step {full_at}, step "
                      f"{ctx.latest_commit()[0]} committed")
     try:
-        ctx.wait_for(lambda: ctx.max_step() >= full_at + intervals * ctx.ckpt_every, 90,
+        ctx.wait_for(lambda: fill_disk(filler) and
+                     ctx.max_step() >= full_at + intervals * ctx.ckpt_every, 90,
                      f"training to go on for {intervals} checkpoint intervals on a full disk")
         _check_latest_intact(ctx, full_at, rec)
     except AssertionError as exc:
@@ -296,10 +301,11 @@ def _committed_after(ctx: Context, step: int) -> tuple[int, int] | None:
 
 
 def _check_latest_intact(ctx: Context, full_at: int, rec: FaultRecord) -> None:
-    """On the full disk: nothing written after ``full_at`` committed, and the
-    latest committed checkpoint still verifies (sizes and CRC-32s)."""
+    """On the full disk: no save started after it filled committed (one save
+    may have been past its writes then), and the latest committed checkpoint
+    still verifies (sizes and CRC-32s)."""
     step = ctx.latest_commit()[0]
-    if step > full_at:
+    if step > full_at + ctx.ckpt_every:
         rec.problems.append(f"checkpoint step {step} committed on the full disk (filled at "
                             f"step {full_at})")
     problems = layout.verify(os.path.join(ctx.ckpt_dir, layout.step_dir_name(step)))
