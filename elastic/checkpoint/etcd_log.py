@@ -80,9 +80,7 @@ class EtcdCommitLog(CommitLog):
         (the event is then lost; training goes on either way).
         """
         try:
-            kv = self.store.get(self.keys.checkpoint_latest, timeout_s=REPORT_TIMEOUT_S)
-            latest = None if kv is None else decode_latest(kv.key, kv.value)
-            text = failure_message(step, rank, message, latest)
+            text = failure_message(step, rank, message, self.latest(REPORT_TIMEOUT_S))
             self.store.txn([], [event_op(self.keys, self.clock, self.writer, round_, EVENT_KIND,
                                          text)], timeout_s=REPORT_TIMEOUT_S)
         except ElasticError as exc:
@@ -92,8 +90,9 @@ class EtcdCommitLog(CommitLog):
             return
         log.warning("Job %s node %s round %d: %s.", self.keys.job_id, self.writer, round_, text)
 
-    def latest(self) -> CommitEntry | None:
-        """The recorded entry, or None when nothing was committed yet.
+    def latest(self, timeout_s: float | None = None) -> CommitEntry | None:
+        """The recorded entry, or None when nothing was committed yet
+        (``timeout_s``: the store's request timeout unless given).
 
         Raises :class:`MalformedRecordError` (naming the key) when the record
         is not JSON or not a commit entry: unlike the file log, this key is
@@ -101,7 +100,7 @@ class EtcdCommitLog(CommitLog):
         or a hand edit that must not pass for "no checkpoint". Raises the
         store's errors otherwise.
         """
-        kv = self.store.get(self.keys.checkpoint_latest)
+        kv = self.store.get(self.keys.checkpoint_latest, timeout_s=timeout_s)
         return None if kv is None else decode_latest(kv.key, kv.value)
 
 
