@@ -25,15 +25,15 @@ import argparse
 import logging
 import math
 import os
+import shlex
 import socket
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import yaml
 
 from agent.netaddr import SYSTEM_NETWORK, HostNetwork, choose_advertise_addr
-from elastic.errors import ConfigError
+from elastic.errors import EXIT_CODES_HELP, ConfigError
 from elastic.failpoints import ENV_VAR as FAILPOINT_ENV
 from elastic.rendezvous.api import (
     DEFAULT_EXIT_BARRIER_TIMEOUT_S,
@@ -50,6 +50,9 @@ from elastic.rendezvous.api import (
 
 log = logging.getLogger(__name__)
 
+# The training script from the environment (systemd's EnvironmentFile, a pod's
+# env): the script, its arguments split like a shell, and "run it with -m".
+SCRIPT_ENV = ("ELASTIC_SCRIPT", "ELASTIC_SCRIPT_ARGS", "ELASTIC_MODULE")
 # Variables the agent sets for its workers: not options, never warned about.
 WORKER_ENV = {"ELASTIC_ROUND", "ELASTIC_AGENT_SOCKET", "ELASTIC_CHECKPOINT_DIR",
               "ELASTIC_JOB_ID", "ELASTIC_NODE_ID", "ELASTIC_PRELOAD", "ELASTIC_HANG_TIMEOUT_S",
@@ -100,6 +103,36 @@ def _flag(name: str, raw: Any) -> bool:
     if text in ("0", "false", "no", "off", ""):
         return False
     raise ConfigError(f"--{name} {raw!r}: expected true or false")
+
+
+def _choice(*allowed: str) -> Callable[[str, Any], str]:
+    def parse(name: str, raw: Any) -> str:
+        text = str(raw).strip().lower()
+        if text not in allowed:
+            raise ConfigError(f"--{name} {raw!r}: expected one of {', '.join(allowed)}")
+        return text
+    return parse
+
+
+def _port(name: str, raw: Any) -> int:
+    text = str(raw).strip()
+    if not text.isdigit() or int(text) > 65535:
+        raise ConfigError(f"--{name} {raw!r}: expected a port number 0-65535 (0: off)")
+    return int(text)
+
+
+def default_state_dir(environ: Mapping[str, str]) -> str:
+    """Where the agent keeps rank logs and error files when --state-dir is not
+    given: systemd's ``$STATE_DIRECTORY`` (from ``StateDirectory=``), else
+    ``/var/lib/elasticd`` for root, else ``$XDG_STATE_HOME/elasticd`` (by
+    default ``~/.local/state/elasticd``)."""
+    if environ.get("STATE_DIRECTORY"):
+        return environ["STATE_DIRECTORY"].split(":")[0]
+    if os.geteuid() == 0:
+        return "/var/lib/elasticd"
+    base = environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                         "state")
+    return os.path.join(base, "elasticd")
 
 
 def _host_port(name: str, raw: Any) -> str:
@@ -165,7 +198,18 @@ OPTIONS = [
            "address peers and workers reach this node at (default: the host name if it "
            "resolves to an address that is not loopback, else this host's source address on "
            "the route to etcd; 127.0.0.1 with --standalone or an etcd on loopback)", "HOST"),
-    Option("log-dir", _text, None, "per-round worker logs (default: a temp dir)", "DIR"),
+    Option("state-dir", _text, None,
+           "the agent's own files: rank logs and error files under <dir>/<job>/<node>/ "
+           "(default: $STATE_DIRECTORY under systemd, /var/lib/elasticd for root, else "
+           "~/.local/state/elasticd)", "DIR"),
+    Option("log-dir", _text, None,
+           "per-round worker logs (default: <state-dir>/<job>/<node>/logs)", "DIR"),
+    Option("log-format", _choice("text", "json"), "text",
+           "the agent's log lines: text, or json (one object per line with job, node, round)",
+           "text|json"),
+    Option("metrics-port", _port, 0,
+           "serve Prometheus metrics over HTTP on this port, on the --listen host (0: off)",
+           "PORT"),
     Option("stop-grace", _non_negative(float), 5.0,
            "after SIGTERM, wait this long before SIGKILL of a worker", "SECONDS"),
     Option("prestart", _flag, True,
@@ -204,7 +248,10 @@ class AgentConfig:
     scale_up_wait_s: float
     listen: str
     advertise_addr: str
+    state_dir: str
     log_dir: str
+    log_format: str
+    metrics_port: int
     stop_grace_s: float
     prestart: bool
     warm_sets: int
@@ -229,8 +276,10 @@ def parser() -> argparse.ArgumentParser:
         description="Per-node agent of an elastic, fault-tolerant PyTorch training job.",
         epilog="Every option also reads ELASTIC_<OPTION> (e.g. ELASTIC_HANG_TIMEOUT) and the "
                "--config YAML file (e.g. hang_timeout: 60); flags win over the environment, "
-               "which wins over the file. Exit codes: 0 job succeeded, 1 job failed, "
-               "2 bad input, 3 etcd unreachable, 4 rendezvous failed.")
+               "which wins over the file. The script may come from ELASTIC_SCRIPT (with "
+               "ELASTIC_SCRIPT_ARGS, split like a shell, and ELASTIC_MODULE=1 for -m) or "
+               "the file's script, script_args and module. " + EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, metavar="FILE", help="YAML file of options")
     for o in OPTIONS:
         if o.is_flag:
@@ -294,7 +343,8 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     config_path = args.config or environ.get("ELASTIC_CONFIG")
     file_values = _read_file(config_path) if config_path else {}
 
-    known_env = {o.env for o in OPTIONS} | {"ELASTIC_CONFIG", "ELASTIC_LOG_LEVEL"} | WORKER_ENV
+    known_env = ({o.env for o in OPTIONS} | {"ELASTIC_CONFIG", "ELASTIC_LOG_LEVEL"}
+                 | set(SCRIPT_ENV) | WORKER_ENV)
     for name in sorted(environ):
         if name.startswith("ELASTIC_") and name not in known_env:
             log.warning("Ignoring unknown environment variable %s (not an elasticd option)", name)
@@ -326,7 +376,14 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
 
     script, as_module = args.script, args.as_module
     script_args = tuple(args.script_args)
-    if script is None:
+    if script is None and environ.get(SCRIPT_ENV[0]):
+        script = environ[SCRIPT_ENV[0]]
+        as_module = _flag("module", environ.get(SCRIPT_ENV[2], as_module))
+        try:
+            script_args = tuple(shlex.split(environ.get(SCRIPT_ENV[1], "")))
+        except ValueError as exc:
+            raise ConfigError(f"{SCRIPT_ENV[1]}: cannot split into arguments ({exc})") from None
+    elif script is None:
         script = _text("script", file_values["script"]) if "script" in file_values else None
         as_module = _flag("module", file_values.get("module", as_module))
         file_args = file_values.get("script_args", [])
@@ -334,7 +391,8 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
             raise ConfigError(f"script_args {file_args!r}: expected a list of arguments")
         script_args = tuple(file_args)
     if not script:
-        raise ConfigError("no training script given: elasticd [options] SCRIPT [ARGS...]")
+        raise ConfigError("no training script given: elasticd [options] SCRIPT [ARGS...] "
+                          f"(or {SCRIPT_ENV[0]} with {SCRIPT_ENV[1]})")
     if not as_module and not os.path.isfile(script):
         raise ConfigError(f"training script {script!r} not found (working directory "
                           f"{os.getcwd()})")
@@ -343,7 +401,9 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
                                       etcd=v["etcd"], net=net)
     log.info("job %s node %s: advertising %s to the other nodes and the workers: %s.",
              v["job_id"], node_id, advertise.addr, advertise.reason)
-    log_dir = v["log_dir"] or os.path.join(tempfile.gettempdir(), "elastic", v["job_id"], node_id)
+    state_dir = os.path.abspath(v["state_dir"] or default_state_dir(environ))
+    node_dir = os.path.join(state_dir, v["job_id"], node_id)
+    log_dir = v["log_dir"] or os.path.join(node_dir, "logs")
     return AgentConfig(
         job_id=v["job_id"], etcd=v["etcd"], standalone=v["standalone"], min_nodes=min_nodes,
         max_nodes=max_nodes, nproc_per_node=v["nproc_per_node"], node_id=node_id,
@@ -354,7 +414,8 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         exit_barrier_timeout_s=v["exit_barrier_timeout"],
         scale_up_wait_s=v["scale_up_wait"], listen=v["listen"],
         advertise_addr=advertise.addr,
-        log_dir=log_dir, stop_grace_s=v["stop_grace"], prestart=v["prestart"],
-        warm_sets=v["warm_sets"],        connect_timeout_s=v["connect_timeout"],
+        state_dir=node_dir, log_dir=log_dir, log_format=v["log_format"],
+        metrics_port=v["metrics_port"], stop_grace_s=v["stop_grace"], prestart=v["prestart"],
+        warm_sets=v["warm_sets"], connect_timeout_s=v["connect_timeout"],
         script=None if as_module else os.path.abspath(script),
         module=script if as_module else None, script_args=script_args)

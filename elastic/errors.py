@@ -28,6 +28,11 @@ EXIT_AGENT_UNREACHABLE = 5
 EXIT_INTERNAL = 70
 
 
+EXIT_CODES_HELP = ("Exit codes: 0 success (also after SIGTERM: the node drained and left), "
+                   "1 the job failed, 2 bad input, 3 etcd unreachable, 4 rendezvous failed, "
+                   "5 agent unreachable, 70 internal error (a bug: report it with the log).")
+
+
 class ElasticError(Exception):
     """Base of every error this project raises on purpose."""
 

@@ -7,6 +7,8 @@ Tests that use ``etcd_server`` (directly or through ``etcd_endpoint`` or
 
 from __future__ import annotations
 
+import os
+import tempfile
 import uuid
 
 import pytest
@@ -14,6 +16,9 @@ import pytest
 from elastic.net import no_grpc_fork_handlers
 
 no_grpc_fork_handlers()  # tests fork agents and etcd while their own gRPC clients run
+# Agents started by tests keep their rank logs in a temporary state directory,
+# never in /var/lib/elasticd (the default for root).
+os.environ.setdefault("ELASTIC_STATE_DIR", tempfile.mkdtemp(prefix="elastic-test-state-"))
 
 _ETCD_FIXTURES = frozenset({"etcd_server", "etcd_endpoint", "etcd_store"})
 

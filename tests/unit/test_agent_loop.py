@@ -37,7 +37,8 @@ class OneNode:
             nproc_per_node=2, node_id="a", max_restarts=3, restart_window_s=3600.0,
             checkpoint_dir=None, hang_timeout_s=30.0, lease_ttl_s=3.0, settle_s=0.0,
             join_timeout_s=600.0, start_timeout_s=60.0, exit_barrier_timeout_s=300.0,
-            scale_up_wait_s=0.0, listen="mem:0", advertise_addr="h", log_dir="/nonexistent", stop_grace_s=1.0,
+            scale_up_wait_s=0.0, listen="mem:0", advertise_addr="h", state_dir="/nonexistent", log_dir="/nonexistent", log_format="text",
+            metrics_port=0, stop_grace_s=1.0,
             prestart=False, warm_sets=1, connect_timeout_s=1.0, script="train.py", module=None,
             script_args=())
         inbox: queue.Queue = queue.Queue()

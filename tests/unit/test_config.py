@@ -97,7 +97,52 @@ def test_a_list_where_text_belongs_is_refused_by_name(tmp_path):
 def test_an_empty_key_in_the_file_means_not_given(tmp_path):
     cfg = load_with(tmp_path, "file", "log-dir", "")
 
-    assert cfg.log_dir.endswith(os.path.join("elastic", "j", cfg.node_id))
+    assert cfg.log_dir == os.path.join(config.default_state_dir({}), "j", cfg.node_id, "logs")
+
+
+def test_rank_logs_live_under_the_state_dir_and_systemd_chooses_it(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    common = ["--job-id", "j", "--nnodes", "1", "--etcd", "http://127.0.0.1:2379",
+              "--node-id", "n1", str(script)]
+
+    by_flag = config.load(["--state-dir", str(tmp_path / "st")] + common, {})
+    by_systemd = config.load(common, {"STATE_DIRECTORY": str(tmp_path / "sd")})
+
+    assert by_flag.log_dir == str(tmp_path / "st" / "j" / "n1" / "logs")
+    assert by_flag.state_dir == str(tmp_path / "st" / "j" / "n1")
+    assert by_systemd.log_dir == str(tmp_path / "sd" / "j" / "n1" / "logs")
+
+
+def test_the_script_and_its_arguments_can_come_from_the_environment(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    environ = {"ELASTIC_JOB_ID": "j", "ELASTIC_NNODES": "1", "ELASTIC_ETCD": "http://127.0.0.1:2379",
+               "ELASTIC_SCRIPT": str(script),
+               "ELASTIC_SCRIPT_ARGS": "--lr 0.1 --name 'two words'"}
+
+    cfg = config.load([], environ)
+    as_module = config.load([], {**environ, "ELASTIC_SCRIPT": "pkg.train",
+                                 "ELASTIC_MODULE": "1"})
+
+    assert (cfg.script, cfg.script_args) == (str(script), ("--lr", "0.1", "--name", "two words"))
+    assert (as_module.module, as_module.script) == ("pkg.train", None)
+
+
+def test_unbalanced_quotes_in_the_script_arguments_are_refused_by_name(tmp_path):
+    environ = {"ELASTIC_JOB_ID": "j", "ELASTIC_NNODES": "1", "ELASTIC_ETCD": "http://127.0.0.1:2379",
+               "ELASTIC_SCRIPT": "pkg.train", "ELASTIC_MODULE": "1",
+               "ELASTIC_SCRIPT_ARGS": "--name 'open"}
+
+    with pytest.raises(ConfigError, match="ELASTIC_SCRIPT_ARGS"):
+        config.load([], environ)
+
+
+@pytest.mark.parametrize("name, bad", [("log-format", "xml"), ("metrics-port", "70000"),
+                                       ("metrics-port", "-1")])
+def test_log_format_and_metrics_port_refuse_bad_values_by_name(tmp_path, name, bad):
+    with pytest.raises(ConfigError, match=f"--{name}"):
+        load_with(tmp_path, "env", name, bad)
 
 
 def test_script_and_its_arguments_from_the_file_stay_text(tmp_path):
