@@ -27,12 +27,14 @@ import math
 import os
 import shlex
 import socket
+import textwrap
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import yaml
 
 from agent.netaddr import SYSTEM_NETWORK, HostNetwork, choose_advertise_addr
+from elastic import __version__
 from elastic.errors import EXIT_CODES_HELP, ConfigError
 from elastic.failpoints import ENV_VAR as FAILPOINT_ENV
 from elastic.rendezvous.api import (
@@ -47,6 +49,7 @@ from elastic.rendezvous.api import (
     parse_nnodes,
     validate_id,
 )
+from elastic.store.security import PASSWORD_ENV, EtcdSecurity, security_from_options
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +146,17 @@ def _host_port(name: str, raw: Any) -> str:
     return text
 
 
+def _readable_file(name: str, raw: Any) -> str:
+    """A path to a file this process can read, made absolute; ConfigError naming
+    the option otherwise (checked at start, not when the file is first needed)."""
+    path = _text(name, raw)
+    if not os.path.isfile(path):
+        raise ConfigError(f"--{name} {path}: no such file")
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"--{name} {path}: not readable by this user")
+    return os.path.abspath(path)
+
+
 @dataclass(frozen=True)
 class Option:
     name: str  # the flag without dashes; env and file keys derive from it
@@ -219,8 +233,25 @@ OPTIONS = [
            "sets of nproc warm workers kept ready: with 2, a failure soon after a restart "
            "(before the set that replaces the used one has imported torch) restarts warm too",
            "N"),
+    Option("drain-exit-code", _non_negative(int), 0,
+           "exit code after a SIGTERM drain: 0 is a clean stop (systemd); Kubernetes sets "
+           "143 so that a Job replaces a pod it terminated instead of counting it complete",
+           "N"),
     Option("connect-timeout", _positive(float), 5.0, "give up reaching etcd after this long",
            "SECONDS"),
+    Option("etcd-cacert", _readable_file, None,
+           "PEM bundle of the CAs that sign etcd's server certificates, for https:// "
+           "endpoints (default: the system's CA roots)", "FILE"),
+    Option("etcd-cert", _readable_file, None,
+           "PEM client certificate for etcd (with --etcd-key), for etcd's --client-cert-auth",
+           "FILE"),
+    Option("etcd-key", _readable_file, None, "PEM private key of --etcd-cert", "FILE"),
+    Option("etcd-user", _text, None,
+           f"etcd user to authenticate as; its password from {PASSWORD_ENV} or "
+           "--etcd-password-file (never a flag). Its role needs readwrite on the prefix "
+           "/elastic/v1/<job-id>/", "NAME"),
+    Option("etcd-password-file", _readable_file, None,
+           "file holding the password of --etcd-user (a trailing newline is ignored)", "FILE"),
 ]
 _BY_KEY = {o.key: o for o in OPTIONS}
 
@@ -253,12 +284,16 @@ class AgentConfig:
     log_format: str
     metrics_port: int
     stop_grace_s: float
+    drain_exit_code: int
     prestart: bool
     warm_sets: int
     connect_timeout_s: float
     script: str | None
     module: str | None
     script_args: tuple[str, ...]
+    # TLS files and the etcd user (password included, left out of repr):
+    # hand it to open_store(..., security=config.etcd_security).
+    etcd_security: EtcdSecurity = EtcdSecurity()
 
     def rendezvous(self) -> RendezvousConfig:
         return RendezvousConfig(
@@ -274,12 +309,16 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="elasticd",
         description="Per-node agent of an elastic, fault-tolerant PyTorch training job.",
-        epilog="Every option also reads ELASTIC_<OPTION> (e.g. ELASTIC_HANG_TIMEOUT) and the "
-               "--config YAML file (e.g. hang_timeout: 60); flags win over the environment, "
-               "which wins over the file. The script may come from ELASTIC_SCRIPT (with "
-               "ELASTIC_SCRIPT_ARGS, split like a shell, and ELASTIC_MODULE=1 for -m) or "
-               "the file's script, script_args and module. " + EXIT_CODES_HELP,
+        epilog="\n\n".join(textwrap.fill(paragraph, 79) for paragraph in (
+            "Every option also reads ELASTIC_<OPTION> (e.g. ELASTIC_HANG_TIMEOUT) and the "
+            "--config YAML file (e.g. hang_timeout: 60); flags win over the environment, "
+            "which wins over the file.",
+            "The script may come from ELASTIC_SCRIPT (with ELASTIC_SCRIPT_ARGS, split like a "
+            "shell, and ELASTIC_MODULE=1 for -m) or the file's script, script_args and module.",
+            EXIT_CODES_HELP + " After SIGTERM or SIGINT the node drains and leaves the job, "
+            "then exits with --drain-exit-code (default 0) for SIGTERM, 130 for SIGINT.")),
         formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"elasticd {__version__}")
     p.add_argument("--config", default=None, metavar="FILE", help="YAML file of options")
     for o in OPTIONS:
         if o.is_flag:
@@ -343,8 +382,9 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     config_path = args.config or environ.get("ELASTIC_CONFIG")
     file_values = _read_file(config_path) if config_path else {}
 
+    # The etcd password comes from the environment only: no flag, no file key.
     known_env = ({o.env for o in OPTIONS} | {"ELASTIC_CONFIG", "ELASTIC_LOG_LEVEL"}
-                 | set(SCRIPT_ENV) | WORKER_ENV)
+                 | {PASSWORD_ENV} | set(SCRIPT_ENV) | WORKER_ENV)
     for name in sorted(environ):
         if name.startswith("ELASTIC_") and name not in known_env:
             log.warning("Ignoring unknown environment variable %s (not an elasticd option)", name)
@@ -371,6 +411,13 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         raise ConfigError("give either --etcd or --standalone, not both")
     if not v["standalone"] and not v["etcd"]:
         raise ConfigError("no etcd given: use --etcd URL[,URL...] or --standalone")
+    etcd_security = security_from_options(
+        cacert=v["etcd_cacert"], cert=v["etcd_cert"], key=v["etcd_key"], user=v["etcd_user"],
+        password_file=v["etcd_password_file"], environ=environ)
+    if v["standalone"] and etcd_security != EtcdSecurity():
+        raise ConfigError("--etcd-cacert, --etcd-cert, --etcd-key, --etcd-user and "
+                          f"{PASSWORD_ENV} are for --etcd; --standalone starts a private "
+                          "plain-text etcd")
     node_id = v["node_id"] or f"{socket.gethostname()}-{os.getpid()}"
     validate_id("node id", node_id)
 
@@ -415,7 +462,9 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         scale_up_wait_s=v["scale_up_wait"], listen=v["listen"],
         advertise_addr=advertise.addr,
         state_dir=node_dir, log_dir=log_dir, log_format=v["log_format"],
-        metrics_port=v["metrics_port"], stop_grace_s=v["stop_grace"], prestart=v["prestart"],
+        metrics_port=v["metrics_port"], stop_grace_s=v["stop_grace"],
+        drain_exit_code=v["drain_exit_code"], prestart=v["prestart"],
         warm_sets=v["warm_sets"], connect_timeout_s=v["connect_timeout"],
         script=None if as_module else os.path.abspath(script),
-        module=script if as_module else None, script_args=script_args)
+        module=script if as_module else None, script_args=script_args,
+        etcd_security=etcd_security)

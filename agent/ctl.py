@@ -1,16 +1,35 @@
 """elasticctl: the operator's view of a job, straight from etcd.
 
-    elasticctl status   --etcd URL --job-id ID [--json]
-    elasticctl events   --etcd URL --job-id ID [--json] [--limit N]
+    elasticctl status   --etcd URL --job-id ID [--json] [--watch [--interval S]]
+    elasticctl events   --etcd URL --job-id ID [--json] [--limit N] [--follow]
     elasticctl checkpoints --etcd URL --job-id ID [--json]
     elasticctl restart  --etcd URL --job-id ID [--reason TEXT]
     elasticctl drain    --etcd URL --job-id ID NODE_ID
+    elasticctl --version
 
 ``--etcd`` and ``--job-id`` may come from ELASTIC_ETCD and ELASTIC_JOB_ID.
-Errors are one line on stderr; exit codes are those of :mod:`elastic.errors`.
+Errors are one line on stderr; exit codes are those of :mod:`elastic.errors`,
+plus the two below.
 ``drain`` refuses a node id that is not registered in the job (exit 2): a
 drain request waits for its node, so a typo would eject whoever takes that id
 later. A ``--reason`` longer than 1024 characters is cut to that length.
+
+``status --watch`` shows the status again every ``--interval`` seconds: on a
+terminal it redraws the screen, like watch(1); on a pipe it prints frame after
+frame, each headed by its time, a blank line between them; with ``--json`` one
+JSON object per frame and line (NDJSON). An etcd error in one frame is a
+one-line warning on stderr and the next frame tries again.
+``events --follow`` prints the history (the newest ``--limit``), then every new
+event once, as etcd commits it (``--json``: one JSON object per line).
+Both run until stopped: Ctrl-C (SIGINT) or SIGTERM ends them quietly with exit
+0, as watch(1) does, since that is how they are meant to end (and a script
+that ends one with ``kill`` sees success). Ctrl-C in any other command exits
+130 (128 + SIGINT): that command did not finish.
+When whoever reads the output goes away (``elasticctl events | head -1``) a
+command ends quietly with exit 141 (128 + SIGPIPE), which is what the shell
+reports for cat or grep killed by SIGPIPE in that place, so ``set -o pipefail``
+scripts see the same as for them. (Python's own recipe exits 1, which is this
+project's "the job failed".)
 """
 
 from __future__ import annotations
@@ -19,17 +38,44 @@ import argparse
 import json
 import logging
 import os
+import queue
+import signal
 import sys
+import textwrap
+import threading
 import time
+from dataclasses import asdict
+from typing import Callable, TextIO
 
 from agent import status as status_view
-from elastic import events
+from elastic import __version__, events
 from elastic.checkpoint.etcd_log import decode_latest
-from elastic.errors import ConfigError, ElasticError, exit_code_for
+from elastic.errors import (
+    EXIT_CODES_HELP,
+    EXIT_OK,
+    ConfigError,
+    ElasticError,
+    MalformedRecordError,
+    StoreError,
+    WatchCompactedError,
+    exit_code_for,
+)
+from elastic.events import Event
 from elastic.rendezvous.api import RestartRequest, Round, cap_text, validate_id
 from elastic.keyspace import JobKeys
-from elastic.store import open_store
-from elastic.store.api import Compare, Get, Put, Store
+from elastic.store import PASSWORD_ENV, open_store, security_from_options
+from elastic.store.api import Compare, EventType, Get, KeyValue, Put, Store
+
+log = logging.getLogger(__name__)
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: a one-shot command stopped by Ctrl-C
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what the shell reports for cat | head
+
+EPILOG = textwrap.fill(EXIT_CODES_HELP, 79) + "\n" + textwrap.fill(
+    "elasticctl also exits 130 when Ctrl-C interrupts a command, and 141 (as a command "
+    "killed by SIGPIPE) when the reader of its output goes away (elasticctl events | "
+    "head -1). status --watch and events --follow run until stopped: Ctrl-C or SIGTERM "
+    "ends them with 0.", 79)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,18 +87,45 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", help="print JSON for scripts")
     common.add_argument("--connect-timeout", type=float, default=5.0, metavar="SECONDS",
                         help="give up reaching etcd after this long (default 5)")
+    # etcdctl's --cacert, --cert, --key and --user; the password never as a flag.
+    for flag, metavar, what in (
+            ("cacert", "FILE", "PEM bundle of the CAs that sign etcd's certificates "
+                               "(https://; default: the system's roots)"),
+            ("cert", "FILE", "PEM client certificate for etcd (with --etcd-key)"),
+            ("key", "FILE", "PEM private key of --etcd-cert"),
+            ("user", "NAME", f"etcd user; its password from {PASSWORD_ENV} or "
+                             "--etcd-password-file"),
+            ("password-file", "FILE", "file holding the password of --etcd-user")):
+        env = "ELASTIC_ETCD_" + flag.replace("-", "_").upper()
+        common.add_argument(f"--etcd-{flag}", default=os.environ.get(env), metavar=metavar,
+                            help=f"{what} (env {env})")
+    # Raw: the epilog is laid out here (one paragraph of exit codes, one of
+    # elasticctl's own), and the description is the synopsis block.
+    layout = {"epilog": EPILOG, "formatter_class": argparse.RawDescriptionHelpFormatter}
 
-    parser = argparse.ArgumentParser(prog="elasticctl", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="elasticctl",
+                                     description=__doc__.split("\n\n")[0] + "\n\n"
+                                     + __doc__.split("\n\n")[1], **layout)
+    parser.add_argument("--version", action="version", version=f"elasticctl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("status", parents=[common], help="round, members and nodes of a job")
-    ev = sub.add_parser("events", parents=[common], help="the job's event history")
-    ev.add_argument("--limit", type=int, default=50, help="show the newest N (default 50)")
+    st = sub.add_parser("status", parents=[common], help="round, members and nodes of a job",
+                        **layout)
+    st.add_argument("--watch", action="store_true",
+                    help="show it again every --interval seconds until Ctrl-C")
+    st.add_argument("--interval", type=float, default=2.0, metavar="SECONDS",
+                    help="seconds between two frames of --watch (default 2)")
+    ev = sub.add_parser("events", parents=[common], help="the job's event history", **layout)
+    ev.add_argument("--limit", type=int, default=50, metavar="N",
+                    help="show the newest N (default 50)")
+    ev.add_argument("--follow", "-f", action="store_true",
+                    help="then print new events as they happen, until Ctrl-C")
     sub.add_parser("checkpoints", parents=[common],
-                   help="the latest committed checkpoint and the commit history")
+                   help="the latest committed checkpoint and the commit history", **layout)
     rs = sub.add_parser("restart", parents=[common],
-                        help="ask for a new round with the same members")
+                        help="ask for a new round with the same members", **layout)
     rs.add_argument("--reason", default="requested by an operator")
-    dr = sub.add_parser("drain", parents=[common], help="take a node out at the next round")
+    dr = sub.add_parser("drain", parents=[common], help="take a node out at the next round",
+                        **layout)
     dr.add_argument("node_id")
     return parser
 
@@ -67,13 +140,136 @@ def _status(store: Store, args) -> str:
     return json.dumps(data, indent=2) if args.json else status_view.render(data)
 
 
+EVENT_HEADERS = ["TIME", "NODE", "ROUND", "KIND", "MESSAGE"]
+
+
+def _when(wall_s: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(wall_s))
+
+
+def _event_row(e: Event) -> list[str]:
+    return [_when(e.time), e.node_id, str(e.round), e.kind, e.message]
+
+
+def _newest(history: list[Event], limit: int) -> list[Event]:
+    return history[max(0, len(history) - limit):]
+
+
 def _events(store: Store, args) -> str:
-    history = events.read_events(store, JobKeys(args.job_id))[-args.limit:]
+    history = _newest(events.read_events(store, JobKeys(args.job_id)), args.limit)
     if args.json:
-        return json.dumps([e.__dict__ for e in history], indent=2)
-    rows = [[time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time)), e.node_id,
-             str(e.round), e.kind, e.message] for e in history]
-    return status_view.table(["TIME", "NODE", "ROUND", "KIND", "MESSAGE"], rows)
+        return json.dumps([asdict(e) for e in history], indent=2)
+    return status_view.table(EVENT_HEADERS, [_event_row(e) for e in history])
+
+
+def _events_of(keys: JobKeys, kvs: list[KeyValue]) -> list[Event]:
+    """The events in ``kvs``, in their order; unreadable ones are logged and skipped."""
+    parsed = []
+    for kv in kvs:
+        try:
+            parsed.append(Event.from_json(kv.key, kv.value))
+        except MalformedRecordError as exc:
+            log.warning("Skipping an unreadable event of job %s: %s", keys.job_id, exc)
+    return parsed
+
+
+def _event_writer(out: TextIO, as_json: bool,
+                  history: list[Event]) -> Callable[[list[Event]], None]:
+    """Write ``history`` to ``out`` (NDJSON, or a table) and return the
+    function that writes later events the same way (the table's columns stay
+    those of the history)."""
+    widths = status_view.column_widths(EVENT_HEADERS, [_event_row(e) for e in history])
+
+    def write(batch: list[Event]) -> None:
+        for e in batch:
+            out.write(status_view.json_line(asdict(e)) if as_json else
+                      status_view.table_row(_event_row(e), widths) + "\n")
+        out.flush()
+
+    if not as_json:
+        out.write(status_view.table_row(EVENT_HEADERS, widths) + "\n")
+    write(history)
+    return write
+
+
+def _write_watched(store: Store, keys: JobKeys, after: int, write: Callable[[list[Event]], None],
+                   stop: threading.Event, poll_s: float) -> int | None:
+    """Watch the events from revision ``after + 1`` and write each new one.
+    Returns None once ``stop`` is set, or the last revision written when etcd
+    compacted the history the watch needed."""
+    arrivals: queue.Queue = queue.Queue()  # one per watch: nothing of an ended one mixes in
+    watch = store.watch(keys.events, arrivals.put, prefix=True, start_revision=after + 1,
+                        on_error=arrivals.put)
+    try:
+        while True:
+            try:
+                item = arrivals.get(timeout=poll_s)
+            except queue.Empty:
+                if stop.is_set():
+                    return None
+                continue
+            if isinstance(item, WatchCompactedError):
+                return after
+            if isinstance(item, BaseException):
+                raise item
+            write(_events_of(keys, [c.kv for c in item if c.type is EventType.PUT]))
+            after = max([after, *(c.revision for c in item)])
+    finally:
+        watch.cancel()
+
+
+def follow_events(store: Store, job_id: str, limit: int, as_json: bool, out: TextIO, *,
+                  stop: threading.Event | None = None, poll_s: float = 0.5) -> None:
+    """Write the newest ``limit`` events of the job, then every event written
+    after them as it is committed, until interrupted (KeyboardInterrupt) or
+    until ``stop`` is set (checked every ``poll_s`` seconds).
+
+    The watch starts right after the revision the history was read at, so no
+    event is written twice or missed in between. New events come in the order
+    etcd committed them. If etcd compacts the watched history away, the events
+    are read again and those changed after the last revision seen are written
+    before watching on. Raises the store's errors.
+    """
+    keys = JobKeys(job_id)
+    kvs, seen = store.get_prefix(keys.events)
+    history = sorted(_events_of(keys, kvs), key=lambda e: (e.time, e.node_id))
+    write = _event_writer(out, as_json, _newest(history, limit))
+    stop = stop or threading.Event()
+    while True:
+        last = _write_watched(store, keys, seen, write, stop, poll_s)
+        if last is None:
+            return
+        log.warning("Job %s: etcd compacted the events the watch was reading; reading them "
+                    "again from revision %d on.", job_id, last + 1)
+        kvs, seen = store.get_prefix(keys.events)
+        write(_events_of(keys, sorted((kv for kv in kvs if kv.mod_revision > last),
+                                      key=lambda kv: kv.mod_revision)))
+
+
+def watch_status(store: Store, args, out: TextIO, *,
+                 sleep: Callable[[float], None] = time.sleep,
+                 wall: Callable[[], float] = time.time) -> None:
+    """Write a frame of the job's status every ``args.interval`` seconds until
+    interrupted (KeyboardInterrupt): redrawn on a terminal, one after another
+    on a pipe, NDJSON with ``args.json``. A store error in one frame is a
+    one-line warning on stderr and the next frame tries again."""
+    clear = out.isatty() and not args.json
+    first = True
+    while True:
+        try:
+            data = status_view.collect(store, args.job_id)
+        except StoreError as exc:
+            reason = " ".join(str(exc).split())
+            print(f"elasticctl: warning: job {args.job_id}: no status this time ({reason}); "
+                  f"trying again in {args.interval:g} s", file=sys.stderr, flush=True)
+        else:
+            now = wall()
+            out.write(status_view.json_line(data) if args.json else status_view.watch_frame(
+                status_view.render(data, now), args.job_id, now, args.interval,
+                clear=clear, first=first))
+            out.flush()
+            first = False
+        sleep(args.interval)
 
 
 def _checkpoints(store: Store, args) -> str:
@@ -82,14 +278,13 @@ def _checkpoints(store: Store, args) -> str:
     latest = decode_latest(kv.key, kv.value).to_dict() if kv else None
     history = [e for e in events.read_events(store, keys) if e.kind == "checkpoint"]
     if args.json:
-        return json.dumps({"latest": latest, "history": [e.__dict__ for e in history]}, indent=2)
+        return json.dumps({"latest": latest, "history": [asdict(e) for e in history]}, indent=2)
     if latest is None:
         return f"job {args.job_id}: no checkpoint committed yet"
     head = (f"job {args.job_id}: latest checkpoint step {latest['step']} ({latest['path']}), "
             f"round {latest['round']}, world size {latest['world_size']}, committed "
-            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(latest['time']))}")
-    rows = [[time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time)), e.node_id,
-             str(e.round), e.message] for e in history]
+            f"{_when(latest['time'])}")
+    rows = [[_when(e.time), e.node_id, str(e.round), e.message] for e in history]
     return head + ("\n\n" + status_view.table(["TIME", "NODE", "ROUND", "COMMIT"], rows)
                    if rows else "")
 
@@ -127,21 +322,60 @@ COMMANDS = {"status": _status, "events": _events, "checkpoints": _checkpoints,
             "restart": _restart, "drain": _drain}
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        if not args.job_id:
-            raise ConfigError("--job-id is required (or set ELASTIC_JOB_ID)")
-        validate_id("job id", args.job_id)
-        with open_store(args.etcd, connect_timeout_s=args.connect_timeout) as store:
+def _stop_on_sigterm(signum, frame) -> None:
+    raise KeyboardInterrupt  # ends --watch and --follow the way Ctrl-C does
+
+
+def _run(args) -> None:
+    """Validate, open the store and run the command, writing to stdout."""
+    if not args.job_id:
+        raise ConfigError("--job-id is required (or set ELASTIC_JOB_ID)")
+    validate_id("job id", args.job_id)
+    if getattr(args, "limit", 0) < 0:
+        raise ConfigError(f"--limit must be 0 or more, got {args.limit}")
+    if getattr(args, "watch", False) and not args.interval > 0:
+        raise ConfigError(f"--interval must be more than 0 seconds, got {args.interval:g}")
+    security = security_from_options(
+        cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key, user=args.etcd_user,
+        password_file=args.etcd_password_file)
+    with open_store(args.etcd, connect_timeout_s=args.connect_timeout,
+                    security=security) as store:
+        if args.command == "status" and args.watch:
+            watch_status(store, args, sys.stdout)
+        elif args.command == "events" and args.follow:
+            follow_events(store, args.job_id, args.limit, args.json, sys.stdout)
+        else:
             print(COMMANDS[args.command](store, args))
-        return 0
-    except ElasticError as exc:
-        print(f"elasticctl: error: {exc}", file=sys.stderr)
-        return exit_code_for(exc)
-    except KeyboardInterrupt:
-        return 130
+        # Inside the try of main: a reader gone away shows here, not at exit.
+        sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run elasticctl; returns the exit code (see the module docstring)."""
+    try:
+        args = _parser().parse_args(argv)
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        until_stopped = getattr(args, "watch", False) or getattr(args, "follow", False)
+        previous = None
+        if until_stopped and threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+        try:
+            _run(args)
+            return EXIT_OK
+        except ElasticError as exc:
+            print(f"elasticctl: error: {exc}", file=sys.stderr)
+            return exit_code_for(exc)
+        except KeyboardInterrupt:
+            return EXIT_OK if until_stopped else EXIT_INTERRUPTED
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+    except BrokenPipeError:
+        # The recipe of Python's signal module docs: send the rest of stdout to
+        # /dev/null, so the flush at exit cannot fail again and print a traceback.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import dataclasses
 import hashlib
 import json
 import logging
+import logging.handlers
+import math
 import os
 import queue
 import signal
@@ -33,34 +35,42 @@ from agent import config as agent_config
 from agent import reactor
 from agent.assign import startup_env, worker_envs
 from agent.grpc_server import AgentServer
-from agent.health import WorkerHealth, hung_workers
+from agent.health import WorkerHealth, hung_workers, last_sign_of_life
 from agent.lifecycle import AgentState, Lifecycle, Transition
+from agent.metrics import NO_METRICS, AgentMetrics, NoMetrics
 from agent.peers import GrpcPeerMesh
 from agent.reactor import AgentView, Settings
+from agent.sdnotify import SystemdNotifier
 from agent.supervisor import Entrypoint, WorkerExit, WorkerSupervisor
-from elastic import __version__, events
+from elastic import __version__, errorfile, events
 from elastic.checkpoint.api import CommitEntry
 from elastic.checkpoint.etcd_log import EtcdCommitLog
 from elastic.clock import SYSTEM_CLOCK, Clock
 from elastic.errors import (
+    EXIT_INTERNAL,
     EXIT_JOB_FAILED,
     EXIT_OK,
     ElasticError,
     FencedError,
+    JobEndedError,
     StoreError,
     exit_code_for,
 )
-from elastic.joblog import JobLogger
+from elastic.joblog import JobLogger, JsonFormatter
 from elastic.net import free_port
 from elastic.rendezvous.api import NodeInfo, ReportKind, Round
 from elastic.rendezvous.node import RendezvousNode
-from elastic.store import open_store
+from elastic.store import PASSWORD_ENV, open_store
 from elastic.store.api import Put, Store
 from elastic.v1 import agent_pb2
 
 S = AgentState
 # How often the loop looks at worker health and the lease when nothing else wakes it.
 _TICK_S = 0.5
+# The liveness health service (elastic.v1.Liveness) says NOT_SERVING once the
+# loop has not completed a pass this long (plus the workers' stop grace, the
+# longest a pass may legitimately take).
+LOOP_STALL_S = 30.0
 # The status key is rewritten when its meaning changes: state, round, failure,
 # worker states, or the step moving into another bucket of this many steps.
 STATUS_STEP_BUCKET = 100
@@ -121,8 +131,10 @@ class Agent:
     def __init__(self, config: agent_config.AgentConfig, store: Store,
                  rendezvous: RendezvousNode, supervisor: Supervisor, server: Server,
                  peers: PeerMesh, *, inbox: queue.Queue, socket_path: str = "",
-                 clock: Clock = SYSTEM_CLOCK):
+                 clock: Clock = SYSTEM_CLOCK, notifier: SystemdNotifier | None = None,
+                 metrics: NoMetrics = NO_METRICS):
         self.config = config
+        self.metrics = metrics  # before the lifecycle, which feeds it
         self.store = store
         self.rdzv = rendezvous
         self.supervisor = supervisor
@@ -133,7 +145,8 @@ class Agent:
         self.clock = clock
         self.settings = Settings(node_id=config.node_id, nproc=config.nproc_per_node,
                                  lease_ttl_s=config.lease_ttl_s,
-                                 join_timeout_s=config.join_timeout_s, job_id=config.job_id)
+                                 join_timeout_s=config.join_timeout_s, job_id=config.job_id,
+                                 drain_exit_code=config.drain_exit_code)
         self.view = AgentView(waiting_since=clock.monotonic())
         self.log = JobLogger(logging.getLogger("elasticd"), config.job_id, config.node_id,
                              lambda: self.view.round_number)
@@ -150,16 +163,26 @@ class Agent:
         self._store_timeout_s = min(1.0, config.lease_ttl_s / 4)
         self._peer_watch: Any = None
         self._last_status_meaning: tuple | None = None
+        metrics.count_workers_with(self._worker_states)
+        self.notifier = notifier or SystemdNotifier(environ={})
+        self._last_pass = clock.monotonic()
 
     @classmethod
     def from_config(cls, config: agent_config.AgentConfig, store: Store,
-                    clock: Clock = SYSTEM_CLOCK) -> "Agent":
+                    clock: Clock = SYSTEM_CLOCK,
+                    notifier: SystemdNotifier | None = None) -> "Agent":
         """Wire the real parts: gRPC server (bound here, so the rendezvous can
         advertise its address), worker supervisor, rendezvous node, peers."""
         inbox: queue.Queue = queue.Queue()
         handlers = _Handlers()
         socket_path = _socket_path(config.job_id, config.node_id)
-        server = AgentServer(config.listen, socket_path, control=handlers, heartbeats=handlers)
+        metrics: NoMetrics = NO_METRICS
+        if config.metrics_port:
+            metrics = AgentMetrics(config.job_id, config.node_id)
+            metrics.serve(config.listen.rpartition(":")[0], config.metrics_port)
+        server = AgentServer(config.listen, socket_path, control=handlers, heartbeats=handlers,
+                             liveness=lambda: handlers.agent is None
+                             or handlers.agent.loop_alive())
         server.start()
         peers = GrpcPeerMesh()
         host = config.advertise_addr
@@ -185,7 +208,7 @@ class Agent:
             worker_env=startup_env(config.nproc_per_node, dict(os.environ),
                                    config.advertise_addr))
         agent = cls(config, store, rendezvous, supervisor, server, peers, inbox=inbox,
-                    socket_path=socket_path, clock=clock)
+                    socket_path=socket_path, clock=clock, notifier=notifier, metrics=metrics)
         handlers.agent = agent
         return agent
 
@@ -257,9 +280,35 @@ class Agent:
             except StoreError as exc:
                 # etcd blips must not stop training: look again on the next pass.
                 self.log.warning("store error, retrying: %s", exc)
+                self.metrics.store_error("round_read" if isinstance(item, RoundChanged)
+                                         else "react")
                 if isinstance(item, RoundChanged):
                     self.inbox.put(item)
         self.flush()
+        self._pass_done()
+
+    def loop_alive(self) -> bool:
+        """Whether the loop completed a pass recently (any thread): what the
+        liveness health service and systemd's watchdog report."""
+        stall = LOOP_STALL_S + self.config.stop_grace_s
+        return self.clock.monotonic() - self._last_pass < stall
+
+    def _pass_done(self) -> None:
+        """A pass of the loop is complete: note it for the liveness probe, ping
+        systemd's watchdog, and tell systemd the state (READY=1 the first time
+        the node is registered with the rendezvous)."""
+        self._last_pass = self.clock.monotonic()
+        self.notifier.watchdog()
+        view = self.view
+        status = f"{self.lifecycle.state.value} in round {view.round_number}"
+        if view.round is not None:
+            status += f", world size {view.round.world_size}"
+        if view.last_failure:
+            status += f"; last failure: {view.last_failure}"
+        if self.rdzv.registered:
+            self.notifier.ready(status)
+        else:
+            self.notifier.status(status)
 
     def flush(self) -> None:
         """Tell etcd what is pending: intents first, then the status and
@@ -271,10 +320,12 @@ class Agent:
             self._flush_publications()
         except StoreError as exc:
             self.log.debug("etcd did not take everything yet (will retry): %s", exc)
+            self.metrics.store_error("flush")
 
     def _react(self, event: reactor.Event) -> None:
-        self.view, commands = reactor.react(self.view, event, self.clock.monotonic(),
-                                            self.settings)
+        before, now = self.view, self.clock.monotonic()
+        self.view, commands = reactor.react(before, event, now, self.settings)
+        self.metrics.observe(before, event, self.view, commands, now)
         for command in commands:
             self._apply(command)
 
@@ -292,9 +343,12 @@ class Agent:
         with self._workers_lock:
             workers = list(self.workers.values())
         confirmed = self.rdzv.lease_confirmed_at
+        hung = hung_workers(workers, now, self.config.hang_timeout_s)
+        signs = [t for w, _ in hung
+                 if (t := last_sign_of_life(w, now, self.config.hang_timeout_s)) is not None]
         return reactor.Tick(
-            hung=tuple(reason for _, reason in hung_workers(workers, now,
-                                                            self.config.hang_timeout_s)),
+            hung=tuple(reason for _, reason in hung),
+            hung_since=min(signs, default=None),
             lease_unconfirmed_s=0.0 if confirmed is None else max(0.0, now - confirmed),
             workers_stepped=bool(workers) and all(w.step >= 0 for w in workers),
             registration_problem=self.rdzv.registration_problem,
@@ -320,6 +374,8 @@ class Agent:
                 reactor.LeaseState(self._lease_unconfirmed_s(), ages, asked, answered)))
         elif isinstance(command, reactor.WarmUp):
             self.supervisor.warm_up()
+        elif isinstance(command, reactor.AnnounceDrain):
+            self._announce_drain(command.reason)
         elif isinstance(command, reactor.Leave):
             self._leave(command.reason)
         elif isinstance(command, reactor.Note):
@@ -353,16 +409,21 @@ class Agent:
             self._peer_watch = self.peers.watch(
                 addr, lambda status: self.inbox.put(reactor.PeerHealth(node_id, str(status))))
 
-    def _leave(self, reason: str) -> None:
-        """Leave for good: the drain key keeps the leader from choosing this
-        node meanwhile; revoking the lease shows everyone it is gone."""
-        keys = self.rdzv.keys
+    def _announce_drain(self, reason: str) -> None:
+        """Write this node's drain request (best effort: without it, leaving
+        still works, by the lease's revocation)."""
         try:
-            self.store.put(keys.drain_request(self.config.node_id),
+            self.store.put(self.rdzv.keys.drain_request(self.config.node_id),
                            json.dumps({"by": self.config.node_id, "reason": reason}).encode(),
                            timeout_s=self._store_timeout_s)
         except StoreError as exc:
             self.log.warning("could not record the drain (leaving anyway): %s", exc)
+
+    def _leave(self, reason: str) -> None:
+        """Leave for good: the drain request (AnnounceDrain) keeps the leader
+        from choosing this node meanwhile; revoking the lease shows everyone
+        it is gone."""
+        keys = self.rdzv.keys
         self.rdzv.stop()
         try:
             self.store.delete(keys.drain_request(self.config.node_id),
@@ -412,6 +473,10 @@ class Agent:
             w = self.workers.get(req.local_rank)
             if w is not None and current:
                 w.on_heartbeat(self.clock.monotonic(), req.step, req.saving_for_s, req.exiting)
+                step = max(x.step for x in self.workers.values())
+                rate = min(x.step_rate() for x in self.workers.values())
+        if w is not None and current:
+            self.metrics.observe_heartbeat(step, rate)
         hold = (view.state is S.RUNNING and not view.store_down_noted
                 and self._lease_unconfirmed_s() > self.config.lease_ttl_s / 2)
         return not current or view.state not in (S.RUNNING, S.DONE), hold
@@ -419,12 +484,20 @@ class Agent:
     def commit_checkpoint(self, entry: agent_pb2.CheckpointEntry) -> tuple[bool, str]:
         """Advance ``checkpoint/latest`` through the fenced commit log: a
         worker of an older round can never commit."""
+        # How the save went is the worker's word: only what can be true is kept.
+        save_s = entry.save_s if math.isfinite(entry.save_s) and entry.save_s > 0 else 0.0
+        size_bytes = max(0, entry.size_bytes)
         try:
             self.commit_log.commit(CommitEntry(step=entry.step, round=entry.round,
                                                world_size=entry.world_size, path=entry.path,
-                                               time=entry.time))
+                                               time=entry.time, save_s=save_s,
+                                               size_bytes=size_bytes))
         except FencedError as exc:
             return False, str(exc)
+        except StoreError:
+            self.metrics.store_error("checkpoint_commit")
+            raise
+        self.metrics.observe_save(entry.step, save_s, size_bytes)
         self.log.info("checkpoint of step %d committed (%s)", entry.step, entry.path)
         return True, ""
 
@@ -434,7 +507,12 @@ class Agent:
             return None
         return agent_pb2.CheckpointEntry(step=latest.step, round=latest.round,
                                          world_size=latest.world_size, path=latest.path,
-                                         time=latest.time)
+                                         time=latest.time, save_s=latest.save_s,
+                                         size_bytes=latest.size_bytes)
+
+    def report_restore(self, req: agent_pb2.WorkerChannelReportRestoreRequest) -> None:
+        """Rank 0 restored a checkpoint: counted in the metrics (nothing else)."""
+        self.metrics.observe_restore(req.restore_s, req.size_bytes)
 
     def report_checkpoint_failure(self, step: int, round_: int, rank: int,
                                   message: str) -> None:
@@ -521,6 +599,7 @@ class Agent:
 
     def _publish(self, t: Transition) -> None:
         """Queue a transition's event; the loop's flush writes it with the status."""
+        self.metrics.observe_transition(t.after, self.clock.monotonic())
         self._events.append(events.event_op(
             self.rdzv.keys, self.clock, self.config.node_id, t.round, "state",
             f"{t.before.value} -> {t.after.value}: {t.reason}"))
@@ -551,21 +630,80 @@ class Agent:
         self.supervisor.shutdown()
         self.rdzv.stop()
         self.server.stop()
+        self.metrics.close()
+
+    def _worker_states(self) -> list[str]:
+        """The state of each worker of the round running here (any thread)."""
+        if self.running_round() == 0:
+            return []
+        return [row["state"] for row in self._worker_rows()]
 
 
 def _exit_event(e: WorkerExit) -> reactor.WorkerExited:
+    """The reactor's event for a reaped worker, with its root cause when it
+    failed and left one (read here, off the loop: the reactor does no I/O)."""
+    cause = None
+    if e.exit_code != 0 and not e.stopped and e.error_file:
+        cause = errorfile.read_root_cause(e.error_file)
     return reactor.WorkerExited(round=e.round, local_rank=e.local_rank, rank=e.rank, pid=e.pid,
-                                exit_code=e.exit_code, signal=e.signal, stopped=e.stopped)
+                                exit_code=e.exit_code, signal=e.signal, stopped=e.stopped,
+                                cause=cause.message if cause else "", log_path=e.log_path)
+
+
+class _LogSetup:
+    """The agent's one log handler (stderr). Until the configuration is read
+    (which itself logs, e.g. the advertised address) lines are held, then
+    written in the format it asks for: text, or with ``--log-format json`` one
+    JSON object per line (:class:`elastic.joblog.JsonFormatter`). The level
+    comes from ELASTIC_LOG_LEVEL."""
+
+    def __init__(self) -> None:
+        self.stream = logging.StreamHandler(sys.stderr)
+        self.stream.setFormatter(logging.Formatter(
+            "%(asctime)s elasticd %(levelname)s: %(message)s"))
+        self.held = logging.handlers.MemoryHandler(capacity=10_000,
+                                                   flushLevel=logging.CRITICAL + 1)
+        root = logging.getLogger()
+        root.addHandler(self.held)
+        level = os.environ.get("ELASTIC_LOG_LEVEL", "INFO").upper()
+        root.setLevel(level if level in logging.getLevelNamesMapping() else logging.INFO)
+
+    def configured(self, config: agent_config.AgentConfig | None) -> None:
+        """Write the held lines and all later ones in ``config``'s format
+        (text when there is no valid configuration). Idempotent."""
+        if self.held is None:
+            return
+        if config is not None and config.log_format == "json":
+            self.stream.setFormatter(JsonFormatter(config.job_id, config.node_id))
+        root = logging.getLogger()
+        root.addHandler(self.stream)
+        root.removeHandler(self.held)
+        self.held.setTarget(self.stream)
+        self.held.close()  # flushes to the target
+        self.held = None
+
+    def follow_round(self, round_of) -> None:
+        """JSON lines that do not name their round get ``round_of()``."""
+        if isinstance(self.stream.formatter, JsonFormatter):
+            self.stream.formatter.round_of = round_of
+
+    def close(self) -> None:
+        logging.getLogger().removeHandler(self.stream)
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=os.environ.get("ELASTIC_LOG_LEVEL", "INFO").upper(),
-                        stream=sys.stderr,
-                        format="%(asctime)s elasticd %(levelname)s: %(message)s")
+    """elasticd's entry point; returns the exit code (:data:`EXIT_CODES_HELP`):
+    an unexpected exception is logged with its traceback and gives
+    EXIT_INTERNAL, never 1 (which says the job failed)."""
+    logs = _LogSetup()
     log = logging.getLogger("elasticd")
     server = None
     try:
         config = agent_config.load(argv)
+        # Read into config.etcd_security: the workers (user code) inherit our
+        # environment and must not get the etcd password.
+        os.environ.pop(PASSWORD_ENV, None)
+        logs.configured(config)
         endpoint = config.etcd
         if config.standalone:
             from elastic.store.server import EtcdServer
@@ -574,21 +712,42 @@ def main(argv: list[str] | None = None) -> int:
             endpoint = server.endpoint
             log.info("job %s node %s: started a private etcd at %s", config.job_id,
                      config.node_id, endpoint)
-        with open_store(endpoint, connect_timeout_s=config.connect_timeout_s) as store:
-            agent = Agent.from_config(config, store)
+        # Before the workers' environment is copied from ours: they must not
+        # talk to systemd in the agent's name.
+        notifier = SystemdNotifier()
+        with open_store(endpoint, connect_timeout_s=config.connect_timeout_s,
+                        security=config.etcd_security) as store:
+            agent = Agent.from_config(config, store, notifier=notifier)
+            logs.follow_round(lambda: agent.view.round_number)
+
+            def on_signal(signum: int, _frame) -> None:
+                notifier.stopping(f"leaving the job: received {signal.Signals(signum).name}")
+                agent.inbox.put(reactor.Signalled(signum))
+
             for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda signum, _f: agent.inbox.put(reactor.Signalled(signum)))
+                signal.signal(sig, on_signal)
             code = agent.run()
-            if code != EXIT_OK:
+            if agent.lifecycle.state is S.FAILED and agent.view.exit_code is None:
                 print(f"elasticd: job {config.job_id} failed: {agent.outcome_reason}",
                       file=sys.stderr)
             return code
+    except JobEndedError as exc:
+        logs.configured(None)  # the held lines first, in order
+        print(f"elasticd: {exc}", file=sys.stderr)
+        return exc.exit_code
     except ElasticError as exc:
+        logs.configured(None)
         print(f"elasticd: error: {exc}", file=sys.stderr)
         return exit_code_for(exc)
+    except Exception:  # noqa: BLE001 - a bug: say so, with its traceback, and a code of its own
+        log.exception("elasticd stopped on an internal error (a bug: please report it with "
+                      "this log)")
+        return EXIT_INTERNAL
     finally:
+        logs.configured(None)
         if server is not None:
             server.stop()
+        logs.close()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
   service (Kubernetes gRPC probes and peer agents use it) and ``elastic.v1.Agent``
   (status and control for elasticctl and peers);
 * on ``worker_socket`` (a Unix socket path): ``elastic.v1.WorkerChannel``, the
-  heartbeats, checkpoint commits and failed-save reports of this node's own workers.
+  heartbeats, checkpoint commits, failed-save and restore reports of this node's own
+  workers.
 
 These are two ``grpc.server`` instances, not one listening on both addresses:
 a gRPC server serves every registered service on every port, which would
@@ -49,7 +50,11 @@ logger = logging.getLogger(__name__)
 AGENT_SERVICE = agent_pb2.DESCRIPTOR.services_by_name["Agent"].full_name  # "elastic.v1.Agent"
 WORKER_CHANNEL_SERVICE = agent_pb2.DESCRIPTOR.services_by_name["WorkerChannel"].full_name
 # The health entries set_serving() flips: the server as a whole and the Agent service.
+# SERVING only while this node's workers run healthy: a readiness probe.
 HEALTH_SERVICES = (health.OVERALL_HEALTH, AGENT_SERVICE)
+# SERVING while the agent's main loop turns, whatever the job is doing (joining,
+# restarting): a liveness probe (Kubernetes: grpc.service: elastic.v1.Liveness).
+LIVENESS_SERVICE = "elastic.v1.Liveness"
 
 # sun_path is 108 bytes on Linux, including the terminating NUL.
 _MAX_UNIX_PATH_BYTES = 107
@@ -111,6 +116,10 @@ class HeartbeatSink(Protocol):
     def report_checkpoint_failure(self, step: int, round_: int, rank: int,
                                   message: str) -> None:
         """Record that a worker's save of ``step`` in ``round_`` failed (an event)."""
+        ...
+
+    def report_restore(self, request: agent_pb2.WorkerChannelReportRestoreRequest) -> None:
+        """Count a worker's checkpoint restore (time and bytes) in the metrics."""
         ...
 
 
@@ -218,6 +227,10 @@ class _WorkerChannelServicer(agent_pb2_grpc.WorkerChannelServicer):
                     request.step, request.round, request.rank, cap_text(request.message))
         return agent_pb2.WorkerChannelReportCheckpointFailureResponse()
 
+    def ReportRestore(self, request, context):  # noqa: N802
+        _serve_call(context, "ReportRestore", self._sink.report_restore, request)
+        return agent_pb2.WorkerChannelReportRestoreResponse()
+
 
 def _split_listen(listen: str) -> tuple[str, int]:
     """("HOST", PORT) of ``listen``; raises ConfigError when it is not HOST:PORT."""
@@ -262,6 +275,24 @@ def _prepare_socket_path(path: str) -> None:
     os.unlink(path)
 
 
+class _Health(health.HealthServicer):
+    """The standard health service, with :data:`LIVENESS_SERVICE` answered
+    from ``liveness()`` at each Check (a stalled loop cannot flip a status)."""
+
+    def __init__(self, liveness: Callable[[], bool]):
+        super().__init__()
+        self._liveness = liveness
+        self.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+
+    def Check(self, request, context):  # noqa: N802 - gRPC's name
+        if request.service == LIVENESS_SERVICE:
+            alive = self._liveness()
+            return health_pb2.HealthCheckResponse(
+                status=health_pb2.HealthCheckResponse.SERVING if alive
+                else health_pb2.HealthCheckResponse.NOT_SERVING)
+        return super().Check(request, context)
+
+
 class AgentServer:
     """The agent's gRPC endpoints (see the module docstring), started and stopped together.
 
@@ -276,12 +307,14 @@ class AgentServer:
         control: AgentControl,
         heartbeats: HeartbeatSink,
         max_workers: int = 8,
+        liveness: Callable[[], bool] = lambda: True,
     ):
         """Validate the addresses; nothing is bound until :meth:`start`.
 
         ``listen`` is ``HOST:PORT`` (port 0 picks a free port); ``max_workers``
         is the size of each server's thread pool. Raises ConfigError on a
-        malformed ``listen`` or a non-positive ``max_workers``.
+        malformed ``listen`` or a non-positive ``max_workers``. ``liveness``
+        answers the :data:`LIVENESS_SERVICE` health checks (any thread).
         """
         self._host, self._port = _split_listen(listen)
         if max_workers < 1:
@@ -291,7 +324,7 @@ class AgentServer:
         self._control = control
         self._heartbeats = heartbeats
         self._max_workers = max_workers
-        self._health = health.HealthServicer()
+        self._health = _Health(liveness)
         self.set_serving(False)
         self._tcp: grpc.Server | None = None
         self._unix: grpc.Server | None = None

@@ -51,6 +51,17 @@ class WorkerHealth:
         return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
 
 
+def last_sign_of_life(w: WorkerHealth, now: float, hang_timeout_s: float) -> float | None:
+    """When a worker judged hung at ``now`` last showed what its verdict misses:
+    its last heartbeat when it went silent, else its last progress. None for a
+    worker that never spoke."""
+    if w.last_heartbeat_at is None:
+        return None
+    if now - w.last_heartbeat_at > hang_timeout_s or w.last_progress_at is None:
+        return w.last_heartbeat_at
+    return w.last_progress_at
+
+
 def hung_workers(workers: list[WorkerHealth], now: float, hang_timeout_s: float
                  ) -> list[tuple[WorkerHealth, str]]:
     """The workers judged hung at ``now``, each with a reason for the log.

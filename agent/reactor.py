@@ -76,6 +76,8 @@ class WorkerExited:
     exit_code: int
     signal: int | None = None
     stopped: bool = False  # the exit follows a stop the agent asked for
+    cause: str = ""  # the exception that ended it ("Type: text"), from its error file
+    log_path: str = ""  # the rank's log of this round
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,9 @@ class Tick:
     workers_stepped: bool = False
     registration_problem: str = ""
     standby_addrs: tuple[str, ...] = ()  # whom, besides the members, to ask about etcd
+    # When the hung workers last showed life (monotonic): for the time-to-detect
+    # metric only; the verdicts above decide.
+    hung_since: float | None = None
 
 
 Event = Union[RoundCommitted, WorkerExited, PeerHealth, LeaseState, DrainRequested, Signalled,
@@ -184,6 +189,15 @@ class WarmUp:
 
 
 @dataclass(frozen=True)
+class AnnounceDrain:
+    """Record this node's drain in etcd before its workers stop: its peers'
+    workers then fail on the missing peer, and the leader must count that as
+    the drain's doing, not as failures against the restart budget."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class Leave:
     """Leave the rendezvous for good (drain): the leader sees this node go."""
 
@@ -205,7 +219,7 @@ class Fail:
 
 
 Command = Union[Transition, StartWorkers, StopWorkers, RequestRestart, Report, WatchPeer,
-                CheckPeersStore, WarmUp, Leave, Note, Fail]
+                CheckPeersStore, WarmUp, AnnounceDrain, Leave, Note, Fail]
 
 
 # -------------------------------------------------------------------- state
@@ -217,6 +231,7 @@ class Settings:
     lease_ttl_s: float
     join_timeout_s: float
     job_id: str = ""
+    drain_exit_code: int = 0  # the exit code after a SIGTERM drain
 
 
 @dataclass(frozen=True)
@@ -240,7 +255,7 @@ class AgentView:
     warm_pending: bool = False
     last_failure: str = ""
     outcome_reason: str = ""
-    exit_code: int | None = None  # set by a signal: 128 + its number
+    exit_code: int | None = None  # set by a signal: the drain's code, or 128 + its number
 
     @property
     def round_number(self) -> int:
@@ -275,11 +290,13 @@ def react(view: AgentView, event: Event, now: float, settings: Settings) -> Resu
     if isinstance(event, DrainRequested):
         return _drain(view, event.reason)
     if isinstance(event, Signalled):
+        # systemctl stop, a pod's termination, Ctrl-C: leave the job as a drain
+        # does (the others re-form without this node), then exit with the
+        # drain's code for SIGTERM (a clean stop) and the shell's for others.
         name = signal.Signals(event.signum).name
-        view = dataclasses.replace(view, state=S.FAILED, outcome_reason=f"stopped by {name}",
-                                   exit_code=128 + event.signum)
-        return view, [Transition(S.FAILED, f"received {name}: leaving the job",
-                                 view.round_number)]
+        code = settings.drain_exit_code if event.signum == signal.SIGTERM else 128 + event.signum
+        view, commands = _drain(view, f"received {name}")
+        return dataclasses.replace(view, exit_code=code), commands
     if isinstance(event, Tick):
         return _on_tick(view, event, now, settings)
     raise TypeError(f"not an agent event: {event!r}")
@@ -355,7 +372,9 @@ def _on_exit(view: AgentView, e: WorkerExited, now: float, settings: Settings) -
         return view, []
     if e.exit_code != 0:
         how = f"was killed by signal {e.signal}" if e.signal else f"exited with {e.exit_code}"
-        return _fail_round(view, f"worker rank {e.rank} (pid {e.pid}) {how}")
+        cause = f": {e.cause}" if e.cause else ""
+        log = f" (log: {e.log_path})" if e.log_path else ""
+        return _fail_round(view, f"worker rank {e.rank} (pid {e.pid}) {how}{cause}{log}")
     exited = view.exited_ok | {e.local_rank}
     view = dataclasses.replace(view, exited_ok=exited)
     if len(exited) < settings.nproc:
@@ -491,5 +510,6 @@ def _drain(view: AgentView, reason: str) -> Result:
         return view, []
     number = view.round_number
     view = dataclasses.replace(view, state=S.SUCCEEDED, outcome_reason=f"drained: {reason}")
-    return view, [Transition(S.DRAINING, reason, number), WatchPeer(None), StopWorkers(reason),
-                  Leave(reason), Transition(S.SUCCEEDED, "left the job after draining", number)]
+    return view, [Transition(S.DRAINING, reason, number), AnnounceDrain(reason), WatchPeer(None),
+                  StopWorkers(reason), Leave(reason),
+                  Transition(S.SUCCEEDED, "left the job after draining", number)]

@@ -141,12 +141,41 @@ def _ago(then: float, now: float) -> str:
     return f"{seconds // 3600} h ago"
 
 
+def column_widths(headers: list[str], rows: list[list[str]]) -> list[int]:
+    """The width of each column of a table of these headers and rows."""
+    return [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
+
+
+def table_row(cells: list[str], widths: list[int]) -> str:
+    """One line of a table; a cell wider than its column pushes the rest right."""
+    return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+
 def table(headers: list[str], rows: list[list[str]]) -> str:
     """A plain left-aligned text table."""
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
-             for r in [headers, *rows]]
-    return "\n".join(lines)
+    widths = column_widths(headers, rows)
+    return "\n".join(table_row(r, widths) for r in [headers, *rows])
+
+
+CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, erase the screen (what clear(1) sends)
+
+
+def watch_frame(body: str, job_id: str, now: float, interval_s: float, *, clear: bool,
+                first: bool) -> str:
+    """One frame of ``elasticctl status --watch``, ready to write: a header
+    with the time (like watch(1)'s), then ``body``. On a terminal (``clear``)
+    each frame starts by clearing the screen; on a pipe frames follow each
+    other, separated by one blank line (none before the ``first``)."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
+    head = f"Every {interval_s:g} s: elasticctl status of job {job_id}, {stamp}"
+    if clear:
+        return f"{CLEAR_SCREEN}{head}\n\n{body}\n"
+    return ("" if first else "\n") + f"{head}\n{body}\n"
+
+
+def json_line(data: dict) -> str:
+    """``data`` as one line of NDJSON (JSON escapes every newline inside strings)."""
+    return json.dumps(data, separators=(",", ":")) + "\n"
 
 
 def render(status: dict, now: float | None = None) -> str:

@@ -29,6 +29,7 @@ Never imports torch.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, NamedTuple
 
 import elastic
+from elastic import errorfile
 from elastic.errors import WorkerSpawnError
 
 log = logging.getLogger(__name__)
@@ -101,6 +103,15 @@ class WorkerExit:
     signal: int | None
     at: float
     stopped: bool = False
+    log_path: str = ""  # the rank's log of this round
+    error_file: str = ""  # its TORCHELASTIC_ERROR_FILE (elastic.errorfile), if it wrote one
+
+
+def rank_files(log_dir: str, round_number: int, rank: int) -> tuple[str, str]:
+    """The log and the error file (``TORCHELASTIC_ERROR_FILE``) of ``rank`` in a round."""
+    round_dir = os.path.join(log_dir, f"round-{round_number}")
+    return (os.path.join(round_dir, f"rank-{rank}.log"),
+            os.path.join(round_dir, f"rank-{rank}.error.json"))
 
 
 class WorkerStatus(NamedTuple):
@@ -160,7 +171,6 @@ class _Slot:
     round: int
     local_rank: int
     rank: int
-    round_dir: str
 
 
 @dataclass(eq=False)
@@ -472,7 +482,7 @@ class WorkerSupervisor:
                     return
 
     def _start_round_now(self, number: int, envs: list[dict[str, str]]) -> None:
-        round_dir = os.path.join(self.log_dir, f"round-{number}")
+        round_dir = os.path.dirname(rank_files(self.log_dir, number, 0)[0])
         try:
             os.makedirs(round_dir, exist_ok=True)
         except OSError as exc:
@@ -491,8 +501,11 @@ class WorkerSupervisor:
         started = time.monotonic()
         try:
             for local_rank, extra in enumerate(envs):
-                env = {**base, **extra}
-                slot = _Slot(number, local_rank, int(extra.get("RANK", local_rank)), round_dir)
+                slot = _Slot(number, local_rank, int(extra.get("RANK", local_rank)))
+                error_file = rank_files(self.log_dir, number, slot.rank)[1]
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(error_file)  # a stale one would name another failure's cause
+                env = {**base, **extra, errorfile.ENV_VAR: error_file}
                 assignment = {"env": env, "argv": list(self.entrypoint.args),
                               "script": self.entrypoint.script,
                               "module": self.entrypoint.module, "cwd": os.getcwd()}
@@ -592,7 +605,7 @@ class WorkerSupervisor:
         """Make ``w`` the worker of ``slot`` (caller holds ``w.lock`` or owns ``w`` alone)."""
         w.round, w.local_rank, w.rank, w.label = slot.round, slot.local_rank, slot.rank, \
             f"rank {slot.rank}"
-        path = os.path.join(slot.round_dir, f"rank-{slot.rank}.log")
+        path = rank_files(self.log_dir, slot.round, slot.rank)[0]
         try:
             w.log_file = open(path, "a", encoding="utf-8", errors="replace")
             for stream, text in w.pending:  # what it printed while warm (torch's warnings)
@@ -694,9 +707,11 @@ class WorkerSupervisor:
         with w.lock:
             w.exited = True
             if w.assigned:
+                log_path, error_file = rank_files(self.log_dir, w.round, w.rank)
                 w.exit = WorkerExit(round=w.round, local_rank=w.local_rank, rank=w.rank,
                                     pid=w.pid, exit_code=128 + sig if sig else returncode,
-                                    signal=sig, at=at, stopped=w.stop_requested)
+                                    signal=sig, at=at, stopped=w.stop_requested,
+                                    log_path=log_path, error_file=error_file)
         w.reaped.set()
         try:
             # So the agent's log shows a worker's last lines before the news of its death;

@@ -9,8 +9,11 @@ Exit codes (documented for operators and scripts):
 ====  ===========================================================
 0     success
 1     the job failed (a worker failed and the restart budget is spent)
+      (0 and 1 also for an agent started after its job ended; 0 after a
+      SIGTERM drain unless ``--drain-exit-code`` says otherwise)
 2     bad input: a flag, a config file, an environment variable
-3     the etcd store cannot be reached or answered with an error
+3     the etcd store cannot be reached or answered with an error (also: etcd
+      refused our certificate, user, password or a permission)
 4     rendezvous failed (timed out, fenced off, duplicate node id)
 5     an agent asked over gRPC could not be reached
 70    internal error (a bug: please report it with the log)
@@ -28,7 +31,7 @@ EXIT_AGENT_UNREACHABLE = 5
 EXIT_INTERNAL = 70
 
 
-EXIT_CODES_HELP = ("Exit codes: 0 success (also after SIGTERM: the node drained and left), "
+EXIT_CODES_HELP = ("Exit codes: 0 success, "
                    "1 the job failed, 2 bad input, 3 etcd unreachable, 4 rendezvous failed, "
                    "5 agent unreachable, 70 internal error (a bug: report it with the log).")
 
@@ -57,6 +60,15 @@ class StoreUnavailableError(StoreError):
 
 class StoreTimeoutError(StoreError):
     """A store request did not complete within its deadline."""
+
+
+class StoreAuthError(StoreError):
+    """etcd and this client do not accept each other, or etcd refused a request
+    for lack of permission: the server's certificate is not signed by the CA
+    given, the server wants a client certificate (or refused ours), it refused
+    the user and password, or the user's role lacks a permission on the job's
+    prefix. Retrying does not help: the message says what to change. Exit code
+    3, like every store error."""
 
 
 class WatchCompactedError(StoreError):
@@ -99,6 +111,17 @@ class RendezvousTimeoutError(RendezvousError):
 
 class FencedError(RendezvousError):
     """A write was refused because its round is no longer the current round."""
+
+
+class JobEndedError(RendezvousError):
+    """The job has already ended (its last round carries an outcome): there is
+    nothing to join. A restarted unit or pod of a job that succeeded exits 0
+    (it has nothing left to do, and must not crash-loop); of a failed one, 1."""
+
+    def __init__(self, message: str, succeeded: bool):
+        super().__init__(message)
+        self.succeeded = succeeded
+        self.exit_code = EXIT_OK if succeeded else EXIT_JOB_FAILED
 
 
 class DuplicateNodeError(RendezvousError):

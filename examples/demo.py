@@ -12,6 +12,7 @@ the last committed checkpoint and going on to the end. ``elasticctl status`` and
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +23,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from agent import status as status_view  # noqa: E402
+from elastic.store import open_store  # noqa: E402
 from elastic.store.server import EtcdServer  # noqa: E402
 from tests.integration.procs import wait_progress  # noqa: E402
 
@@ -31,6 +34,48 @@ STEPS = 200
 
 def say(text: str) -> None:
     print(f"\n==> {text}\n", flush=True)
+
+
+def node_of_worker(status: dict, rank: int, pid: int | None = None) -> str | None:
+    """The node that runs the worker of global ``rank`` (with ``pid``), from
+    ``elasticctl status`` data (:func:`agent.status.collect`).
+
+    The agent that reports a worker with that pid (and rank) answers first:
+    it started that process. Else the round does: ranks are dense and follow
+    node ranks (a node's first rank is the number of workers on the nodes
+    before it, as :mod:`agent.assign` hands them out). Node ids say nothing
+    about node ranks: whoever joins first may get either. None when no node
+    has the rank.
+    """
+    for node in status["nodes"]:
+        workers = (node["agent"] or {}).get("workers") or []
+        if pid is not None and any(w.get("pid") == pid and w.get("rank") == rank
+                                   for w in workers):
+            return node["node_id"]
+    members = sorted((n for n in status["nodes"] if n["node_rank"] is not None),
+                     key=lambda n: n["node_rank"])
+    first = 0
+    for node in members:
+        if first <= rank < first + node["nproc"]:
+            return node["node_id"]
+        first += node["nproc"]
+    return None
+
+
+_WARM_READY = re.compile(r"warm worker pid \d+ is ready \((\d+) of \d+ warm\)")
+
+
+def warm_nodes(output: list[str], nproc: int) -> set[str]:
+    """The nodes whose agent said (in ``output``: "<node>: <line>", as
+    :func:`relay` keeps it) that a whole set of ``nproc`` warm workers is
+    ready, so that a restart there starts warm."""
+    ready = set()
+    for line in output:
+        node, _, text = line.partition(": ")
+        m = _WARM_READY.search(text)
+        if m and int(m.group(1)) >= nproc:
+            ready.add(node)
+    return ready
 
 
 def relay(name: str, proc: subprocess.Popen, seen: list[str]) -> threading.Thread:
@@ -74,12 +119,14 @@ def main() -> int:
 
             say("waiting until training runs and both agents have warm workers ready")
             deadline = time.time() + 120
-            while sum("(2 of 2 warm)" in line for line in output) < 2 and time.time() < deadline:
+            while warm_nodes(output, 2) != set(agents) and time.time() < deadline:
                 time.sleep(0.1)
             records = wait_progress(progress, lambda rs: any(r["step"] >= 40 for r in rs), 120)
             victim = next(r for r in reversed(records) if r["rank"] == 3)
+            with open_store(etcd.endpoint) as store:
+                node = node_of_worker(status_view.collect(store, JOB), 3, victim["pid"])
             say(f"training is at step {max(r['step'] for r in records)}: SIGKILL worker rank 3 "
-                f"(pid {victim['pid']}) on node b")
+                f"(pid {victim['pid']}) on node {node or '?'}")
             killed_at = time.time()
             os.kill(victim["pid"], signal.SIGKILL)
 

@@ -50,6 +50,18 @@ class AgentCommitLog(CommitLog):
                         rank, step, round_, message, exc)
 
 
+    def report_restore(self, step: int, round_: int, rank: int, seconds: float,
+                       size_bytes: int) -> None:
+        """Tell the agent, for its metrics; a failure is logged at debug level
+        (nothing but a metric is lost). Never raises."""
+        try:
+            self._client.report_restore(step=step, round=round_, rank=rank, restore_s=seconds,
+                                        size_bytes=size_bytes)
+        except AgentUnreachableError as exc:
+            log.debug("Rank %d: the restore of checkpoint step %d in round %d was not "
+                      "reported: %s.", rank, step, round_, exc)
+
+
 def default_commit_log(root: str) -> CommitLog:
     """The agent's fenced log under elasticd, a file beside the checkpoints otherwise
     (torchrun, or no launcher)."""

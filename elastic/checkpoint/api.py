@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
+import math
 from typing import Any
 
 from elastic.errors import CheckpointError
@@ -33,6 +34,9 @@ class CommitEntry:
     ``path`` is the checkpoint's directory name relative to the checkpoint root
     (``step-000000000100``), so nodes that mount the root at different places
     agree on it. ``time`` is seconds since the epoch when rank 0 committed it.
+    ``save_s`` (seconds from ``save()`` to the commit) and ``size_bytes`` (all
+    ranks' files) say how the save went; 0 when not measured (a record written
+    before they existed).
     """
 
     step: int
@@ -40,6 +44,8 @@ class CommitEntry:
     world_size: int
     path: str
     time: float
+    save_s: float = 0.0
+    size_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -57,12 +63,14 @@ class CommitEntry:
         try:
             entry = cls(step=record["step"], round=record["round"],
                         world_size=record["world_size"], path=record["path"],
-                        time=float(record["time"]))
+                        time=float(record["time"]), save_s=float(record.get("save_s", 0.0)),
+                        size_bytes=record.get("size_bytes", 0))
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"malformed commit record {record!r}: {exc!r}") from exc
         ints_ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                      for v in (entry.step, entry.round, entry.world_size))
-        if not ints_ok or not isinstance(entry.path, str) or not entry.path \
+                      for v in (entry.step, entry.round, entry.world_size, entry.size_bytes))
+        if not ints_ok or not math.isfinite(entry.save_s) or entry.save_s < 0 \
+                or not isinstance(entry.path, str) or not entry.path \
                 or "/" in entry.path or entry.path.startswith("."):
             raise CheckpointError(f"malformed commit record {record!r}")
         return entry
@@ -106,6 +114,12 @@ class CommitLog(abc.ABC):
         else:
             why = ""
         log.warning("%s%s.", failure_message(step, rank, message, latest), why)
+
+    def report_restore(self, step: int, round_: int, rank: int, seconds: float,
+                       size_bytes: int) -> None:
+        """Tell whoever keeps the log that rank ``rank`` restored the checkpoint of
+        ``step`` (``size_bytes``, all ranks' files) in ``seconds``; for metrics.
+        Best effort and never raises; this default does nothing."""
 
 
 def failure_message(step: int, rank: int, message: str, latest: CommitEntry | None) -> str:

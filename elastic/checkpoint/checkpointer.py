@@ -160,6 +160,7 @@ class Checkpointer:
         self.data_state: Any = None
         self.extras: Any = None
         self.restored_path: str | None = None
+        self._restored_bytes = 0  # the size of the checkpoint restored last
         os.makedirs(self.root, exist_ok=True)
 
     # --- public API ---------------------------------------------------------------------------
@@ -246,9 +247,11 @@ class Checkpointer:
             if step is None:
                 self._unusable.add(name)
                 continue
+            seconds = time.monotonic() - started
             log.log(self._level, "Rank %d restored checkpoint step %d from %s in round %d in "
                     "%.2f s; resuming at step %d.", self._group.rank, step, name, self._round,
-                    time.monotonic() - started, step + 1)
+                    seconds, step + 1)
+            self._report_restore(step, seconds)
             return step + 1
         self.data_state = self.extras = self.restored_path = None
         if candidates:
@@ -292,7 +295,7 @@ class Checkpointer:
                                         world_size=self._group.size, schedulers=self._schedulers,
                                         data_state=data_state, extras=extras)
             staged = _Staged(step=step, state_dict=tensors.state_dict, local=local,
-                             nbytes=nbytes)
+                             nbytes=nbytes, started_at=started)
             if copy:
                 later, now = _split(tensors.state_dict, self._parameter_pointers())
                 staged.pending = _Pending(
@@ -423,6 +426,23 @@ class Checkpointer:
 
         threading.Thread(target=report, name="elastic-ckpt-report", daemon=True).start()
 
+    def _report_restore(self, step: int, seconds: float) -> None:
+        """Rank 0 tells the commit log (the agent, for its metrics) how long the
+        restore took and how large the checkpoint is; from a thread of its own,
+        so that an agent slow to answer never delays training."""
+        if self._group.rank != 0:
+            return
+        size_bytes = self._restored_bytes
+
+        def report() -> None:
+            try:
+                self._commit_log.report_restore(step, self._round, 0, seconds, size_bytes)
+            except Exception as exc:  # noqa: BLE001 - best effort: only a metric is lost
+                log.debug("Rank 0 could not report the restore of checkpoint step %d: %s",
+                          step, exc)
+
+        threading.Thread(target=report, name="elastic-ckpt-restored", daemon=True).start()
+
     def _prepare(self, tmp: str, step: int) -> None:
         """Rank 0: remove stale temporaries (this job's saves are serialized, so no
         save in flight owns them) and create this save's directory afresh."""
@@ -456,13 +476,16 @@ class Checkpointer:
         name = layout.step_dir_name(staged.step)
         final = os.path.join(self.root, name)
         previous = self._commit_log.latest()
+        manifests, _ = layout.read_manifests(tmp)  # verified: every rank's files are there
         if os.path.lexists(final):
             self._make_way(final, staged.step, previous, tmp)
         os.rename(tmp, final)
         layout.fsync_dir(self.root)
         failpoint("ckpt.after_rename_before_commit_log")
         entry = CommitEntry(step=staged.step, round=self._round, world_size=self._group.size,
-                            path=name, time=time.time())
+                            path=name, time=time.time(),
+                            save_s=time.monotonic() - staged.started_at,
+                            size_bytes=layout.manifest_bytes(manifests))
         try:
             self._commit_log.commit(entry)
         except FencedError:
@@ -609,9 +632,11 @@ class Checkpointer:
                if self.verify_checksums and share else None)
         failure: str | None = None
         local: Any = None
+        size_bytes = 0
         try:
             manifests, _ = layout.read_manifests(path)
             saved_world, step = manifests[0].world_size, manifests[0].step
+            size_bytes = layout.manifest_bytes(manifests)
             same_world = saved_world == self._group.size
             tensors = state.collect(self._chunks)
             dcp.load(tensors.state_dict, storage_reader=dcp.FileSystemReader(path),
@@ -654,6 +679,7 @@ class Checkpointer:
         self.data_state = local["data_state"]
         self.extras = local["extras"]
         self.restored_path = path
+        self._restored_bytes = size_bytes
         return step
 
     def _reject(self, name: str, problems: list[layout.Problem], fallback: str) -> None:
@@ -708,6 +734,7 @@ class _Staged:
     state_dict: dict[str, Any]  # a CPU copy owned by the save (async), or the live state
     local: bytes                # this rank's serialized non-tensor state
     nbytes: int
+    started_at: float = 0.0     # monotonic, when save() began staging
     pending: _Pending | None = None
     ready: threading.Event = dataclasses.field(default_factory=threading.Event)
 

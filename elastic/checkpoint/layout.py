@@ -240,6 +240,12 @@ def read_manifests(directory: str) -> tuple[list[Manifest], list[Problem]]:
     return manifests, problems
 
 
+def manifest_bytes(manifests: list[Manifest]) -> int:
+    """The size of a checkpoint's files that ``manifests`` list (each file once)."""
+    sizes = {name: d.size for m in manifests for name, d in m.files.items()}
+    return sum(sizes.values())
+
+
 def verify(directory: str, *, checksums: bool = True, part: int = 0,
            parts: int = 1) -> list[Problem]:
     """The problems that make a checkpoint directory unusable; empty when it verifies.

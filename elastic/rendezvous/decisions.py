@@ -27,7 +27,8 @@ The rules, in order:
 * A round that answers failures (restart requests marked as failures) counts
   one failure against the budget; when the failures within the window exceed
   ``max_restarts``, the job fails instead. Lost or joining nodes are
-  membership changes and never count.
+  membership changes and never count; nor do failures reported in a round
+  that a member drains from (its leaving breaks its peers' collectives).
 * A round with an outcome is final: nothing more is decided.
 * A member whose registration is newer than the round (its agent was
   restarted, or lost its lease and came back) needs a new round: its workers
@@ -218,7 +219,9 @@ def decide(observed: Observed, now: float, config: RendezvousConfig) -> Decision
         triggers.append("left out " + ", ".join(unanswering) + " (agent does not answer)")
     why = f"round {current.number}: " + "; ".join(triggers)
     failures = tuple(t for t in current.failures if now - t <= config.restart_window_s)
-    if any(r.failure for r in restarts):
+    # A member that drains (elasticctl drain, SIGTERM) stops its workers, and
+    # its peers' workers then fail on it: the drain's doing, not failures.
+    if any(r.failure for r in restarts) and not drained:
         failures += (now,)
         if len(failures) > config.max_restarts:
             return Decision(

@@ -51,6 +51,7 @@ from elastic.clock import SYSTEM_CLOCK, Clock
 from elastic.errors import (
     ConfigError,
     DuplicateNodeError,
+    JobEndedError,
     MalformedRecordError,
     RendezvousTimeoutError,
     StoreError,
@@ -191,8 +192,8 @@ class RendezvousNode:
         job's rounds (in a background thread, or, with ``thread=False``, in
         :meth:`pump` calls made by the caller).
 
-        Raises ConfigError if the job already runs with other settings or has
-        finished, and the store errors if etcd cannot be reached. A node id
+        Raises ConfigError if the job already runs with other settings,
+        JobEndedError if it has ended, and the store errors if etcd cannot be reached. A node id
         still held by another agent does not raise here: see
         :meth:`wait_registered`.
         """
@@ -457,9 +458,10 @@ class RendezvousNode:
             except MalformedRecordError:
                 return
             if last.outcome:
-                raise ConfigError(
+                raise JobEndedError(
                     f"job {self.config.job_id} has already {last.outcome} (round {last.number}: "
-                    f"{last.reason}); use a new --job-id to run again")
+                    f"{last.reason}); nothing to do (use a new --job-id to run it again)",
+                    succeeded=last.outcome == "succeeded")
 
     def _try_register(self) -> None:
         """Register under the current session, taking over or waiting out a

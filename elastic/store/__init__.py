@@ -1,7 +1,9 @@
 """The store: the slice of etcd v3 the project uses, and how to open one.
 
 ``open_store("http://10.0.0.1:2379,10.0.0.2:2379")`` gives the etcd backend;
-other schemes name backends registered with :func:`register_backend` (tests
+``open_store("https://...", security=EtcdSecurity(cacert=..., cert=..., key=...,
+user=..., password=...))`` reaches it over TLS and as an etcd user. Other
+schemes name backends registered with :func:`register_backend` (tests
 register an in-memory one as ``memory://``). Importing this package is cheap:
 the gRPC backend is imported only when a store is opened.
 """
@@ -31,12 +33,14 @@ from elastic.store.api import (
     Watch,
     WatchEvent,
 )
+from elastic.store.security import PASSWORD_ENV, EtcdSecurity, security_from_options
 
 __all__ = [
     "DEFAULT_REQUEST_TIMEOUT_S",
     "Compare",
     "CompareTarget",
     "Delete",
+    "EtcdSecurity",
     "ErrorCallback",
     "EventsCallback",
     "EventType",
@@ -44,6 +48,7 @@ __all__ = [
     "KeyValue",
     "Op",
     "OpCounter",
+    "PASSWORD_ENV",
     "Put",
     "Session",
     "Store",
@@ -53,6 +58,7 @@ __all__ = [
     "WatchEvent",
     "open_store",
     "register_backend",
+    "security_from_options",
 ]
 
 _ETCD_SCHEMES = ("http", "https")
@@ -89,15 +95,20 @@ def open_store(
     *,
     connect_timeout_s: float = 5.0,
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+    security: EtcdSecurity | None = None,
 ) -> Store:
     """Open the store at ``endpoints``.
 
     ``http://`` and ``https://`` URLs and bare ``host:port`` lists (comma
-    separated) open etcd; another ``scheme://`` opens the backend registered
-    for it.
+    separated) open etcd, with ``security`` (TLS files, user and password;
+    see :class:`EtcdSecurity`); another ``scheme://`` opens the backend
+    registered for it.
 
     Raises:
-        ConfigError: an unknown scheme, or endpoints the backend rejects.
+        ConfigError: an unknown scheme, endpoints the backend rejects, bad
+            TLS files, or ``security`` given for a backend that is not etcd.
+        StoreAuthError: etcd refused our certificate or user, or we refused its
+            certificate.
         StoreUnavailableError: the store cannot be reached in time.
     """
     first = endpoints.split(",", 1)[0].strip()
@@ -106,7 +117,8 @@ def open_store(
         from elastic.store.etcd import EtcdStore
 
         return EtcdStore(
-            endpoints, connect_timeout_s=connect_timeout_s, request_timeout_s=request_timeout_s
+            endpoints, connect_timeout_s=connect_timeout_s, request_timeout_s=request_timeout_s,
+            security=security,
         )
     with _backends_lock:
         factory = _backends.get(scheme)
@@ -115,6 +127,8 @@ def open_store(
         raise ConfigError(
             f"unknown store scheme {scheme!r} in {endpoints!r} (known: {known})"
         )
+    if security is not None and security != EtcdSecurity():
+        raise ConfigError(f"etcd TLS and user options do not apply to {endpoints!r}")
     return factory(
         endpoints, connect_timeout_s=connect_timeout_s, request_timeout_s=request_timeout_s
     )

@@ -21,15 +21,25 @@ Long-lived streams (watches, keep-alive) carry no deadline; HTTP/2 keepalive
 pings detect a dead connection under them, and the keep-alive loop recycles a
 stream whose answers stop coming.
 
+Security (:class:`~elastic.store.security.EtcdSecurity`): ``https://``
+endpoints are reached over TLS, checked against the given CA bundle or the
+system's roots, with a client certificate if given; with a user, every call
+carries its auth token, renewed when etcd refuses it (:mod:`.etcd_auth`).
+Refusals (an unknown CA, a missing or refused client certificate, a wrong
+password, a missing permission) are :class:`~elastic.errors.StoreAuthError`
+with one line that says what to change.
+
 This module holds :class:`EtcdStore`: the connection, unary calls and their
 error translation, and the public entry points. Beside it:
 :mod:`.etcd_endpoints` (endpoint parsing and the gRPC target),
+:mod:`.etcd_auth` (TLS credentials, the auth token, refusals explained),
 :mod:`.etcd_convert` (store types <-> etcd messages), :mod:`.etcd_lease`
 (sessions and the keep-alive loop) and :mod:`.etcd_watch` (watch threads).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -38,7 +48,13 @@ from typing import Callable, Sequence
 import grpc
 from pyetcd.etcdrpc import rpc_pb2, rpc_pb2_grpc
 
-from elastic.errors import ConfigError, StoreError, StoreTimeoutError, StoreUnavailableError
+from elastic.errors import (
+    ConfigError,
+    StoreAuthError,
+    StoreError,
+    StoreTimeoutError,
+    StoreUnavailableError,
+)
 from elastic.store.api import (
     DEFAULT_REQUEST_TIMEOUT_S,
     Compare,
@@ -51,6 +67,15 @@ from elastic.store.api import (
     TxnResult,
     Watch,
 )
+from elastic.store.etcd_auth import (
+    TokenAuth,
+    auth_required_error,
+    channel_credentials,
+    explain_connect_failure,
+    is_token_error,
+    permission_error,
+    request_key,
+)
 from elastic.store.etcd_convert import (
     compare_pb,
     delete_request,
@@ -62,12 +87,21 @@ from elastic.store.etcd_convert import (
     rpc_error_text,
     to_kv,
 )
-from elastic.store.etcd_endpoints import DEFAULT_PORT, grpc_target, host_port, parse_endpoints
+from elastic.store.etcd_endpoints import (
+    DEFAULT_PORT,
+    grpc_target,
+    host_port,
+    parse_endpoint_urls,
+    parse_endpoints,
+)
 from elastic.store.etcd_lease import EtcdSession, KeepAliveLoop
 from elastic.store.etcd_watch import EtcdWatch
 from elastic.store.retry import call_with_retry
+from elastic.store.security import EtcdSecurity
 
-__all__ = ["DEFAULT_PORT", "EtcdStore", "parse_endpoints"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_PORT", "EtcdSecurity", "EtcdStore", "parse_endpoints"]
 
 _CHANNEL_OPTIONS = (
     # Pings find a dead peer under an idle watch stream. etcd refuses pings
@@ -93,14 +127,27 @@ def _is_unavailable(exc: BaseException) -> bool:
 
 
 class EtcdStore(Store):
-    """A :class:`Store` on an etcd v3 cluster (plain-text gRPC).
+    """A :class:`Store` on an etcd v3 cluster.
 
-    ``endpoints``: ``"http://host:port"`` or ``"host:port"`` (port 2379 by
-    default), comma-separated or as a list; with several, gRPC fails over
-    between them.
+    ``endpoints``: ``"http://host:port"``, ``"https://host:port"`` or
+    ``"host:port"`` (port 2379 by default), comma-separated or as a list;
+    with several, gRPC fails over between them. All share one scheme; bare
+    ones are https when the others are, or when ``security`` names a CA or a
+    client certificate. ``security``: TLS material and the user (see
+    :class:`~elastic.store.security.EtcdSecurity`); https without a CA bundle
+    checks etcd's certificate against the system's roots.
+
+    With several https endpoints every member's certificate is checked
+    against the first endpoint's host name (gRPC Python takes one name per
+    channel): give the members certificates that list it (a shared name of
+    the cluster), or name one endpoint that balances over them.
 
     Raises (constructor):
-        ConfigError: malformed or https:// endpoints, non-positive timeouts.
+        ConfigError: malformed endpoints, http:// and https:// mixed, TLS
+            files with http:// endpoints, an unreadable TLS file,
+            non-positive timeouts.
+        StoreAuthError: etcd and we do not accept each other's certificates,
+            or etcd refused the user and password.
         StoreUnavailableError: etcd did not answer within ``connect_timeout_s``.
         StoreError: something answered, but not as etcd does.
     """
@@ -111,6 +158,7 @@ class EtcdStore(Store):
         *,
         connect_timeout_s: float = 5.0,
         request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+        security: EtcdSecurity | None = None,
     ):
         super().__init__()
         if not connect_timeout_s > 0 or not request_timeout_s > 0:
@@ -118,41 +166,95 @@ class EtcdStore(Store):
                 f"etcd timeouts must be positive (connect {connect_timeout_s} s, "
                 f"request {request_timeout_s} s)"
             )
-        hostports = parse_endpoints(endpoints)
-        self.endpoints = tuple(f"http://{host_port(h, p)}" for h, p in hostports)
+        self.security = security if security is not None else EtcdSecurity()
+        scheme, hostports = parse_endpoint_urls(endpoints)
+        if scheme == "http" and self.security.has_tls_files:
+            raise ConfigError("--etcd-cacert and --etcd-cert need https:// etcd endpoints; "
+                              f"got {endpoints!r}")
+        self.tls = scheme == "https" or (scheme is None and self.security.has_tls_files)
+        url_scheme = "https" if self.tls else "http"
+        self.endpoints = tuple(f"{url_scheme}://{host_port(h, p)}" for h, p in hostports)
         self._where = ",".join(self.endpoints)
         self.request_timeout_s = float(request_timeout_s)
-        self._channel = grpc.insecure_channel(grpc_target(hostports), options=_CHANNEL_OPTIONS)
+        self._channel = self._open_channel(hostports)
         self._kv = rpc_pb2_grpc.KVStub(self._channel)
         self._lease = rpc_pb2_grpc.LeaseStub(self._channel)
         self._watch = rpc_pb2_grpc.WatchStub(self._channel)
+        self._auth: TokenAuth | None = None
+        if self.security.user is not None:
+            self._auth = TokenAuth(self._channel, self.security, self._where, self._translate)
         self._lock = threading.Lock()
         self._closing = False  # close() has begun: no new sessions or watches
         self._closed = False  # the channel is closed
         self._watches: set[EtcdWatch] = set()
         self._sessions: set[EtcdSession] = set()
         self._keeper = KeepAliveLoop(self)
-        self._check_reachable(connect_timeout_s)
+        self._connect(connect_timeout_s)
 
     def __repr__(self) -> str:
         return f"EtcdStore({self._where})"
 
-    def _check_reachable(self, timeout_s: float) -> None:
-        maintenance = rpc_pb2_grpc.MaintenanceStub(self._channel)
+    def _open_channel(self, hostports: list[tuple[str, int]]) -> grpc.Channel:
+        target = grpc_target(hostports)
+        if not self.tls:
+            return grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        options = _CHANNEL_OPTIONS
+        if len(hostports) > 1:
+            # The target is a list of addresses; check certificates against a name.
+            options += (("grpc.ssl_target_name_override", hostports[0][0]),)
+        if self.security.cacert is None:
+            logger.info("Checking the certificate of etcd at %s against the system's CA "
+                        "roots (no --etcd-cacert given).", self._where)
+        return grpc.secure_channel(target, channel_credentials(self.security), options=options)
+
+    def _connect(self, timeout_s: float) -> None:
+        """Wait until etcd answers, then authenticate; closes the channel and
+        raises if either fails (see the constructor)."""
         try:
-            # wait_for_ready: keep trying to connect until the deadline rather
-            # than failing at the first refused connection (etcd may be starting).
-            maintenance.Status(rpc_pb2.StatusRequest(), timeout=timeout_s, wait_for_ready=True)
-        except grpc.RpcError as exc:
+            self._check_reachable(timeout_s)
+            if self._auth is not None:
+                self._auth.authenticate(self.request_timeout_s)
+        except BaseException:
             self._channel.close()
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise StoreUnavailableError(
-                    f"cannot reach etcd at {self._where} within {timeout_s:.1f} s; "
-                    "is the server running and the address right?"
-                ) from exc
-            raise StoreError(
-                f"{self._where} did not answer like etcd: {rpc_error_text(exc)}"
-            ) from exc
+            raise
+        logger.debug("Connected to etcd at %s (%s).", self._where,
+                     self.security.describe() if self.tls or self._auth else "plain text")
+
+    def _check_reachable(self, timeout_s: float) -> None:
+        """Ask etcd's status until it answers or ``timeout_s`` passes. A call
+        that fails while the connection cannot be made fails at once with
+        gRPC's reason: a TLS refusal ends the wait there (waiting will not
+        help), anything else (etcd starting, restarting) is asked again."""
+        maintenance = rpc_pb2_grpc.MaintenanceStub(self._channel)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                maintenance.Status(rpc_pb2.StatusRequest(), timeout=max(min(left, 1.0), 0.001))
+                return
+            except grpc.RpcError as exc:
+                code, details = exc.code(), exc.details() or ""
+                if code == grpc.StatusCode.PERMISSION_DENIED or is_token_error(exc):
+                    return  # etcd answered; it wants a user for this (some versions do)
+                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise StoreError(
+                        f"{self._where} did not answer like etcd: {rpc_error_text(exc)}"
+                    ) from exc
+                why = explain_connect_failure(details, where=self._where, tls=self.tls,
+                                              security=self.security)
+                if why is not None:
+                    raise StoreAuthError(why) from exc
+                if deadline - time.monotonic() <= 0:
+                    last = f" (last error: {details})" if details else ""
+                    if not self.tls and "socket closed" in details.lower():
+                        # What a TLS-only etcd does to plain text: it hangs up.
+                        last += "; etcd hangs up on plain text: if it serves TLS, use https:// "
+                        last += "endpoints"
+                    raise StoreUnavailableError(
+                        f"cannot reach etcd at {self._where} within {timeout_s:.1f} s; "
+                        f"is the server running and the address right?{last}"
+                    ) from exc
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
     # -- plumbing -------------------------------------------------------------
 
@@ -167,16 +269,42 @@ class EtcdStore(Store):
         the request timeout if that is shorter."""
         return time.monotonic() + min(2.0, self.request_timeout_s)
 
-    def _translate(self, exc: grpc.RpcError, what: str, timeout_s: float) -> StoreError:
+    def _token(self) -> str | None:
+        """The auth token that calls and new streams carry now (None: none)."""
+        return self._auth.token if self._auth is not None else None
+
+    def _metadata(self, token: str | None):
+        return TokenAuth.metadata_for(token)
+
+    def _refresh_token(self, failed_token: str | None, timeout_s: float) -> None:
+        """Re-authenticate after etcd refused ``failed_token`` (shared by
+        concurrent callers). Raises StoreAuthError or another store error."""
+        if self._auth is None:
+            raise auth_required_error(self._where)
+        self._auth.refresh(failed_token, timeout_s)
+
+    def _translate(self, exc: grpc.RpcError, what: str, timeout_s: float,
+                   key: str | None = None) -> StoreError:
         code = exc.code()
+        details = exc.details() or ""
         if code == grpc.StatusCode.UNAVAILABLE:
+            why = explain_connect_failure(details, where=self._where, tls=self.tls,
+                                          security=self.security)
             return StoreUnavailableError(
-                f"etcd at {self._where} is unavailable ({what}): {exc.details()}"
+                f"etcd at {self._where} is unavailable ({what}): {why or details}"
             )
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return StoreTimeoutError(
                 f"etcd at {self._where} did not complete {what} within {timeout_s:.1f} s"
             )
+        if code == grpc.StatusCode.PERMISSION_DENIED:
+            return permission_error(self._where, what, key, self.security)
+        if is_token_error(exc):
+            if self._auth is None:
+                return auth_required_error(self._where)
+            return StoreAuthError(f"etcd at {self._where} refused the token of user "
+                                  f"{self._auth.user} for {what} even after authenticating "
+                                  f"again: {details}")
         return StoreError(f"etcd at {self._where} failed {what}: {rpc_error_text(exc)}")
 
     def _call(
@@ -189,27 +317,40 @@ class EtcdStore(Store):
         retry: bool,
         count: bool = True,
     ):
-        """One unary RPC with a deadline, retried if ``retry``, errors translated."""
+        """One unary RPC with a deadline, retried if ``retry``, errors translated.
+
+        A call refused for its auth token is repeated once with a fresh token,
+        retry or not: etcd checks the token before it applies anything."""
         if self._closed:
             raise self._closed_error()
         if count:
             self.ops.add(kind)
         timeout = self._timeout(timeout_s)
-        try:
-            if not retry:
-                return method(request, timeout=timeout)
-            return call_with_retry(
-                lambda left: method(request, timeout=left),
-                deadline=time.monotonic() + timeout,
-                is_retryable=_is_unavailable,
-                on_retry=lambda: self.ops.add("retry"),
-            )
-        except grpc.RpcError as exc:
-            raise self._translate(exc, kind, timeout) from exc
-        except ValueError as exc:  # gRPC's answer once the channel is closed
-            if self._closed:
-                raise self._closed_error() from exc
-            raise
+        deadline = time.monotonic() + timeout
+        renewed = False
+        while True:
+            token = self._token()
+            metadata = self._metadata(token)
+            try:
+                if not retry:
+                    return method(request, timeout=max(deadline - time.monotonic(), 0.0),
+                                  metadata=metadata)
+                return call_with_retry(
+                    lambda left, md=metadata: method(request, timeout=left, metadata=md),
+                    deadline=deadline,
+                    is_retryable=_is_unavailable,
+                    on_retry=lambda: self.ops.add("retry"),
+                )
+            except grpc.RpcError as exc:
+                if not renewed and self._auth is not None and is_token_error(exc):
+                    renewed = True
+                    self._refresh_token(token, max(deadline - time.monotonic(), 0.001))
+                    continue
+                raise self._translate(exc, kind, timeout, request_key(request)) from exc
+            except ValueError as exc:  # gRPC's answer once the channel is closed
+                if self._closed:
+                    raise self._closed_error() from exc
+                raise
 
     # -- key-value ------------------------------------------------------------
 

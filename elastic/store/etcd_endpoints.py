@@ -24,24 +24,43 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[tuple[str, int]]:
     """``"http://a:2379,b"`` or a list of such -> ``[("a", 2379), ("b", 2379)]``.
 
     Raises:
-        ConfigError: no endpoint, an https:// endpoint (TLS is not supported
-            yet), another scheme, or something that is not ``host[:port]``.
+        ConfigError: as :func:`parse_endpoint_urls`.
+    """
+    return parse_endpoint_urls(endpoints)[1]
+
+
+def parse_endpoint_urls(
+    endpoints: str | Sequence[str],
+) -> tuple[str | None, list[tuple[str, int]]]:
+    """The scheme the endpoints share (``"http"``, ``"https"``, or None when
+    every one is a bare ``host[:port]``) and their hosts and ports. A bare
+    endpoint beside ``https://`` ones is reached over TLS too.
+
+    Raises:
+        ConfigError: no endpoint, a scheme other than http:// and https://,
+            http:// and https:// mixed, or something that is not ``host[:port]``.
     """
     items = [endpoints] if isinstance(endpoints, str) else list(endpoints)
     parts = [p.strip() for item in items for p in str(item).split(",") if p.strip()]
     if not parts:
         raise ConfigError(f"no etcd endpoint given (got {endpoints!r})")
-    return [_parse_endpoint(p) for p in parts]
+    parsed = [_parse_endpoint(p) for p in parts]
+    schemes = sorted({scheme for scheme, _ in parsed if scheme is not None})
+    if len(schemes) > 1:
+        raise ConfigError(f"etcd endpoints {','.join(parts)!r} mix http:// and https://; "
+                          "give every endpoint of the cluster the same scheme")
+    return (schemes[0] if schemes else None), [hp for _, hp in parsed]
 
 
-def _parse_endpoint(text: str) -> tuple[str, int]:
+def _parse_endpoint(text: str) -> tuple[str | None, tuple[str, int]]:
     rest = text
+    scheme = None
     if "://" in text:
         scheme, rest = text.split("://", 1)
-        if scheme.lower() == "https":
-            raise ConfigError(f"TLS endpoints are not supported yet: {text}")
-        if scheme.lower() != "http":
-            raise ConfigError(f"bad etcd endpoint {text!r}: the scheme must be http://")
+        scheme = scheme.lower()
+        if scheme not in ("http", "https"):
+            raise ConfigError(f"bad etcd endpoint {text!r}: the scheme must be http:// or "
+                              "https://")
     try:
         split = urllib.parse.urlsplit("//" + rest.rstrip("/"))
         host, port = split.hostname, split.port
@@ -49,8 +68,8 @@ def _parse_endpoint(text: str) -> tuple[str, int]:
         raise ConfigError(f"bad etcd endpoint {text!r}: {exc}") from exc
     name_ok = bool(_HOST_NAME.fullmatch(host or "")) or (":" in (host or "") and "[" in rest)
     if not name_ok or split.path or split.query or split.fragment or split.username or port == 0:
-        raise ConfigError(f"bad etcd endpoint {text!r}: expected [http://]host[:port]")
-    return host, port if port is not None else DEFAULT_PORT
+        raise ConfigError(f"bad etcd endpoint {text!r}: expected [http[s]://]host[:port]")
+    return scheme, (host, port if port is not None else DEFAULT_PORT)
 
 
 def host_port(host: str, port: int) -> str:

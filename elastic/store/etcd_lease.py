@@ -5,7 +5,9 @@ grants the lease and hands the :class:`EtcdSession` to its store's
 :class:`KeepAliveLoop`. All sessions of a store share that loop's thread and
 its one LeaseKeepAlive stream, so the number of sessions costs memory, not
 threads. The stream carries no deadline; the loop recycles it when its
-answers stop coming.
+answers stop coming. With a user, the stream carries the auth token of when
+it was opened; a stream that etcd ends for that token is reopened with a
+fresh one (etcd 3.5 does not check tokens on keep-alives, later ones may).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from typing import TYPE_CHECKING, Iterable
 import grpc
 from pyetcd.etcdrpc import rpc_pb2
 
-from elastic.errors import StoreError
+from elastic.errors import StoreAuthError, StoreError
 from elastic.store.api import KEEPALIVE_TTL_FRACTION, Session
+from elastic.store.etcd_auth import is_token_error
 from elastic.store.etcd_convert import rpc_error_text
 from elastic.store.retry import reconnect_delay
 
@@ -86,9 +89,12 @@ class _KeepAliveStream:
 
     def __init__(self, loop: KeepAliveLoop):
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.token = loop.store._token()
         # wait_for_ready: opened while the channel fails over to another member,
         # the stream waits for it instead of failing at once into a longer backoff.
-        self.call = loop.store._lease.LeaseKeepAlive(self._request_iter(), wait_for_ready=True)
+        self.call = loop.store._lease.LeaseKeepAlive(
+            self._request_iter(), wait_for_ready=True,
+            metadata=loop.store._metadata(self.token))
         self.broken = False
         self.answered = False
         self.reader = threading.Thread(
@@ -258,6 +264,8 @@ class KeepAliveLoop:
             error = "the stream ended"
         except grpc.RpcError as exc:
             error = rpc_error_text(exc)
+            if is_token_error(exc) and self.store._auth is not None and not stream.broken:
+                self._renew_token(stream)
         with self._cond:
             if stream is self._stream and not self._stopping:
                 if self._failures == 0:
@@ -265,6 +273,17 @@ class KeepAliveLoop:
                                    "reconnecting.", self.store._where, error)
                 self._stream_failed()
                 self._cond.notify()
+
+    def _renew_token(self, stream: _KeepAliveStream) -> None:
+        """etcd ended ``stream`` for its auth token: get a fresh one (outside
+        the loop's lock) for the stream that replaces it. A failure is logged;
+        the reopened stream fails the same way and tries again."""
+        try:
+            self.store._refresh_token(stream.token, self.store.request_timeout_s)
+        except StoreAuthError as exc:
+            logger.error("Lease keep-alive cannot authenticate at etcd: %s", exc)
+        except StoreError as exc:
+            logger.debug("Lease keep-alive: authenticating again at etcd failed: %s", exc)
 
     def _on_answer(self, resp: rpc_pb2.LeaseKeepAliveResponse) -> None:
         s = self._sessions.get(resp.ID)

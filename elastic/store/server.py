@@ -13,6 +13,16 @@ Typical use::
 For chaos tests, ``pause()``/``resume()`` freeze and thaw the server
 (SIGSTOP/SIGCONT), and ``restart()`` stops it and starts it again on the same
 ports with the same data, as a crashed-and-recovered member would come back.
+
+For security tests, ``tls=ServerTLS(...)`` serves clients over TLS (with
+``client_ca_file``: only clients with a certificate signed by it), and
+:meth:`EtcdServer.add_user` and :meth:`EtcdServer.enable_auth` turn on etcd's
+authentication with users whose roles grant only given prefixes::
+
+    server = EtcdServer(tls=ServerTLS(ca_file=ca, cert_file=crt, key_file=key,
+                                      client_ca_file=ca)).start()
+    server.add_user("trainer", "secret", prefixes=["/elastic/v1/job-1/"])
+    server.enable_auth(root_password="root-secret")
 """
 
 from __future__ import annotations
@@ -30,6 +40,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
+from typing import Sequence
 
 from elastic.errors import ConfigError, StoreUnavailableError
 
@@ -98,6 +110,24 @@ def _is_python_script(path: str) -> bool:
     return head.startswith(b"#!") and b"python" in head.split(b"\n", 1)[0]
 
 
+@dataclass(frozen=True)
+class ServerTLS:
+    """Client-facing TLS of an :class:`EtcdServer` (PEM files).
+
+    ``cert_file`` and ``key_file``: the server's certificate (valid for the
+    server's host) and key. ``ca_file``: the CA bundle that signs it; the
+    server's own probes trust it. ``client_ca_file``: when given, etcd
+    requires client certificates signed by it (``--client-cert-auth``); the
+    server's own probes then present ``cert_file``, which must be signed by
+    that CA and allow client authentication (trustme's certificates do).
+    """
+
+    ca_file: str
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+
+
 def _free_ports(host: str, count: int) -> list[int]:
     """Ports free right now; held open together so they differ. Another
     process may still take one before etcd binds it (start retries then)."""
@@ -156,7 +186,11 @@ class EtcdServer:
         client_port: int | None = None,
         peer_port: int | None = None,
         unsafe_no_fsync: bool = False,
+        tls: ServerTLS | None = None,
+        extra_args: Sequence[str] = (),
     ):
+        """``tls``: serve clients over TLS (see :class:`ServerTLS`).
+        ``extra_args``: more etcd flags, e.g. ``("--auth-token-ttl", "2")``."""
         self._binary = binary
         self._host = host
         self._given_data_dir = data_dir
@@ -165,6 +199,9 @@ class EtcdServer:
         self._client_port = client_port
         self._peer_port = peer_port
         self._unsafe_no_fsync = unsafe_no_fsync
+        self._tls = tls
+        self._extra_args = tuple(extra_args)
+        self._root_password: str | None = None  # set by enable_auth
         self._workdir: str | None = None  # owned temp dir: data and/or log
         self._proc: subprocess.Popen | None = None
         self._paused = False
@@ -173,14 +210,19 @@ class EtcdServer:
 
     @property
     def endpoint(self) -> str:
-        """The client URL, e.g. ``http://127.0.0.1:23791``.
+        """The client URL, e.g. ``http://127.0.0.1:23791`` (``https://`` with TLS).
 
         Raises:
             RuntimeError: the server has never been started.
         """
         if self._client_port is None:
             raise RuntimeError("the etcd server has not been started")
-        return f"http://{self._host}:{self._client_port}"
+        scheme = "https" if self._tls is not None else "http"
+        return f"{scheme}://{self._host}:{self._client_port}"
+
+    @property
+    def tls(self) -> ServerTLS | None:
+        return self._tls
 
     @property
     def client_port(self) -> int | None:
@@ -297,8 +339,86 @@ class EtcdServer:
 
     # -- internals -------------------------------------------------------------
 
+    # -- authentication -----------------------------------------------------------
+
+    def channel(self):
+        """A new gRPC channel to this server, as its own probes use: over TLS
+        when it serves TLS, presenting its certificate when it asks for one.
+        The caller closes it."""
+        import grpc
+
+        target = f"{self._host}:{self._client_port}"
+        tls = self._tls
+        if tls is None:
+            return grpc.insecure_channel(target)
+
+        def read(path: str) -> bytes:
+            with open(path, "rb") as f:
+                return f.read()
+
+        with_cert = tls.client_ca_file is not None
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=read(tls.ca_file),
+            private_key=read(tls.key_file) if with_cert else None,
+            certificate_chain=read(tls.cert_file) if with_cert else None)
+        return grpc.secure_channel(target, credentials)
+
+    def add_user(self, name: str, password: str, prefixes: Sequence[str] = ()) -> None:
+        """Create etcd user ``name`` and a role of the same name that grants
+        readwrite on each of ``prefixes`` (every key that starts with it: range
+        end = the prefix with its last byte plus one) and nothing else.
+        Works before and after :meth:`enable_auth` (then as root)."""
+        from pyetcd.etcdrpc import auth_pb2, rpc_pb2, rpc_pb2_grpc
+
+        from elastic.store.etcd_convert import key_range
+
+        with self.channel() as channel:
+            auth = rpc_pb2_grpc.AuthStub(channel)
+            md = self._root_metadata(auth)
+            auth.RoleAdd(rpc_pb2.AuthRoleAddRequest(name=name), timeout=10, metadata=md)
+            for prefix in prefixes:
+                start, end = key_range(prefix, True)
+                perm = auth_pb2.Permission(permType=auth_pb2.Permission.READWRITE,
+                                           key=start, range_end=end)
+                auth.RoleGrantPermission(
+                    rpc_pb2.AuthRoleGrantPermissionRequest(name=name, perm=perm),
+                    timeout=10, metadata=md)
+            auth.UserAdd(rpc_pb2.AuthUserAddRequest(name=name, password=password),
+                         timeout=10, metadata=md)
+            auth.UserGrantRole(rpc_pb2.AuthUserGrantRoleRequest(user=name, role=name),
+                               timeout=10, metadata=md)
+
+    def enable_auth(self, root_password: str) -> None:
+        """Create the root user (with the root role) and turn authentication
+        on: from then on every request needs a user (a token, or a client
+        certificate whose common name is a user)."""
+        from pyetcd.etcdrpc import rpc_pb2, rpc_pb2_grpc
+
+        with self.channel() as channel:
+            auth = rpc_pb2_grpc.AuthStub(channel)
+            auth.RoleAdd(rpc_pb2.AuthRoleAddRequest(name="root"), timeout=10)
+            auth.UserAdd(rpc_pb2.AuthUserAddRequest(name="root", password=root_password),
+                         timeout=10)
+            auth.UserGrantRole(rpc_pb2.AuthUserGrantRoleRequest(user="root", role="root"),
+                               timeout=10)
+            auth.AuthEnable(rpc_pb2.AuthEnableRequest(), timeout=10)
+        self._root_password = root_password
+
+    def _root_metadata(self, auth):
+        if self._root_password is None:
+            return None
+        from pyetcd.etcdrpc import rpc_pb2
+
+        resp = auth.Authenticate(rpc_pb2.AuthenticateRequest(name="root",
+                                                             password=self._root_password),
+                                 timeout=10)
+        return (("token", resp.token),)
+
+    # -- internals -------------------------------------------------------------
+
     def _command(self, binary: str) -> list[str]:
-        client_url = f"http://{self._host}:{self._client_port}"
+        scheme = "https" if self._tls is not None else "http"
+        client_url = f"{scheme}://{self._host}:{self._client_port}"
         peer_url = f"http://{self._host}:{self._peer_port}"
         name = "elastic-etcd"
         cmd = [
@@ -318,6 +438,11 @@ class EtcdServer:
         ]
         if self._unsafe_no_fsync:
             cmd.append("--unsafe-no-fsync")
+        if self._tls is not None:
+            cmd += ["--cert-file", self._tls.cert_file, "--key-file", self._tls.key_file]
+            if self._tls.client_ca_file is not None:
+                cmd += ["--client-cert-auth", "--trusted-ca-file", self._tls.client_ca_file]
+        cmd += self._extra_args
         return cmd
 
     def _spawn(self, binary: str) -> None:
@@ -342,8 +467,11 @@ class EtcdServer:
         import grpc
         from pyetcd.etcdrpc import rpc_pb2, rpc_pb2_grpc
 
-        target = f"{self._host}:{self._client_port}"
-        with grpc.insecure_channel(target) as channel:
+        # With authentication on, etcd checks the user after the read is
+        # linearized: a refusal proves a leader as well as an answer does.
+        refused = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT,
+                   grpc.StatusCode.UNAUTHENTICATED)
+        with self.channel() as channel:
             kv = rpc_pb2_grpc.KVStub(channel)
             while True:
                 if self._proc.poll() is not None:
@@ -356,7 +484,9 @@ class EtcdServer:
                     kv.Range(rpc_pb2.RangeRequest(key=b"\0"), timeout=min(0.5, left),
                              wait_for_ready=True)
                     return "ready"
-                except grpc.RpcError:
+                except grpc.RpcError as exc:
+                    if exc.code() in refused:
+                        return "ready"
                     time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
     def _signal(self, signum: int) -> None:

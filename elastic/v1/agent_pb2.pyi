@@ -127,18 +127,22 @@ class WorkerChannelHeartbeatResponse(_message.Message):
     def __init__(self, stop_requested: _Optional[bool] = ..., hold: _Optional[bool] = ...) -> None: ...
 
 class CheckpointEntry(_message.Message):
-    __slots__ = ("step", "round", "world_size", "path", "time")
+    __slots__ = ("step", "round", "world_size", "path", "time", "save_s", "size_bytes")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
+    SAVE_S_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     step: int
     round: int
     world_size: int
     path: str
     time: float
-    def __init__(self, step: _Optional[int] = ..., round: _Optional[int] = ..., world_size: _Optional[int] = ..., path: _Optional[str] = ..., time: _Optional[float] = ...) -> None: ...
+    save_s: float
+    size_bytes: int
+    def __init__(self, step: _Optional[int] = ..., round: _Optional[int] = ..., world_size: _Optional[int] = ..., path: _Optional[str] = ..., time: _Optional[float] = ..., save_s: _Optional[float] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class WorkerChannelCommitCheckpointRequest(_message.Message):
     __slots__ = ("entry",)
@@ -179,5 +183,23 @@ class WorkerChannelReportCheckpointFailureRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., round: _Optional[int] = ..., rank: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class WorkerChannelReportCheckpointFailureResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerChannelReportRestoreRequest(_message.Message):
+    __slots__ = ("step", "round", "rank", "restore_s", "size_bytes")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_S_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    round: int
+    rank: int
+    restore_s: float
+    size_bytes: int
+    def __init__(self, step: _Optional[int] = ..., round: _Optional[int] = ..., rank: _Optional[int] = ..., restore_s: _Optional[float] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class WorkerChannelReportRestoreResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -265,6 +265,11 @@ class WorkerChannelStub:
                 request_serializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelReportCheckpointFailureRequest.SerializeToString,
                 response_deserializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelReportCheckpointFailureResponse.FromString,
                 _registered_method=True)
+        self.ReportRestore = channel.unary_unary(
+                '/elastic.v1.WorkerChannel/ReportRestore',
+                request_serializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelReportRestoreRequest.SerializeToString,
+                response_deserializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelReportRestoreResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerChannelServicer:
@@ -301,6 +306,14 @@ class WorkerChannelServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportRestore(self, request, context):
+        """A checkpoint was restored: how long it took and how large it is, for the
+        agent's metrics. Sent by rank 0 only, after a load, best effort.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerChannelServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -323,6 +336,11 @@ def add_WorkerChannelServicer_to_server(servicer, server):
                     servicer.ReportCheckpointFailure,
                     request_deserializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelReportCheckpointFailureRequest.FromString,
                     response_serializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelReportCheckpointFailureResponse.SerializeToString,
+            ),
+            'ReportRestore': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportRestore,
+                    request_deserializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelReportRestoreRequest.FromString,
+                    response_serializer=elastic_dot_v1_dot_agent__pb2.WorkerChannelReportRestoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -434,6 +452,33 @@ class WorkerChannel:
             '/elastic.v1.WorkerChannel/ReportCheckpointFailure',
             elastic_dot_v1_dot_agent__pb2.WorkerChannelReportCheckpointFailureRequest.SerializeToString,
             elastic_dot_v1_dot_agent__pb2.WorkerChannelReportCheckpointFailureResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportRestore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elastic.v1.WorkerChannel/ReportRestore',
+            elastic_dot_v1_dot_agent__pb2.WorkerChannelReportRestoreRequest.SerializeToString,
+            elastic_dot_v1_dot_agent__pb2.WorkerChannelReportRestoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

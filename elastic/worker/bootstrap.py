@@ -28,7 +28,8 @@ module ARGS``) would run it in ``cwd`` with ``env``: same ``sys.argv``,
 ``sys.path[0]``, ``__name__ == "__main__"`` and the same exit status
 (``SystemExit`` codes as given, 1 with a traceback for an uncaught exception,
 death by SIGINT for an uncaught ``KeyboardInterrupt``, 2 for a script file
-that cannot be opened). Environment variables read only when the interpreter
+that cannot be opened). An uncaught exception is also written to
+``TORCHELASTIC_ERROR_FILE`` when that is set (:mod:`elastic.errorfile`). Environment variables read only when the interpreter
 or torch starts (``PYTHONPATH``, ``OMP_NUM_THREADS``, ...) are those of the
 warm process, not of the assignment; the supervisor starts a worker cold when
 they differ. The worker gets SIGKILL when the thread of the agent that spawned
@@ -49,6 +50,8 @@ import signal
 import sys
 import time
 import types
+
+from elastic import errorfile
 
 # What a training script's start-up pays for: torch itself, and torch._dynamo,
 # which DistributedDataParallel and FSDP import lazily on construction (about
@@ -243,6 +246,10 @@ def main() -> None:
         os.kill(os.getpid(), signal.SIGINT)
         sys.exit(130)  # only if SIGINT could not be delivered
     except BaseException as exc:  # noqa: BLE001 - the script's error, reported as Python would
+        if os.environ.get(errorfile.ENV_VAR):
+            # The agent names this as the failure's root cause (torch's @record
+            # may have written it already: that one is kept).
+            errorfile.write(os.environ[errorfile.ENV_VAR], exc)
         _report_uncaught(exc)
         sys.exit(1)
     finally:

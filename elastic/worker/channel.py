@@ -105,15 +105,18 @@ class WorkerChannelClient:
                            "%s: %s.", rank, pid, round_, self._target, code.name, exc.details())
 
     def commit_checkpoint(self, *, step: int, round: int, world_size: int,  # noqa: A002
-                          path: str, time: float) -> tuple[bool, str]:
+                          path: str, time: float, save_s: float = 0.0,
+                          size_bytes: int = 0) -> tuple[bool, str]:
         """Ask the agent to record a checkpoint as the job's latest, fenced by
-        ``round``: (True, "") or (False, why it was refused).
+        ``round``: (True, "") or (False, why it was refused). ``save_s`` and
+        ``size_bytes`` say how the save went (0: not measured).
 
         Raises AgentUnreachableError when the agent cannot be asked (the save
         then fails: nothing may count as committed without the fence).
         """
         entry = agent_pb2.CheckpointEntry(step=step, round=round, world_size=world_size,
-                                          path=path, time=time)
+                                          path=path, time=time, save_s=save_s,
+                                          size_bytes=size_bytes)
         try:
             resp = self._stub.CommitCheckpoint(
                 agent_pb2.WorkerChannelCommitCheckpointRequest(entry=entry),
@@ -139,7 +142,7 @@ class WorkerChannelClient:
             return None
         e = resp.entry
         return {"step": e.step, "round": e.round, "world_size": e.world_size, "path": e.path,
-                "time": e.time}
+                "time": e.time, "save_s": e.save_s, "size_bytes": e.size_bytes}
 
     def report_checkpoint_failure(self, *, step: int, round: int,  # noqa: A002
                                   rank: int, message: str, timeout_s: float = 2.0) -> None:
@@ -156,6 +159,24 @@ class WorkerChannelClient:
         except (grpc.RpcError, ValueError) as exc:
             raise AgentUnreachableError(
                 f"cannot report the failed save of checkpoint step {step} to the agent at "
+                f"{self._target}: {_describe(exc)}") from exc
+
+    def report_restore(self, *, step: int, round: int, rank: int,  # noqa: A002
+                       restore_s: float, size_bytes: int, timeout_s: float = 2.0) -> None:
+        """Tell the agent that this worker restored the checkpoint of ``step``
+        (``size_bytes``, all ranks' files) in ``restore_s``. Waits at most
+        ``timeout_s``.
+
+        Raises AgentUnreachableError when the agent cannot be asked or answers
+        with an error (the caller decides that the report is best effort).
+        """
+        request = agent_pb2.WorkerChannelReportRestoreRequest(
+            step=step, round=round, rank=rank, restore_s=restore_s, size_bytes=size_bytes)
+        try:
+            self._stub.ReportRestore(request, timeout=timeout_s)
+        except (grpc.RpcError, ValueError) as exc:
+            raise AgentUnreachableError(
+                f"cannot report the restore of checkpoint step {step} to the agent at "
                 f"{self._target}: {_describe(exc)}") from exc
 
     def close(self) -> None:

@@ -90,7 +90,7 @@ class AgentProcess:
     def __init__(self, endpoint: str | None, job_id: str, node_id: str, nnodes: str,
                  script_args: list[str], *, nproc: int = 2, lease_ttl: float = 2.0,
                  hang_timeout: float = 5.0, extra: tuple[str, ...] = (),
-                 script: str = "examples/ddp.py"):
+                 script: str = "examples/ddp.py", env: dict[str, str] | None = None):
         self.node_id = node_id
         store = ["--etcd", endpoint] if endpoint else ["--standalone"]
         cmd = [sys.executable, "-m", "agent.daemon", *store, "--job-id", job_id,
@@ -99,7 +99,8 @@ class AgentProcess:
                "--settle", "0.3", "--stop-grace", "2", "--advertise-addr", "127.0.0.1",
                "--listen", "127.0.0.1:0", *extra, script, *script_args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+                                     stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})})
         self.output: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

@@ -134,7 +134,7 @@ class Cluster:
             settle_s=0.5, join_timeout_s=600.0, start_timeout_s=12.0,
             exit_barrier_timeout_s=20.0, scale_up_wait_s=0.0, listen="sim:0",
             advertise_addr=f"host-{node_id}", state_dir="/nonexistent", log_dir="/nonexistent", log_format="text",
-            metrics_port=0, stop_grace_s=1.0,
+            metrics_port=0, stop_grace_s=1.0, drain_exit_code=0,
             prestart=False, warm_sets=1, connect_timeout_s=1.0, script="train.py", module=None,
             script_args=())
 

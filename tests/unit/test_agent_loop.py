@@ -10,6 +10,7 @@ import random
 from agent.config import AgentConfig
 from agent.daemon import Agent, RoundChanged
 from agent.lifecycle import AgentState as S
+from agent.metrics import NO_METRICS
 from elastic.errors import StoreUnavailableError
 from elastic.rendezvous.api import NodeInfo, Round
 from elastic.rendezvous.node import RendezvousNode
@@ -24,7 +25,7 @@ BLIP = StoreUnavailableError("etcd did not answer (injected)")
 class OneNode:
     """One agent with two fake workers; ``run(seconds)`` moves everything."""
 
-    def __init__(self, total_steps=1000):
+    def __init__(self, total_steps=1000, metrics=NO_METRICS):
         self.clock = FakeClock()
         self.store = MemoryStore(clock=self.clock, synchronous=True)
         network = Network()
@@ -38,7 +39,7 @@ class OneNode:
             checkpoint_dir=None, hang_timeout_s=30.0, lease_ttl_s=3.0, settle_s=0.0,
             join_timeout_s=600.0, start_timeout_s=60.0, exit_barrier_timeout_s=300.0,
             scale_up_wait_s=0.0, listen="mem:0", advertise_addr="h", state_dir="/nonexistent", log_dir="/nonexistent", log_format="text",
-            metrics_port=0, stop_grace_s=1.0,
+            metrics_port=0, stop_grace_s=1.0, drain_exit_code=0,
             prestart=False, warm_sets=1, connect_timeout_s=1.0, script="train.py", module=None,
             script_args=())
         inbox: queue.Queue = queue.Queue()
@@ -50,7 +51,8 @@ class OneNode:
                                    port_picker=lambda _h: 1)
         self.supervisor = FakeSupervisor(self.workers, "a", self.clock.monotonic)
         self.agent = Agent(config, self.store, self.rdzv, self.supervisor, server,
-                           FakeMesh(network, "a"), inbox=inbox, clock=self.clock)
+                           FakeMesh(network, "a"), inbox=inbox, clock=self.clock,
+                           metrics=metrics)
         server.agent = self.agent
         self.workers.agents["a"] = self.agent
         self.workers.on_exit["a"] = inbox.put

@@ -156,6 +156,15 @@ class TestLaterRounds:
         assert d.members == ("a", "c")
         assert "drained b" in d.reason
 
+    def test_failures_reported_while_a_member_drains_cost_no_budget(self):
+        obs = Observed(round_of(2, "a", "b", "c"), nodes("a", "b", "c"), {},
+                       draining=frozenset({"b"}),
+                       restart_requests=(RestartRequest("a", 2, "worker rank 0 exited with 1",
+                                                        failure=True),))
+        d = decide(obs, 10.0, dataclasses.replace(cfg(), max_restarts=0))
+        assert d.action is Action.CLOSE_ROUND and d.members == ("a", "c")
+        assert d.failures == ()
+
     def test_garbage_round_is_treated_as_no_round(self):
         d = decide(Observed(None, nodes("a", "b"), {"a": 0.0, "b": 0.0}), 10.0, cfg())
         assert d.action is Action.CLOSE_ROUND

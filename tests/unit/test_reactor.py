@@ -254,12 +254,25 @@ def test_drain_stops_workers_and_leaves():
     assert view.state is S.SUCCEEDED
     assert transitions(commands) == [S.DRAINING, S.SUCCEEDED]
     assert kinds(commands).index("StopWorkers") < kinds(commands).index("Leave")
+    # The leader learns of the drain before the peers' workers fail on this node.
+    assert kinds(commands).index("AnnounceDrain") < kinds(commands).index("StopWorkers")
 
 
-def test_a_signal_fails_the_agent_with_the_shell_exit_code():
+def test_sigterm_drains_the_node_and_exits_with_the_drain_code():
     view, commands = react(running(3), Signalled(15), 10.0, SETTINGS)
-    assert view.state is S.FAILED and view.exit_code == 143
-    assert view.outcome_reason == "stopped by SIGTERM"
+    in_kubernetes, _ = react(running(3), Signalled(15), 10.0,
+                             dataclasses.replace(SETTINGS, drain_exit_code=143))
+
+    assert view.state is S.SUCCEEDED and view.exit_code == 0
+    assert transitions(commands) == [S.DRAINING, S.SUCCEEDED]
+    assert kinds(commands).index("StopWorkers") < kinds(commands).index("Leave")
+    assert view.outcome_reason == "drained: received SIGTERM"
+    assert in_kubernetes.exit_code == 143
+
+
+def test_sigint_drains_too_and_exits_as_the_shell_reports_it():
+    view, _ = react(running(3), Signalled(2), 10.0, SETTINGS)
+    assert view.state is S.SUCCEEDED and view.exit_code == 130
 
 
 def test_a_final_agent_reacts_to_nothing():

@@ -1,0 +1,359 @@
+"""The agent's Prometheus metrics: every metric name is defined here, once.
+
+:class:`AgentMetrics` is fed by the agent's loop (:mod:`agent.daemon`) with
+what it already has in hand: each typed event with the view before and after
+:func:`agent.reactor.react` and the commands it returned, at the loop's
+monotonic ``now``; each lifecycle transition; the workers' heartbeats; the
+checkpoint commits and restores its workers report; and the etcd errors its
+loop retries. It never reads a clock, so tests drive it with explicit times
+(``tests/unit/test_metrics.py``). Each agent has a registry of its own, never
+the process-wide default: the fault simulator runs many agents in one
+process. :class:`NoMetrics` is the same interface doing nothing (agents built
+without ``--metrics-port``).
+
+Every metric carries the labels ``job_id`` and ``node_id``. Not ``job``:
+Prometheus sets ``job`` on every scraped series to the scrape job's name and
+would rename ours to ``exported_job``.
+
+Restarts are counted where this node's workers are stopped for a new round
+(once per stop), with a bounded ``reason`` classified from the typed event
+that caused the stop, never from free text:
+
+=================  ===========================================================
+``worker_exit``    a worker of this node exited non-zero or was killed
+``worker_hang``    a worker of this node made no progress (or went silent)
+``peer_unhealthy`` the ring peer reported its workers NOT_SERVING for a TTL
+``store_cut_off``  this node was cut off from etcd (the partition rule)
+``node_left``      a new round without some members (lease lost, drained)
+``peer_failure``   a new round, same members, a failure counted elsewhere
+``node_joined``    a new round with more members (scale up)
+``requested``      a new round, same members, no failure (``elasticctl
+                   restart``, a node back from a cut-off, an agent registered
+                   again)
+``other``          anything else that stopped the workers for a new round
+=================  ===========================================================
+
+Time to detect (``elasticd_detect_seconds``) is observed where this node
+judged the fault and the evidence's time is known: 0 for a worker's exit (the
+supervisor reaps it at once), the silence before a hang verdict, the time the
+peer was NOT_SERVING, the time the lease went unconfirmed. Time to recover
+(``elasticd_recover_seconds``) runs from the first stop of the workers to the
+first step of every worker of a later round (``Tick.workers_stepped``);
+restarts in between (a crash loop) do not reset it, and a node left out of
+the next round (standby) observes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable, Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import start_http_server
+
+from agent import reactor
+from agent.lifecycle import AgentState
+from elastic.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+RESTART_REASONS = ("worker_exit", "worker_hang", "peer_unhealthy", "store_cut_off",
+                   "node_left", "peer_failure", "node_joined", "requested", "other")
+# What the status RPC reports per worker (agent/daemon.py's _worker_rows).
+WORKER_STATES = ("starting", "running", "succeeded")
+# Where the loop met an etcd error it retries (Agent.step and Agent.flush) or
+# passed on to a worker (a checkpoint commit).
+STORE_OPS = ("round_read", "react", "flush", "checkpoint_commit")
+_LABELS = ("job_id", "node_id")
+
+_DETECT_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+_RECOVER_BUCKETS_S = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+_RENDEZVOUS_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
+_CHECKPOINT_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+                         1800.0)
+
+
+class NoMetrics:
+    """The metrics interface, doing nothing: what an agent without
+    ``--metrics-port`` (and one the tests or the simulator build) is fed
+    through. Stateless, so one instance serves every agent. ``observe`` and
+    ``observe_transition`` are called from the agent's loop only; the others
+    from any thread (gRPC handlers, the HTTP server's)."""
+
+    def observe(self, before: reactor.AgentView, event: reactor.Event,
+                after: reactor.AgentView, commands: Sequence[reactor.Command],
+                now: float) -> None:
+        """The loop reacted to ``event`` at monotonic ``now``: ``before`` and
+        ``after`` are the views around :func:`agent.reactor.react`, ``commands``
+        what it returned."""
+
+    def observe_transition(self, state: AgentState, now: float) -> None:
+        """The lifecycle entered ``state`` at monotonic ``now``."""
+
+    def observe_heartbeat(self, step: int, step_rate: float) -> None:
+        """A heartbeat of the current round arrived; ``step`` is the newest
+        step of this node's workers (-1: none yet), ``step_rate`` their
+        slowest rate in steps/s."""
+
+    def observe_save(self, step: int, seconds: float, size_bytes: int) -> None:
+        """A checkpoint of ``step`` was committed through this agent; its save
+        took ``seconds`` and wrote ``size_bytes`` (0: not measured)."""
+
+    def observe_restore(self, seconds: float, size_bytes: int) -> None:
+        """A worker restored a checkpoint of ``size_bytes`` in ``seconds``."""
+
+    def store_error(self, op: str) -> None:
+        """The loop met an etcd error during ``op`` (one of STORE_OPS)."""
+
+    def count_workers_with(self, states: Callable[[], Iterable[str]]) -> None:
+        """``states()`` lists the state of each worker of this node (any
+        thread), read at every scrape."""
+
+    def serve(self, host: str, port: int) -> str:
+        """Serve the metrics over HTTP; returns the URL. Nothing to serve here."""
+        return ""
+
+    def close(self) -> None:
+        """Stop serving. Idempotent."""
+
+
+NO_METRICS = NoMetrics()
+
+
+class AgentMetrics(NoMetrics):
+    """One agent's metrics in a registry of its own (``registry``)."""
+
+    def __init__(self, job_id: str, node_id: str, registry: CollectorRegistry | None = None):
+        self.job_id = job_id
+        self.node_id = node_id
+        self.registry = registry if registry is not None else CollectorRegistry()
+        ids = (job_id, node_id)
+        r = self.registry
+        self._rounds_started = Counter(
+            "elasticd_rounds_started", "Rounds this node started workers in.",
+            _LABELS, registry=r).labels(*ids)
+        self._round = Gauge(
+            "elasticd_round", "The round this node's workers belong to (0: none yet).",
+            _LABELS, registry=r).labels(*ids)
+        self._world_size = Gauge(
+            "elasticd_world_size", "World size of that round.", _LABELS, registry=r).labels(*ids)
+        self._state = Gauge(
+            "elasticd_agent_state", "The agent's lifecycle state: 1 for the current one.",
+            _LABELS + ("state",), registry=r)
+        self._restarts = Counter(
+            "elasticd_restarts", "Stops of this node's workers for a new round, by reason.",
+            _LABELS + ("reason",), registry=r)
+        self._detect = Histogram(
+            "elasticd_detect_seconds",
+            "From the evidence of a fault to this agent's reaction, by reason.",
+            _LABELS + ("reason",), buckets=_DETECT_BUCKETS_S, registry=r)
+        self._recover = Histogram(
+            "elasticd_recover_seconds",
+            "From the stop of the workers to the first step of every worker of a later "
+            "round, by the stop's reason.",
+            _LABELS + ("reason",), buckets=_RECOVER_BUCKETS_S, registry=r)
+        self._rendezvous = Histogram(
+            "elasticd_rendezvous_seconds", "From entering JOINING to STARTING a round.",
+            _LABELS, buckets=_RENDEZVOUS_BUCKETS_S, registry=r).labels(*ids)
+        self._step = Gauge(
+            "elasticd_step", "The newest step this node's workers reported.",
+            _LABELS, registry=r).labels(*ids)
+        self._step_rate = Gauge(
+            "elasticd_step_rate", "Steps per second of this node's slowest worker.",
+            _LABELS, registry=r).labels(*ids)
+        self._heartbeats = Counter(
+            "elasticd_worker_heartbeats", "Heartbeats received from this node's workers.",
+            _LABELS, registry=r).labels(*ids)
+        self._save_seconds = Histogram(
+            "elasticd_checkpoint_save_seconds",
+            "Checkpoint saves committed through this agent: from save() to the commit.",
+            _LABELS, buckets=_CHECKPOINT_BUCKETS_S, registry=r).labels(*ids)
+        self._save_bytes = Counter(
+            "elasticd_checkpoint_save_bytes",
+            "Bytes of the checkpoints committed through this agent (all ranks' files).",
+            _LABELS, registry=r).labels(*ids)
+        self._checkpoint_step = Gauge(
+            "elasticd_checkpoint_step", "The step of the last checkpoint committed here.",
+            _LABELS, registry=r).labels(*ids)
+        self._restore_seconds = Histogram(
+            "elasticd_checkpoint_restore_seconds",
+            "Checkpoint restores reported by this node's rank 0.",
+            _LABELS, buckets=_CHECKPOINT_BUCKETS_S, registry=r).labels(*ids)
+        self._restore_bytes = Counter(
+            "elasticd_checkpoint_restore_bytes",
+            "Bytes of the checkpoints restored by this node's rank 0 (all ranks' files).",
+            _LABELS, registry=r).labels(*ids)
+        self._store_errors = Counter(
+            "elasticd_etcd_errors", "etcd errors met by the agent's loop, by operation.",
+            _LABELS + ("op",), registry=r)
+        self._states_source: Callable[[], Iterable[str]] = tuple
+        r.register(_WorkersCollector("elasticd_workers",
+                                     "This node's workers of the running round, by state.",
+                                     ids, lambda: self._states_source()))
+        # Every series exists from the start, so rate() and "== 1" queries work.
+        for reason in RESTART_REASONS:
+            self._restarts.labels(*ids, reason)
+        for op in STORE_OPS:
+            self._store_errors.labels(*ids, op)
+        for state in AgentState:
+            self._state.labels(*ids, state.value).set(0)
+        self._joining_since: float | None = None
+        # (reason, monotonic time) of the first stop not yet recovered from.
+        self._unrecovered: tuple[str, float] | None = None
+        self._server = None
+        self._thread = None
+
+    # ------------------------------------------------------------ the loop
+
+    def observe(self, before: reactor.AgentView, event: reactor.Event,
+                after: reactor.AgentView, commands: Sequence[reactor.Command],
+                now: float) -> None:
+        ids = (self.job_id, self.node_id)
+        for command in commands:
+            if isinstance(command, reactor.StartWorkers):
+                self._rounds_started.inc()
+        self._round.set(after.round_number)
+        self._world_size.set(after.round.world_size if after.round is not None else 0)
+        stopped = any(isinstance(c, reactor.StopWorkers) for c in commands)
+        if stopped and not after.state.final and after.state is not AgentState.DRAINING:
+            reason, detect_s = restart_reason(before, event, commands, now)
+            self._restarts.labels(*ids, reason).inc()
+            if detect_s is not None:
+                self._detect.labels(*ids, reason).observe(max(0.0, detect_s))
+            if self._unrecovered is None:
+                self._unrecovered = (reason, now)
+        unrecovered = self._unrecovered
+        if unrecovered is None:
+            return
+        reason, stopped_at = unrecovered
+        if after.state in (AgentState.STANDBY, AgentState.DRAINING) or after.state.final:
+            self._unrecovered = None  # the job goes on (or ends) without this node
+        elif (isinstance(event, reactor.Tick) and event.workers_stepped
+              and after.state is AgentState.RUNNING):
+            # The loop gives the workers of a new round fresh records (no step
+            # yet) as it starts them: "stepped" in RUNNING is the new round's.
+            self._recover.labels(*ids, reason).observe(now - stopped_at)
+            self._unrecovered = None
+
+    def observe_transition(self, state: AgentState, now: float) -> None:
+        ids = (self.job_id, self.node_id)
+        for s in AgentState:
+            self._state.labels(*ids, s.value).set(1 if s is state else 0)
+        if state is AgentState.JOINING:
+            self._joining_since = now
+        elif state is AgentState.STARTING and self._joining_since is not None:
+            self._rendezvous.observe(max(0.0, now - self._joining_since))
+            self._joining_since = None
+        else:
+            # A standby waits for room, not for a rendezvous.
+            self._joining_since = None
+
+    def store_error(self, op: str) -> None:
+        self._store_errors.labels(self.job_id, self.node_id,
+                                  op if op in STORE_OPS else "other").inc()
+
+    # ------------------------------------------------------------ the workers
+
+    def observe_heartbeat(self, step: int, step_rate: float) -> None:
+        self._heartbeats.inc()
+        if step >= 0:
+            self._step.set(step)
+        self._step_rate.set(step_rate if math.isfinite(step_rate) and step_rate > 0 else 0.0)
+
+    def observe_save(self, step: int, seconds: float, size_bytes: int) -> None:
+        self._checkpoint_step.set(step)
+        if math.isfinite(seconds) and seconds > 0:
+            self._save_seconds.observe(seconds)
+        if size_bytes > 0:
+            self._save_bytes.inc(size_bytes)
+
+    def observe_restore(self, seconds: float, size_bytes: int) -> None:
+        if math.isfinite(seconds) and seconds >= 0:
+            self._restore_seconds.observe(seconds)
+        if size_bytes > 0:
+            self._restore_bytes.inc(size_bytes)
+
+    def count_workers_with(self, states: Callable[[], Iterable[str]]) -> None:
+        self._states_source = states
+
+    # ------------------------------------------------------------ serving
+
+    def serve(self, host: str, port: int) -> str:
+        """Serve ``/metrics`` on ``host:port`` from a thread of its own; returns
+        its URL. Raises ConfigError when the port cannot be bound."""
+        addr = host.strip("[]")
+        try:
+            self._server, self._thread = start_http_server(port, addr=addr,
+                                                           registry=self.registry)
+        except OSError as exc:
+            raise ConfigError(f"--metrics-port {port}: cannot serve metrics on {host}: "
+                              f"{exc}") from exc
+        url = f"http://{host if ':' not in addr else f'[{addr}]'}:{port}/metrics"
+        log.info("Job %s node %s serves Prometheus metrics at %s.", self.job_id, self.node_id,
+                 url)
+        return url
+
+    def close(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+
+def restart_reason(before: reactor.AgentView, event: reactor.Event,
+                   commands: Sequence[reactor.Command], now: float
+                   ) -> tuple[str, float | None]:
+    """Why ``event`` stopped this node's workers for a new round (one of
+    RESTART_REASONS), and how long the fault went undetected (None: not
+    measurable here). Reads only typed fields: never a reason's text."""
+    if isinstance(event, reactor.WorkerExited):
+        return "worker_exit", 0.0  # the supervisor reaps a worker at once
+    if isinstance(event, reactor.Tick):
+        if event.hung:
+            since = event.hung_since
+            return "worker_hang", None if since is None else now - since
+        if any(isinstance(c, reactor.RequestRestart) and not c.failure for c in commands):
+            return "store_cut_off", event.lease_unconfirmed_s
+        if before.peer_unhealthy is not None:
+            return "peer_unhealthy", now - before.peer_unhealthy[1]
+        return "other", None
+    if isinstance(event, reactor.LeaseState):
+        return "store_cut_off", event.unconfirmed_s
+    if isinstance(event, reactor.RoundCommitted) and before.round is not None:
+        old, new = before.round, event.round
+        if set(old.node_ids) - set(new.node_ids):
+            return "node_left", None
+        if set(new.failures) - set(old.failures):
+            return "peer_failure", None
+        if set(new.node_ids) - set(old.node_ids):
+            return "node_joined", None
+        return "requested", None
+    return "other", None
+
+
+class _WorkersCollector:
+    """``elasticd_workers{state}``, read from the agent at each scrape: the
+    known states always, at 0 when no worker is in them."""
+
+    def __init__(self, name: str, documentation: str, ids: tuple[str, str],
+                 states: Callable[[], Iterable[str]]):
+        self._name = name
+        self._documentation = documentation
+        self._ids = ids
+        self._states = states
+
+    def collect(self):
+        counts = dict.fromkeys(WORKER_STATES, 0)
+        for state in self._states():
+            counts[state] = counts.get(state, 0) + 1
+        family = GaugeMetricFamily(self._name, self._documentation,
+                                   labels=_LABELS + ("state",))
+        for state, n in counts.items():
+            family.add_metric([*self._ids, state], n)
+        yield family
+
+    def describe(self):
+        # Without this, registering would call collect() (and the agent) at once.
+        yield GaugeMetricFamily(self._name, self._documentation, labels=_LABELS + ("state",))
