@@ -46,9 +46,13 @@ from elastic.rendezvous.api import (
     DEFAULT_SETTLE_S,
     DEFAULT_START_TIMEOUT_S,
     RendezvousConfig,
+    cap_text,
     parse_nnodes,
+    valid_host,
     validate_id,
 )
+from agent.tls import AgentTLS, agent_tls_from_options
+from elastic.rendezvous.operator import DEFAULT_OPERATOR_RESTART_INTERVAL_S
 from elastic.store.security import PASSWORD_ENV, EtcdSecurity, security_from_options
 
 log = logging.getLogger(__name__)
@@ -119,7 +123,7 @@ def _choice(*allowed: str) -> Callable[[str, Any], str]:
 
 def _port(name: str, raw: Any) -> int:
     text = str(raw).strip()
-    if not text.isdigit() or int(text) > 65535:
+    if not (text.isascii() and text.isdigit()) or len(text) > 5 or int(text) > 65535:
         raise ConfigError(f"--{name} {raw!r}: expected a port number 0-65535 (0: off)")
     return int(text)
 
@@ -141,9 +145,15 @@ def default_state_dir(environ: Mapping[str, str]) -> str:
 def _host_port(name: str, raw: Any) -> str:
     text = str(raw)
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
+    if (not sep or not host or not (port.isascii() and port.isdigit()) or len(port) > 5
+            or int(port) > 65535):
         raise ConfigError(f"--{name} {raw!r}: expected HOST:PORT, e.g. 0.0.0.0:29401")
     return text
+
+
+def _join_host_port(host: str, port: int) -> str:
+    """``HOST:PORT``, with an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 def _readable_file(name: str, raw: Any) -> str:
@@ -207,7 +217,9 @@ OPTIONS = [
            "0: grow a running round as soon as a node joins; above 0: a joining node waits "
            "for the next committed checkpoint (so growing redoes no work), at most this long",
            "SECONDS"),
-    Option("listen", _host_port, "0.0.0.0:0", "address of the agent's gRPC server", "HOST:PORT"),
+    Option("listen", _host_port, None,
+           "address of the agent's gRPC server (default: the advertised address, a free port; "
+           "0.0.0.0:PORT for every interface)", "HOST:PORT"),
     Option("advertise-addr", _text, None,
            "address peers and workers reach this node at (default: the host name if it "
            "resolves to an address that is not loopback, else this host's source address on "
@@ -252,6 +264,25 @@ OPTIONS = [
            "/elastic/v1/<job-id>/", "NAME"),
     Option("etcd-password-file", _readable_file, None,
            "file holding the password of --etcd-user (a trailing newline is ignored)", "FILE"),
+    Option("tls-cert", _readable_file, None,
+           "PEM certificate of this agent (with --tls-key and --tls-ca: mutual TLS on --listen, "
+           "and towards its peers); it must name the advertised address, or "
+           "--tls-server-name", "FILE"),
+    Option("tls-key", _readable_file, None, "PEM private key of --tls-cert", "FILE"),
+    Option("tls-ca", _readable_file, None,
+           "PEM bundle of the CA(s) that sign the agents' and the operators' certificates: "
+           "--listen takes only clients with such a certificate, and only they may drain "
+           "or restart", "FILE"),
+    Option("tls-server-name", _text, None,
+           "the name checked in the peers' certificates instead of their address (one name "
+           "every agent's certificate carries)", "NAME"),
+    Option("probe-listen", _host_port, None,
+           "also serve health and status, read-only and in plain text, on this address (for "
+           "Kubernetes gRPC probes, which cannot use TLS); drain and restart are refused "
+           "there", "HOST:PORT"),
+    Option("operator-restart-interval", _non_negative(float), DEFAULT_OPERATOR_RESTART_INTERVAL_S,
+           "at most one operator restart (elasticctl restart, RequestRestart over gRPC) of the "
+           "job per this many seconds (0: no limit)", "SECONDS"),
 ]
 _BY_KEY = {o.key: o for o in OPTIONS}
 
@@ -294,6 +325,11 @@ class AgentConfig:
     # TLS files and the etcd user (password included, left out of repr):
     # hand it to open_store(..., security=config.etcd_security).
     etcd_security: EtcdSecurity = EtcdSecurity()
+    # Mutual TLS on --listen and towards the peers (None: plain text, control
+    # open to whoever reaches --listen); the plain-text read-only endpoint.
+    tls: AgentTLS | None = None
+    probe_listen: str | None = None
+    operator_restart_interval_s: float = DEFAULT_OPERATOR_RESTART_INTERVAL_S
 
     def rendezvous(self) -> RendezvousConfig:
         return RendezvousConfig(
@@ -334,6 +370,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# A file of options is a few hundred bytes; this much is already no such file.
+MAX_CONFIG_FILE_BYTES = 1 << 20
+
+
 class _TextLoader(yaml.SafeLoader):
     """A SafeLoader that reads every plain scalar as a string, except an empty
     one or ``null``/``~`` (None: the option is not given); see the module docstring."""
@@ -349,21 +389,39 @@ _TextLoader.yaml_implicit_resolvers = {
 def _read_file(path: str) -> dict[str, Any]:
     """The options in the YAML file at ``path``, keys in snake case, values as
     written (strings, lists of strings); keys left empty are dropped. Raises
-    ConfigError when it cannot be read, is not a mapping or has unknown keys."""
+    ConfigError when it cannot be read, is larger than MAX_CONFIG_FILE_BYTES,
+    is not UTF-8 text, not YAML (or nested too deeply to parse), is not a
+    mapping or has unknown keys."""
     try:
-        with open(path) as f:
-            data = yaml.load(f, Loader=_TextLoader) or {}
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_FILE_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path!r}: {exc.strerror}") from exc
+    except ValueError as exc:  # a NUL in the path
+        raise ConfigError(f"cannot read config file {path!r}: {exc}") from exc
+    if len(raw) > MAX_CONFIG_FILE_BYTES:
+        raise ConfigError(f"config file {path!r} is larger than {MAX_CONFIG_FILE_BYTES} bytes; "
+                          "a file of options is a few hundred")
+    try:
+        data = yaml.load(raw.decode("utf-8"), Loader=_TextLoader) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path!r} is not UTF-8 text (byte {exc.start})") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path!r} is not valid YAML: {exc}") from exc
+        raise ConfigError(f"config file {path!r} is not valid YAML: "
+                          f"{cap_text(str(exc), 500)}") from exc
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise ConfigError(f"config file {path!r} is nested too deeply to be a file of "
+                          "options") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path!r}: expected a mapping of options")
+        raise ConfigError(f"config file {path!r}: expected a mapping of options, got "
+                          f"{type(data).__name__}")
     allowed = set(_BY_KEY) | {"script", "module", "script_args"}
-    unknown = sorted(str(k).replace("-", "_") for k in data
+    unknown = sorted(cap_text(repr(str(k).replace("-", "_")), 64) for k in data
                      if str(k).replace("-", "_") not in allowed)
     if unknown:
-        raise ConfigError(f"config file {path!r}: unknown option(s) {', '.join(unknown)}; "
+        shown = ", ".join(unknown[:10]) + (f" and {len(unknown) - 10} more" if unknown[10:]
+                                           else "")
+        raise ConfigError(f"config file {path!r}: unknown option(s) {shown}; "
                           f"known: {', '.join(sorted(allowed))}")
     return {str(k).replace("-", "_"): v for k, v in data.items() if v is not None}
 
@@ -418,6 +476,8 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         raise ConfigError("--etcd-cacert, --etcd-cert, --etcd-key, --etcd-user and "
                           f"{PASSWORD_ENV} are for --etcd; --standalone starts a private "
                           "plain-text etcd")
+    tls = agent_tls_from_options(cert=v["tls_cert"], key=v["tls_key"], ca=v["tls_ca"],
+                                 server_name=v["tls_server_name"], serving=True)
     node_id = v["node_id"] or f"{socket.gethostname()}-{os.getpid()}"
     validate_id("node id", node_id)
 
@@ -446,6 +506,10 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
 
     advertise = choose_advertise_addr(v["advertise_addr"], standalone=v["standalone"],
                                       etcd=v["etcd"], net=net)
+    if not valid_host(advertise.addr):
+        # Peers would refuse this node's registration as a malformed record.
+        raise ConfigError(f"--advertise-addr {cap_text(repr(advertise.addr), 80)}: expected "
+                          "a host name or an IP address")
     log.info("job %s node %s: advertising %s to the other nodes and the workers: %s.",
              v["job_id"], node_id, advertise.addr, advertise.reason)
     state_dir = os.path.abspath(v["state_dir"] or default_state_dir(environ))
@@ -459,7 +523,8 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         hang_timeout_s=v["hang_timeout"], lease_ttl_s=v["lease_ttl"], settle_s=v["settle"],
         join_timeout_s=v["join_timeout"], start_timeout_s=v["start_timeout"],
         exit_barrier_timeout_s=v["exit_barrier_timeout"],
-        scale_up_wait_s=v["scale_up_wait"], listen=v["listen"],
+        scale_up_wait_s=v["scale_up_wait"],
+        listen=v["listen"] or _join_host_port(advertise.addr, 0),
         advertise_addr=advertise.addr,
         state_dir=node_dir, log_dir=log_dir, log_format=v["log_format"],
         metrics_port=v["metrics_port"], stop_grace_s=v["stop_grace"],
@@ -467,4 +532,5 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         warm_sets=v["warm_sets"], connect_timeout_s=v["connect_timeout"],
         script=None if as_module else os.path.abspath(script),
         module=script if as_module else None, script_args=script_args,
-        etcd_security=etcd_security)
+        etcd_security=etcd_security, tls=tls, probe_listen=v["probe_listen"],
+        operator_restart_interval_s=v["operator_restart_interval"])

@@ -13,6 +13,17 @@ plus the two below.
 ``drain`` refuses a node id that is not registered in the job (exit 2): a
 drain request waits for its node, so a typo would eject whoever takes that id
 later. A ``--reason`` longer than 1024 characters is cut to that length.
+``restart`` is refused (exit 2, saying from when the next is allowed) less
+than ``--operator-restart-interval`` seconds (default 60, env
+ELASTIC_OPERATOR_RESTART_INTERVAL) after the job's last operator restart,
+whether asked here or over an agent's gRPC.
+``status`` asks each agent for its live state over gRPC; with agents that run
+mutual TLS it needs ``--tls-ca``, ``--tls-cert`` and ``--tls-key`` (env
+ELASTIC_TLS_CA, ELASTIC_TLS_CERT, ELASTIC_TLS_KEY; ``--tls-server-name``,
+ELASTIC_TLS_SERVER_NAME, when the agents' certificates carry one shared
+name). An agent that refuses the handshake is named under "problem:" with
+the reason, and its status is the one it last published in etcd. Drain and
+restart go through etcd: etcd's credentials authorise them.
 
 ``status --watch`` shows the status again every ``--interval`` seconds: on a
 terminal it redraws the screen, like watch(1); on a pipe it prints frame after
@@ -37,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import queue
 import signal
@@ -48,6 +60,8 @@ from dataclasses import asdict
 from typing import Callable, TextIO
 
 from agent import status as status_view
+from agent.tls import ENV as TLS_ENV
+from agent.tls import agent_tls_from_options
 from elastic import __version__, events
 from elastic.checkpoint.etcd_log import decode_latest
 from elastic.errors import (
@@ -62,6 +76,10 @@ from elastic.errors import (
 )
 from elastic.events import Event
 from elastic.rendezvous.api import RestartRequest, Round, cap_text, validate_id
+from elastic.rendezvous.operator import (
+    DEFAULT_OPERATOR_RESTART_INTERVAL_S,
+    request_operator_restart,
+)
 from elastic.keyspace import JobKeys
 from elastic.store import PASSWORD_ENV, open_store, security_from_options
 from elastic.store.api import Compare, EventType, Get, KeyValue, Put, Store
@@ -99,6 +117,17 @@ def _parser() -> argparse.ArgumentParser:
         env = "ELASTIC_ETCD_" + flag.replace("-", "_").upper()
         common.add_argument(f"--etcd-{flag}", default=os.environ.get(env), metavar=metavar,
                             help=f"{what} (env {env})")
+    # The agents' gRPC, as elasticd's --tls-* (a client certificate is needed
+    # wherever the agents run mutual TLS).
+    for flag, metavar, what in (
+            ("ca", "FILE", "PEM bundle of the CAs that sign the agents' certificates"),
+            ("cert", "FILE", "PEM client certificate for the agents (with --tls-key)"),
+            ("key", "FILE", "PEM private key of --tls-cert"),
+            ("server-name", "NAME", "the name checked in the agents' certificates instead "
+                                    "of their address")):
+        env = TLS_ENV[flag.replace("-", "_")]
+        common.add_argument(f"--tls-{flag}", default=os.environ.get(env), metavar=metavar,
+                            help=f"{what} (env {env})")
     # Raw: the epilog is laid out here (one paragraph of exit codes, one of
     # elasticctl's own), and the description is the synopsis block.
     layout = {"epilog": EPILOG, "formatter_class": argparse.RawDescriptionHelpFormatter}
@@ -124,6 +153,11 @@ def _parser() -> argparse.ArgumentParser:
     rs = sub.add_parser("restart", parents=[common],
                         help="ask for a new round with the same members", **layout)
     rs.add_argument("--reason", default="requested by an operator")
+    rs.add_argument("--operator-restart-interval", metavar="SECONDS",
+                    default=os.environ.get("ELASTIC_OPERATOR_RESTART_INTERVAL",
+                                           str(DEFAULT_OPERATOR_RESTART_INTERVAL_S)),
+                    help="refuse when the job's last operator restart was less than this "
+                         "long ago (env ELASTIC_OPERATOR_RESTART_INTERVAL; 0: no limit)")
     dr = sub.add_parser("drain", parents=[common], help="take a node out at the next round",
                         **layout)
     dr.add_argument("node_id")
@@ -136,7 +170,7 @@ def _current_round(store: Store, keys: JobKeys) -> Round | None:
 
 
 def _status(store: Store, args) -> str:
-    data = status_view.collect(store, args.job_id)
+    data = status_view.collect(store, args.job_id, tls=getattr(args, "tls", None))
     return json.dumps(data, indent=2) if args.json else status_view.render(data)
 
 
@@ -257,7 +291,7 @@ def watch_status(store: Store, args, out: TextIO, *,
     first = True
     while True:
         try:
-            data = status_view.collect(store, args.job_id)
+            data = status_view.collect(store, args.job_id, tls=getattr(args, "tls", None))
         except StoreError as exc:
             reason = " ".join(str(exc).split())
             print(f"elasticctl: warning: job {args.job_id}: no status this time ({reason}); "
@@ -294,7 +328,7 @@ def _restart(store: Store, args) -> str:
     current = _current_round(store, keys)
     number = current.number if current else 0
     req = RestartRequest(node_id="elasticctl", round=number, reason=cap_text(args.reason))
-    store.put(f"{keys.restart_requests}{number:012d}-elasticctl", req.to_json())
+    request_operator_restart(store, keys, req, interval_s=_interval(args), now=time.time())
     return json.dumps({"requested": "restart", "round": number}) if args.json else (
         f"restart of job {args.job_id} requested for round {number}")
 
@@ -310,7 +344,8 @@ def _drain(store: Store, args) -> str:
                        [Put(keys.drain_request(args.node_id), b'{"by": "elasticctl"}')],
                        [Get(keys.nodes, prefix=True)])
     if not result.succeeded:
-        known = [keys.node_id_of(kv.key) for kv in result.results[0]]
+        # Key names are anyone's writing: shown printable and short.
+        known = [cap_text(keys.node_id_of(kv.key), 64) for kv in result.results[0]]
         listed = ", ".join(known[:20]) + (f" and {len(known) - 20} more" if known[20:] else "")
         raise ConfigError(f"node {args.node_id!r} is not registered in job {args.job_id} "
                           f"(registered: {listed or 'none'}); nothing to drain")
@@ -320,6 +355,18 @@ def _drain(store: Store, args) -> str:
 
 COMMANDS = {"status": _status, "events": _events, "checkpoints": _checkpoints,
             "restart": _restart, "drain": _drain}
+
+
+def _interval(args) -> float:
+    """``--operator-restart-interval`` in seconds; ConfigError unless a finite number >= 0."""
+    raw = getattr(args, "operator_restart_interval", DEFAULT_OPERATOR_RESTART_INTERVAL_S)
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"--operator-restart-interval {raw!r}: expected seconds, 0 or more")
+    return value
 
 
 def _stop_on_sigterm(signum, frame) -> None:
@@ -338,6 +385,10 @@ def _run(args) -> None:
     security = security_from_options(
         cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key, user=args.etcd_user,
         password_file=args.etcd_password_file)
+    args.tls = agent_tls_from_options(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca,
+                                      server_name=args.tls_server_name)
+    if args.command == "restart":
+        _interval(args)  # before anything is written
     with open_store(args.etcd, connect_timeout_s=args.connect_timeout,
                     security=security) as store:
         if args.command == "status" and args.watch:

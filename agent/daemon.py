@@ -18,21 +18,18 @@ never waits on etcd.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import logging.handlers
-import math
 import os
 import queue
 import signal
 import sys
-import tempfile
 import threading
 from typing import Any, Protocol
 
 from agent import config as agent_config
-from agent import reactor
+from agent import grpc_input, localfiles, reactor
 from agent.assign import startup_env, worker_envs
 from agent.grpc_server import AgentServer
 from agent.health import WorkerHealth, hung_workers, last_sign_of_life
@@ -43,7 +40,6 @@ from agent.reactor import AgentView, Settings
 from agent.sdnotify import SystemdNotifier
 from agent.supervisor import Entrypoint, WorkerExit, WorkerSupervisor
 from elastic import __version__, errorfile, events
-from elastic.checkpoint.api import CommitEntry
 from elastic.checkpoint.etcd_log import EtcdCommitLog
 from elastic.clock import SYSTEM_CLOCK, Clock
 from elastic.errors import (
@@ -52,14 +48,23 @@ from elastic.errors import (
     EXIT_OK,
     ElasticError,
     FencedError,
+    InvalidRequestError,
     JobEndedError,
+    MalformedRecordError,
     StoreError,
     exit_code_for,
 )
 from elastic.joblog import JobLogger, JsonFormatter
 from elastic.net import free_port
-from elastic.rendezvous.api import NodeInfo, ReportKind, Round
+from elastic.rendezvous.api import (
+    DrainRequest,
+    NodeInfo,
+    ReportKind,
+    RestartRequest,
+    Round,
+)
 from elastic.rendezvous.node import RendezvousNode
+from elastic.rendezvous.operator import request_operator_restart
 from elastic.store import PASSWORD_ENV, open_store
 from elastic.store.api import Put, Store
 from elastic.v1 import agent_pb2
@@ -108,12 +113,6 @@ class PeerMesh(Protocol):
 @dataclasses.dataclass(frozen=True)
 class RoundChanged:
     """Posted by the rendezvous (its ``on_round``); the loop reads the latest round itself."""
-
-
-def _socket_path(job_id: str, node_id: str) -> str:
-    # Unix socket paths are limited to ~108 bytes: hash rather than nest.
-    digest = hashlib.sha1(f"{job_id}/{node_id}/{os.getpid()}".encode()).hexdigest()[:12]
-    return os.path.join(tempfile.gettempdir(), f"elasticd-{digest}.sock")
 
 
 class _Handlers:
@@ -175,16 +174,20 @@ class Agent:
         advertise its address), worker supervisor, rendezvous node, peers."""
         inbox: queue.Queue = queue.Queue()
         handlers = _Handlers()
-        socket_path = _socket_path(config.job_id, config.node_id)
+        # The node's private directory (0700), its worker socket and rank logs.
+        files = localfiles.prepare(config.state_dir, config.log_dir, config.job_id,
+                                   config.node_id)
+        socket_path = files.socket_path
         metrics: NoMetrics = NO_METRICS
         if config.metrics_port:
             metrics = AgentMetrics(config.job_id, config.node_id)
             metrics.serve(config.listen.rpartition(":")[0], config.metrics_port)
         server = AgentServer(config.listen, socket_path, control=handlers, heartbeats=handlers,
                              liveness=lambda: handlers.agent is None
-                             or handlers.agent.loop_alive())
+                             or handlers.agent.loop_alive(),
+                             tls=config.tls, probe_listen=config.probe_listen)
         server.start()
-        peers = GrpcPeerMesh()
+        peers = GrpcPeerMesh(config.tls)
         host = config.advertise_addr
         addr = f"{host}:{server.address.rsplit(':', 1)[1]}"
         info = NodeInfo(node_id=config.node_id, host=host, nproc=config.nproc_per_node,
@@ -202,7 +205,7 @@ class Agent:
             job_id=config.job_id, node_id=config.node_id, nproc=config.nproc_per_node,
             entrypoint=Entrypoint(script=config.script, module=config.module,
                                   args=config.script_args),
-            log_dir=config.log_dir, stop_grace_s=config.stop_grace_s,
+            log_dir=files.log_dir, stop_grace_s=config.stop_grace_s,
             prestart=config.prestart, warm_sets=config.warm_sets,
             on_exit=lambda e: inbox.put(_exit_event(e)),
             worker_env=startup_env(config.nproc_per_node, dict(os.environ),
@@ -334,9 +337,22 @@ class Agent:
         if latest is None:
             return None
         drain = (latest.member(self.config.node_id) is None and not latest.outcome
-                 and self.store.get(self.rdzv.keys.drain_request(self.config.node_id),
-                                    timeout_s=self._store_timeout_s) is not None)
+                 and self._drain_requested())
         return reactor.RoundCommitted(latest, drain_requested=drain)
+
+    def _drain_requested(self) -> bool:
+        """Whether etcd holds a valid drain request for this node (garbage at
+        the key is logged and drains nothing, as the leader ignores it too)."""
+        kv = self.store.get(self.rdzv.keys.drain_request(self.config.node_id),
+                            timeout_s=self._store_timeout_s)
+        if kv is None:
+            return False
+        try:
+            DrainRequest.from_json(kv.key, kv.value)
+        except MalformedRecordError as exc:
+            self.log.warning("ignoring %s", exc)
+            return False
+        return True
 
     def _tick(self) -> reactor.Tick:
         now = self.clock.monotonic()
@@ -414,7 +430,7 @@ class Agent:
         still works, by the lease's revocation)."""
         try:
             self.store.put(self.rdzv.keys.drain_request(self.config.node_id),
-                           json.dumps({"by": self.config.node_id, "reason": reason}).encode(),
+                           DrainRequest(by=self.config.node_id, reason=reason).to_json(),
                            timeout_s=self._store_timeout_s)
         except StoreError as exc:
             self.log.warning("could not record the drain (leaving anyway): %s", exc)
@@ -467,6 +483,10 @@ class Agent:
         and no etcd outage is proven: a node resumed after a freeze longer than
         its lease must not let its workers step before it learns whether a
         newer round has formed meanwhile."""
+        if req.local_rank >= self.config.nproc_per_node:
+            raise InvalidRequestError(f"Heartbeat: field 'local_rank' is {req.local_rank}, but "
+                                      f"node {self.config.node_id} runs "
+                                      f"{self.config.nproc_per_node} worker(s)")
         view = self.view
         current = view.round is not None and req.round == view.round.number
         with self._workers_lock:
@@ -484,14 +504,13 @@ class Agent:
     def commit_checkpoint(self, entry: agent_pb2.CheckpointEntry) -> tuple[bool, str]:
         """Advance ``checkpoint/latest`` through the fenced commit log: a
         worker of an older round can never commit."""
-        # How the save went is the worker's word: only what can be true is kept.
-        save_s = entry.save_s if math.isfinite(entry.save_s) and entry.save_s > 0 else 0.0
-        size_bytes = max(0, entry.size_bytes)
+        # Validated like the record it becomes (InvalidRequestError otherwise):
+        # its path a plain name in the checkpoint root; how the save went is the
+        # worker's word, and only what can be true is kept.
+        commit = grpc_input.commit_entry(entry)
+        save_s, size_bytes = commit.save_s, commit.size_bytes
         try:
-            self.commit_log.commit(CommitEntry(step=entry.step, round=entry.round,
-                                               world_size=entry.world_size, path=entry.path,
-                                               time=entry.time, save_s=save_s,
-                                               size_bytes=size_bytes))
+            self.commit_log.commit(commit)
         except FencedError as exc:
             return False, str(exc)
         except StoreError:
@@ -537,8 +556,15 @@ class Agent:
         return True, f"node {self.config.node_id} will leave the job"
 
     def request_restart(self, reason: str) -> tuple[bool, int]:
+        """An operator's restart (gRPC): taken at most once per
+        --operator-restart-interval for the whole job; raises RateLimitedError
+        when too soon, StoreError when etcd does not take it."""
         number = self.view.round_number
-        self.rdzv.request_restart(reason or "restart requested over gRPC", number, failure=False)
+        request = RestartRequest(node_id=self.config.node_id, round=number,
+                                 reason=reason or "restart requested over gRPC")
+        request_operator_restart(self.store, self.rdzv.keys, request,
+                                 interval_s=self.config.operator_restart_interval_s,
+                                 now=self.clock.wall())
         return True, number
 
     def store_health(self, asker_has_store: bool = False, asker: str = ""

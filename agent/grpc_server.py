@@ -4,18 +4,32 @@
 
 * on ``listen`` (``HOST:PORT``, TCP): the standard ``grpc.health.v1.Health``
   service (Kubernetes gRPC probes and peer agents use it) and ``elastic.v1.Agent``
-  (status and control for elasticctl and peers);
+  (status and control for elasticctl and peers). With an
+  :class:`~agent.tls.AgentTLS` this endpoint speaks mutual TLS only: every
+  client presents a certificate signed by ``--tls-ca``, and control (Drain,
+  RequestRestart, StoreHealth's fencing signal) is taken only from a verified
+  one. Without it, anyone who reaches the address may drain this node or
+  restart the job: the server says so once, as a warning, at start;
+* on ``probe_listen`` (optional, plain text): the same health service and a
+  read-only ``elastic.v1.Agent`` (Status; StoreHealth without its fencing
+  signal; Drain and RequestRestart refused with PERMISSION_DENIED), for
+  Kubernetes' gRPC probes, which cannot speak TLS (why it is not one TLS
+  endpoint that asks for client certificates without requiring them: see
+  :mod:`agent.tls`);
 * on ``worker_socket`` (a Unix socket path): ``elastic.v1.WorkerChannel``, the
   heartbeats, checkpoint commits, failed-save and restore reports of this node's own
   workers.
 
-These are two ``grpc.server`` instances, not one listening on both addresses:
+These are separate ``grpc.server`` instances, not one listening on every address:
 a gRPC server serves every registered service on every port, which would
 let any host that reaches ``--listen`` fake heartbeats of a hung worker, and
 the workers' heartbeats get a thread pool that busy peers cannot exhaust.
 
-The servicers only delegate to an :class:`AgentControl` and a
-:class:`HeartbeatSink`, with free-text reasons cut to MAX_REASON_CHARS; an
+Every request is hostile input (:mod:`agent.grpc_input`): over 1 MiB it is
+RESOURCE_EXHAUSTED, bytes that are not the method's message and values no
+worker sends are INVALID_ARGUMENT. The servicers only delegate to an
+:class:`AgentControl` and a :class:`HeartbeatSink`, with free-text reasons
+made printable and cut to MAX_REASON_CHARS; an
 :class:`~elastic.errors.ElasticError` they raise reaches the caller as the gRPC status :func:`grpc_code_for` picks, with the
 error's message as details.
 """
@@ -28,15 +42,26 @@ import os
 import socket
 import stat
 import threading
+import enum
 from concurrent import futures
 from typing import Any, Callable, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from agent.grpc_input import (
+    SERVER_OPTIONS,
+    ParseRequests,
+    check_failure_report,
+    check_heartbeat,
+    check_restore_report,
+)
+from agent.tls import AgentTLS, verified_client
 from elastic.errors import (
     ConfigError,
     ElasticError,
+    NotAuthorisedError,
+    RateLimitedError,
     RendezvousError,
     StoreError,
     StoreTimeoutError,
@@ -68,7 +93,11 @@ _SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
     ("grpc.http2.max_ping_strikes", 0),
+    *SERVER_OPTIONS,  # requests over 1 MiB: RESOURCE_EXHAUSTED (agent.grpc_input)
 ]
+# Every server parses its requests itself: bytes that are not the method's
+# message are INVALID_ARGUMENT, not gRPC's INTERNAL (agent.grpc_input).
+_INTERCEPTORS = [ParseRequests()]
 
 
 class AgentControl(Protocol):
@@ -130,11 +159,17 @@ def grpc_code_for(exc: BaseException) -> grpc.StatusCode:
     INVALID_ARGUMENT; the store being down is UNAVAILABLE (and a store
     deadline DEADLINE_EXCEEDED), which tells callers the call is safe to retry
     with backoff; a rendezvous refusal (fenced, duplicate node, no round) is
-    FAILED_PRECONDITION: not retryable until the job's state changes. Any
-    other error, ``ElasticError`` itself included, is a bug: INTERNAL.
+    FAILED_PRECONDITION: not retryable until the job's state changes. A
+    caller without a verified client certificate is PERMISSION_DENIED; an
+    operator restart too soon after the last, RESOURCE_EXHAUSTED. Any other
+    error, ``ElasticError`` itself included, is a bug: INTERNAL.
     """
     if isinstance(exc, ConfigError):
         return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, NotAuthorisedError):
+        return grpc.StatusCode.PERMISSION_DENIED
+    if isinstance(exc, RateLimitedError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, StoreTimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED
     if isinstance(exc, StoreUnavailableError):
@@ -169,9 +204,52 @@ def _serve_call(
     raise AssertionError("unreachable: context.abort raises")
 
 
+class Access(enum.Enum):
+    """Who may use control (Drain, RequestRestart, StoreHealth's fencing signal) on an endpoint."""
+
+    OPEN = "open"
+    """Plain text: whoever reaches the address (warned about at start)."""
+    MUTUAL_TLS = "mutual TLS"
+    """Only a caller whose client certificate the TLS handshake verified."""
+    READ_ONLY = "read-only"
+    """Nobody: the plain-text probe endpoint of an agent that uses TLS."""
+
+
+def control_refusal(access: Access, client: str | None, method: str) -> str | None:
+    """Why ``method`` (a control verb) is refused on an endpoint of ``access``
+    to a caller whose verified certificate names ``client`` (None: no verified
+    certificate); None when it is allowed. One line, for the caller."""
+    if access is Access.OPEN:
+        return None
+    if access is Access.READ_ONLY:
+        return (f"{method} is refused on the agent's read-only probe endpoint: control takes "
+                "mutual TLS on its --listen address, with a client certificate signed by its "
+                "--tls-ca")
+    if client is None:
+        return (f"{method} needs a client certificate signed by the agent's --tls-ca (mutual "
+                "TLS); none was verified on this connection")
+    return None
+
+
 class _AgentServicer(agent_pb2_grpc.AgentServicer):
-    def __init__(self, control: AgentControl):
+    def __init__(self, control: AgentControl, access: Access = Access.OPEN):
         self._control = control
+        self._access = access
+
+    def _caller(self, context: grpc.ServicerContext) -> tuple[str, str | None]:
+        """(the caller for a log line, the name its verified certificate carries)."""
+        client = verified_client(context)
+        return (f"{context.peer()} (certificate {client})" if client else context.peer()), client
+
+    def _authorise(self, context: grpc.ServicerContext, method: str) -> str:
+        """The caller for a log line; aborts with PERMISSION_DENIED when
+        ``method`` is refused to it."""
+        caller, client = self._caller(context)
+        refusal = control_refusal(self._access, client, method)
+        if refusal is not None:
+            logger.warning("The agent refused %s from %s: %s.", method, caller, refusal)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
+        return caller
 
     def Status(self, request, context):  # noqa: N802 (gRPC method name)
         return _serve_call(context, "Status", self._control.status)
@@ -179,23 +257,28 @@ class _AgentServicer(agent_pb2_grpc.AgentServicer):
     # Reasons from the network are capped before anything logs or stores them:
     # they end up in etcd records, which must stay far below etcd's request limit.
     def Drain(self, request, context):  # noqa: N802
+        caller = self._authorise(context, "Drain")
         reason = cap_text(request.reason)
-        logger.info("The agent received a drain request from %s: %s.", context.peer(), reason)
+        logger.info("The agent received a drain request from %s: %s.", caller, reason)
         accepted, message = _serve_call(context, "Drain", self._control.drain, reason)
         return agent_pb2.AgentDrainResponse(accepted=accepted, message=message)
 
     def RequestRestart(self, request, context):  # noqa: N802
+        caller = self._authorise(context, "RequestRestart")
         reason = cap_text(request.reason)
-        logger.info("The agent received a restart request from %s: %s.", context.peer(), reason)
+        logger.info("The agent received a restart request from %s: %s.", caller, reason)
         accepted, round_ = _serve_call(
             context, "RequestRestart", self._control.request_restart, reason
         )
         return agent_pb2.AgentRequestRestartResponse(accepted=accepted, round=round_)
 
     def StoreHealth(self, request, context):  # noqa: N802
+        # "I reach etcd" makes an agent cut off from it stop its workers: a
+        # control signal, taken only from whoever may use control here.
+        has_store = request.asker_has_store and control_refusal(
+            self._access, verified_client(context), "StoreHealth") is None
         reachable, age, running = _serve_call(context, "StoreHealth", self._control.store_health,
-                                              request.asker_has_store,
-                                              cap_text(request.asker, 128))
+                                              has_store, cap_text(request.asker, 128))
         return agent_pb2.AgentStoreHealthResponse(reachable=reachable, confirmed_age_s=age,
                                                   workers_running=running)
 
@@ -205,6 +288,7 @@ class _WorkerChannelServicer(agent_pb2_grpc.WorkerChannelServicer):
         self._sink = sink
 
     def Heartbeat(self, request, context):  # noqa: N802
+        _serve_call(context, "Heartbeat", check_heartbeat, request)
         stop, hold = _serve_call(context, "Heartbeat", self._sink.heartbeat, request)
         return agent_pb2.WorkerChannelHeartbeatResponse(stop_requested=bool(stop),
                                                         hold=bool(hold))
@@ -223,11 +307,13 @@ class _WorkerChannelServicer(agent_pb2_grpc.WorkerChannelServicer):
 
     def ReportCheckpointFailure(self, request, context):  # noqa: N802
         # The message ends up in an etcd event: capped like every reason from outside.
+        _serve_call(context, "ReportCheckpointFailure", check_failure_report, request)
         _serve_call(context, "ReportCheckpointFailure", self._sink.report_checkpoint_failure,
                     request.step, request.round, request.rank, cap_text(request.message))
         return agent_pb2.WorkerChannelReportCheckpointFailureResponse()
 
     def ReportRestore(self, request, context):  # noqa: N802
+        _serve_call(context, "ReportRestore", check_restore_report, request)
         _serve_call(context, "ReportRestore", self._sink.report_restore, request)
         return agent_pb2.WorkerChannelReportRestoreResponse()
 
@@ -235,7 +321,8 @@ class _WorkerChannelServicer(agent_pb2_grpc.WorkerChannelServicer):
 def _split_listen(listen: str) -> tuple[str, int]:
     """("HOST", PORT) of ``listen``; raises ConfigError when it is not HOST:PORT."""
     host, sep, port_text = listen.rpartition(":")
-    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+    if (not sep or not host or not (port_text.isascii() and port_text.isdigit())
+            or len(port_text) > 5 or int(port_text) > 65535):
         raise ConfigError(f"--listen must be HOST:PORT (port 0 picks a free one), got {listen!r}")
     return host, int(port_text)
 
@@ -244,7 +331,7 @@ def _prepare_socket_path(path: str) -> None:
     """Make ``path`` bindable: create its directory, remove a stale socket left by a dead agent.
 
     Raises ConfigError when the path is too long for a Unix socket, is not a
-    socket, or another live process is serving on it.
+    socket, is another user's, or another live process is serving on it.
     """
     if len(os.fsencode(path)) > _MAX_UNIX_PATH_BYTES:
         raise ConfigError(
@@ -254,13 +341,16 @@ def _prepare_socket_path(path: str) -> None:
     # 0o700: nobody else may reach the socket in the window before it is chmod-ed.
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     try:
-        mode = os.lstat(path).st_mode
+        info = os.lstat(path)
     except FileNotFoundError:
         return
-    if not stat.S_ISSOCK(mode):
+    if not stat.S_ISSOCK(info.st_mode):
         raise ConfigError(
             f"worker socket path {path!r} exists and is not a socket; refusing to remove it"
         )
+    if info.st_uid != os.geteuid():
+        raise ConfigError(f"worker socket path {path!r} is a socket of another user (uid "
+                          f"{info.st_uid}); refusing to use or remove it")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         try:
             probe.connect(path)
@@ -272,7 +362,25 @@ def _prepare_socket_path(path: str) -> None:
                 f"worker socket {path!r} is in use by another process (another agent on this node?)"
             )
     logger.info("Removing the stale worker socket %s left by an earlier agent.", path)
-    os.unlink(path)
+    try:
+        os.unlink(path)
+    except OSError as exc:
+        raise ConfigError(f"cannot remove the stale worker socket {path!r}: "
+                          f"{exc.strerror}") from exc
+
+
+def _bind_tcp(server: grpc.Server, listen: str, flag: str,
+              credentials: grpc.ServerCredentials | None) -> int:
+    """Bind ``server`` to ``listen`` (TLS with ``credentials``); returns the
+    port. Raises ConfigError naming ``flag``."""
+    try:
+        port = (server.add_secure_port(listen, credentials) if credentials is not None
+                else server.add_insecure_port(listen))
+    except RuntimeError as exc:  # grpc reports a failed bind this way
+        raise ConfigError(f"cannot listen on {listen!r} ({flag}): {exc}") from exc
+    if port == 0:  # older grpc returns 0 instead of raising
+        raise ConfigError(f"cannot listen on {listen!r} ({flag}): the address could not be bound")
+    return port
 
 
 class _Health(health.HealthServicer):
@@ -308,17 +416,28 @@ class AgentServer:
         heartbeats: HeartbeatSink,
         max_workers: int = 8,
         liveness: Callable[[], bool] = lambda: True,
+        *,
+        tls: AgentTLS | None = None,
+        probe_listen: str | None = None,
     ):
         """Validate the addresses; nothing is bound until :meth:`start`.
 
         ``listen`` is ``HOST:PORT`` (port 0 picks a free port); ``max_workers``
-        is the size of each server's thread pool. Raises ConfigError on a
-        malformed ``listen`` or a non-positive ``max_workers``. ``liveness``
-        answers the :data:`LIVENESS_SERVICE` health checks (any thread).
+        is the size of each server's thread pool. ``liveness`` answers the
+        :data:`LIVENESS_SERVICE` health checks (any thread). ``tls``: serve
+        mutual TLS on ``listen`` (None: plain text, control open to anyone).
+        ``probe_listen``: ``HOST:PORT`` of the plain-text read-only endpoint
+        (None: none). Raises ConfigError on a malformed address, a
+        non-positive ``max_workers`` or ``tls`` without what a server needs.
         """
         self._host, self._port = _split_listen(listen)
         if max_workers < 1:
             raise ConfigError(f"max_workers must be at least 1, got {max_workers}")
+        if tls is not None and not tls.can_serve:
+            raise ConfigError("serving mutual TLS needs --tls-cert, --tls-key and --tls-ca")
+        self._probe_host = _split_listen(probe_listen)[0] if probe_listen else None
+        self._tls = tls
+        self._probe_listen = probe_listen
         self._listen = listen
         self._socket_path = os.path.abspath(worker_socket)
         self._control = control
@@ -328,8 +447,10 @@ class AgentServer:
         self.set_serving(False)
         self._tcp: grpc.Server | None = None
         self._unix: grpc.Server | None = None
+        self._probe: grpc.Server | None = None
         self._executors: list[futures.ThreadPoolExecutor] = []
         self._bound_port: int | None = None
+        self._probe_port: int | None = None
         self._started = False
         self._lock = threading.Lock()
 
@@ -339,6 +460,11 @@ class AgentServer:
         if self._bound_port is None:
             raise ElasticError("AgentServer.address is known only after start()")
         return f"{self._host}:{self._bound_port}"
+
+    @property
+    def probe_address(self) -> str | None:
+        """``HOST:PORT`` of the read-only probe endpoint after :meth:`start`; None without one."""
+        return None if self._probe_port is None else f"{self._probe_host}:{self._probe_port}"
 
     @property
     def worker_socket(self) -> str:
@@ -355,39 +481,62 @@ class AgentServer:
             if self._started:
                 raise ElasticError("AgentServer.start() called twice; build a new one instead")
             self._started = True
+            # The probe endpoint has a pool of its own: plain-text callers
+            # holding Watch streams there cannot starve the peers' calls.
+            names = ["agent-grpc", "agent-workers"] + (["agent-probe"] if self._probe_listen
+                                                       else [])
             self._executors = [
                 futures.ThreadPoolExecutor(self._max_workers, thread_name_prefix=name)
-                for name in ("agent-grpc", "agent-workers")
+                for name in names
             ]
-            tcp = grpc.server(self._executors[0], options=_SERVER_OPTIONS)
+            tcp = grpc.server(self._executors[0], options=_SERVER_OPTIONS,
+                              interceptors=_INTERCEPTORS)
             health_pb2_grpc.add_HealthServicer_to_server(self._health, tcp)
-            agent_pb2_grpc.add_AgentServicer_to_server(_AgentServicer(self._control), tcp)
-            unix = grpc.server(self._executors[1])
+            access = Access.MUTUAL_TLS if self._tls is not None else Access.OPEN
+            agent_pb2_grpc.add_AgentServicer_to_server(_AgentServicer(self._control, access), tcp)
+            unix = grpc.server(self._executors[1], options=SERVER_OPTIONS,
+                               interceptors=_INTERCEPTORS)
             agent_pb2_grpc.add_WorkerChannelServicer_to_server(
                 _WorkerChannelServicer(self._heartbeats), unix
             )
+            probe = None
+            if self._probe_listen:
+                probe = grpc.server(self._executors[2], options=_SERVER_OPTIONS,
+                                    interceptors=_INTERCEPTORS)
+                health_pb2_grpc.add_HealthServicer_to_server(self._health, probe)
+                agent_pb2_grpc.add_AgentServicer_to_server(
+                    _AgentServicer(self._control, Access.READ_ONLY), probe)
+            servers = [s for s in (tcp, unix, probe) if s is not None]
             try:
-                port = self._bind(tcp, unix)
-                tcp.start()
-                unix.start()
+                port, probe_port = self._bind(tcp, unix, probe)
+                for server in servers:
+                    server.start()
             except BaseException:
-                tcp.stop(None)
-                unix.stop(None)
+                for server in servers:
+                    server.stop(None)
                 self._shutdown_executors()
                 raise
             self._restrict_socket()
-            self._tcp, self._unix, self._bound_port = tcp, unix, port
-        logger.info("The agent serves health and elastic.v1.Agent on %s and its workers on "
-                    "unix:%s.", self.address, self._socket_path)
+            self._tcp, self._unix, self._probe = tcp, unix, probe
+            self._bound_port, self._probe_port = port, probe_port
+        logger.info("The agent serves health and elastic.v1.Agent on %s (%s) and its workers "
+                    "on unix:%s%s.", self.address,
+                    f"mutual TLS: {self._tls.describe()}" if self._tls else "plain text",
+                    self._socket_path, f"; read-only probes on {self.probe_address} (plain text)"
+                    if probe is not None else "")
+        if self._tls is None:
+            logger.warning("The agent's control (drain, restart) on %s is unauthenticated: "
+                           "anyone who reaches that address can drain this node or restart the "
+                           "job. Give --tls-cert, --tls-key and --tls-ca for mutual TLS.",
+                           self.address)
 
-    def _bind(self, tcp: grpc.Server, unix: grpc.Server) -> int:
-        """Bind both endpoints; returns the TCP port. Raises ConfigError."""
-        try:
-            port = tcp.add_insecure_port(self._listen)
-        except RuntimeError as exc:  # grpc reports a failed bind this way
-            raise ConfigError(f"cannot listen on {self._listen!r}: {exc}") from exc
-        if port == 0:  # older grpc returns 0 instead of raising
-            raise ConfigError(f"cannot listen on {self._listen!r}: the address could not be bound")
+    def _bind(self, tcp: grpc.Server, unix: grpc.Server,
+              probe: grpc.Server | None) -> tuple[int, int | None]:
+        """Bind the endpoints; returns the TCP ports (main, probe). Raises ConfigError."""
+        credentials = self._tls.server_credentials() if self._tls is not None else None
+        port = _bind_tcp(tcp, self._listen, "--listen", credentials)
+        probe_port = (_bind_tcp(probe, self._probe_listen, "--probe-listen", None)
+                      if probe is not None and self._probe_listen else None)
         _prepare_socket_path(self._socket_path)
         try:
             bound = unix.add_insecure_port(f"unix:{self._socket_path}")
@@ -397,7 +546,7 @@ class AgentServer:
             ) from exc
         if bound == 0:
             raise ConfigError(f"cannot listen on worker socket {self._socket_path!r}")
-        return port
+        return port, probe_port
 
     def _shutdown_executors(self) -> None:
         # grpc does not own the executors it is given; their idle threads would outlive it.
@@ -430,14 +579,14 @@ class AgentServer:
         Idempotent; a no-op before :meth:`start`.
         """
         with self._lock:
-            tcp, unix = self._tcp, self._unix
-            self._tcp = self._unix = None
+            tcp, unix, probe = self._tcp, self._unix, self._probe
+            self._tcp = self._unix = self._probe = None
         if tcp is None or unix is None:
             return
         # Watchers see NOT_SERVING before their streams break, so peers can tell
         # a graceful stop from a crash.
         self._health.enter_graceful_shutdown()
-        stopped = [tcp.stop(grace_s), unix.stop(grace_s)]
+        stopped = [s.stop(grace_s) for s in (tcp, unix, probe) if s is not None]
         for event in stopped:
             event.wait(grace_s + 1.0)
         self._shutdown_executors()

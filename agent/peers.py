@@ -4,7 +4,9 @@ One-shot calls (:func:`query_status`, :func:`check_health`,
 :func:`request_drain`, :func:`request_restart`) and a :class:`HealthWatcher`
 that follows one peer's ``grpc.health.v1`` status as it changes.
 
-Channels are cached per address (:func:`close_channels` closes them), with
+Every call takes ``tls``: an :class:`~agent.tls.AgentTLS` to call with
+mutual TLS (None: plain text). Channels are cached per address and ``tls``
+(:func:`close_channels` closes them), with
 short reconnect backoff so a restarted peer is reachable again within about a
 second, and keepalive pings so a frozen peer (SIGSTOP, lost network) breaks
 its watch streams within seconds instead of never.
@@ -21,7 +23,16 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from elastic.errors import AgentUnreachableError, ConfigError, ElasticError
+from agent.tls import AgentTLS, handshake_problem
+from elastic.errors import (
+    AgentAuthError,
+    AgentUnreachableError,
+    ConfigError,
+    ElasticError,
+    NotAuthorisedError,
+    RateLimitedError,
+    RequestRefusedError,
+)
 from elastic.v1 import agent_pb2, agent_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -63,16 +74,22 @@ class PeerHealth(enum.StrEnum):
     """The agent answered without a usable status (service not registered, other error)."""
 
 
-_channels: dict[str, grpc.Channel] = {}
+_channels: dict[tuple[str, AgentTLS | None], grpc.Channel] = {}
 _channels_lock = threading.Lock()
 
 
-def _channel(addr: str) -> grpc.Channel:
+def _channel(addr: str, tls: AgentTLS | None = None) -> grpc.Channel:
+    """The cached channel to ``addr``; raises ConfigError when ``tls``'s files
+    cannot be read (they were read once at start: deleted since)."""
     with _channels_lock:
-        channel = _channels.get(addr)
+        channel = _channels.get((addr, tls))
         if channel is None:
-            channel = grpc.insecure_channel(addr, options=_CHANNEL_OPTIONS)
-            _channels[addr] = channel
+            if tls is None:
+                channel = grpc.insecure_channel(addr, options=_CHANNEL_OPTIONS)
+            else:
+                channel = grpc.secure_channel(addr, tls.channel_credentials(),
+                                              options=_CHANNEL_OPTIONS + tls.channel_options())
+            _channels[(addr, tls)] = channel
         return channel
 
 
@@ -93,42 +110,67 @@ def _health_from_status(status: int) -> PeerHealth:
     return PeerHealth.UNKNOWN
 
 
-def _rpc_error(addr: str, method: str, exc: grpc.RpcError) -> ElasticError:
+def _tls_error(addr: str, method: str, exc: grpc.RpcError,
+               tls: AgentTLS | None) -> AgentAuthError | None:
+    """The AgentAuthError for a call that failed in the TLS handshake; None otherwise."""
+    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+        return None
+    problem = handshake_problem(exc.details() or "", tls)
+    return AgentAuthError(f"agent at {addr} refused {method}: {problem}") if problem else None
+
+
+def _rpc_error(addr: str, method: str, exc: grpc.RpcError,
+               tls: AgentTLS | None = None) -> ElasticError:
     """Translate a failed call into the error tree, keeping the agent's message."""
     code = exc.code()
     message = f"agent at {addr} failed {method}: {code.name}: {exc.details()}"
+    tls_error = _tls_error(addr, method, exc, tls)
+    if tls_error is not None:
+        return tls_error
     if code in _UNREACHABLE_CODES:
         return AgentUnreachableError(f"agent at {addr} did not answer {method} ({code.name})")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return ConfigError(message)
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return NotAuthorisedError(f"agent at {addr} refused {method}: {exc.details()}")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        # The operator restart limit; for other calls, a request over the size limit.
+        refused = RateLimitedError if method == "RequestRestart" else RequestRefusedError
+        return refused(f"agent at {addr} refused {method}: {exc.details()}")
     return ElasticError(message)
 
 
 def query_status(
-    addr: str, timeout_s: float = DEFAULT_TIMEOUT_S
+    addr: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, tls: AgentTLS | None = None
 ) -> agent_pb2.AgentStatusResponse | None:
     """The status of the agent at ``addr`` (``HOST:PORT``); None when unreachable in time.
 
-    Raises ElasticError (ConfigError for INVALID_ARGUMENT) when the agent
+    Raises AgentAuthError when the TLS handshake failed (the message says
+    why), ElasticError (ConfigError for INVALID_ARGUMENT) when the agent
     answers with an error, e.g. UNIMPLEMENTED when no agent serves there.
     """
-    stub = agent_pb2_grpc.AgentStub(_channel(addr))
+    stub = agent_pb2_grpc.AgentStub(_channel(addr, tls))
     try:
         return stub.Status(agent_pb2.AgentStatusRequest(), timeout=timeout_s)
     except grpc.RpcError as exc:
+        tls_error = _tls_error(addr, "Status", exc, tls)
+        if tls_error is not None:
+            raise tls_error from exc
         if exc.code() in _UNREACHABLE_CODES:
             logger.debug("The agent at %s did not answer Status: %s.", addr, exc.code().name)
             return None
-        raise _rpc_error(addr, "Status", exc) from exc
+        raise _rpc_error(addr, "Status", exc, tls) from exc
 
 
-def check_health(addr: str, timeout_s: float = DEFAULT_TIMEOUT_S, service: str = "") -> PeerHealth:
+def check_health(addr: str, timeout_s: float = DEFAULT_TIMEOUT_S, service: str = "", *,
+                 tls: AgentTLS | None = None) -> PeerHealth:
     """One ``grpc.health.v1`` Check of ``service`` ("" = the whole agent) at ``addr``. Never raises.
 
-    Returns UNREACHABLE when no answer came within ``timeout_s``, UNKNOWN when
-    the service is not registered there or the call failed otherwise.
+    Returns UNREACHABLE when no answer came within ``timeout_s`` (or the TLS
+    handshake failed), UNKNOWN when the service is not registered there or the
+    call failed otherwise.
     """
-    stub = health_pb2_grpc.HealthStub(_channel(addr))
+    stub = health_pb2_grpc.HealthStub(_channel(addr, tls))
     try:
         response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
     except grpc.RpcError as exc:
@@ -141,11 +183,11 @@ def check_health(addr: str, timeout_s: float = DEFAULT_TIMEOUT_S, service: str =
 
 
 def store_health(addr: str, *, asker_has_store: bool = False, asker: str = "",
-                 timeout_s: float = DEFAULT_TIMEOUT_S
+                 timeout_s: float = DEFAULT_TIMEOUT_S, tls: AgentTLS | None = None
                  ) -> agent_pb2.AgentStoreHealthResponse | None:
     """Ask the agent at ``addr`` whether it reaches etcd (telling it whether
     the asker does); None when it does not answer in time. Never raises."""
-    stub = agent_pb2_grpc.AgentStub(_channel(addr))
+    stub = agent_pb2_grpc.AgentStub(_channel(addr, tls))
     request = agent_pb2.AgentStoreHealthRequest(asker_has_store=asker_has_store, asker=asker)
     try:
         return stub.StoreHealth(request, timeout=timeout_s)
@@ -155,37 +197,43 @@ def store_health(addr: str, *, asker_has_store: bool = False, asker: str = "",
 
 
 def request_drain(
-    addr: str, reason: str, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S
+    addr: str, reason: str, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S, *,
+    tls: AgentTLS | None = None
 ) -> tuple[bool, str]:
     """Ask the agent at ``addr`` to leave the job at the next round boundary: (accepted, message).
 
     Not retried (the caller decides whether repeating is safe). Raises
-    ElasticError when the agent is unreachable or answers with an error
-    (ConfigError for INVALID_ARGUMENT).
+    ElasticError when the agent is unreachable or answers with an error:
+    AgentAuthError when the TLS handshake failed, NotAuthorisedError
+    (PERMISSION_DENIED) without a client certificate it accepts, ConfigError
+    for INVALID_ARGUMENT.
     """
-    stub = agent_pb2_grpc.AgentStub(_channel(addr))
+    stub = agent_pb2_grpc.AgentStub(_channel(addr, tls))
     try:
         response = stub.Drain(agent_pb2.AgentDrainRequest(reason=reason), timeout=timeout_s)
     except grpc.RpcError as exc:
-        raise _rpc_error(addr, "Drain", exc) from exc
+        raise _rpc_error(addr, "Drain", exc, tls) from exc
     return response.accepted, response.message
 
 
 def request_restart(
-    addr: str, reason: str, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S
+    addr: str, reason: str, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S, *,
+    tls: AgentTLS | None = None
 ) -> tuple[bool, int]:
     """Ask the agent at ``addr`` for a new round with the same members: (accepted, round).
 
     ``round`` is the round the restart was requested for. Not retried: a
-    repeated request could restart the group twice. Raises like :func:`request_drain`.
+    repeated request could restart the group twice. Raises like
+    :func:`request_drain`, and RateLimitedError (RESOURCE_EXHAUSTED) when an
+    operator restart of the job was taken too recently.
     """
-    stub = agent_pb2_grpc.AgentStub(_channel(addr))
+    stub = agent_pb2_grpc.AgentStub(_channel(addr, tls))
     try:
         response = stub.RequestRestart(
             agent_pb2.AgentRequestRestartRequest(reason=reason), timeout=timeout_s
         )
     except grpc.RpcError as exc:
-        raise _rpc_error(addr, "RequestRestart", exc) from exc
+        raise _rpc_error(addr, "RequestRestart", exc, tls) from exc
     return response.accepted, response.round
 
 
@@ -208,8 +256,11 @@ class HealthWatcher:
         service: str = "",
         initial_backoff_s: float = 0.1,
         max_backoff_s: float = 2.0,
+        tls: AgentTLS | None = None,
     ):
         self._addr = addr
+        self._tls = tls
+        self._tls_problem: str | None = None  # the last one logged
         self._on_change = on_change
         self._service = service
         self._initial_backoff_s = initial_backoff_s
@@ -254,13 +305,23 @@ class HealthWatcher:
         except Exception:  # noqa: BLE001 (a broken callback must not end the watch)
             logger.exception("The health callback for the agent at %s failed.", self._addr)
 
+    def _note_tls_problem(self, exc: grpc.RpcError) -> None:
+        """Warn, once per distinct problem, when the watch fails in the TLS
+        handshake: a misconfiguration, which retrying does not mend."""
+        tls_error = _tls_error(self._addr, "Watch", exc, self._tls)
+        problem = str(tls_error) if tls_error is not None else None
+        if problem is not None and problem != self._tls_problem:
+            logger.warning("Cannot watch the health of the agent at %s: %s.", self._addr,
+                           problem)
+        self._tls_problem = problem
+
     def _run(self) -> None:
         backoff_s = self._initial_backoff_s
         request = health_pb2.HealthCheckRequest(service=self._service)
         while not self._stopped.is_set():
             try:
                 # Looked up each time: close_channels() may have replaced the cached channel.
-                call = health_pb2_grpc.HealthStub(_channel(self._addr)).Watch(request)
+                call = health_pb2_grpc.HealthStub(_channel(self._addr, self._tls)).Watch(request)
                 with self._lock:
                     self._call = call
                 if self._stopped.is_set():  # stop() ran before the call was visible to it
@@ -272,7 +333,8 @@ class HealthWatcher:
                 why = "the stream ended"
             except grpc.RpcError as exc:
                 why = f"{exc.code().name}: {exc.details()}"
-            except ValueError as exc:  # the channel was closed under us
+                self._note_tls_problem(exc)
+            except (ValueError, ConfigError) as exc:  # channel closed under us; TLS files gone
                 why = str(exc)
             if self._stopped.is_set():
                 break
@@ -286,19 +348,27 @@ class HealthWatcher:
 
 
 class GrpcPeerMesh:
-    """How an agent reaches the other agents of its job, over gRPC.
+    """How an agent reaches the other agents of its job, over gRPC (with
+    mutual TLS when ``tls`` is given: this agent's own certificate).
 
-    The agent's loop depends only on these three calls, so the fault
-    simulator swaps in a fake mesh whose links it cuts at will.
+    The agent's loop depends only on these calls, so the fault simulator
+    swaps in a fake mesh whose links it cuts at will.
     """
+
+    def __init__(self, tls: AgentTLS | None = None):
+        """Raises ConfigError when ``tls``'s files cannot be read (read now,
+        so that the calls below, which never raise, cannot fail on them)."""
+        self._tls = tls
+        if tls is not None:
+            tls.channel_credentials()
 
     def watch(self, addr: str, on_change: Callable[[str], None]) -> HealthWatcher:
         """Follow the health of the agent at ``addr``; stop() the result to end it."""
-        return HealthWatcher(addr, on_change).start()
+        return HealthWatcher(addr, on_change, tls=self._tls).start()
 
     def answers(self, addr: str) -> bool:
         """Whether an agent answers at ``addr`` now (any health status counts)."""
-        return check_health(addr) is not PeerHealth.UNREACHABLE
+        return check_health(addr, tls=self._tls) is not PeerHealth.UNREACHABLE
 
     def check_store(self, addrs: tuple[str, ...],
                     on_answer: Callable[[tuple[tuple[str, float], ...], int], None]) -> None:
@@ -319,10 +389,9 @@ class GrpcPeerMesh:
         answers = self._ask_all(addrs, asker_has_store=True, asker=asker)
         return not any(r is not None and r.workers_running for r in answers)
 
-    @staticmethod
-    def _ask_all(addrs, *, asker_has_store: bool, asker: str) -> list:
+    def _ask_all(self, addrs, *, asker_has_store: bool, asker: str) -> list:
         if not addrs:
             return []
         with ThreadPoolExecutor(max_workers=min(16, len(addrs))) as pool:
             return list(pool.map(lambda a: store_health(a, asker_has_store=asker_has_store,
-                                                        asker=asker), addrs))
+                                                        asker=asker, tls=self._tls), addrs))

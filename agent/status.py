@@ -3,47 +3,126 @@
 ``collect`` returns plain data (what ``elasticctl status --json`` prints);
 ``render`` turns it into the table an operator reads. Each agent's state comes
 from the agent itself over gRPC when it answers (live), else from the
-``status/<node>`` record it last published in etcd.
+``status/<node>`` record it last published in etcd; an agent that refused
+the TLS handshake is named under ``problems`` with what to change.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from elastic.checkpoint.etcd_log import decode_latest
 from elastic.errors import MalformedRecordError
-from elastic.rendezvous.api import NodeInfo, Round
+from elastic.rendezvous.api import (
+    MAX_NPROC,
+    NodeInfo,
+    Round,
+    cap_text,
+    id_in_key,
+    int_field,
+    load_object,
+    text_field,
+    typed_field,
+)
 from elastic.keyspace import JobKeys
 from elastic.store.api import Store
 
+if TYPE_CHECKING:
+    from agent.tls import AgentTLS
 
-def _agent_from_grpc(addr: str, timeout_s: float) -> dict | None:
+
+def _agent_from_grpc(addr: str, timeout_s: float,
+                     tls: AgentTLS | None = None) -> tuple[dict | None, str | None]:
+    """(the agent's live status, None when it did not answer; the TLS problem, if any)."""
     from agent import peers  # grpc is loaded only when agents are queried
-    from elastic.errors import ElasticError
+    from elastic.errors import AgentAuthError, ElasticError
 
     try:
-        resp = peers.query_status(addr, timeout_s=timeout_s)
+        resp = peers.query_status(addr, timeout_s=timeout_s, tls=tls)
+    except AgentAuthError as exc:
+        return None, str(exc)
     except ElasticError:
-        return None
+        return None, None
     if resp is None:
-        return None
-    workers = [{"local_rank": w.local_rank, "rank": w.rank, "pid": w.pid, "state": w.state,
-                "last_step": w.last_step, "step_rate": w.step_rate,
-                "heartbeat_age_s": w.heartbeat_age_s, "exit_code": w.exit_code}
-               for w in resp.workers]
-    return {"source": "agent", "state": resp.state, "round": resp.round,
+        return None, None
+    # The answer is another process's word: its text is made printable and capped.
+    workers = [{"local_rank": w.local_rank, "rank": w.rank, "pid": w.pid,
+                "state": cap_text(w.state, 32), "last_step": w.last_step,
+                "step_rate": w.step_rate, "heartbeat_age_s": w.heartbeat_age_s,
+                "exit_code": w.exit_code}
+               for w in resp.workers[:MAX_NPROC]]
+    return {"source": "agent", "state": cap_text(resp.state, 32), "round": resp.round,
             "node_rank": resp.node_rank if resp.node_rank >= 0 else None,
-            "workers": workers, "restarts": resp.restarts, "last_failure": resp.last_failure,
+            "workers": workers, "restarts": resp.restarts,
+            "last_failure": cap_text(resp.last_failure),
             "last_step": max((w["last_step"] for w in workers), default=-1),
-            "step_rate": min((w["step_rate"] for w in workers), default=0.0)}
+            "step_rate": min((w["step_rate"] for w in workers), default=0.0)}, None
+
+
+def status_record(key: str, raw: bytes) -> dict:
+    """A ``status/<node>`` record as an agent publishes it (``Agent._status_record``),
+    every field checked and its text made printable and capped, so that a
+    record anyone wrote renders (or prints as JSON) without surprises.
+
+    Raises MalformedRecordError naming the key and the field when it is not a
+    JSON object, a count is not an integer in range, a rate or an age is not
+    a finite number, or ``workers`` is not a list of worker objects."""
+    obj = load_object(key, raw)
+    rows = typed_field(key, obj, "workers", list, [])
+    if len(rows) > MAX_NPROC:
+        raise MalformedRecordError(key, f"field 'workers' lists {len(rows)} workers")
+    workers = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise MalformedRecordError(key, f"field 'workers[{i}]' is not an object")
+        named = {f"workers[{i}].{name}": value for name, value in row.items()}
+
+        def field(name: str) -> str:
+            return f"workers[{i}].{name}"  # noqa: B023 - used at once, in this iteration
+
+        workers.append({
+            "local_rank": int_field(key, named, field("local_rank"), 0, default=0),
+            "rank": int_field(key, named, field("rank"), 0, default=0),
+            "pid": int_field(key, named, field("pid"), 0, default=0),
+            "state": text_field(key, named, field("state"), "?", limit=32),
+            "last_step": int_field(key, named, field("last_step"), -1, default=-1),
+            "step_rate": _number(key, named, field("step_rate")),
+            "heartbeat_age_s": _number(key, named, field("heartbeat_age_s"), low=-1.0),
+            "exit_code": int_field(key, named, field("exit_code"), -255, 255, default=0),
+        })
+    node_rank = typed_field(key, obj, "node_rank", (int, type(None)), None)
+    if node_rank is not None:
+        node_rank = int_field(key, obj, "node_rank", 0)
+    return {"state": text_field(key, obj, "state", "?", limit=32),
+            "round": int_field(key, obj, "round", 0, default=0), "node_rank": node_rank,
+            "workers": workers, "last_step": int_field(key, obj, "last_step", -1, default=-1),
+            "step_rate": _number(key, obj, "step_rate"),
+            "restarts": int_field(key, obj, "restarts", 0, default=0),
+            "last_failure": text_field(key, obj, "last_failure")}
+
+
+def _number(key: str, obj: dict, name: str, low: float = 0.0) -> float:
+    """A finite number >= ``low`` (0.0 when absent); MalformedRecordError otherwise."""
+    value = typed_field(key, obj, name, (int, float), 0.0)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or number < low:
+        raise MalformedRecordError(key, f"field {name!r} is {number!r}, expected a finite "
+                                        f"number >= {low:g}")
+    return number
 
 
 def collect(store: Store, job_id: str, query_agents: bool = True,
-            agent_timeout_s: float = 1.0) -> dict:
+            agent_timeout_s: float = 1.0, *, tls: AgentTLS | None = None) -> dict:
     """Read the job's keys once (one consistent revision) and summarise them,
-    asking each registered agent for its live status when ``query_agents``.
+    asking each registered agent for its live status when ``query_agents``
+    (with mutual TLS when ``tls`` is given).
 
     Malformed records are reported under ``problems`` with their key rather
     than failing the whole command.
@@ -74,18 +153,19 @@ def collect(store: Store, job_id: str, query_agents: bool = True,
     for kv in kvs:
         if kv.key.startswith(keys.status):
             try:
-                record = json.loads(kv.value)
-                if not isinstance(record, dict):
-                    raise ValueError("not an object")
-                published[keys.node_id_of(kv.key)] = {"source": "etcd", **record}
-            except ValueError as exc:
-                problems.append(f"malformed record at key {kv.key!r}: {exc}")
+                node_id = id_in_key(kv.key, keys.status)
+                published[node_id] = {"source": "etcd", **status_record(kv.key, kv.value)}
+            except MalformedRecordError as exc:
+                problems.append(str(exc))
     live: dict[str, dict | None] = {}
     addrs = {n: i.addr for n, i in registered.items() if i.addr}
     if query_agents and addrs:
         with ThreadPoolExecutor(max_workers=min(16, len(addrs))) as pool:
-            answers = pool.map(lambda a: _agent_from_grpc(a, agent_timeout_s), addrs.values())
-            live = dict(zip(addrs, answers))
+            answers = list(pool.map(lambda a: _agent_from_grpc(a, agent_timeout_s, tls),
+                                    addrs.values()))
+        live = {node: answer for node, (answer, _) in zip(addrs, answers)}
+        problems.extend(f"node {node}: {problem}" for node, (_, problem) in zip(addrs, answers)
+                        if problem)
 
     checkpoint = None
     ckpt_kv = by_key.get(keys.checkpoint_latest)
@@ -113,7 +193,8 @@ def collect(store: Store, job_id: str, query_agents: bool = True,
     return {
         "job_id": job_id,
         "revision": revision,
-        "leader": leader_kv.value.decode(errors="replace") if leader_kv else None,
+        "leader": (cap_text(leader_kv.value.decode(errors="replace"), 128) if leader_kv
+                   else None),
         "round": None if current is None else {
             "number": current.number,
             "world_size": current.world_size,

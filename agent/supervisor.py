@@ -44,8 +44,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, NamedTuple
 
 import elastic
+from agent import localfiles
 from elastic import errorfile
-from elastic.errors import WorkerSpawnError
+from elastic.errors import ConfigError, WorkerSpawnError
 
 log = logging.getLogger(__name__)
 
@@ -484,8 +485,10 @@ class WorkerSupervisor:
     def _start_round_now(self, number: int, envs: list[dict[str, str]]) -> None:
         round_dir = os.path.dirname(rank_files(self.log_dir, number, 0)[0])
         try:
-            os.makedirs(round_dir, exist_ok=True)
-        except OSError as exc:
+            # Private (0700, never through a link): see agent.localfiles.
+            localfiles.ensure_dir(self.log_dir, "the log directory")
+            localfiles.private_subdir(self.log_dir, os.path.basename(round_dir))
+        except (OSError, ConfigError) as exc:
             raise WorkerSpawnError(f"cannot create the log directory {round_dir}: {exc}") from exc
         base = self._base_env()
         rnd = _Round(number, [])
@@ -607,7 +610,7 @@ class WorkerSupervisor:
             f"rank {slot.rank}"
         path = rank_files(self.log_dir, slot.round, slot.rank)[0]
         try:
-            w.log_file = open(path, "a", encoding="utf-8", errors="replace")
+            w.log_file = localfiles.open_log(path)
             for stream, text in w.pending:  # what it printed while warm (torch's warnings)
                 w.log_file.write(f"{stream}: {text}\n")
             w.log_file.flush()

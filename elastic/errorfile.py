@@ -19,6 +19,8 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from elastic.rendezvous.api import printable_text
+
 ENV_VAR = "TORCHELASTIC_ERROR_FILE"
 # Enough of the message for a status line; the whole traceback stays in the file.
 MAX_CAUSE_CHARS = 300
@@ -58,14 +60,15 @@ def read_root_cause(path: str) -> RootCause | None:
     record (no file: the worker died of a signal or exited without an
     exception). A file that is not torch's format gives its first line."""
     try:
-        with open(path, "rb") as f:
+        # Never through a link: the file is in the agent's private log directory.
+        with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as f:
             raw = f.read(_MAX_FILE_BYTES)
     except OSError:
         return None
     text = raw.decode("utf-8", errors="replace")
     try:
         data = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested thousands deep
         data = None
     message, stack = text, ""
     if isinstance(data, dict):
@@ -76,14 +79,9 @@ def read_root_cause(path: str) -> RootCause | None:
             stack = str(extra.get("py_callstack", "")) if isinstance(extra, dict) else ""
         else:
             message = str(inner)
-    line = " ".join(_printable(message).split())
+    line = " ".join(printable_text(message).split())
     if not line:
         return None
     if len(line) > MAX_CAUSE_CHARS:
         line = line[:MAX_CAUSE_CHARS - 3] + "..."
     return RootCause(line, stack)
-
-
-def _printable(text: str) -> str:
-    # Control characters must not reach a log line or an operator's terminal.
-    return "".join(c if c.isprintable() else " " for c in text)

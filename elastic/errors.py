@@ -48,6 +48,12 @@ class ConfigError(ElasticError):
     exit_code = EXIT_BAD_INPUT
 
 
+class InvalidRequestError(ConfigError):
+    """A gRPC request to an agent carries a value it refuses (a negative rank,
+    a NaN, a checkpoint path outside the root): the caller gets
+    INVALID_ARGUMENT with the message, which names the method and the field."""
+
+
 class StoreError(ElasticError):
     """The key-value store (etcd) failed a request."""
 
@@ -90,6 +96,37 @@ class AgentUnreachableError(ElasticError):
     """An agent's gRPC server did not answer (down, frozen, or the address is wrong)."""
 
     exit_code = EXIT_AGENT_UNREACHABLE
+
+
+class AgentAuthError(AgentUnreachableError):
+    """This client and an agent do not accept each other's TLS certificates:
+    the agent's is not signed by ``--tls-ca``, does not name the address (or
+    ``--tls-server-name``), or the agent refused this client's (none, or one
+    of another CA). Retrying does not help: the message says what to change.
+    Exit code 5, like every unreachable agent."""
+
+
+class RequestRefusedError(ElasticError):
+    """An agent or the job refused a control request (drain, restart) as it
+    was made: the client is not authorised, or it came too soon after the
+    last. The message says what to change or when to try again. Exit code 2."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class NotAuthorisedError(RequestRefusedError):
+    """A control request came without a client certificate verified against
+    the agent's ``--tls-ca`` (gRPC PERMISSION_DENIED)."""
+
+
+class RateLimitedError(RequestRefusedError):
+    """An operator restart came less than ``--operator-restart-interval``
+    after the last one of the job (gRPC RESOURCE_EXHAUSTED); ``next_at`` is
+    the wall time from which the next is taken (0.0 when unknown)."""
+
+    def __init__(self, message: str, next_at: float = 0.0):
+        super().__init__(message)
+        self.next_at = next_at
 
 
 class WorkerSpawnError(ElasticError):

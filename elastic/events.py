@@ -37,8 +37,9 @@ MAX_EVENTS = 1000  # what prune keeps by default
 
 @dataclass(frozen=True)
 class Event:
-    """One entry of the history. ``message`` is capped at MAX_REASON_CHARS on
-    construction, so no event written can be large whatever it quotes."""
+    """One entry of the history. ``message`` is made printable and capped at
+    MAX_REASON_CHARS on construction (``kind`` at 64 characters), so no event
+    written or read can be large or drive a terminal, whatever it quotes."""
 
     time: float  # wall-clock seconds
     node_id: str
@@ -48,7 +49,7 @@ class Event:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "message", cap_text(self.message))
-        object.__setattr__(self, "kind", cap_text(self.kind))
+        object.__setattr__(self, "kind", cap_text(self.kind, 64))
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()

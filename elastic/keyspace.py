@@ -40,6 +40,9 @@ class JobKeys:
         self.status = self.prefix + "status/"
         self.events = self.prefix + "events/"
         self.checkpoint_latest = self.prefix + "checkpoint/latest"
+        # The last operator restart taken (not under requests/: the leader
+        # reads every key there as a request); see elastic.rendezvous.operator.
+        self.operator_restart = self.prefix + "operator-restart"
 
     def node(self, node_id: str) -> str:
         return self.nodes + node_id
@@ -47,6 +50,11 @@ class JobKeys:
     def node_id_of(self, key: str) -> str:
         """The node id in a ``nodes/<id>``, ``status/<id>`` or report key."""
         return key.rsplit("/", 1)[-1]
+
+    def restart_request(self, round_number: int, by: str) -> str:
+        """Where ``by`` (a node id, or "elasticctl") asks for a round to replace
+        round ``round_number``."""
+        return f"{self.restart_requests}{round_number:012d}-{by}"
 
     def drain_request(self, node_id: str) -> str:
         return self.drain_requests + node_id

@@ -20,9 +20,11 @@ import abc
 import dataclasses
 import logging
 import math
+import re
 from typing import Any
 
 from elastic.errors import CheckpointError
+from elastic.rendezvous.api import cap_text
 
 log = logging.getLogger(__name__)
 
@@ -59,21 +61,44 @@ class CommitEntry:
         newer writer can add some).
         """
         if not isinstance(record, dict):
-            raise CheckpointError(f"commit record is not an object: {record!r}")
-        try:
-            entry = cls(step=record["step"], round=record["round"],
-                        world_size=record["world_size"], path=record["path"],
-                        time=float(record["time"]), save_s=float(record.get("save_s", 0.0)),
-                        size_bytes=record.get("size_bytes", 0))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"malformed commit record {record!r}: {exc!r}") from exc
-        ints_ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                      for v in (entry.step, entry.round, entry.world_size, entry.size_bytes))
-        if not ints_ok or not math.isfinite(entry.save_s) or entry.save_s < 0 \
-                or not isinstance(entry.path, str) or not entry.path \
-                or "/" in entry.path or entry.path.startswith("."):
-            raise CheckpointError(f"malformed commit record {record!r}")
-        return entry
+            raise CheckpointError(f"commit record is not an object but a "
+                                  f"{type(record).__name__}")
+        for name, high in _INT_FIELDS.items():
+            value = record.get(name, 0) if name == "size_bytes" else record.get(name)
+            if type(value) is not int or not 0 <= value <= high:
+                raise CheckpointError(f"commit record field {name!r} is {_shown(value)}, "
+                                      f"expected an integer 0..{high}")
+        for name in ("time", "save_s"):
+            value = record.get(name, 0.0) if name == "save_s" else record.get(name)
+            if (type(value) not in (int, float) or not math.isfinite(value)
+                    or not 0 <= value <= _MAX_SECONDS):
+                raise CheckpointError(f"commit record field {name!r} is {_shown(value)}, "
+                                      f"expected a number of seconds 0..{_MAX_SECONDS:g}")
+        path = record.get("path")
+        if not isinstance(path, str) or not _CHECKPOINT_NAME.fullmatch(path):
+            # The path is joined to the checkpoint root by every reader: only a
+            # plain directory name may come in (no "..", no "/", no absolute path).
+            raise CheckpointError(f"commit record field 'path' is {_shown(path)}, expected "
+                                  "the name of a directory in the checkpoint root (letters, "
+                                  "digits, '.', '_', '-', not starting with '.')")
+        return cls(step=record["step"], round=record["round"],
+                   world_size=record["world_size"], path=path, time=float(record["time"]),
+                   save_s=float(record.get("save_s", 0.0)),
+                   size_bytes=record.get("size_bytes", 0))
+
+
+# What a commit record's numbers may be: int64 for what protobuf carries as
+# int64 (the agent sends entries to its workers), int32 for the world size;
+# times and durations up to MAX_WALL_TIME_S (the year 5138).
+_INT_FIELDS = {"step": 2**63 - 1, "round": 2**63 - 1, "world_size": 2**31 - 1,
+               "size_bytes": 2**63 - 1}
+_MAX_SECONDS = 1e11
+_CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+
+
+def _shown(value: Any) -> str:
+    """A value from a record, short and printable, for an error message."""
+    return cap_text(repr(value), 80)
 
 
 class CommitLog(abc.ABC):

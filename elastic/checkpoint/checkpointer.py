@@ -623,7 +623,13 @@ class Checkpointer:
         """
         path = os.path.join(self.root, name)
         rank = self._group.rank
-        problems, share = layout.verify_structure(path, part=rank, parts=self._group.size)
+        # The name comes from the commit log (etcd, or a file in the root):
+        # nothing outside the root is ever read, not even its manifests.
+        escape = layout.outside_root(self.root, name)
+        if escape is not None:
+            problems, share = ([escape] if rank == 0 else []), []
+        else:
+            problems, share = layout.verify_structure(path, part=rank, parts=self._group.size)
         problems = [p for ps in self._group.all_gather(problems, "verifying") for p in ps]
         if problems:
             self._reject(name, problems, fallback)

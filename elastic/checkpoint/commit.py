@@ -24,6 +24,7 @@ from elastic.errors import CheckpointError, FencedError
 log = logging.getLogger(__name__)
 
 LATEST_FILE = "latest"
+_MAX_RECORD_BYTES = 1 << 16  # a commit record is ~200 bytes
 
 
 class FileCommitLog(CommitLog):
@@ -42,12 +43,15 @@ class FileCommitLog(CommitLog):
         """
         try:
             with open(self.path, "rb") as f:
-                data = f.read()
+                data = f.read(_MAX_RECORD_BYTES + 1)
         except FileNotFoundError:
             return None
         try:
+            if len(data) > _MAX_RECORD_BYTES:
+                raise CheckpointError(f"larger than {_MAX_RECORD_BYTES} bytes")
             return CommitEntry.from_dict(json.loads(data))
-        except (ValueError, CheckpointError) as exc:
+        # RecursionError: JSON nested thousands deep (json recurses per level).
+        except (ValueError, RecursionError, CheckpointError) as exc:
             log.warning("The commit log %s is unreadable (%s); treating it as empty, so restore "
                         "falls back to checkpoints that carry a COMMITTED marker.", self.path, exc)
             return None

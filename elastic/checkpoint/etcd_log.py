@@ -24,6 +24,7 @@ from elastic.errors import CheckpointError, ElasticError, FencedError, Malformed
 from elastic.events import event_op
 from elastic.fence import current_round_number, fenced_txn
 from elastic.keyspace import JobKeys
+from elastic.rendezvous.api import load_object
 from elastic.store.api import Put, Store
 
 log = logging.getLogger(__name__)
@@ -110,8 +111,12 @@ def encode_latest(entry: CommitEntry) -> bytes:
 
 
 def decode_latest(key: str, raw: bytes) -> CommitEntry:
-    """Parse a ``checkpoint/latest`` record; MalformedRecordError naming ``key`` if invalid."""
+    """Parse a ``checkpoint/latest`` record; MalformedRecordError naming ``key``
+    if it is not a JSON object (or larger than MAX_RECORD_BYTES) or not a
+    valid commit entry (its ``path`` a plain directory name: see
+    :meth:`CommitEntry.from_dict`)."""
+    obj = load_object(key, raw)
     try:
-        return CommitEntry.from_dict(json.loads(raw))
-    except (ValueError, CheckpointError) as exc:  # UnicodeDecodeError is a ValueError
+        return CommitEntry.from_dict(obj)
+    except CheckpointError as exc:
         raise MalformedRecordError(key, f"not a checkpoint commit record ({exc})") from exc

@@ -33,16 +33,19 @@ run separately: restore runs the CRC pass concurrently with the load.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
 import re
+import stat
 import time
 import zlib
 from typing import Iterable
 
 from elastic.checkpoint.api import CommitEntry
 from elastic.errors import CheckpointError
+from elastic.rendezvous.api import cap_text
 
 METADATA_FILE = ".metadata"
 MARKER_FILE = "COMMITTED"
@@ -54,6 +57,17 @@ _STEP_DIR = re.compile(r"^step-(\d{12,})$")
 _TMP_DIR = re.compile(r"^\.tmp-step-(\d+)-round-(\d+)$")
 _MANIFEST = re.compile(r"^manifest-(\d{5,})\.json$")
 _CHUNK = 1 << 20  # one reused read buffer: a checkpoint thread's arena keeps what it touched
+# A checkpoint's own files are read as hostile input (anyone who can write the
+# checkpoint storage can edit them): a manifest or marker larger than these
+# is refused unread, and no name in a manifest can point outside its directory.
+MAX_MANIFEST_BYTES = 16 << 20
+MAX_MARKER_BYTES = 1 << 16
+# More ranks than this in a manifest is a lie, not a job: the problems it makes
+# (one per missing manifest) must stay few.
+MAX_WORLD_SIZE = 1 << 24
+_FILE_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
+_CRC32 = re.compile(r"[0-9a-f]{8}")
+_MAX_INT64 = 2**63 - 1
 
 
 def step_dir_name(step: int) -> str:
@@ -140,7 +154,7 @@ def file_digest(path: str) -> FileDigest:
     size = 0
     buffer = bytearray(_CHUNK)
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
+    with open(path, "rb", buffering=0, opener=_no_follow) as f:
         while n := f.readinto(buffer):
             crc = zlib.crc32(view[:n], crc)
             size += n
@@ -165,17 +179,66 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes) -> "Manifest":
-        """Raises ValueError (or a subclass) when ``data`` is not a valid manifest."""
-        record = json.loads(data)
+        """Raises ValueError (or a subclass) when ``data`` is not a valid manifest:
+        not a JSON object of format MANIFEST_FORMAT; ``rank``, ``step`` or
+        ``round`` not an integer 0..2**63-1 (``rank`` below ``world_size``,
+        which is 1..MAX_WORLD_SIZE); a file name that is not a plain name in
+        the checkpoint's directory (letters, digits, '.', '_', '-'; not "." or
+        ".."); a size not an integer 0..2**63-1; a CRC-32 not 8 hex digits."""
+        try:
+            record = json.loads(data)
+        except RecursionError:  # nested thousands deep: json recurses per level
+            raise ValueError("JSON nested too deeply") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"not a JSON object but a {type(record).__name__}")
         if record.get("format") != MANIFEST_FORMAT:
-            raise ValueError(f"unknown manifest format {record.get('format')!r}")
-        files = {}
-        for name, digest in record["files"].items():
-            if "/" in name or name in ("", ".", ".."):
-                raise ValueError(f"file name {name!r} is not inside the checkpoint")
-            files[name] = FileDigest(size=int(digest["size"]), crc32=str(digest["crc32"]))
-        return cls(rank=int(record["rank"]), world_size=int(record["world_size"]),
-                   step=int(record["step"]), round=int(record["round"]), files=files)
+            raise ValueError(f"unknown manifest format {_shown(record.get('format'))}")
+        world_size = _int(record, "world_size", 1, MAX_WORLD_SIZE)
+        rank = _int(record, "rank", 0, world_size - 1)
+        files = record.get("files")
+        if not isinstance(files, dict):
+            raise ValueError(f"field 'files' is {_shown(files)}, not an object")
+        digests = {}
+        for name, digest in files.items():
+            if not _FILE_NAME.fullmatch(name) or name in (".", ".."):
+                raise ValueError(f"file name {_shown(name)} is not a plain name inside the "
+                                 "checkpoint")
+            if not isinstance(digest, dict):
+                raise ValueError(f"the digest of {name} is {_shown(digest)}, not an object")
+            crc32 = digest.get("crc32")
+            if not isinstance(crc32, str) or not _CRC32.fullmatch(crc32):
+                raise ValueError(f"the CRC-32 of {name} is {_shown(crc32)}, not 8 hex digits")
+            digests[name] = FileDigest(size=_int(digest, "size", 0, _MAX_INT64), crc32=crc32)
+        return cls(rank=rank, world_size=world_size, step=_int(record, "step", 0, _MAX_INT64),
+                   round=_int(record, "round", 0, _MAX_INT64), files=digests)
+
+
+def _int(record: dict, name: str, low: int, high: int) -> int:
+    value = record.get(name)
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"field {name!r} is {_shown(value)}, expected an integer {low}..{high}")
+    return value
+
+
+def _shown(value) -> str:
+    """A value read from a file, short and printable, for a message."""
+    return cap_text(repr(value), 80)
+
+
+def _no_follow(path: str, flags: int) -> int:
+    """An ``opener`` that refuses a symbolic link (ELOOP): a checkpoint's files
+    are never links, and one could point anywhere (/dev/zero, a secret)."""
+    return os.open(path, flags | os.O_NOFOLLOW)
+
+
+def read_limited(path: str, limit: int) -> bytes:
+    """The bytes of the file at ``path`` (not through a symbolic link); raises
+    ValueError when it has more than ``limit``, OSError when it cannot be read."""
+    with open(path, "rb", opener=_no_follow) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"larger than {limit} bytes")
+    return data
 
 
 def write_manifest(directory: str, manifest: Manifest) -> None:
@@ -210,10 +273,9 @@ def read_manifests(directory: str) -> tuple[list[Manifest], list[Problem]]:
             continue
         path = os.path.join(directory, name)
         try:
-            with open(path, "rb") as f:
-                manifest = Manifest.from_json(f.read())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            problems.append(Problem(path, f"unreadable manifest ({exc!r})"))
+            manifest = Manifest.from_json(read_limited(path, MAX_MANIFEST_BYTES))
+        except (OSError, ValueError) as exc:
+            problems.append(Problem(path, f"unreadable manifest ({cap_text(str(exc), 300)})"))
             continue
         if manifest.rank != int(match.group(1)):
             problems.append(Problem(path, f"manifest of rank {manifest.rank} under the wrong name"))
@@ -230,11 +292,18 @@ def read_manifests(directory: str) -> tuple[list[Manifest], list[Problem]]:
                                     f"{manifest.step}; rank {manifests[0].rank} says "
                                     f"{world_size} and {step}"))
     present = {m.rank for m in manifests}
-    for rank in range(world_size):
-        if rank not in present:
-            problems.append(Problem(os.path.join(directory, manifest_name(rank)),
-                                    f"missing (the checkpoint was written by {world_size} ranks)"))
-    for rank in sorted(present - set(range(world_size))):
+    # One problem per missing manifest, but only the first few: a manifest that
+    # claims millions of ranks must not make millions of problems (and log lines).
+    missing = (rank for rank in range(world_size) if rank not in present)
+    for count, rank in enumerate(missing):
+        if count == 8:
+            left = world_size - sum(0 <= r < world_size for r in present) - count
+            problems.append(Problem(directory, f"and {left} more rank(s)' manifests are "
+                                               f"missing (of {world_size})"))
+            break
+        problems.append(Problem(os.path.join(directory, manifest_name(rank)),
+                                f"missing (the checkpoint was written by {world_size} ranks)"))
+    for rank in sorted(r for r in present if not 0 <= r < world_size):
         problems.append(Problem(os.path.join(directory, manifest_name(rank)),
                                 f"rank {rank} is outside world size {world_size}"))
     return manifests, problems
@@ -279,8 +348,8 @@ def verify_structure(directory: str, *, part: int = 0, parts: int = 1
     if METADATA_FILE not in {name for name, _ in listed}:
         problems.append(Problem(os.path.join(directory, METADATA_FILE),
                                 "not listed in any manifest"))
-    names = [name for name, _ in listed]
-    for name in sorted({n for n in names if names.count(n) > 1}):
+    counts = collections.Counter(name for name, _ in listed)
+    for name in sorted(n for n, count in counts.items() if count > 1):
         problems.append(Problem(os.path.join(directory, name), "listed by more than one rank"))
     if part != 0:
         problems = []
@@ -324,11 +393,15 @@ def split_by_bytes(files: Iterable[tuple[str, FileDigest]], parts: int
 
 def _check_size(path: str, expected: FileDigest) -> Problem | None:
     try:
-        size = os.stat(path).st_size
+        info = os.lstat(path)
     except FileNotFoundError:
         return Problem(path, "missing")
     except OSError as exc:
         return Problem(path, f"cannot stat ({exc})")
+    if not stat.S_ISREG(info.st_mode):
+        # A link could point anywhere; a checkpoint's files are plain files.
+        return Problem(path, "not a regular file (a symbolic link, a directory or a device)")
+    size = info.st_size
     if size != expected.size:
         return Problem(path, f"truncated or overwritten: {size} bytes, expected {expected.size}")
     return None
@@ -360,12 +433,28 @@ def write_marker(directory: str, entry: CommitEntry) -> None:
 
 def read_marker(directory: str) -> CommitEntry | None:
     """The entry in a checkpoint's ``COMMITTED`` file; None when it is missing
-    or unreadable (an unreadable marker is as good as none)."""
+    or unreadable (an unreadable marker is as good as none: also a link, one
+    over MAX_MARKER_BYTES, or JSON nested too deeply to parse)."""
     try:
-        with open(os.path.join(directory, MARKER_FILE), "rb") as f:
-            return CommitEntry.from_dict(json.loads(f.read()))
-    except (OSError, ValueError, CheckpointError):
+        data = read_limited(os.path.join(directory, MARKER_FILE), MAX_MARKER_BYTES)
+        return CommitEntry.from_dict(json.loads(data))
+    except (OSError, ValueError, RecursionError, CheckpointError):
         return None
+
+
+def outside_root(root: str, name: str) -> Problem | None:
+    """A problem when the checkpoint ``name`` (a commit record's ``path``, or a
+    directory listed in ``root``) is not a plain name or resolves outside
+    ``root`` (a symbolic link that leads elsewhere): restore must never read
+    a checkpoint from anywhere but the checkpoint root. None when it is inside."""
+    path = os.path.join(root, name)
+    if not _FILE_NAME.fullmatch(name) or name in (".", ".."):
+        return Problem(path, "not a plain directory name inside the checkpoint root")
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)
+    if os.path.commonpath([real_root, real]) != real_root or real == real_root:
+        return Problem(path, f"resolves to {real}, outside the checkpoint root {real_root}")
+    return None
 
 
 def directory_round(directory: str) -> int | None:

@@ -33,27 +33,78 @@ DEFAULT_EXIT_BARRIER_TIMEOUT_S = 300.0
 # round commit fail and the leader retry forever.
 MAX_REASON_CHARS = 1024
 MAX_PORT = 65535
+# A record read from etcd larger than this is refused unparsed, naming its key:
+# none the project writes comes near it (a round of 1,000 members is ~100 KB),
+# and etcd's own request limit is 1.5 MiB by default.
+MAX_RECORD_BYTES = 1 << 20
+# Wall times in records (seconds since the epoch) beyond this (the year 5138)
+# are refused: time.localtime and strftime fail on them when a command prints them.
+MAX_WALL_TIME_S = 1e11
+# Host names and HOST:PORT addresses: what DNS names, IPv4 and bracketed IPv6
+# literals (with a %zone) are made of; nothing that would select another gRPC
+# transport ("unix:/path"), and no space or control character for a log line.
+MAX_HOST_CHARS = 253
+# More workers than this on one node is not a configuration but a typo or an
+# attack (a world size in the billions would make every rank's env absurd).
+MAX_NPROC = 1 << 16
+_HOST_RE = re.compile(r"[A-Za-z0-9._:%\[\]-]*")
 
-_JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# fullmatch, never match with "$": "$" also matches before a final newline ("a\n").
+_JOB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def validate_id(kind: str, value: str) -> str:
     """Return ``value`` if it is a usable job or node id, else raise ConfigError."""
-    if not isinstance(value, str) or not _JOB_ID_RE.match(value):
+    if not isinstance(value, str) or not _JOB_ID_RE.fullmatch(value):
         raise ConfigError(
-            f"invalid {kind} {value!r}: use 1-128 letters, digits, '.', '_' or '-', "
+            f"invalid {kind} {cap_text(repr(value), 80)}: use 1-128 letters, digits, '.', "
+            "'_' or '-', "
             "starting with a letter or digit"
         )
     return value
 
 
+# What must not reach a log line or a terminal as it is: C0 and C1 control
+# characters (escape sequences that drive the terminal, carriage returns and
+# newlines that overwrite or forge a line), DEL, the invisible format characters
+# that reorder or hide text (bidirectional overrides and isolates, zero-width
+# characters, line and paragraph separators) and lone surrogates (which cannot
+# even be encoded to print: a UnicodeEncodeError at the terminal).
+_UNPRINTABLE = re.compile(
+    r"[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff"
+    r"\ud800-\udfff]")
+
+
+def _escape(match: re.Match) -> str:
+    char = match.group()
+    if char in "\t\n\r":
+        return " "  # a traceback or a multi-line message stays readable on one line
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable_text(text: str) -> str:
+    """``text`` safe to log or print: tabs and line breaks become spaces, and
+    every other control or invisible format character (see ``_UNPRINTABLE``)
+    becomes its escape (``\\x1b``, ``\\u202e``), so it is seen, not obeyed.
+
+    The one sanitiser of free text from outside (etcd records, gRPC requests,
+    worker error files); :func:`cap_text` applies it. Idempotent.
+    """
+    if not _UNPRINTABLE.search(text):
+        return text
+    return _UNPRINTABLE.sub(_escape, text)
+
+
 def cap_text(text: str, limit: int = MAX_REASON_CHARS) -> str:
-    """``text`` if it has at most ``limit`` characters, else its start followed by
-    ``"... [N more characters]"``, the whole at most ``limit`` characters long.
+    """``text`` made printable (:func:`printable_text`) if that has at most
+    ``limit`` characters, else its start followed by ``"... [N more
+    characters]"``, the whole at most ``limit`` characters long.
 
     Idempotent: a capped text is returned unchanged. A ``limit`` too small to
     hold the marker cuts without it.
     """
+    text = printable_text(text)
     if len(text) <= limit:
         return text
     # The marker for N = len(text) is the longest it can be, so using its length
@@ -72,7 +123,8 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     ``0``, negative counts and ``MIN > MAX``.
     """
     parts = str(text).strip().split(":")
-    if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+    if len(parts) not in (1, 2) or not all(p.strip().isascii() and p.strip().isdigit()
+                                           and len(p.strip()) <= 9 for p in parts):
         raise ConfigError(
             f"--nnodes {text!r}: expected a node count N or a range MIN:MAX, e.g. 2 or 2:4"
         )
@@ -149,13 +201,46 @@ class RendezvousConfig:
                 "exit_barrier_timeout_s": self.exit_barrier_timeout_s,
                 "scale_up_wait_s": self.scale_up_wait_s}
 
+    @staticmethod
+    def settings_from_json(key: str, raw: bytes) -> dict[str, Any]:
+        """The ``config`` record: the settings :meth:`job_settings` wrote.
+
+        Raises MalformedRecordError naming the key and the field when it is not
+        a JSON object or a known setting is not a number of its kind (counts:
+        non-negative ints; seconds: finite, non-negative). Settings this
+        version does not know (a newer writer's) are returned as short
+        printable text (their repr), name and value: enough to compare and show.
+        """
+        obj = load_object(key, raw)
+        settings: dict[str, Any] = {}
+        for name, value in obj.items():
+            if name in _COUNT_SETTINGS:
+                settings[name] = int_field(key, obj, name, 0)
+            elif name in _SECONDS_SETTINGS:
+                seconds = typed_field(key, obj, name, (int, float))
+                if not (isinstance(seconds, int) or math.isfinite(seconds)) or seconds < 0:
+                    raise MalformedRecordError(key, f"field {name!r} is {seconds!r}, expected "
+                                                    "a finite number of seconds >= 0")
+                settings[name] = seconds
+            else:
+                settings[cap_text(name, 64)] = cap_text(repr(value), 64)
+        return settings
+
+
+_COUNT_SETTINGS = frozenset({"min_nodes", "max_nodes", "max_restarts"})
+_SECONDS_SETTINGS = frozenset({"restart_window_s", "exit_barrier_timeout_s", "scale_up_wait_s"})
+
 
 # Readers of record fields, shared by every record kept in etcd (events too).
 # Each returns a value of the promised type and range or raises
 # MalformedRecordError naming the key and the field: records are hostile input.
 
 def load_object(key: str, raw: bytes) -> dict[str, Any]:
-    """``raw`` parsed as a JSON object; MalformedRecordError if it is not one."""
+    """``raw`` parsed as a JSON object; MalformedRecordError if it is not one,
+    or if it is larger than MAX_RECORD_BYTES (refused before it is parsed)."""
+    if len(raw) > MAX_RECORD_BYTES:
+        raise MalformedRecordError(key, f"{len(raw)} bytes, more than the {MAX_RECORD_BYTES} "
+                                        "a record may have")
     try:
         obj = json.loads(raw.decode("utf-8"))
     # ValueError also covers bad UTF-8 and integers of more than 4300 digits;
@@ -203,8 +288,9 @@ def port_field(key: str, obj: dict, name: str, default: Any = _MISSING) -> int:
 
 
 def time_field(key: str, obj: dict, name: str, value: Any = _MISSING) -> float:
-    """A finite number of seconds, as a float: ``obj[name]``, or ``value`` when given
-    (an element of a list field). JSON has no NaN, but Python's json reads one."""
+    """A wall time, 0..MAX_WALL_TIME_S seconds since the epoch, as a float:
+    ``obj[name]``, or ``value`` when given (an element of a list field). JSON
+    has no NaN, but Python's json reads one."""
     if value is _MISSING:
         value = typed_field(key, obj, name, (int, float))
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -215,7 +301,44 @@ def time_field(key: str, obj: dict, name: str, value: Any = _MISSING) -> float:
         seconds = math.inf
     if not math.isfinite(seconds):
         raise MalformedRecordError(key, f"field {name!r} is not a finite number")
+    if not 0 <= seconds <= MAX_WALL_TIME_S:
+        raise MalformedRecordError(key, f"field {name!r} is {seconds:g}, not a time "
+                                        f"(0..{MAX_WALL_TIME_S:g} s since the epoch)")
     return seconds
+
+
+def valid_host(host: str) -> bool:
+    """Whether ``host`` is a host name or an IP address: 1..MAX_HOST_CHARS of
+    what those are made of (letters, digits, '.', '-', '_', ':', '%', brackets)."""
+    return 0 < len(host) <= MAX_HOST_CHARS and bool(_HOST_RE.fullmatch(host))
+
+
+def host_field(key: str, obj: dict, name: str, default: Any = _MISSING) -> str:
+    """A host name or address ("" allowed): at most MAX_HOST_CHARS of what host
+    names and IP literals are made of."""
+    value = typed_field(key, obj, name, str, default)
+    if value and not valid_host(value):
+        raise MalformedRecordError(key, f"field {name!r} is not a host name or address: "
+                                        f"{cap_text(value, 64)!r}")
+    return value
+
+
+def valid_addr(addr: str) -> bool:
+    """Whether ``addr`` is HOST:PORT (a host as :func:`host_field` takes it, a
+    port 1..65535): what a peer may dial, nothing else (no ``unix:`` path)."""
+    host, sep, port = addr.rpartition(":")
+    return (bool(sep) and valid_host(host)
+            and port.isascii() and port.isdigit() and len(port) <= 5
+            and 0 < int(port) <= MAX_PORT)
+
+
+def addr_field(key: str, obj: dict, name: str, default: Any = _MISSING) -> str:
+    """An agent's gRPC address: "" (none) or HOST:PORT (:func:`valid_addr`)."""
+    value = typed_field(key, obj, name, str, default)
+    if value and not valid_addr(value):
+        raise MalformedRecordError(key, f"field {name!r} is not HOST:PORT: "
+                                        f"{cap_text(value, 64)!r}")
+    return value
 
 
 def id_field(key: str, obj: dict, name: str, kind: str = "node id") -> str:
@@ -227,9 +350,22 @@ def id_field(key: str, obj: dict, name: str, kind: str = "node id") -> str:
         raise MalformedRecordError(key, f"field {name!r}: {exc}") from None
 
 
-def text_field(key: str, obj: dict, name: str, default: str = "") -> str:
-    """A free-text field, capped: a record someone else wrote may be of any size."""
-    return cap_text(typed_field(key, obj, name, str, default))
+def text_field(key: str, obj: dict, name: str, default: str = "",
+               limit: int = MAX_REASON_CHARS) -> str:
+    """A free-text field, made printable and capped (:func:`cap_text`): a
+    record someone else wrote may hold anything of any size."""
+    return cap_text(typed_field(key, obj, name, str, default), limit)
+
+
+def id_in_key(key: str, prefix: str) -> str:
+    """The node id that ``key`` names right under ``prefix`` (``nodes/<id>``,
+    ``requests/drain/<id>``...); MalformedRecordError when what follows the
+    prefix is not one valid id (``nodes/../round``, ``nodes/a/b``)."""
+    rest = key[len(prefix):] if key.startswith(prefix) else key
+    try:
+        return validate_id("node id", rest)
+    except ConfigError as exc:
+        raise MalformedRecordError(key, f"the key does not end in a node id: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -255,16 +391,17 @@ class NodeInfo:
 
         Raises MalformedRecordError naming the key and the field when it is not
         a JSON object of correctly typed fields, ``nproc`` < 1, a port is outside
-        0..65535, or ``node_id`` is not a valid id or not the key's.
+        0..65535, ``host`` is not a host name or ``addr`` not HOST:PORT, or
+        ``node_id`` is not a valid id or not the key's.
         """
         obj = load_object(key, raw)
         info = cls(
             node_id=id_field(key, obj, "node_id"),
-            host=typed_field(key, obj, "host", str),
-            nproc=int_field(key, obj, "nproc", 1),
-            addr=typed_field(key, obj, "addr", str, ""),
+            host=host_field(key, obj, "host"),
+            nproc=int_field(key, obj, "nproc", 1, MAX_NPROC),
+            addr=addr_field(key, obj, "addr", ""),
             master_port=port_field(key, obj, "master_port", 0),
-            version=typed_field(key, obj, "version", str, ""),
+            version=text_field(key, obj, "version", "", limit=64),
             running_round=int_field(key, obj, "running_round", 0, default=0),
         )
         if not key.endswith("/" + info.node_id):
@@ -360,7 +497,7 @@ class Round:
         return cls(
             number=number,
             members=members,
-            master_addr=typed_field(key, obj, "master_addr", str),
+            master_addr=host_field(key, obj, "master_addr"),
             master_port=port_field(key, obj, "master_port"),
             reason=text_field(key, obj, "reason"),
             leader=leader,
@@ -387,9 +524,9 @@ def _member(key: str, index: int, obj: Any) -> Member:
     return Member(
         node_id=id_field(key, named, name("node_id")),
         node_rank=int_field(key, named, name("node_rank"), 0),
-        host=typed_field(key, named, name("host"), str),
-        nproc=int_field(key, named, name("nproc"), 1),
-        addr=typed_field(key, named, name("addr"), str, ""),
+        host=host_field(key, named, name("host")),
+        nproc=int_field(key, named, name("nproc"), 1, MAX_NPROC),
+        addr=addr_field(key, named, name("addr"), ""),
     )
 
 
@@ -404,11 +541,46 @@ class Standbys:
 
     @classmethod
     def from_json(cls, key: str, raw: bytes) -> "Standbys":
-        """Raises MalformedRecordError naming the key when invalid."""
+        """Raises MalformedRecordError naming the key when invalid: ``addrs`` is
+        not a list of HOST:PORT addresses (which members dial), or has more
+        than MAX_STANDBYS of them."""
         addrs = typed_field(key, load_object(key, raw), "addrs", list)
-        if not all(isinstance(a, str) for a in addrs):
-            raise MalformedRecordError(key, "field 'addrs' must be a list of strings")
+        if len(addrs) > MAX_STANDBYS:
+            raise MalformedRecordError(key, f"field 'addrs' lists {len(addrs)} addresses, "
+                                            f"more than {MAX_STANDBYS}")
+        for i, addr in enumerate(addrs):
+            if not isinstance(addr, str) or not valid_addr(addr):
+                shown = cap_text(addr, 64) if isinstance(addr, str) else type(addr).__name__
+                raise MalformedRecordError(key, f"field 'addrs[{i}]' is not HOST:PORT: "
+                                                f"{shown!r}")
         return cls(tuple(addrs))
+
+
+# A member cut off from etcd asks every standby at once: more than this is no
+# list the leader wrote.
+MAX_STANDBYS = 4096
+
+
+@dataclass(frozen=True)
+class DrainRequest:
+    """``requests/drain/<node_id>``: take that node out at the next round
+    (written by the node itself on SIGTERM, or by ``elasticctl drain``)."""
+
+    by: str  # a node id, or "elasticctl"
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reason", cap_text(self.reason))
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, key: str, raw: bytes) -> "DrainRequest":
+        """Raises MalformedRecordError naming the key and the field when ``by``
+        is not a valid id or ``reason`` not text (capped at MAX_REASON_CHARS)."""
+        obj = load_object(key, raw)
+        return cls(by=id_field(key, obj, "by"), reason=text_field(key, obj, "reason"))
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,14 @@ Only public store calls; no state but the names.
 
 from __future__ import annotations
 
+import logging
+
+from elastic.errors import ConfigError
 from elastic.keyspace import JobKeys
-from elastic.store.api import Compare, Delete, Get, Put, Store
+from elastic.rendezvous.api import cap_text, validate_id
+from elastic.store.api import Compare, Delete, Get, KeyValue, Put, Store
+
+log = logging.getLogger(__name__)
 
 
 class Election:
@@ -32,7 +38,25 @@ class Election:
         if result.succeeded:
             return self.node_id
         kvs = result.results[0] if result.results else []
-        return kvs[0].value.decode(errors="replace") if kvs else None
+        if not kvs:
+            return None
+        holder = leader_in(kvs[0])
+        if holder is not None:
+            return holder
+        # Not a leader's record (garbage, or written without a lease, so no
+        # death would ever free it): replace exactly what was read.
+        log.warning("Job %s node %s: the leader key holds %s, which no leader wrote; "
+                    "taking its place.", self.keys.job_id, self.node_id,
+                    cap_text(repr(kvs[0].value), 64) if kvs[0].lease else "a key without a lease")
+        taken = self.store.txn(
+            [Compare.mod_revision(self.keys.leader, "==", kvs[0].mod_revision)],
+            [Put(self.keys.leader, self.node_id.encode(), lease=lease_id)],
+            [Get(self.keys.leader)],
+        )
+        if taken.succeeded:
+            return self.node_id
+        kvs = taken.results[0] if taken.results else []
+        return leader_in(kvs[0]) if kvs else None
 
     def holds(self) -> Compare:
         """A compare that holds while this node leads: part of every leader write."""
@@ -42,3 +66,17 @@ class Election:
         """Give up leadership (delete the key if this node holds it), so
         another node can win at once. Returns whether this node held it."""
         return self.store.txn([self.holds()], [Delete(self.keys.leader)]).succeeded
+
+
+def leader_in(kv: KeyValue) -> str | None:
+    """The node id the ``leader`` key names, or None when it is not a leader's
+    record: a leader writes its node id under its lease, so a value that is
+    not a valid id (garbage, a huge value) or a key without a lease (which no
+    lease expiry would ever delete) is treated as no leader at all, and the
+    next campaign replaces it."""
+    if kv.lease == 0:
+        return None
+    try:
+        return validate_id("node id", kv.value.decode("utf-8"))
+    except (UnicodeDecodeError, ConfigError):
+        return None

@@ -70,9 +70,10 @@ from elastic.rendezvous.api import (
     RestartRequest,
     Round,
     Standbys,
+    cap_text,
 )
 from elastic.rendezvous.decisions import decide
-from elastic.rendezvous.election import Election
+from elastic.rendezvous.election import Election, leader_in
 from elastic.rendezvous.view import LeaderView
 from elastic.store.api import Compare, Delete, EventType, Get, KeyValue, Put, Session, Store, Watch
 
@@ -129,6 +130,7 @@ class RendezvousNode:
         self._election = Election(store, self.keys, info.node_id)
 
         self._inbox: queue.Queue = queue.Queue()
+        self._woken_by: tuple | None = None  # taken from the inbox by the loop thread
         self._cond = threading.Condition()
         self._round: Round | None = None  # latest valid committed round
         self._round_version = 0  # version of the round key as last seen (0: absent)
@@ -230,10 +232,14 @@ class RendezvousNode:
         failed duty stays pending for the next pass.
         """
         while True:
-            try:
-                tag, payload = self._inbox.get_nowait()
-            except queue.Empty:
-                break
+            if self._woken_by is not None:
+                # The item that woke the loop thread comes first: it arrived first.
+                (tag, payload), self._woken_by = self._woken_by, None
+            else:
+                try:
+                    tag, payload = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
             if tag != "stop":
                 self._handle(tag, payload)
         if self._stopping.is_set():
@@ -354,7 +360,11 @@ class RendezvousNode:
                 continue
             if item[0] == "stop":
                 return
-            self._inbox.put(item)  # pump() applies it with whatever else arrived
+            # pump() applies it first, then whatever else arrived. (Put back in
+            # the queue, it went behind newer events: a leader key written twice
+            # in quick succession was then applied out of order, and the node
+            # believed a leader long replaced.)
+            self._woken_by = item
 
     def _handle(self, tag: str, payload) -> None:
         """Apply watch events to what this node knows; no store calls (a
@@ -371,8 +381,7 @@ class RendezvousNode:
                                   ev.kv.version, ev.kv.mod_revision)
         elif tag == "leader":
             for ev in payload:
-                self._leader = (ev.kv.value.decode(errors="replace")
-                                if ev.type is EventType.PUT else None)
+                self._leader = leader_in(ev.kv) if ev.type is EventType.PUT else None
             if not self.is_leader:
                 self._drop_leadership()
         elif tag == "nodes" and self.is_leader:
@@ -439,19 +448,22 @@ class RendezvousNode:
         stored_kv = result.results[0][0] if result.results[0] else None
         round_kvs = result.results[1]
         try:
-            stored = json.loads(stored_kv.value) if stored_kv else {}
-        except ValueError:
-            stored = None
-        if isinstance(stored, dict) and stored != mine:
-            diff = ", ".join(f"{k} {stored.get(k)!r} (this agent: {mine[k]!r})" for k in mine
-                             if stored.get(k) != mine[k])
+            stored = (RendezvousConfig.settings_from_json(stored_kv.key, stored_kv.value)
+                      if stored_kv else {})
+        except MalformedRecordError as exc:
+            log.error("job %s node %s: ignoring %s; overwriting it", self.config.job_id,
+                      self.node_id, exc)
+            self.store.put(self.keys.config, json.dumps(mine, sort_keys=True).encode())
+            stored = mine
+        if stored != mine:
+            # Values from etcd are shown capped and printable: anyone may have written them.
+            diff = ", ".join(f"{cap_text(str(k), 64)} {cap_text(repr(stored.get(k)), 64)} "
+                             f"(this agent: {mine.get(k)!r})"
+                             for k in sorted(set(stored) | set(mine), key=str)
+                             if stored.get(k) != mine.get(k))
             raise ConfigError(
                 f"job {self.config.job_id} is already running with other settings: {diff}; "
                 "start this agent with the same settings or use another --job-id")
-        if not isinstance(stored, dict):
-            log.error("job %s node %s: ignoring malformed record at key %r; overwriting it",
-                      self.config.job_id, self.node_id, self.keys.config)
-            self.store.put(self.keys.config, json.dumps(mine, sort_keys=True).encode())
         if round_kvs:
             try:
                 last = Round.from_json(self.keys.round, round_kvs[0].value, round_kvs[0].version)
@@ -570,7 +582,7 @@ class RendezvousNode:
                 self._apply_round(key, kv.value if kv else None, kv.version if kv else 0,
                                   kv.mod_revision if kv else 0)
             elif which == "leader":
-                self._leader = kv.value.decode(errors="replace") if kv else None
+                self._leader = leader_in(kv) if kv else None
             else:
                 self._apply_standbys(key, kv.value if kv else None, kv.mod_revision if kv else 0)
             self._watches.append(self.store.watch(

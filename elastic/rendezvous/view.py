@@ -14,7 +14,15 @@ from typing import Callable
 
 from elastic.errors import MalformedRecordError
 from elastic.keyspace import JobKeys
-from elastic.rendezvous.api import NodeInfo, Observed, Report, RestartRequest, Round
+from elastic.rendezvous.api import (
+    DrainRequest,
+    NodeInfo,
+    Observed,
+    Report,
+    RestartRequest,
+    Round,
+    id_in_key,
+)
 from elastic.store.api import KeyValue
 
 ReportBad = Callable[[MalformedRecordError, int], None]
@@ -50,8 +58,14 @@ class LeaderView:
     def apply_node(self, key: str, value: bytes | None, create_revision: int, now: float
                    ) -> str | None:
         """Apply a put (``value``) or delete (None) of ``nodes/<id>``; returns
-        the id of a node that left, else None."""
-        node_id = self.keys.node_id_of(key)
+        the id of a node that left, else None. A key that does not end in one
+        valid id (``nodes/../round``) is reported and ignored."""
+        try:
+            node_id = id_in_key(key, self.keys.nodes)
+        except MalformedRecordError as exc:
+            if value is not None:
+                self._report_bad(exc, create_revision)
+            return None
         if value is None:
             self.first_seen.pop(node_id, None)
             return node_id if self.nodes.pop(node_id, None) is not None else None
@@ -67,15 +81,32 @@ class LeaderView:
         return None
 
     def apply_request(self, key: str, value: bytes | None, mod_revision: int, now: float) -> None:
+        """Apply a put (``value``) or delete (None) of a key under ``requests/``;
+        a malformed one (its record, or a report or drain key that does not
+        end in a node id) is reported and counts for nothing."""
         k = self.keys
-        node_id = k.node_id_of(key)
         if key.startswith(k.drain_requests):
+            try:
+                node_id = id_in_key(key, k.drain_requests)
+                if value is not None:
+                    DrainRequest.from_json(key, value)
+            except MalformedRecordError as exc:
+                if value is not None:
+                    self._report_bad(exc, mod_revision)
+                    self.draining.discard(k.node_id_of(key))  # a valid request replaced
+                return
             (self.draining.add if value is not None else self.draining.discard)(node_id)
             return
         reports = {k.started_reports: self.started, k.done_reports: self.done,
                    k.suspect_reports: self.suspects}
         for prefix, table in reports.items():
             if key.startswith(prefix):
+                try:
+                    node_id = id_in_key(key, prefix)
+                except MalformedRecordError as exc:
+                    if value is not None:
+                        self._report_bad(exc, mod_revision)
+                    return
                 if value is None:
                     table.pop(node_id, None)
                     return
@@ -83,6 +114,7 @@ class LeaderView:
                     report = Report.from_json(key, value)
                 except MalformedRecordError as exc:
                     self._report_bad(exc, mod_revision)
+                    table.pop(node_id, None)  # garbage replaced a report: it says nothing now
                     return
                 if table is self.started:
                     self.started[node_id] = report.round

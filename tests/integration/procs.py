@@ -90,14 +90,16 @@ class AgentProcess:
     def __init__(self, endpoint: str | None, job_id: str, node_id: str, nnodes: str,
                  script_args: list[str], *, nproc: int = 2, lease_ttl: float = 2.0,
                  hang_timeout: float = 5.0, extra: tuple[str, ...] = (),
-                 script: str = "examples/ddp.py", env: dict[str, str] | None = None):
+                 script: str = "examples/ddp.py", env: dict[str, str] | None = None,
+                 listen: str | None = "127.0.0.1:0"):
+        """``listen`` None: no --listen (the agent binds its advertised address)."""
         self.node_id = node_id
         store = ["--etcd", endpoint] if endpoint else ["--standalone"]
         cmd = [sys.executable, "-m", "agent.daemon", *store, "--job-id", job_id,
                "--node-id", node_id, "--nnodes", nnodes, "--nproc-per-node", str(nproc),
                "--lease-ttl", str(lease_ttl), "--hang-timeout", str(hang_timeout),
                "--settle", "0.3", "--stop-grace", "2", "--advertise-addr", "127.0.0.1",
-               "--listen", "127.0.0.1:0", *extra, script, *script_args]
+               *(["--listen", listen] if listen else []), *extra, script, *script_args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **(env or {})})

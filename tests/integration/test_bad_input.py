@@ -130,3 +130,21 @@ def test_drain_of_an_unregistered_node_is_refused_and_writes_nothing(
     ok = run("-m", "agent.ctl", "drain", "b", "--etcd", etcd_endpoint, "--job-id", job_id)
     assert ok.returncode == 0, ok.stderr
     assert etcd_store.get(keys.drain_request("b")) is not None
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda tmp: (tmp / "real").mkdir() or (tmp / "state").symlink_to(tmp / "real"),
+     "is a symbolic link"),
+    (lambda tmp: (tmp / "state").write_text("not a directory"), "is not a directory"),
+])
+def test_a_state_dir_that_is_not_a_private_directory_is_refused(etcd_endpoint, job_id, tmp_path,
+                                                                 make, needle):
+    make(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    out = run("-m", "agent.daemon", "--etcd", etcd_endpoint, "--job-id", job_id, "--nnodes", "1",
+              "--advertise-addr", "127.0.0.1", "--listen", "127.0.0.1:0", "--state-dir",
+              str(tmp_path / "state"), str(tmp_path / "train.py"))
+    assert out.returncode == EXIT_BAD_INPUT, out.stderr
+    assert needle in out.stderr and str(tmp_path / "state") in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "real" / job_id).exists()

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import queue
+import threading
+import time
 
-from elastic.errors import StoreUnavailableError
+import pytest
+
+from elastic.errors import ConfigError, StoreUnavailableError
+from elastic.keyspace import JobKeys
 from elastic.rendezvous.api import NodeInfo, RendezvousConfig, ReportKind
 from elastic.rendezvous.node import RendezvousNode
+from elastic.store.api import EventType, KeyValue, WatchEvent
 from tests.fakes.clock import FakeClock
 from tests.fakes.memory_store import MemoryStore
 
@@ -144,3 +152,92 @@ def test_a_joiner_waits_for_a_checkpoint_committed_after_it_registered():
     c.store.put(c.nodes["a"].keys.checkpoint_latest, b"step 19")
     c.settle()
     assert c.round().node_ids == ("a", "b")
+
+
+# -- Hostile records (see also tests/integration/test_hostile_input.py) ---------
+
+
+def test_a_leader_key_that_no_leader_wrote_is_taken_back():
+    # Garbage, a huge value, an id with a newline, a valid id without a lease
+    # (which no lease expiry would ever delete): none is a leader.
+    c = Cluster("a")
+    c.settle()
+    keys = c.nodes["a"].keys
+    for value in (b"\xff\xfe", b"x" * 100_000, b"a\n", b"evil"):
+        c.store.put(keys.leader, value)
+        c.settle(passes=2)
+        assert c.store.peek(keys.leader).value == b"a"
+        assert c.store.peek(keys.leader).lease == c.nodes["a"].lease_id
+        assert c.nodes["a"].is_leader
+
+
+def test_watch_events_are_applied_in_the_order_they_arrived():
+    # The loop thread takes the first event off the inbox to wake up; it used
+    # to put it back behind the events that arrived meanwhile, so a node could
+    # apply a leader key's old value last and believe a leader long replaced.
+    c = Cluster("a")
+    c.settle()
+    node, keys = c.nodes["a"], c.nodes["a"].keys
+
+    def put(value, revision, lease=0):
+        return ("leader", [WatchEvent(EventType.PUT, KeyValue(keys.leader, value, 1, revision,
+                                                              revision, lease))])
+
+    class Arrivals(queue.Queue):
+        """The first get() wakes the thread with ours; a newer event arrives at once."""
+
+        woke = False
+
+        def get(self, block=True, timeout=None):
+            if block and not self.woke:  # the thread's wait (pump() takes without blocking)
+                self.woke = True
+                self.put(put(b"evil", 101))  # posted by the watch thread meanwhile
+                return put(b"a", 100, lease=node.lease_id)
+            return super().get(block, timeout)
+
+    node._inbox = Arrivals()
+    node._maintain = lambda: None  # only the order of the events is under test here
+    thread = threading.Thread(target=node._run, daemon=True)
+    thread.start()
+    time.sleep(0.3)
+    node._stopping.set()
+    node._inbox.put(("stop", None))
+    thread.join(timeout=5)
+    assert node._leader is None  # evil (no lease) arrived last: nobody leads
+
+
+@pytest.mark.parametrize("stored", [
+    b"[" * 50_000 + b"]" * 50_000,  # used to raise RecursionError out of start()
+    b"\xff\xfe",
+    b'{"min_nodes": "1", "max_nodes": [], "max_restarts": NaN}',
+    b'"a string"',
+])
+def test_a_malformed_config_record_is_overwritten_and_the_node_joins(stored, caplog):
+    store = MemoryStore()
+    store.put(JobKeys("j").config, stored)
+    node = RendezvousNode(store, RendezvousConfig(job_id="j", min_nodes=1, max_nodes=1,
+                                                  settle_s=0.0),
+                          NodeInfo(node_id="a", host="127.0.0.1"))
+    with caplog.at_level(logging.ERROR):
+        node.start()
+        try:
+            assert node.wait_for_round(timeout_s=5).node_ids == ("a",)
+        finally:
+            node.stop()
+    assert "malformed record at key '/elastic/v1/j/config'" in caplog.text
+    assert json.loads(store.get(JobKeys("j").config).value)["max_nodes"] == 1
+
+
+def test_other_settings_in_the_config_record_are_named_short_and_printable():
+    store = MemoryStore()
+    store.put(JobKeys("j").config, json.dumps(
+        {"min_nodes": 1, "max_nodes": 2, "max_restarts": 3, "restart_window_s": 3600.0,
+         "exit_barrier_timeout_s": 300.0, "scale_up_wait_s": 0.0,
+         "future\x1b[2J": "x" * 100_000}).encode())
+    node = RendezvousNode(store, RendezvousConfig(job_id="j", min_nodes=1, max_nodes=1),
+                          NodeInfo(node_id="a", host="127.0.0.1"))
+    with pytest.raises(ConfigError) as info:
+        node.start()
+    message = str(info.value)
+    assert "max_nodes 2 (this agent: 1)" in message and "future\\x1b[2J" in message
+    assert "\x1b" not in message and len(message) < 1000

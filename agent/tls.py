@@ -1,0 +1,216 @@
+"""Mutual TLS on the agents' gRPC endpoint: one frozen value, shared by elasticd and elasticctl.
+
+:class:`AgentTLS` carries ``--tls-cert``, ``--tls-key``, ``--tls-ca`` and
+``--tls-server-name``. elasticd serves with it (a client must present a
+certificate signed by ``--tls-ca``) and calls its peers with it (presenting its
+own certificate, checking theirs against ``--tls-ca``); elasticctl calls the
+agents with it. Build it with :func:`agent_tls_from_options`, which reads the
+files once so that a missing or unreadable one fails at start, naming it.
+
+Why the TLS endpoint requires a client certificate on every connection, and
+the probes get an endpoint of their own: gRPC's Python API offers a TLS server
+either *requiring* a verified client certificate or *not asking for one at
+all* (``require_client_auth=False`` never requests it, so the server could not
+tell an authorised client from anyone). Control (Drain, RequestRestart, the
+fencing signal of StoreHealth) must see a verified certificate, so the TLS
+endpoint requires one; and Kubernetes' gRPC probes speak no TLS at all. The
+read-only endpoint ``--probe-listen`` (plain text: health, Status, StoreHealth
+without its fencing signal; control refused with PERMISSION_DENIED) serves
+them. See :mod:`agent.grpc_server`.
+
+Peers are called at the address they advertise (an IP, usually). The
+certificate an agent serves must then name that address (an IP subject
+alternative name), or every agent's certificate carries one shared name and
+all of them, and elasticctl, pass it as ``--tls-server-name`` (checked instead
+of the address: practical where pod IPs are not known when certificates are
+issued).
+
+Authorised for control = holds a certificate signed by ``--tls-ca``: use a CA
+that signs only this job's agents and its operators. The files are read once
+(at start); a renewed certificate takes effect when the agent restarts. This
+module imports grpc only when credentials are built.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from elastic.errors import ConfigError
+
+if TYPE_CHECKING:  # grpc is imported where credentials are built, not with the config
+    import grpc
+
+ENV = {"cert": "ELASTIC_TLS_CERT", "key": "ELASTIC_TLS_KEY", "ca": "ELASTIC_TLS_CA",
+       "server_name": "ELASTIC_TLS_SERVER_NAME"}
+_MAX_FILE_BYTES = 1 << 20  # a PEM bundle, never more than this
+
+
+@dataclass(frozen=True)
+class AgentTLS:
+    """TLS files for the agents' gRPC endpoint (absolute paths), and the name to check.
+
+    ``cert`` and ``key``: this side's PEM certificate (chain) and private key,
+    given together. ``ca``: PEM bundle of the CAs that sign the agents' and the
+    operators' certificates (without it a client checks agents against the
+    system's roots). ``server_name``: the name checked in an agent's
+    certificate instead of the host part of its address.
+
+    Raises (constructor):
+        ConfigError: a certificate without its key or the other way round, no
+            file at all, or a malformed server name.
+    """
+
+    cert: str | None = None
+    key: str | None = None
+    ca: str | None = None
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            given, missing = ("--tls-cert", "--tls-key") if self.key is None else (
+                "--tls-key", "--tls-cert")
+            raise ConfigError(f"{given} without {missing}: a certificate needs both --tls-cert "
+                              "and --tls-key")
+        if self.cert is None and self.ca is None:
+            raise ConfigError("--tls-server-name needs --tls-ca (or --tls-cert and --tls-key)"
+                              if self.server_name is not None else
+                              "AgentTLS without a file: give --tls-ca, --tls-cert, --tls-key")
+        if self.server_name is not None and (not self.server_name or any(
+                c.isspace() for c in self.server_name) or len(self.server_name) > 253):
+            raise ConfigError(f"--tls-server-name {self.server_name!r}: expected a host name")
+
+    @property
+    def can_serve(self) -> bool:
+        """Whether this is enough for elasticd: certificate, key and CA."""
+        return None not in (self.cert, self.key, self.ca)
+
+    def describe(self) -> str:
+        """What is used, for a log line."""
+        parts = [f"CA {self.ca}" if self.ca else "the system's CA roots"]
+        if self.cert:
+            parts.append(f"certificate {self.cert}")
+        if self.server_name:
+            parts.append(f"server name {self.server_name}")
+        return ", ".join(parts)
+
+    def read_files(self) -> tuple[bytes | None, bytes | None, bytes | None]:
+        """(CA bundle, private key, certificate chain) as PEM bytes, None where
+        not given. Raises ConfigError naming the option and the file."""
+        return (_read_pem(self.ca, "--tls-ca", "CA bundle"),
+                _read_pem(self.key, "--tls-key", "private key"),
+                _read_pem(self.cert, "--tls-cert", "certificate"))
+
+    def server_credentials(self) -> "grpc.ServerCredentials":
+        """Credentials of a server that takes only clients whose certificate
+        ``ca`` signed. Raises ConfigError (files, or not :attr:`can_serve`)."""
+        import grpc
+
+        if not self.can_serve:
+            raise ConfigError("serving mutual TLS needs --tls-cert, --tls-key and --tls-ca")
+        ca, key, cert = self.read_files()
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                           require_client_auth=True)
+
+    def channel_credentials(self) -> "grpc.ChannelCredentials":
+        """Credentials of a client that checks agents against ``ca`` and
+        presents ``cert`` when given. Read once per value. Raises ConfigError."""
+        return _channel_credentials(self)
+
+    def channel_options(self) -> list[tuple[str, Any]]:
+        """gRPC channel options: the name to check, when ``server_name`` is set."""
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+
+@functools.lru_cache(maxsize=8)
+def _channel_credentials(tls: AgentTLS) -> "grpc.ChannelCredentials":
+    import grpc
+
+    ca, key, cert = tls.read_files()
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                        certificate_chain=cert)
+
+
+def _read_pem(path: str | None, flag: str, what: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read the TLS {what} {path} ({flag}): "
+                          f"{exc.strerror or exc}") from exc
+    if len(data) > _MAX_FILE_BYTES:
+        raise ConfigError(f"the TLS {what} {path} ({flag}) is larger than 1 MiB")
+    if b"-----BEGIN " not in data:
+        raise ConfigError(f"the TLS {what} {path} ({flag}) is not a PEM file")
+    return data
+
+
+def agent_tls_from_options(*, cert: str | None = None, key: str | None = None,
+                           ca: str | None = None, server_name: str | None = None,
+                           serving: bool = False) -> AgentTLS | None:
+    """The :class:`AgentTLS` for what the user gave (paths made absolute, files
+    read once to fail now), or None when nothing was given (plain text).
+
+    ``serving`` (elasticd): certificate, key and CA are needed together.
+
+    Raises:
+        ConfigError: what :class:`AgentTLS` refuses, a file that cannot be
+            read or is not PEM, or (``serving``) a missing file of the three.
+    """
+    if cert is None and key is None and ca is None and server_name is None:
+        return None
+    absolute = (lambda p: os.path.abspath(p) if p else None)
+    tls = AgentTLS(cert=absolute(cert), key=absolute(key), ca=absolute(ca),
+                   server_name=server_name or None)
+    if serving and not tls.can_serve:
+        missing = [flag for flag, path in (("--tls-cert", tls.cert), ("--tls-key", tls.key),
+                                           ("--tls-ca", tls.ca)) if path is None]
+        raise ConfigError(f"elasticd's mutual TLS needs --tls-cert, --tls-key and --tls-ca "
+                          f"together; missing {', '.join(missing)}")
+    tls.read_files()  # fail at start, naming the file and its flag
+    return tls
+
+
+def verified_client(context: "grpc.ServicerContext") -> str | None:
+    """Who the client of this call is, when the TLS handshake verified its
+    certificate (the name in it, else its subject); None on a connection
+    without a verified client certificate (plain text, or TLS without one)."""
+    auth = context.auth_context()
+    if auth.get("transport_security_type") != [b"ssl"] or not auth.get("x509_pem_cert"):
+        return None
+    names = context.peer_identities() or auth.get("x509_subject") or [b"a certificate"]
+    return b",".join(names).decode("utf-8", errors="replace")
+
+
+def handshake_problem(details: str, tls: AgentTLS | None) -> str | None:
+    """What a failed connection's gRPC details say about TLS, in an operator's
+    words with what to change; None when they say nothing about TLS (the
+    agent is down, or slow)."""
+    if "CERTIFICATE_VERIFY_FAILED" in details:
+        return ("the TLS handshake failed: the agent's certificate is not signed by a CA in "
+                "--tls-ca (unknown CA)")
+    if "Hostname Verification" in details or "Peer name" in details:
+        name = f"--tls-server-name {tls.server_name}" if tls and tls.server_name else (
+            "the address it was called at")
+        return (f"the TLS handshake failed: the agent's certificate does not name {name}; "
+                "give it that address as a subject alternative name, or pass the name all "
+                "agents' certificates carry as --tls-server-name")
+    if "WRONG_VERSION_NUMBER" in details:
+        return ("the TLS handshake failed: the agent does not serve TLS (started without "
+                "--tls-cert)")
+    # A connection the agent closed before any call: a refused handshake (not
+    # an established connection that broke, which says no "failed to connect").
+    refused = "Socket closed" in details and "failed to connect" in details
+    if refused and tls is not None:
+        return ("the agent closed the connection in the TLS handshake: it takes only clients "
+                "with a certificate signed by its --tls-ca, and this one presented "
+                + ("another CA's (unknown CA)" if tls.cert else
+                   "none (pass --tls-cert and --tls-key)"))
+    if refused:
+        return ("the agent closed the connection at once: if the agents run with TLS, pass "
+                "--tls-ca, --tls-cert and --tls-key")
+    return None
