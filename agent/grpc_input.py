@@ -23,6 +23,7 @@ Unknown methods are answered UNIMPLEMENTED by gRPC itself.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Callable
 
@@ -32,6 +33,8 @@ from elastic.checkpoint.api import CommitEntry
 from elastic.errors import CheckpointError, InvalidRequestError
 from elastic.rendezvous.api import MAX_NPROC, cap_text
 from elastic.v1 import agent_pb2
+
+logger = logging.getLogger(__name__)
 
 # The largest request either server reads (gRPC's default is 4 MiB).
 MAX_MESSAGE_BYTES = 1 << 20
@@ -71,9 +74,12 @@ def _parsing(behavior: Callable, parse: Callable[[bytes], Any], method: str) -> 
         try:
             request = parse(raw)
         except Exception:  # noqa: BLE001 - protobuf's DecodeError, or anything a parser raises
+            logger.warning("Refused a malformed request to %s from %s (%d bytes).", method,
+                           context.peer(), len(raw))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"malformed request to {method}: {len(raw)} bytes that are not "
                           "the method's request message")
+            raise AssertionError("unreachable: context.abort raises") from None
         return behavior(request, context)
     return parsed
 

@@ -16,7 +16,8 @@ How, against another local user who can write somewhere on the way:
 
 * the state directory itself is created (with its missing parents) when
   absent, and refused with a ConfigError when it is a symbolic link, not a
-  directory, or owned by another user;
+  directory, or owned by another user (root's is accepted: a Kubernetes
+  emptyDir is root's, and root can do anything anyway);
 * every directory below it is created with mode 0700 through its parent's
   file descriptor and opened with ``O_NOFOLLOW | O_DIRECTORY``, so no
   symbolic link planted on the way is ever followed; one owned by another
@@ -157,7 +158,9 @@ def open_checked_base(path: str) -> int:
     except OSError as exc:
         raise _refusal(path, "the state directory (--state-dir)", exc) from exc
     try:
-        _check_owner(fd, path, "the state directory (--state-dir)")
+        # root's is trusted too (root can do anything anyway): a Kubernetes
+        # emptyDir or a directory an administrator made is root's.
+        _check_owner(fd, path, "the state directory (--state-dir)", allow_root=True)
     except BaseException:
         os.close(fd)
         raise
@@ -228,11 +231,11 @@ def _no_follow_0600(path: str, flags: int) -> int:
     return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
 
 
-def _check_owner(fd: int, path: str, what: str) -> int:
+def _check_owner(fd: int, path: str, what: str, allow_root: bool = False) -> int:
     """The permission bits of the directory open as ``fd``; PrivateDirError
-    when it is not this user's."""
+    when it is not this user's (nor root's, with ``allow_root``)."""
     info = os.fstat(fd)
-    if info.st_uid != os.geteuid():
+    if info.st_uid != os.geteuid() and not (allow_root and info.st_uid == 0):
         raise PrivateDirError(f"{what} {path} belongs to uid {info.st_uid}, not to this user "
                               f"(uid {os.geteuid()}): refusing to keep the workers' socket "
                               "and logs there; remove it or choose another --state-dir")

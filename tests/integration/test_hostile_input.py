@@ -116,7 +116,8 @@ class Job:
     def worker_channel(self) -> grpc.Channel:
         return grpc.insecure_channel(f"unix:{self.socket}")
 
-    def commit(self, step: int, path: str | None = None) -> agent_pb2.WorkerChannelCommitCheckpointResponse:
+    def commit(self, step: int, path: str | None = None
+               ) -> agent_pb2.WorkerChannelCommitCheckpointResponse:
         entry = agent_pb2.CheckpointEntry(
             step=step, round=self.round().number, world_size=1,
             path=path if path is not None else f"step-{step:012d}", time=time.time())
@@ -311,7 +312,7 @@ def test_hostile_checkpoint_records_are_refused_and_a_valid_commit_replaces_them
     job.committed = job.latest_raw()
 
 
-# --- gRPC: the TCP server and the worker socket ----------------------------------------------------
+# --- gRPC: the TCP server and the worker socket -----------------------------------------------
 
 def _raw(channel: grpc.Channel, method: str, payload: bytes) -> grpc.RpcError:
     call = channel.unary_unary(method, request_serializer=None, response_deserializer=None)

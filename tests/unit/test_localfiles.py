@@ -77,12 +77,36 @@ def test_a_file_in_the_way_is_not_a_directory(tmp_path):
 
 @as_root
 @pytest.mark.parametrize("whose", ["state", "state/job", "state/job/n1"])
-def test_a_directory_of_another_user_is_refused(tmp_path, whose):
+def test_a_directory_of_another_user_is_refused(tmp_path, whose, monkeypatch):
     node_dir = tmp_path / "state" / "job" / "n1"
     node_dir.mkdir(parents=True)
     os.chown(tmp_path / whose, OTHER_UID, OTHER_UID)
     with pytest.raises(ConfigError, match=f"belongs to uid {OTHER_UID}"):
         localfiles.prepare(str(node_dir), str(node_dir / "logs"), "job", "n1", {})
+    # Not even root's own, for an agent of another user.
+    monkeypatch.setattr(localfiles.os, "geteuid", lambda: OTHER_UID + 1)
+    with pytest.raises(ConfigError, match="belongs to uid"):
+        localfiles.prepare(str(node_dir), str(node_dir / "logs"), "job", "n1", {})
+
+
+@as_root
+def test_a_state_directory_of_root_is_accepted_for_another_user(tmp_path, monkeypatch):
+    # A Kubernetes emptyDir (root's, 0777) for an agent that runs as uid 10001.
+    state = tmp_path / "state"
+    state.mkdir(mode=0o777)
+    os.chmod(state, 0o777)
+    monkeypatch.setattr(localfiles.os, "geteuid", lambda: OTHER_UID)
+    real_mkdir = os.mkdir
+
+    def mkdir_as_other(name, mode=0o777, *, dir_fd=None):
+        real_mkdir(name, mode, dir_fd=dir_fd)
+        os.chown(name, OTHER_UID, OTHER_UID, dir_fd=dir_fd, follow_symlinks=False)
+
+    monkeypatch.setattr(localfiles.os, "mkdir", mkdir_as_other)
+    node_dir = state / "job" / "n1"
+    files = localfiles.prepare(str(node_dir), str(node_dir / "logs"), "job", "n1", {})
+    assert os.stat(node_dir).st_uid == OTHER_UID and _mode(node_dir) == 0o700
+    assert files.socket_path == str(node_dir / "agent.sock")
 
 
 def test_an_explicit_log_dir_is_created_private(tmp_path):
