@@ -66,7 +66,7 @@ class Ctl:
     def stop(self, sig: int) -> tuple[int, list[str], str]:
         """Send ``sig``; the exit code, the lines left on stdout and all of stderr."""
         self.proc.send_signal(sig)
-        code = self.proc.wait(timeout=5)
+        code = self.proc.wait(timeout=30)  # generous: the full suite loads both cores
         rest = []
         while (line := self.lines.get(timeout=2)) is not None:
             rest.append(line)
