@@ -580,7 +580,7 @@ class RendezvousNode:
             kv, rev = self._read(key)
             if which == "round":
                 self._apply_round(key, kv.value if kv else None, kv.version if kv else 0,
-                                  kv.mod_revision if kv else 0)
+                                  kv.mod_revision if kv else rev)
             elif which == "leader":
                 self._leader = leader_in(kv) if kv else None
             else:
@@ -623,6 +623,11 @@ class RendezvousNode:
             except MalformedRecordError as exc:
                 self._report_bad(exc, version)
         with self._cond:
+            if revision < self._round_revision:
+                # Written before what this node applied already (a watch event
+                # delivered after a commit or a re-read): applying it would set
+                # the version back and fence every later commit on a stale one.
+                return
             if (parsed is not None and self._round is not None
                     and parsed.number == self._round.number):
                 return  # our own commit, applied already, now echoed by the watch
@@ -689,12 +694,12 @@ class RendezvousNode:
         if decision.action is Action.CLOSE_ROUND:
             if not self._fence_lost():
                 return now + _FENCE_RETRY_S
-            self._commit_round(decision)
-            return None
+            # A commit that lost its fence re-read the round: decide again on
+            # what it read, even if no watch event comes to say it changed.
+            return None if self._commit_round(decision) else now + _FENCE_RETRY_S
         if decision.action in (Action.FAIL_JOB, Action.SUCCEED_JOB) and self._round is not None:
             outcome = "failed" if decision.action is Action.FAIL_JOB else "succeeded"
-            self._end_job(outcome, decision)
-            return None
+            return None if self._end_job(outcome, decision) else now + _FENCE_RETRY_S
         return decision.wake_at
 
     def _fence_lost(self) -> bool:
@@ -724,7 +729,8 @@ class RendezvousNode:
                  "stop", self.config.job_id, self.node_id, ", ".join(lost))
         return False
 
-    def _commit_round(self, decision: Decision) -> None:
+    def _commit_round(self, decision: Decision) -> bool:
+        """Commit the round ``decision`` closes; False if its fence failed."""
         number = self._round_version + 1
         infos = {info.node_id: info for info, _ in self._view.nodes.values()}
         members = tuple(
@@ -746,16 +752,18 @@ class RendezvousNode:
                                f"round {number} formed with {list(decision.members)}: "
                                f"{decision.reason}")]
         if not self._commit(number, record, ops + served[:100]):
-            return
+            return False
         log.info("job %s node %s (leader): committed round %d with %s", self.config.job_id,
                  self.node_id, number, list(decision.members))
         for op in served[:100]:
             self._view.restarts.pop(op.key, None)
         if number % 100 == 0:
             events.prune(self.store, self.keys)
+        return True
 
-    def _end_job(self, outcome: str, decision: Decision) -> None:
-        """Commit the job's final round: the current one with an outcome."""
+    def _end_job(self, outcome: str, decision: Decision) -> bool:
+        """Commit the job's final round: the current one with an outcome;
+        False if its fence failed."""
         current = self._round
         number = current.number + 1
         final = dataclasses.replace(current, number=number, outcome=outcome,
@@ -764,9 +772,11 @@ class RendezvousNode:
         ops = [Put(self.keys.round, final.to_json()),
                events.event_op(self.keys, self.clock, self.node_id, number, "outcome",
                                f"job {outcome}: {decision.reason}")]
-        if self._commit(number, final, ops):
-            log.info("job %s node %s (leader): job %s in round %d: %s", self.config.job_id,
-                     self.node_id, outcome, number, decision.reason)
+        if not self._commit(number, final, ops):
+            return False
+        log.info("job %s node %s (leader): job %s in round %d: %s", self.config.job_id,
+                 self.node_id, outcome, number, decision.reason)
+        return True
 
     def _commit(self, number: int, record: Round, ops: list) -> bool:
         """Write round ``number`` fenced by the round before it and this node's
@@ -776,9 +786,9 @@ class RendezvousNode:
             log.info("job %s node %s: round %d was not committed (the job is in round %d, or "
                      "leadership moved); re-reading", self.config.job_id, self.node_id, number,
                      current_round_number(result))
-            kv, _ = self._read(self.keys.round)
+            kv, rev = self._read(self.keys.round)
             self._apply_round(self.keys.round, kv.value if kv else None, kv.version if kv else 0,
-                              kv.mod_revision if kv else 0)
+                              kv.mod_revision if kv else rev)
             return False
         self._apply_round(self.keys.round, record.to_json(), number, result.revision)
         return True

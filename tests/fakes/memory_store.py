@@ -390,13 +390,16 @@ class MemoryStore(Store):
         with self._lock:
             return self._kvs.get(key)
 
-    def deliver_pending(self) -> int:
+    def deliver_pending(self, *, hold: str | None = None) -> int:
         """Synchronous mode: run every queued watch callback, in watch order,
-        until none is left; returns how many batches ran."""
+        until none is left; returns how many batches ran. Watches on the key
+        ``hold`` keep theirs queued: their events arrive late, when a later
+        call delivers them."""
         total = 0
         while True:
             with self._lock:
-                watches = [self._watches[i] for i in sorted(self._watches)]
+                watches = [self._watches[i] for i in sorted(self._watches)
+                           if hold is None or self._watches[i].key != hold]
             ran = sum(w.deliver_pending() for w in watches)
             if not ran:
                 return total

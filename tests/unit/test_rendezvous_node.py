@@ -206,6 +206,30 @@ def test_watch_events_are_applied_in_the_order_they_arrived():
     assert node._leader is None  # evil (no lease) arrived last: nobody leads
 
 
+def test_a_garbage_round_event_delivered_after_the_leaders_commit_does_not_stall_later_rounds():
+    # Seen in CI: garbage written to the round key; its watch event arrived
+    # after the leader had re-read the key and committed a round on top. The
+    # late event set the version the leader fences on back by one, and every
+    # later round failed its fence: a restart request was never served.
+    c = Cluster("a")
+    c.settle()
+    node, keys = c.nodes["a"], c.nodes["a"].keys
+    first = c.round()
+    c.store.put(keys.round, b"garbage")
+    node.request_restart("first request", first.number, failure=False)
+    for _ in range(3):  # the round watch's garbage event stays queued
+        c.store.deliver_pending(hold=keys.round)
+        node.pump()  # fence fails on the garbage, re-read; then commit on top of it
+        c.clock.advance(1.0)
+    on_top = node.latest_round
+    assert on_top.number == c.store.peek(keys.round).version == first.number + 2
+    c.settle()  # the garbage's event arrives now, late
+    node.request_restart("second request", on_top.number, failure=False)
+    c.settle()
+    assert c.round().number == on_top.number + 1
+    assert "second request" in c.round().reason
+
+
 @pytest.mark.parametrize("stored", [
     b"[" * 50_000 + b"]" * 50_000,  # used to raise RecursionError out of start()
     b"\xff\xfe",
