@@ -475,6 +475,14 @@ def _on_lease(view: AgentView, event: LeaseState, now: float, settings: Settings
         return _stop_cut_off(view, now - since)
     if view.store_down_noted:
         return view, []
+    keepalive_s = KEEPALIVE_TTL_FRACTION * settings.lease_ttl_s
+    if any(0 <= age < keepalive_s for _, age in event.peer_ages):
+        # Confirmed within one keep-alive interval: that peer may reach etcd
+        # (its next keep-alive will tell) or have landed its last one just
+        # before an outage. Calling etcd down now would later count a peer
+        # that never lost etcd as etcd's return, and stop the workers late.
+        # Ask again (each quarter TTL) until it has missed one or proves fresh.
+        return view, []
     return dataclasses.replace(view, store_down_noted=True), [Note(
         f"etcd unconfirmed for {event.unconfirmed_s:.1f} s and all {asked} peers asked answered "
         "without it: etcd itself is down, no round can form; training goes on")]

@@ -227,6 +227,7 @@ class EtcdStore(Store):
         help), anything else (etcd starting, restarting) is asked again."""
         maintenance = rpc_pb2_grpc.MaintenanceStub(self._channel)
         deadline = time.monotonic() + timeout_s
+        hung_up = False  # any attempt, not only the last (which may just run out of time)
         while True:
             left = deadline - time.monotonic()
             try:
@@ -244,9 +245,10 @@ class EtcdStore(Store):
                                               security=self.security)
                 if why is not None:
                     raise StoreAuthError(why) from exc
+                hung_up = hung_up or "socket closed" in details.lower()
                 if deadline - time.monotonic() <= 0:
                     last = f" (last error: {details})" if details else ""
-                    if not self.tls and "socket closed" in details.lower():
+                    if not self.tls and hung_up:
                         # What a TLS-only etcd does to plain text: it hangs up.
                         last += "; etcd hangs up on plain text: if it serves TLS, use https:// "
                         last += "endpoints"
