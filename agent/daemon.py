@@ -87,8 +87,7 @@ class Supervisor(Protocol):
     """What the agent needs of :class:`agent.supervisor.WorkerSupervisor`."""
 
     def warm_up(self) -> None: ...
-    def start_round(self, round_number: int, envs: list[dict[str, str]], *,
-                    warm_next: bool = True) -> None: ...
+    def start_round(self, round_number: int, envs: list[dict[str, str]]) -> None: ...
     def stop(self, timeout_s: float | None = None) -> list[WorkerExit]: ...
     def shutdown(self) -> None: ...
     def workers(self) -> list: ...
@@ -388,8 +387,6 @@ class Agent:
             asked = len(command.addrs)
             self.peers.check_store(command.addrs, lambda ages, answered: self.inbox.put(
                 reactor.LeaseState(self._lease_unconfirmed_s(), ages, asked, answered)))
-        elif isinstance(command, reactor.WarmUp):
-            self.supervisor.warm_up()
         elif isinstance(command, reactor.AnnounceDrain):
             self._announce_drain(command.reason)
         elif isinstance(command, reactor.Leave):
@@ -412,9 +409,7 @@ class Agent:
         with self._workers_lock:
             self.workers = {i: WorkerHealth(local_rank=i, rank=int(env["RANK"]), started_at=now)
                             for i, env in enumerate(envs)}
-        # The next warm set waits until this round trains (reactor.WarmUp):
-        # importing torch meanwhile would slow this round's start on small nodes.
-        self.supervisor.start_round(r.number, envs, warm_next=False)
+        self.supervisor.start_round(r.number, envs)
         self.server.set_serving(True)
 
     def _watch_peer(self, node_id: str | None, addr: str) -> None:

@@ -47,8 +47,6 @@ from elastic.rendezvous.api import ReportKind, Round
 from elastic.store.api import KEEPALIVE_TTL_FRACTION
 
 S = AgentState
-# Scripts that never report a step get their next warm set after this long.
-WARM_DELAY_S = 10.0
 # A node cut off from etcd stops its workers once its lease has gone this
 # fraction of its TTL unconfirmed: late enough that an etcd leader election or
 # a reconnect to another member (seconds) restarts nothing, early enough that
@@ -184,11 +182,6 @@ class CheckPeersStore:
 
 
 @dataclass(frozen=True)
-class WarmUp:
-    """Start warming the next set of workers."""
-
-
-@dataclass(frozen=True)
 class AnnounceDrain:
     """Record this node's drain in etcd before its workers stop: its peers'
     workers then fail on the missing peer, and the leader must count that as
@@ -219,7 +212,7 @@ class Fail:
 
 
 Command = Union[Transition, StartWorkers, StopWorkers, RequestRestart, Report, WatchPeer,
-                CheckPeersStore, WarmUp, AnnounceDrain, Leave, Note, Fail]
+                CheckPeersStore, AnnounceDrain, Leave, Note, Fail]
 
 
 # -------------------------------------------------------------------- state
@@ -252,7 +245,6 @@ class AgentView:
     # too early to stop (see STOP_AT_TTL_FRACTION); "" when they do not.
     cut_off: str = ""
     cut_off_since: float | None = None  # when this node counts as cut off from (monotonic)
-    warm_pending: bool = False
     last_failure: str = ""
     outcome_reason: str = ""
     exit_code: int | None = None  # set by a signal: the drain's code, or 128 + its number
@@ -341,7 +333,7 @@ def _on_round(view: AgentView, event: RoundCommitted, now: float, settings: Sett
     restart_count = view.rounds_started
     view = dataclasses.replace(view, state=S.RUNNING, round=r, started_at=now,
                                rounds_started=view.rounds_started + 1, exited_ok=frozenset(),
-                               peer_unhealthy=None, suspected=frozenset(), warm_pending=True,
+                               peer_unhealthy=None, suspected=frozenset(),
                                peers_asked_at=None, store_down_noted=False)
     peer = ring_peer(r, settings.node_id)
     commands += [
@@ -424,10 +416,6 @@ def _on_tick(view: AgentView, tick: Tick, now: float, settings: Settings) -> Res
         if cut_off_s >= STOP_AT_TTL_FRACTION * settings.lease_ttl_s:
             return _stop_cut_off(view, cut_off_s)
     commands: list[Command] = []
-    if view.state is S.RUNNING and view.warm_pending and (
-            tick.workers_stepped or now - view.started_at > WARM_DELAY_S):
-        view = dataclasses.replace(view, warm_pending=False)
-        commands.append(WarmUp())
     if view.state is S.RUNNING and tick.lease_unconfirmed_s > settings.lease_ttl_s / 2:
         # Ask again every quarter TTL while the lease stays unconfirmed.
         if view.peers_asked_at is None or now - view.peers_asked_at >= settings.lease_ttl_s / 4:

@@ -336,14 +336,14 @@ class WorkerSupervisor:
             except RuntimeError:
                 return
 
-    def start_round(self, round_number: int, envs: list[dict[str, str]], *,
-                    warm_next: bool = True) -> None:
+    def start_round(self, round_number: int, envs: list[dict[str, str]]) -> None:
         """Start one worker per local rank; ``envs[i]`` is added to ``os.environ`` for local rank i.
 
         Returns once every worker process exists (not once the scripts run).
-        ``warm_next`` starts warming the next set at once; pass False to call
-        warm_up() later, when the new round's start-up no longer competes for
-        the CPU.
+        The next warm set starts warming at once: its workers import at the
+        lowest CPU and I/O priority (:mod:`elastic.worker.priority`), so they
+        take only what this round's start leaves, and a failure in the round's
+        first seconds already finds them (partly) warm.
         Raises ValueError if ``len(envs) != nproc``, RuntimeError if a worker of the
         previous round is still alive (call stop() first) or after shutdown(),
         WorkerSpawnError if a process or the round's log directory cannot be created
@@ -369,8 +369,7 @@ class WorkerSupervisor:
         except TimeoutError as exc:
             raise WorkerSpawnError(f"round {round_number}: workers were not started within "
                                    f"{_SPAWN_TIMEOUT_S:.0f} s") from exc
-        if warm_next:
-            self.warm_up()
+        self.warm_up()
 
     def stop(self, timeout_s: float | None = None) -> list[WorkerExit]:
         """Stop the current round's workers and everything in their process groups.

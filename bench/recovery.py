@@ -5,23 +5,35 @@ What is measured (every launcher runs ``examples/ddp.py --steps 100000 --step-ti
 the wall time ``t``, ``rank``, ``step``, ``restart`` (TORCHELASTIC_RESTART_COUNT),
 ``world`` and ``pid``, and the benchmark reads that file):
 
-1. **Worker crash** (the headline). One node, two workers. Once both ranks have made 20
-   steps (and, for elasticd, once its warm workers for the next round are ready: two more
-   of the agent's children blocked reading their assignment), the rank-1 worker gets
-   SIGKILL. Recovery time = ``t`` of the first step completed by the restarted group
-   (first record with ``restart >= 1``) minus the time of the kill. Rows:
+1. **Worker crash** (the headline). One node, two workers, rank 1 gets SIGKILL. Recovery
+   time = ``t`` of the first step completed by the restarted group minus the time of the
+   kill. Three cases (``--cases``), each with two scripts (``--scripts``): ``ddp``
+   (examples/ddp.py, which reports its steps with ``elastic.step``) and ``plain``
+   (bench/plain_ddp.py: torch only, as a user brings it from torchrun, never reports a
+   step):
+
+   - ``steady``: once both ranks have made 20 steps (and, for elasticd, once its warm
+     workers for the next round are ready: two more of the agent's children blocked
+     reading their assignment);
+   - ``early``: at rank 1's first step of the job's first round, a second or two after
+     the round started (a flapping node, a bad first batch; the very first round);
+   - ``repeat``: a steady-state kill, then a second kill at the restarted rank 1's first
+     step, within seconds of the restart; measured from the second kill.
+
+   Rows per case and script:
 
    - torchrun ``--standalone`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (its best
      configuration: without it, torch 2.13's restarted workers sometimes hang in
      ``init_process_group``);
-   - torchrun with its defaults, bounded (``--hang-bound``, 30 s): the hang rate (runs
-     with no restarted step within the bound) and the median of the runs that recovered;
+   - torchrun with its defaults (steady ddp only), bounded (``--hang-bound``, 30 s): the
+     hang rate (runs with no restarted step within the bound) and the median of the runs
+     that recovered;
    - elasticd ``--standalone`` with its defaults, and the ratio elasticd / torchrun of the
-     medians (target <= 0.5). Its log lines give a breakdown of the recovery (median
+     medians (target <= 0.2). Its log lines give a breakdown of the recovery (median
      seconds after the kill): detected (worker reaped), round committed, old workers
-     stopped, new workers started (and how many started cold), process group formed
-     (rank 0 prints ``training: ...``), first step. torchrun gets the same where its log
-     says it (detected, group formed, first step).
+     stopped, new workers started (and how many started cold or still importing), process
+     group formed (rank 0 prints ``training: ...``), first step. torchrun gets the same
+     where its log says it (detected, group formed, first step).
 
 2. **Frozen node**. Two "nodes" on this machine (two agents, one worker each,
    ``--nnodes 1:2``). Once both train in one group (world 2, 20 steps), node b's agent
@@ -42,12 +54,12 @@ the wall time ``t``, ``rank``, ``step``, ``restart`` (TORCHELASTIC_RESTART_COUNT
    < 80 MB, < 1 % of a core. torchrun's agent is measured the same way during training,
    for comparison.
 
-How to run (about 8 minutes by default on a quiet 2-core machine, 10-12 when it is busy;
+How to run (about 20 minutes by default on a quiet 2-core machine;
 --no-footprint-torchrun saves half a minute; do not run other heavy things meanwhile, the
 numbers are wall-clock times on a small machine)::
 
-    .venv/bin/python bench/recovery.py                 # everything, 5 runs per crash row
-    .venv/bin/python bench/recovery.py --quick         # fewer, shorter runs (about 4 minutes)
+    .venv/bin/python bench/recovery.py                 # everything, 3 runs per crash row
+    .venv/bin/python bench/recovery.py --quick         # one run per row, shorter (about 7 minutes)
     .venv/bin/python bench/recovery.py --runs 9 --json /tmp/recovery.json
     .venv/bin/python bench/recovery.py --only crash    # crash, frozen or footprint (repeatable)
 
@@ -90,8 +102,16 @@ from elastic.store.server import EtcdServer  # noqa: E402
 # Not ELASTIC_*: elasticd reads those as its options (and warns about unknown ones).
 TAG_ENV = "BENCH_RECOVERY_TAG"
 SCRIPT = os.path.join(ROOT, "examples", "ddp.py")
+PLAIN_SCRIPT = os.path.join(ROOT, "bench", "plain_ddp.py")
+# What a crash row runs: a script that reports steps (elastic.step) and one that never does.
+SCRIPTS = {"ddp": SCRIPT, "plain": PLAIN_SCRIPT}
+# When rank 1 gets SIGKILL: at steady state; at its first step of the job's first round
+# (the first seconds of a round, and the very first round); right after the first step of
+# a group that was just restarted (a second failure within seconds of a restart).
+CASES = ("steady", "early", "repeat")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 STEPS_BEFORE_FAULT = 20
+RATIO_TARGET = 0.2  # elasticd / torchrun, worker SIGKILL to the first restarted step
 
 SLEEPER = '''\
 """Workers that do nothing but sleep and report a step a second (bench/recovery.py)."""
@@ -352,7 +372,7 @@ class Run:
         return ln
 
     def script_args(self, script: str = SCRIPT) -> list[str]:
-        if script != SCRIPT:
+        if script not in SCRIPTS.values():
             return [script]
         return [script, "--steps", "100000", "--step-time", str(self.bench.args.step_time),
                 "--progress-file", self.progress.path]
@@ -363,9 +383,9 @@ class Run:
                 *self.script_args(script)]
         return self.launch(name, argv)
 
-    def torchrun(self, name: str, opts: list[str], extra_env: dict[str, str] | None = None
-                 ) -> Launcher:
-        argv = [self.bench.torchrun, *opts, *self.script_args()]
+    def torchrun(self, name: str, opts: list[str], extra_env: dict[str, str] | None = None,
+                 script: str = SCRIPT) -> Launcher:
+        argv = [self.bench.torchrun, *opts, *self.script_args(script)]
         return self.launch(name, argv, extra_env)
 
     def check_alive(self, what: str) -> None:
@@ -469,40 +489,61 @@ def _rel(found, origin: float) -> float | None:
     return round(found[0] - origin, 3) if found else None
 
 
-def crash_run(bench: "Bench", launcher: str, bound_s: float) -> dict:
-    """One worker-crash measurement. ``launcher``: elasticd, torchrun or torchrun-default."""
+def _rank1_pid(run: Run, restart: int, what: str, timeout_s: float) -> int:
+    """The pid of rank 1 once it has completed a step with ``restart`` (TORCHELASTIC_RESTART_COUNT)."""
+    found = wait_for(what, lambda: _first(run.progress.poll(), lambda r: r["rank"] == 1
+                                          and r["restart"] == restart), timeout_s, run=run)
+    return found["pid"]
+
+
+def crash_run(bench: "Bench", launcher: str, bound_s: float, case: str = "steady",
+              script: str = "ddp") -> dict:
+    """One worker-crash measurement. ``launcher``: elasticd, torchrun or torchrun-default;
+    ``case``: one of CASES; ``script``: a key of SCRIPTS."""
     args = bench.args
-    run = Run(bench, f"crash-{launcher}")
-    out: dict = {"launcher": launcher}
+    run = Run(bench, f"crash-{case}-{script}-{launcher}")
+    out: dict = {"launcher": launcher, "case": case, "script": script}
+    path = SCRIPTS[script]
     try:
+        started = time.time()
         if launcher == "elasticd":
             ln = run.elasticd("agent", ["--standalone", "--job-id", _job_id(), "--nnodes", "1",
-                                        "--nproc-per-node", "2"])
+                                        "--nproc-per-node", "2"], script=path)
         else:
             env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if launcher == "torchrun" else {}
             ln = run.torchrun("torchrun", ["--standalone", "--nnodes", "1", "--nproc-per-node",
-                                           "2", "--max-restarts", "3"], env)
-        _steady(run, 2, 2, f"{launcher} to train", args.start_timeout)
+                                           "2", "--max-restarts", "3"], env, script=path)
+        measured = 1  # the restart count of the group whose first step ends the measurement
+        if case == "early":
+            victim = _rank1_pid(run, 0, "rank 1's first step", args.start_timeout)
+        else:
+            _steady(run, 2, 2, f"{launcher} to train", args.start_timeout)
+            if launcher == "elasticd":
+                out["warm_wait_s"] = _wait_warm(run, ln, 2, args.warm_timeout)
+            time.sleep(args.settle)
+            run.progress.poll()
+            victim = max((r for r in run.progress.records if r["rank"] == 1
+                          and r["restart"] == 0), key=lambda r: r["step"])["pid"]
+            if case == "repeat":
+                _kill_worker(ln, victim)
+                restarted_at = time.time()
+                victim = _rank1_pid(run, 1, "the restarted rank 1's first step", bound_s)
+                out["after_restart_s"] = round(time.time() - restarted_at, 3)
+                measured = 2
         if launcher == "elasticd":
-            out["warm_wait_s"] = _wait_warm(run, ln, 2, args.warm_timeout)
-        time.sleep(args.settle)
-        run.progress.poll()
-        victim = max((r for r in run.progress.records if r["rank"] == 1 and r["restart"] == 0),
-                     key=lambda r: r["step"])["pid"]
-        if victim not in descendants(ln.pid):
-            raise BenchError(f"rank 1's pid {victim} is not a process of the launcher")
-        killed_at = time.time()
-        os.kill(victim, signal.SIGKILL)
+            out["warm_at_kill"] = len(warm_workers(ln.pid, _current_pids(run)))
+        killed_at = _kill_worker(ln, victim)
         out["killed_pid"] = victim
+        out["since_launch_s"] = round(killed_at - started, 3)
         deadline = time.monotonic() + bound_s
         first = None
         while first is None and time.monotonic() < deadline:
-            first = _first(run.progress.poll(), lambda r: r["restart"] >= 1)
+            first = _first(run.progress.poll(), lambda r: r["restart"] >= measured)
             if first is None:
                 run.check_alive("the restarted workers' first step")
                 time.sleep(0.02)
         out["recovery_s"] = round(first["t"] - killed_at, 3) if first else None
-        out["phases"] = _crash_phases(launcher, ln, killed_at, first)
+        out["phases"] = _crash_phases(launcher, ln, killed_at, first, measured)
     except BenchError as exc:
         out["error"] = str(exc)
         out["recovery_s"] = None
@@ -513,18 +554,35 @@ def crash_run(bench: "Bench", launcher: str, bound_s: float) -> dict:
     return out
 
 
-def _crash_phases(launcher: str, ln: Launcher, t0: float, first: dict | None) -> dict:
+def _kill_worker(ln: Launcher, pid: int) -> float:
+    """SIGKILL worker ``pid`` of launcher ``ln``; returns the wall time of the kill."""
+    if pid not in descendants(ln.pid):
+        raise BenchError(f"rank 1's pid {pid} is not a process of the launcher")
+    killed_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    return killed_at
+
+
+def _crash_phases(launcher: str, ln: Launcher, t0: float, first: dict | None,
+                  restart: int) -> dict:
+    """Where the time after the kill went; the group restarted ``restart`` times is
+    elasticd's round ``restart + 1`` (one node: one round per restart)."""
     phases: dict = {}
+    old, new = restart, restart + 1
     if launcher == "elasticd":
-        phases["detected"] = _rel(ln.find(r"was killed by signal 9\.$", t0 - 1), t0)
-        phases["round committed"] = _rel(ln.find(r"round 2 committed", t0 - 1), t0)
-        phases["workers stopped"] = _rel(ln.find(r"round 1: workers stopped in", t0 - 1), t0)
-        started = ln.find(r"round 2: started (\d+) workers \(pids .*, (\d+) cold\)", t0 - 1)
+        phases["detected"] = _rel(ln.find(r"was killed by signal 9\.$", t0 - 0.05), t0)
+        phases["round committed"] = _rel(ln.find(rf"round {new} committed", t0 - 0.05), t0)
+        phases["workers stopped"] = _rel(ln.find(rf"round {old}: workers stopped in",
+                                                 t0 - 0.05), t0)
+        started = ln.find(rf"round {new}: started (\d+) workers \(pids .*, (\d+) cold, "
+                          rf"(\d+) warm but still importing\)", t0 - 0.05)
         phases["workers started"] = _rel(started, t0)
         phases["cold"] = int(started[1].group(2)) if started else None
+        phases["importing"] = int(started[1].group(3)) if started else None
     else:
-        phases["detected"] = _rel(ln.find(r"failed \(exitcode: -9\)", t0 - 1), t0)
-    phases["group formed"] = _rel(ln.find(r"training: world size \d+, restart [1-9]", t0), t0)
+        phases["detected"] = _rel(ln.find(r"failed \(exitcode: -9\)", t0 - 0.05), t0)
+    phases["group formed"] = _rel(ln.find(rf"training: world size \d+, restart {restart}",
+                                          t0), t0)
     phases["first step"] = round(first["t"] - t0, 3) if first else None
     return phases
 
@@ -714,15 +772,18 @@ class Bench:
         t_start = time.monotonic()
         if "crash" in only:
             for i in range(a.runs):
-                kinds = ["torchrun", "elasticd"]
-                if i < a.default_runs:
-                    kinds.append("torchrun-default")
-                for kind in kinds:
-                    bound = a.hang_bound if kind == "torchrun-default" else a.crash_bound
-                    r = crash_run(self, kind, bound)
-                    r["run"] = i
-                    self.results["crash"].append(r)
-                    self.log(f"crash {i + 1}/{a.runs} {kind}: {self._show(r)}")
+                for case in a.cases:
+                    for script in a.scripts:
+                        kinds = ["torchrun", "elasticd"]
+                        if i < a.default_runs and (case, script) == ("steady", "ddp"):
+                            kinds.append("torchrun-default")
+                        for kind in kinds:
+                            bound = a.hang_bound if kind == "torchrun-default" else a.crash_bound
+                            r = crash_run(self, kind, bound, case, script)
+                            r["run"] = i
+                            self.results["crash"].append(r)
+                            self.log(f"crash {case} {script} {i + 1}/{a.runs} {kind}: "
+                                     f"{self._show(r)}")
         if "frozen" in only:
             plan = [("elasticd", ttl, a.frozen_runs) for ttl in a.lease_ttls]
             plan.append(("torchrun", None, a.frozen_torchrun_runs))
@@ -790,33 +851,12 @@ def _stats(values: list[float]) -> dict | None:
 
 def summarize(results: dict, args: argparse.Namespace) -> dict:
     summary: dict = {"crash": {}, "frozen": {}, "footprint": {}}
-    for kind in ("torchrun", "torchrun-default", "elasticd"):
-        runs = [r for r in results["crash"] if r["launcher"] == kind]
-        if not runs:
-            continue
-        ok = [r["recovery_s"] for r in runs if r["recovery_s"] is not None]
-        row = {"runs": len(runs), "recovered": len(ok), "stats": _stats(ok),
-               "errors": [r["error"] for r in runs if r.get("error")]}
-        phases: dict[str, list[float]] = {}
-        for r in runs:
-            for k, v in (r.get("phases") or {}).items():
-                if v is not None and k != "cold":
-                    phases.setdefault(k, []).append(v)
-        row["phases_median"] = {k: round(statistics.median(v), 3) for k, v in phases.items()}
-        if kind == "elasticd":
-            row["cold_starts"] = sum((r.get("phases") or {}).get("cold") or 0 for r in runs)
-            row["warm_not_ready"] = sum(1 for r in runs if "warm_wait_s" in r and
-                                        r["warm_wait_s"] is None)
-            row["warm_wait"] = _stats([r["warm_wait_s"] for r in runs
-                                       if r.get("warm_wait_s") is not None])
-        summary["crash"][kind] = row
-    ours, theirs = summary["crash"].get("elasticd"), summary["crash"].get("torchrun")
-    if ours and theirs and ours["stats"] and theirs["stats"]:
-        summary["crash"]["ratio"] = round(ours["stats"]["median"] / theirs["stats"]["median"], 3)
-    dflt = summary["crash"].get("torchrun-default")
-    if ours and dflt and ours["stats"] and dflt["stats"]:
-        summary["crash"]["ratio_vs_default"] = round(
-            ours["stats"]["median"] / dflt["stats"]["median"], 3)
+    for case in CASES:
+        for script in SCRIPTS:
+            runs = [r for r in results["crash"]
+                    if r.get("case", "steady") == case and r.get("script", "ddp") == script]
+            if runs:
+                summary["crash"][f"{case} {script}"] = _crash_rows(runs)
     for r in results["frozen"]:
         key = f"elasticd ttl {r['lease_ttl_s']:g}" if r["launcher"] == "elasticd" else "torchrun"
         row = summary["frozen"].setdefault(key, {"runs": 0, "values": [], "errors": [],
@@ -841,6 +881,36 @@ def summarize(results: dict, args: argparse.Namespace) -> dict:
     return summary
 
 
+def _crash_rows(runs: list[dict]) -> dict:
+    """One case and script: a row per launcher, and elasticd's ratios to torchrun."""
+    rows: dict = {}
+    for kind in ("torchrun", "torchrun-default", "elasticd"):
+        mine = [r for r in runs if r["launcher"] == kind]
+        if not mine:
+            continue
+        ok = [r["recovery_s"] for r in mine if r["recovery_s"] is not None]
+        row = {"runs": len(mine), "recovered": len(ok), "stats": _stats(ok),
+               "errors": [r["error"] for r in mine if r.get("error")]}
+        phases: dict[str, list[float]] = {}
+        for r in mine:
+            for k, v in (r.get("phases") or {}).items():
+                if v is not None and k not in ("cold", "importing"):
+                    phases.setdefault(k, []).append(v)
+        row["phases_median"] = {k: round(statistics.median(v), 3) for k, v in phases.items()}
+        if kind == "elasticd":
+            row["cold_starts"] = sum((r.get("phases") or {}).get("cold") or 0 for r in mine)
+            row["importing"] = sum((r.get("phases") or {}).get("importing") or 0 for r in mine)
+            row["warm_at_kill"] = [r.get("warm_at_kill") for r in mine]
+        rows[kind] = row
+    ours, theirs = rows.get("elasticd"), rows.get("torchrun")
+    if ours and theirs and ours["stats"] and theirs["stats"]:
+        rows["ratio"] = round(ours["stats"]["median"] / theirs["stats"]["median"], 3)
+    dflt = rows.get("torchrun-default")
+    if ours and dflt and ours["stats"] and dflt["stats"]:
+        rows["ratio_vs_default"] = round(ours["stats"]["median"] / dflt["stats"]["median"], 3)
+    return rows
+
+
 def _range(s: dict | None) -> str:
     return f"{s['median']:5.2f} s  [{s['min']:.2f} .. {s['max']:.2f}]" if s else "    -"
 
@@ -855,10 +925,13 @@ def render(results: dict, summary: dict, args: argparse.Namespace) -> str:
     out = [f"elasticd vs torchrun: recovery benchmark ({meta['host']}, {meta['cpus']} cpus, "
            f"torch {meta['torch']}, load avg {meta['loadavg_start']:.1f} at start, "
            f"{meta.get('loadavg_end', 0):.1f} at end, {meta.get('elapsed_s', 0):.0f} s)"]
-    crash = summary["crash"]
-    if crash:
-        n = max((row["runs"] for k, row in crash.items() if isinstance(row, dict)), default=0)
-        out += ["", f"worker SIGKILL -> first restarted step (1 node, 2 workers, ddp.py "
+    for key, crash in summary["crash"].items():
+        case, script = key.split()
+        n = max((row["runs"] for row in crash.values() if isinstance(row, dict)), default=0)
+        what = {"steady": "at steady state", "early": "at rank 1's first step of the job",
+                "repeat": "at the first step after a restart"}[case]
+        out += ["", f"worker SIGKILL {what} -> first restarted step ({script}: "
+                    f"{os.path.relpath(SCRIPTS[script], ROOT)}, 1 node, 2 workers, "
                     f"--step-time {args.step_time:g}; median [min .. max] of {n})"]
         w = 50
         if "torchrun" in crash:
@@ -876,9 +949,9 @@ def render(results: dict, summary: dict, args: argparse.Namespace) -> str:
             ratio = crash.get("ratio")
             fail = _failed(row, "no step", args.crash_bound)
             out.append(f"  {'elasticd':<{w}}{_range(row['stats'])}"
-                       + (f"  ratio {ratio:.2f} (target <= 0.5: "
-                          f"{'met' if ratio <= 0.5 else 'NOT met'})" if ratio is not None else "")
-                       + fail)
+                       + (f"  ratio {ratio:.2f} (target <= {RATIO_TARGET}: "
+                          f"{'met' if ratio <= RATIO_TARGET else 'NOT met'})"
+                          if ratio is not None else "") + fail)
             if crash.get("ratio_vs_default") is not None:
                 out.append(f"  {'':<{w}}vs torchrun (default, recovered runs): "
                            f"ratio {crash['ratio_vs_default']:.2f}")
@@ -889,12 +962,9 @@ def render(results: dict, summary: dict, args: argparse.Namespace) -> str:
                 out.append(f"  {kind} breakdown (median s after the kill): {line}")
         if "elasticd" in crash:
             row = crash["elasticd"]
-            ww = row["warm_wait"]
-            out.append(f"  elasticd: cold-started workers {row['cold_starts']} in "
-                       f"{row['runs']} restarts; warm set not ready before the kill in "
-                       f"{row['warm_not_ready']}/{row['runs']} runs" + (
-                           f" (it was ready {ww['median']:.1f} s [{ww['min']:.1f} .. "
-                           f"{ww['max']:.1f}] after step {STEPS_BEFORE_FAULT})" if ww else ""))
+            out.append(f"  elasticd: {row['cold_starts']} cold-started and {row['importing']} "
+                       f"still-importing workers in {row['runs']} restarts; warm workers ready "
+                       f"at each kill: {row['warm_at_kill']}")
     frozen = summary["frozen"]
     if frozen:
         out += ["", "frozen node (SIGSTOP of one of 2 nodes: its agent and workers, 1 worker "
@@ -950,9 +1020,14 @@ def main(argv: list[str] | None = None) -> int:
         default_python = sys.executable
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=5, help="worker-crash runs per launcher (5)")
+    ap.add_argument("--runs", type=int, default=3,
+                    help="worker-crash runs per launcher, case and script (3)")
+    ap.add_argument("--cases", default=",".join(CASES),
+                    help=f"worker-crash cases, comma-separated ({','.join(CASES)})")
+    ap.add_argument("--scripts", default=",".join(SCRIPTS),
+                    help=f"worker-crash scripts, comma-separated ({','.join(SCRIPTS)})")
     ap.add_argument("--quick", action="store_true",
-                    help="fewer and shorter runs (about 4 minutes): a smoke test, not numbers")
+                    help="one run per row and shorter runs (about 7 minutes): a smoke test, not numbers")
     ap.add_argument("--json", metavar="FILE", help="write every run and the summary here")
     ap.add_argument("--only", action="append", choices=["crash", "frozen", "footprint"],
                     help="run only these parts (repeatable)")
@@ -986,7 +1061,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet", action="store_true", help="no per-run progress on stderr")
     args = ap.parse_args(argv)
     if args.quick:
-        args.runs = min(args.runs, 2)
+        args.runs = min(args.runs, 1)
         args.frozen_runs = 1
         args.hang_bound = min(args.hang_bound, 20.0)
         args.frozen_bound = min(args.frozen_bound, 30.0)
@@ -997,6 +1072,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.default_runs is None:
         args.default_runs = args.runs
     args.lease_ttls = [float(x) for x in str(args.lease_ttls).split(",") if x]
+    args.cases = [c for c in args.cases.split(",") if c]
+    args.scripts = [c for c in args.scripts.split(",") if c]
+    unknown = sorted(set(args.cases) - set(CASES)) + sorted(set(args.scripts) - set(SCRIPTS))
+    if unknown:
+        print(f"recovery.py: unknown case or script {', '.join(unknown)} (cases: "
+              f"{', '.join(CASES)}; scripts: {', '.join(SCRIPTS)})", file=sys.stderr)
+        return 2
     if args.torchrun is None:
         args.torchrun = os.path.join(os.path.dirname(args.python), "torchrun")
     for exe in (args.python, args.torchrun):

@@ -4,8 +4,12 @@
 
 The node agent's supervisor starts workers through this module so that a
 restart does not pay for ``import torch`` (seconds) on its critical path: a
-*warm* worker imports the modules in ``ELASTIC_PRELOAD`` ahead of need and
-then blocks on stdin until the agent hands it a round's assignment.
+*warm* worker imports the modules in ``ELASTIC_PRELOAD`` ahead of need, on a
+thread at the lowest CPU and I/O priority (:mod:`elastic.worker.priority`)
+so that it never slows the round that is training or starting, while the main
+thread blocks on stdin until the agent hands it a round's assignment. Taken
+before its import finished, the worker raises the import back to normal
+priority where it may, waits for it, and runs the script.
 
 Protocol (the agent's side is ``agent.supervisor``):
 
@@ -48,10 +52,13 @@ import os
 import runpy
 import signal
 import sys
+import threading
 import time
+import traceback
 import types
 
 from elastic import errorfile
+from elastic.worker import priority
 
 # What a training script's start-up pays for: torch itself, and torch._dynamo,
 # which DistributedDataParallel and FSDP import lazily on construction (about
@@ -88,6 +95,27 @@ def _preload(modules: str) -> float:
         if name:
             importlib.import_module(name)
     return time.monotonic() - started
+
+
+def _start_preload(modules: str) -> threading.Thread:
+    """Import ``modules`` on a thread at the lowest CPU and I/O priority, then
+    report ready. The main thread meanwhile waits for an assignment at normal
+    priority. A failed import ends the process with its traceback and status
+    1, as it would have on the main thread: the agent counts a warm failure."""
+    def run() -> None:
+        if modules.strip():
+            priority.lower_this_thread()
+        try:
+            preload_s = _preload(modules)
+        except BaseException:  # noqa: BLE001 - any failure ends this warm worker
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        _report_ready(preload_s)
+
+    thread = threading.Thread(target=run, name="elastic-preload", daemon=True)
+    thread.start()
+    return thread
 
 
 def _report_ready(preload_s: float) -> None:
@@ -221,8 +249,7 @@ def main() -> None:
             os.set_inheritable(int(fd_text), False)
         except OSError:
             pass
-    preload_s = _preload(os.environ.get(PRELOAD_ENV, DEFAULT_PRELOAD))
-    _report_ready(preload_s)
+    preloading = _start_preload(os.environ.get(PRELOAD_ENV, DEFAULT_PRELOAD))
     try:
         assignment = _read_assignment()
     except (ValueError, OSError) as exc:
@@ -230,6 +257,11 @@ def main() -> None:
         sys.exit(2)
     if assignment is None:
         sys.exit(0)
+    # Taken before it finished importing: the rest is on this round's critical
+    # path now, so give it normal priority where allowed, and wait for it.
+    priority.restore_process()
+    preloading.join()
+    priority.restore_process()  # threads the preload started after the first pass
     _detach_stdin()
     _apply(assignment)
     try:

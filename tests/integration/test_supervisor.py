@@ -294,6 +294,46 @@ def test_a_second_warm_set_serves_a_restart_before_the_used_set_is_replaced(
     assert not any(w.ready for w in refilled)
 
 
+def test_warm_workers_import_at_idle_priority_and_the_script_runs_at_normal_priority(
+        supervise, tmp_path, monkeypatch):
+    # The preload records the priority of the thread importing it, then waits
+    # for the marker: the round takes this warm worker in the middle of its import.
+    marker, seen = tmp_path / "go", tmp_path / "preload.json"
+    (tmp_path / "idlepre.py").write_text(textwrap.dedent(f"""
+        import json, os, threading, time
+        from elastic.worker import priority
+        tid = threading.get_native_id()
+        with open({str(seen)!r}, "w") as f:
+            json.dump({{"idle": priority.is_idle(tid), "io_class": priority.io_class(tid),
+                        "main_idle": priority.is_idle(os.getpid())}}, f)
+        while not os.path.exists({str(marker)!r}):
+            time.sleep(0.01)
+    """))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{REPO}")
+    monkeypatch.setenv("ELASTIC_PRELOAD", "idlepre")
+    sup, exits = supervise(f"""
+        import json, os
+        from elastic.worker import priority
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+        print("RUN " + json.dumps({{"main_idle": priority.is_idle(os.getpid()),
+                                    "idle_threads": [t for t in tids if priority.is_idle(t)]}}))
+    """, prestart=True)
+    sup.warm_up()
+    _wait(seen.exists, 20, "the warm worker to start importing")
+    sup.start_round(1, _envs(1))  # the assignment arrives while it imports
+    marker.touch()
+    assert exits.wait(1)[0].exit_code == 0
+
+    at_import = json.loads(seen.read_text())
+    assert at_import["idle"] and not at_import["main_idle"]
+    assert at_import["io_class"] in (3, None)  # idle I/O, where this machine has the syscall
+    log = (tmp_path / "logs" / "round-1" / "rank-10.log").read_text()
+    ran = json.loads(log.split("RUN ", 1)[1].splitlines()[0])
+    assert not ran["main_idle"]
+    if os.geteuid() == 0:  # unprivileged, the finished preload thread may stay idle: it is gone
+        assert ran["idle_threads"] == []
+
+
 def test_a_round_sets_startup_variables_so_it_starts_cold_and_the_next_set_learns_them(
         supervise, tmp_path, monkeypatch):
     monkeypatch.setenv("ELASTIC_PRELOAD", "json")

@@ -491,7 +491,7 @@ class FakeSupervisor:
     def warm_up(self) -> None:
         pass
 
-    def start_round(self, round_number, envs, *, warm_next=True) -> None:
+    def start_round(self, round_number, envs) -> None:
         if any(w.alive for w in self.current):
             raise RuntimeError("start_round with live workers (stop() first)")
         self.current = self.all.spawn(self.node_id, round_number, envs, self.now())

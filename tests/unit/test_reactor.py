@@ -25,7 +25,6 @@ from agent.reactor import (
     StopWorkers,
     Tick,
     Transition,
-    WarmUp,
     WatchPeer,
     WorkerExited,
     react,
@@ -150,11 +149,6 @@ class TestTicks:
         assert Report(ReportKind.SUSPECT, 3, about="b") in commands
         assert view.state is S.RUNNING  # the lease, not this, decides who is gone
         assert react(view, PeerHealth("b", "UNREACHABLE"), 11.0, SETTINGS)[1] == []
-
-    def test_the_next_set_is_warmed_once_workers_step(self):
-        view = dataclasses.replace(running(3), warm_pending=True)
-        view, commands = react(view, Tick(workers_stepped=True), 10.0, SETTINGS)
-        assert WarmUp() in commands and not view.warm_pending
 
     def test_never_included_within_the_join_timeout_fails_naming_the_registration_problem(self):
         view = AgentView(state=S.JOINING, waiting_since=0.0)
