@@ -39,13 +39,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from elastic.errors import ConfigError
+from elastic.pemfiles import read_pem
 
 if TYPE_CHECKING:  # grpc is imported where credentials are built, not with the config
     import grpc
 
 ENV = {"cert": "ELASTIC_TLS_CERT", "key": "ELASTIC_TLS_KEY", "ca": "ELASTIC_TLS_CA",
        "server_name": "ELASTIC_TLS_SERVER_NAME"}
-_MAX_FILE_BYTES = 1 << 20  # a PEM bundle, never more than this
 
 
 @dataclass(frozen=True)
@@ -99,9 +99,9 @@ class AgentTLS:
     def read_files(self) -> tuple[bytes | None, bytes | None, bytes | None]:
         """(CA bundle, private key, certificate chain) as PEM bytes, None where
         not given. Raises ConfigError naming the option and the file."""
-        return (_read_pem(self.ca, "--tls-ca", "CA bundle"),
-                _read_pem(self.key, "--tls-key", "private key"),
-                _read_pem(self.cert, "--tls-cert", "certificate"))
+        return (read_pem(self.ca, "--tls-ca", "TLS CA bundle"),
+                read_pem(self.key, "--tls-key", "TLS private key"),
+                read_pem(self.cert, "--tls-cert", "TLS certificate"))
 
     def server_credentials(self) -> "grpc.ServerCredentials":
         """Credentials of a server that takes only clients whose certificate
@@ -131,22 +131,6 @@ def _channel_credentials(tls: AgentTLS) -> "grpc.ChannelCredentials":
     ca, key, cert = tls.read_files()
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
                                         certificate_chain=cert)
-
-
-def _read_pem(path: str | None, flag: str, what: str) -> bytes | None:
-    if path is None:
-        return None
-    try:
-        with open(path, "rb") as f:
-            data = f.read(_MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"cannot read the TLS {what} {path} ({flag}): "
-                          f"{exc.strerror or exc}") from exc
-    if len(data) > _MAX_FILE_BYTES:
-        raise ConfigError(f"the TLS {what} {path} ({flag}) is larger than 1 MiB")
-    if b"-----BEGIN " not in data:
-        raise ConfigError(f"the TLS {what} {path} ({flag}) is not a PEM file")
-    return data
 
 
 def agent_tls_from_options(*, cert: str | None = None, key: str | None = None,

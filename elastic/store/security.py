@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from elastic.errors import ConfigError
+from elastic.pemfiles import read_pem, read_small_file
 
 PASSWORD_ENV = "ELASTIC_ETCD_PASSWORD"
-_MAX_FILE_BYTES = 1 << 20  # a PEM bundle or a password, never more than this
 
 
 @dataclass(frozen=True)
@@ -84,30 +84,9 @@ class EtcdSecurity:
             ConfigError: a file cannot be read or is not PEM; the message
                 names the file and its flag.
         """
-        return (_read_pem(self.cacert, "--etcd-cacert", "CA bundle"),
-                _read_pem(self.key, "--etcd-key", "client key"),
-                _read_pem(self.cert, "--etcd-cert", "client certificate"))
-
-
-def _read_file(path: str, flag: str, what: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            data = f.read(_MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"cannot read the etcd {what} {path} ({flag}): "
-                          f"{exc.strerror or exc}") from exc
-    if len(data) > _MAX_FILE_BYTES:
-        raise ConfigError(f"the etcd {what} {path} ({flag}) is larger than 1 MiB")
-    return data
-
-
-def _read_pem(path: str | None, flag: str, what: str) -> bytes | None:
-    if path is None:
-        return None
-    data = _read_file(path, flag, what)
-    if b"-----BEGIN " not in data:
-        raise ConfigError(f"the etcd {what} {path} ({flag}) is not a PEM file")
-    return data
+        return (read_pem(self.cacert, "--etcd-cacert", "etcd CA bundle"),
+                read_pem(self.key, "--etcd-key", "etcd client key"),
+                read_pem(self.cert, "--etcd-cert", "etcd client certificate"))
 
 
 def read_password_file(path: str) -> str:
@@ -117,7 +96,7 @@ def read_password_file(path: str) -> str:
         ConfigError: unreadable, not UTF-8, or empty; the message names the
             file, never its content.
     """
-    data = _read_file(path, "--etcd-password-file", "password file")
+    data = read_small_file(path, "--etcd-password-file", "etcd password file")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:

@@ -15,7 +15,6 @@ import time
 
 import pytest
 
-from agent.grpc_server import AgentServer
 from elastic.checkpoint.agent_log import AgentCommitLog
 from elastic.checkpoint.api import CommitEntry
 from elastic.events import read_events
@@ -33,21 +32,6 @@ def node():
     node = OneNode()
     node.run(3)
     return node
-
-
-@pytest.fixture
-def socket_path(node):
-    """The agent's worker channel, served on a real Unix socket."""
-    # Not tmp_path: a Unix socket path must stay under 108 bytes.
-    directory = tempfile.mkdtemp(prefix="elastic-test-", dir="/tmp")
-    server = AgentServer("127.0.0.1:0", os.path.join(directory, "worker.sock"),
-                         control=node.agent, heartbeats=node.agent, max_workers=2)
-    server.start()
-    try:
-        yield server.worker_socket
-    finally:
-        server.stop(grace_s=0.1)
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def checkpoint_events(node) -> list[tuple[str, int, str]]:

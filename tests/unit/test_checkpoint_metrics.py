@@ -8,13 +8,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 import time
 
 import pytest
 
-from agent.grpc_server import AgentServer
 from agent.metrics import AgentMetrics
 from elastic.checkpoint import layout
 from elastic.checkpoint.agent_log import AgentCommitLog
@@ -32,19 +29,6 @@ def node():
     node = OneNode(metrics=AgentMetrics("j", "a"))
     node.run(3)
     return node
-
-
-@pytest.fixture
-def socket_path(node):
-    directory = tempfile.mkdtemp(prefix="elastic-test-", dir="/tmp")
-    server = AgentServer("127.0.0.1:0", os.path.join(directory, "worker.sock"),
-                         control=node.agent, heartbeats=node.agent, max_workers=2)
-    server.start()
-    try:
-        yield server.worker_socket
-    finally:
-        server.stop(grace_s=0.1)
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def wait_for(predicate, timeout_s=10.0):

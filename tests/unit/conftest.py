@@ -1,0 +1,27 @@
+"""Fixtures shared by the unit tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+from agent.grpc_server import AgentServer
+
+
+@pytest.fixture
+def socket_path(node):
+    """The worker channel of the module's ``node`` fixture (a real agent of
+    ``tests.unit.test_agent_loop.OneNode``), served on a real Unix socket."""
+    # Not tmp_path: a Unix socket path must stay under 108 bytes.
+    directory = tempfile.mkdtemp(prefix="elastic-test-", dir="/tmp")
+    server = AgentServer("127.0.0.1:0", os.path.join(directory, "worker.sock"),
+                         control=node.agent, heartbeats=node.agent, max_workers=2)
+    server.start()
+    try:
+        yield server.worker_socket
+    finally:
+        server.stop(grace_s=0.1)
+        shutil.rmtree(directory, ignore_errors=True)
