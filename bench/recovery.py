@@ -35,7 +35,7 @@ the wall time ``t``, ``rank``, ``step``, ``restart`` (TORCHELASTIC_RESTART_COUNT
      group formed (rank 0 prints ``training: ...``), first step. torchrun gets the same
      where its log says it (detected, group formed, first step).
 
-2. **Frozen node**. Two "nodes" on this machine (two agents, one worker each,
+2. **Frozen node, dead node**. Two "nodes" on this machine (two agents, one worker each,
    ``--nnodes 1:2``). Once both train in one group (world 2, 20 steps), node b's agent
    and all its processes get SIGSTOP. Recovery = first step of the survivor alone (first
    record with ``world == 1`` after the freeze) minus the freeze time. elasticd: one etcd
@@ -44,7 +44,9 @@ the wall time ``t``, ``rank``, ``step``, ``restart`` (TORCHELASTIC_RESTART_COUNT
    restart). torchrun: two agents on a c10d rendezvous (the first hosts the store), bound
    ``--frozen-bound`` (60 s); torchrun does not notice a frozen peer, its survivor hangs in
    the collective until the process-group timeout, so "no recovery within 60 s" is the
-   expected result.
+   expected result. Node death: node b's agent alone gets SIGKILL (its workers follow it,
+   as when a machine's agent dies); elasticd with the default ``--lease-ttl 5``, and
+   torchrun. Target for elasticd: at most 1.5 s.
 
 3. **Agent footprint**. While elasticd runs a job (one node, two workers) the agent
    process itself (not its workers, not its etcd): VmRSS from /proc/PID/status, CPU
@@ -98,6 +100,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from elastic.store.server import EtcdServer  # noqa: E402
+from elastic.worker.bootstrap import PRELOAD_THREAD_NAME  # noqa: E402
 
 # Not ELASTIC_*: elasticd reads those as its options (and warns about unknown ones).
 TAG_ENV = "BENCH_RECOVERY_TAG"
@@ -451,7 +454,8 @@ def _current_pids(run: Run) -> set[int]:
 
 
 def warm_workers(agent_pid: int, busy: set[int]) -> list[int]:
-    """The agent's children that wait for an assignment: blocked in read(0, ...)."""
+    """The agent's children that are warm: blocked in read(0, ...) for an assignment,
+    with no thread still preloading (the bootstrap names it PRELOAD_THREAD_NAME)."""
     ready = []
     for pid in descendants(agent_pid):
         if pid in busy:
@@ -459,9 +463,14 @@ def warm_workers(agent_pid: int, busy: set[int]) -> list[int]:
         try:
             with open(f"/proc/{pid}/syscall") as f:
                 fields = f.read().split()
+            names = []
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    names.append(f.read().strip())
         except OSError:
             continue
-        if len(fields) > 1 and fields[0] == "0" and fields[1] == "0x0":
+        if (len(fields) > 1 and fields[0] == "0" and fields[1] == "0x0"
+                and PRELOAD_THREAD_NAME not in names):
             ready.append(pid)
     return ready
 
@@ -587,11 +596,15 @@ def _crash_phases(launcher: str, ln: Launcher, t0: float, first: dict | None,
     return phases
 
 
-def frozen_run(bench: "Bench", launcher: str, lease_ttl: float, bound_s: float) -> dict:
-    """One frozen-node measurement: nodes a and b, one worker each; b freezes."""
+def frozen_run(bench: "Bench", launcher: str, lease_ttl: float, bound_s: float,
+               fault: str = "freeze") -> dict:
+    """One node-fault measurement: nodes a and b, one worker each; b freezes (SIGSTOP of
+    its agent and workers) or dies (``fault="kill"``: SIGKILL of its agent alone, whose
+    workers follow it as they do when a machine's agent dies)."""
     args = bench.args
-    run = Run(bench, f"frozen-{launcher}")
-    out: dict = {"launcher": launcher, "lease_ttl_s": lease_ttl if launcher == "elasticd" else None}
+    run = Run(bench, f"{fault}-{launcher}")
+    out: dict = {"launcher": launcher, "fault": fault,
+                 "lease_ttl_s": lease_ttl if launcher == "elasticd" else None}
     try:
         job = _job_id()
         if launcher == "elasticd":
@@ -624,9 +637,12 @@ def frozen_run(bench: "Bench", launcher: str, lease_ttl: float, bound_s: float) 
         if not worker_b or worker_b[-1] not in b_tree:
             raise BenchError("rank 1 of the world-2 group is not node b's worker")
         frozen_at = time.time()
-        run.frozen = [b.pid, *b_tree]
-        _signal(run.frozen, signal.SIGSTOP)
-        out["frozen_pids"] = run.frozen
+        if fault == "kill":
+            _signal([b.pid], signal.SIGKILL)
+        else:
+            run.frozen = [b.pid, *b_tree]
+            _signal(run.frozen, signal.SIGSTOP)
+            out["frozen_pids"] = run.frozen
         deadline = time.monotonic() + bound_s
         first = None
         while first is None and time.monotonic() < deadline:
@@ -785,17 +801,20 @@ class Bench:
                             self.log(f"crash {case} {script} {i + 1}/{a.runs} {kind}: "
                                      f"{self._show(r)}")
         if "frozen" in only:
-            plan = [("elasticd", ttl, a.frozen_runs) for ttl in a.lease_ttls]
-            plan.append(("torchrun", None, a.frozen_torchrun_runs))
-            for i in range(max(n for _, _, n in plan)):
-                for kind, ttl, n in plan:
+            plan = [("elasticd", ttl, a.frozen_runs, "freeze") for ttl in a.lease_ttls]
+            plan.append(("torchrun", None, a.frozen_torchrun_runs, "freeze"))
+            # Node death: the default lease TTL (5 s), and torchrun for comparison.
+            plan.append(("elasticd", 5.0, a.frozen_runs, "kill"))
+            plan.append(("torchrun", None, a.frozen_torchrun_runs, "kill"))
+            for i in range(max(n for _, _, n, _ in plan)):
+                for kind, ttl, n, fault in plan:
                     if i >= n:
                         continue
-                    r = frozen_run(self, kind, ttl or 0, a.frozen_bound)
+                    r = frozen_run(self, kind, ttl or 0, a.frozen_bound, fault)
                     r["run"] = i
                     self.results["frozen"].append(r)
                     name = f"elasticd --lease-ttl {ttl:g}" if kind == "elasticd" else kind
-                    self.log(f"frozen {i + 1}/{n} {name}: {self._show(r)}")
+                    self.log(f"{fault} {i + 1}/{n} {name}: {self._show(r)}")
         if "footprint" in only:
             plan = [("elasticd", "train"), ("elasticd", "sleep")]
             if a.footprint_torchrun:
@@ -858,7 +877,8 @@ def summarize(results: dict, args: argparse.Namespace) -> dict:
             if runs:
                 summary["crash"][f"{case} {script}"] = _crash_rows(runs)
     for r in results["frozen"]:
-        key = f"elasticd ttl {r['lease_ttl_s']:g}" if r["launcher"] == "elasticd" else "torchrun"
+        key = (f"elasticd ttl {r['lease_ttl_s']:g}" if r["launcher"] == "elasticd"
+               else "torchrun") + f" {r.get('fault', 'freeze')}"
         row = summary["frozen"].setdefault(key, {"runs": 0, "values": [], "errors": [],
                                                  "phases": {}})
         row["runs"] += 1
@@ -966,10 +986,15 @@ def render(results: dict, summary: dict, args: argparse.Namespace) -> str:
                        f"still-importing workers in {row['runs']} restarts; warm workers ready "
                        f"at each kill: {row['warm_at_kill']}")
     frozen = summary["frozen"]
-    if frozen:
-        out += ["", "frozen node (SIGSTOP of one of 2 nodes: its agent and workers, 1 worker "
-                    "each) -> first step of the survivor alone"]
-        for key, row in frozen.items():
+    for fault, title in (("freeze", "frozen node (SIGSTOP of one of 2 nodes: its agent and "
+                                    "workers, 1 worker each)"),
+                         ("kill", "node death (SIGKILL of the agent of one of 2 nodes, 1 "
+                                  "worker each)")):
+        rows = {k.rsplit(" ", 1)[0]: row for k, row in frozen.items() if k.endswith(f" {fault}")}
+        if not rows:
+            continue
+        out += ["", f"{title} -> first step of the survivor alone"]
+        for key, row in rows.items():
             if key == "torchrun":
                 name = "torchrun (c10d rendezvous, --nnodes 1:2)"
                 if row["recovered"] == 0:
@@ -980,10 +1005,10 @@ def render(results: dict, summary: dict, args: argparse.Namespace) -> str:
                 name = f"elasticd --lease-ttl {key.split()[-1]}"
             tail = _failed(row, "no recovery", args.frozen_bound)
             out.append(f"  {name:<42}{_range(row['stats'])}  (n={row['runs']}){tail}")
-        for key, row in frozen.items():
+        for key, row in rows.items():
             if row["phases_median"]:
                 line = ", ".join(f"{k} {v:.2f}" for k, v in row["phases_median"].items())
-                out.append(f"  {key} breakdown (median s after the freeze): {line}")
+                out.append(f"  {key} breakdown (median s after the fault): {line}")
     fp = summary["footprint"]
     if fp:
         out += ["", f"agent footprint (the launcher process only, not workers or etcd; CPU over "

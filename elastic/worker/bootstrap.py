@@ -70,6 +70,9 @@ STATUS_FD_ENV = "ELASTIC_BOOTSTRAP_STATUS_FD"
 PARENT_PID_ENV = "ELASTIC_BOOTSTRAP_PARENT_PID"
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+# The preloading thread's name, as /proc/PID/task/TID/comm shows it while it imports.
+PRELOAD_THREAD_NAME = "elastic-preload"
 # Cap on the assignment line: an environment is a few KiB; anything near this is not ours.
 _MAX_ASSIGNMENT_BYTES = 16 * 1024 * 1024
 
@@ -97,12 +100,40 @@ def _preload(modules: str) -> float:
     return time.monotonic() - started
 
 
+def _name_this_thread(name: str) -> None:
+    """Name the calling thread for the OS (``top -H``, ``/proc/PID/task/TID/comm``)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+
+
+def _rename_threads(old: str, new: str, *, but: int) -> None:
+    """Rename this process's threads called ``old`` (except thread ``but``)."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return
+    for tid in tids:
+        if tid == but:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/comm", "r+") as f:
+                if f.read().strip() == old:
+                    f.seek(0)
+                    f.write(new)
+        except OSError:
+            pass  # ended meanwhile
+
+
 def _start_preload(modules: str) -> threading.Thread:
     """Import ``modules`` on a thread at the lowest CPU and I/O priority, then
     report ready. The main thread meanwhile waits for an assignment at normal
     priority. A failed import ends the process with its traceback and status
     1, as it would have on the main thread: the agent counts a warm failure."""
     def run() -> None:
+        _name_this_thread(PRELOAD_THREAD_NAME)
         if modules.strip():
             priority.lower_this_thread()
         try:
@@ -111,9 +142,12 @@ def _start_preload(modules: str) -> threading.Thread:
             traceback.print_exc()
             sys.stderr.flush()
             os._exit(1)
+        # Threads a preloaded module started here inherited the name: they
+        # are the library's, not the preload's (which ends now).
+        _rename_threads(PRELOAD_THREAD_NAME, "python", but=threading.get_native_id())
         _report_ready(preload_s)
 
-    thread = threading.Thread(target=run, name="elastic-preload", daemon=True)
+    thread = threading.Thread(target=run, name=PRELOAD_THREAD_NAME, daemon=True)
     thread.start()
     return thread
 
