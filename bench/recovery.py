@@ -364,6 +364,7 @@ class Run:
         self.progress = Progress(os.path.join(self.dir, "progress.jsonl"))
         self.launchers: list[Launcher] = []
         self.frozen: list[int] = []
+        self.killed: set[str] = set()  # launchers this run killed on purpose
         self.etcd: EtcdServer | None = None
         self.stray = 0
 
@@ -394,7 +395,7 @@ class Run:
     def check_alive(self, what: str) -> None:
         for ln in self.launchers:
             code = ln.proc.poll()
-            if code is not None:
+            if code is not None and ln.name not in self.killed:
                 tail = " | ".join(text for _, text in ln.snapshot()[-3:])
                 raise BenchError(f"{ln.name} exited with {code} while waiting for {what}: "
                                  f"{tail}")
@@ -638,6 +639,7 @@ def frozen_run(bench: "Bench", launcher: str, lease_ttl: float, bound_s: float,
             raise BenchError("rank 1 of the world-2 group is not node b's worker")
         frozen_at = time.time()
         if fault == "kill":
+            run.killed.add(b.name)
             _signal([b.pid], signal.SIGKILL)
         else:
             run.frozen = [b.pid, *b_tree]
@@ -801,11 +803,13 @@ class Bench:
                             self.log(f"crash {case} {script} {i + 1}/{a.runs} {kind}: "
                                      f"{self._show(r)}")
         if "frozen" in only:
-            plan = [("elasticd", ttl, a.frozen_runs, "freeze") for ttl in a.lease_ttls]
-            plan.append(("torchrun", None, a.frozen_torchrun_runs, "freeze"))
-            # Node death: the default lease TTL (5 s), and torchrun for comparison.
-            plan.append(("elasticd", 5.0, a.frozen_runs, "kill"))
-            plan.append(("torchrun", None, a.frozen_torchrun_runs, "kill"))
+            plan = []
+            if "freeze" in a.node_faults:
+                plan += [("elasticd", ttl, a.frozen_runs, "freeze") for ttl in a.lease_ttls]
+                plan.append(("torchrun", None, a.frozen_torchrun_runs, "freeze"))
+            if "kill" in a.node_faults:  # the default lease TTL (5 s), and torchrun
+                plan.append(("elasticd", 5.0, a.frozen_runs, "kill"))
+                plan.append(("torchrun", None, a.frozen_torchrun_runs, "kill"))
             for i in range(max(n for _, _, n, _ in plan)):
                 for kind, ttl, n, fault in plan:
                     if i >= n:
@@ -1065,6 +1069,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="torchrun (default): a run with no restarted step within this long "
                          "counts as a hang (30 s)")
     ap.add_argument("--frozen-runs", type=int, default=3, help="elasticd runs per lease TTL (3)")
+    ap.add_argument("--node-faults", default="freeze,kill",
+                    help="node faults of the frozen part, comma-separated (freeze,kill)")
     ap.add_argument("--frozen-torchrun-runs", type=int, default=1, help="torchrun runs (1)")
     ap.add_argument("--lease-ttls", default="5,2", help="elasticd --lease-ttl values (5,2)")
     ap.add_argument("--frozen-bound", type=float, default=60.0,
@@ -1098,8 +1104,10 @@ def main(argv: list[str] | None = None) -> int:
         args.default_runs = args.runs
     args.lease_ttls = [float(x) for x in str(args.lease_ttls).split(",") if x]
     args.cases = [c for c in args.cases.split(",") if c]
+    args.node_faults = [c for c in args.node_faults.split(",") if c]
     args.scripts = [c for c in args.scripts.split(",") if c]
-    unknown = sorted(set(args.cases) - set(CASES)) + sorted(set(args.scripts) - set(SCRIPTS))
+    unknown = (sorted(set(args.cases) - set(CASES)) + sorted(set(args.scripts) - set(SCRIPTS))
+               + sorted(set(args.node_faults) - {"freeze", "kill"}))
     if unknown:
         print(f"recovery.py: unknown case or script {', '.join(unknown)} (cases: "
               f"{', '.join(CASES)}; scripts: {', '.join(SCRIPTS)})", file=sys.stderr)
