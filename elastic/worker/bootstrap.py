@@ -290,7 +290,9 @@ def main() -> None:
         print(f"elastic.worker.bootstrap: bad assignment from the agent: {exc}", file=sys.stderr)
         sys.exit(2)
     if assignment is None:
-        sys.exit(0)
+        # Discarded: leave at once, not through an interpreter shutdown that
+        # would race the preload thread, which may still be importing.
+        os._exit(0)
     # Taken before it finished importing: the rest is on this round's critical
     # path now, so give it normal priority where allowed, and wait for it.
     priority.restore_process()

@@ -196,6 +196,7 @@ def test_without_tls_the_agent_binds_the_advertised_address_and_warns_once(
                    script=SCRIPT, extra=("--no-prestart", "--advertise-addr", "127.0.0.2"),
                    listen=None)
     agent.wait_output("is unauthenticated", 30)
+    agent.wait_output(": registered (", 30)  # the warning comes first: its address in etcd next
     addr = agent_addr(etcd_store, job_id, "a")
     host, port = addr.rsplit(":", 1)
     assert host == "127.0.0.2"
