@@ -532,7 +532,8 @@ def _member(key: str, index: int, obj: Any) -> Member:
 
 @dataclass(frozen=True)
 class Standbys:
-    """The ``standbys`` record: agent addresses of registered non-members."""
+    """The ``standbys`` record: agent addresses of registered non-members (the
+    leader publishes the STANDBY_WITNESSES longest registered)."""
 
     addrs: tuple[str, ...] = ()
 
@@ -559,6 +560,11 @@ class Standbys:
 # A member cut off from etcd asks every standby at once: more than this is no
 # list the leader wrote.
 MAX_STANDBYS = 4096
+# How many standbys the leader publishes: a handful of witnesses tells a
+# member whether etcd answers outside its partition, and a short list that
+# stops changing once that many nodes registered keeps the record from being
+# rewritten to every node at every registration (N^2 watch events at start).
+STANDBY_WITNESSES = 8
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ another machine).
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 from elastic.errors import MalformedRecordError
@@ -21,6 +22,7 @@ from elastic.rendezvous.api import (
     Report,
     RestartRequest,
     Round,
+    STANDBY_WITNESSES,
     id_in_key,
 )
 from elastic.store.api import KeyValue
@@ -163,6 +165,8 @@ class LeaderView:
         )
 
     def standby_addrs(self, members: tuple[str, ...]) -> tuple[str, ...]:
-        """Agent addresses of the registered nodes that are not ``members``."""
-        return tuple(info.addr for info, _ in sorted(self.nodes.values(), key=lambda p: p[1])
-                     if info.node_id not in members and info.addr)
+        """Agent addresses of the registered nodes that are not ``members``,
+        the longest registered first, at most STANDBY_WITNESSES of them."""
+        addrs = (info.addr for info, _ in sorted(self.nodes.values(), key=lambda p: p[1])
+                 if info.node_id not in members and info.addr)
+        return tuple(itertools.islice(addrs, STANDBY_WITNESSES))

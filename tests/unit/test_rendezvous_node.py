@@ -265,3 +265,29 @@ def test_other_settings_in_the_config_record_are_named_short_and_printable():
     message = str(info.value)
     assert "max_nodes 2 (this agent: 1)" in message and "future\\x1b[2J" in message
     assert "\x1b" not in message and len(message) < 1000
+
+
+def test_the_leader_publishes_a_few_long_registered_standbys_not_every_node_on_every_join():
+    # Before: every registration rewrote the standbys record with all N
+    # registered nodes, and every node's watch got it: N^2 events of O(N)
+    # bytes before the first round (18 s for 256 nodes in bench/rendezvous.py).
+    from elastic.rendezvous.api import STANDBY_WITNESSES
+
+    clock = FakeClock()
+    store = MemoryStore(clock=clock, synchronous=True)
+    config = RendezvousConfig(job_id="j", min_nodes=40, max_nodes=40, settle_s=0.0,
+                              lease_ttl_s=3.0)
+    nodes = []
+    for i in range(30):  # fewer than min_nodes: no round, every node a standby
+        info = NodeInfo(node_id=f"n{i:02d}", host="h", addr=f"10.0.0.{i}:29400")
+        nodes.append(RendezvousNode(store, config, info, clock=clock,
+                                    port_picker=lambda _h: 1).start(thread=False))
+        for _ in range(3):
+            store.deliver_pending()
+            for node in nodes:
+                node.pump()
+    record = store.peek(nodes[0].keys.standbys)
+    assert json.loads(record.value)["addrs"] == [f"10.0.0.{i}:29400"
+                                                 for i in range(STANDBY_WITNESSES)]
+    assert record.version <= STANDBY_WITNESSES  # written while the list filled, then left alone
+    assert nodes[-1].standby_addrs == tuple(f"10.0.0.{i}:29400" for i in range(STANDBY_WITNESSES))
