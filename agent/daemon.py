@@ -55,7 +55,7 @@ from elastic.errors import (
     exit_code_for,
 )
 from elastic.joblog import JobLogger, JsonFormatter
-from elastic.net import free_port
+from elastic.net import free_port, relax_grpc_blocking_waits
 from elastic.rendezvous.api import (
     DrainRequest,
     NodeInfo,
@@ -721,6 +721,7 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     try:
         config = agent_config.load(argv)
+        relax_grpc_blocking_waits()
         # Read into config.etcd_security: the workers (user code) inherit our
         # environment and must not get the etcd password.
         os.environ.pop(PASSWORD_ENV, None)
