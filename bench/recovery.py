@@ -50,10 +50,10 @@ the wall time ``t``, ``rank``, ``step``, ``restart`` (TORCHELASTIC_RESTART_COUNT
 
 3. **Agent footprint**. While elasticd runs a job (one node, two workers) the agent
    process itself (not its workers, not its etcd): VmRSS from /proc/PID/status, CPU
-   (utime+stime from /proc/PID/stat) over a ``--window`` (20 s) of steady state as % of
+   (utime+stime from /proc/PID/stat) over a ``--window`` (60 s) of steady state as % of
    one core, and whether any libtorch is mapped (/proc/PID/maps). Once with ddp.py
    training, once with workers that only sleep and report a step a second. Targets:
-   < 80 MB, < 1 % of a core. torchrun's agent is measured the same way during training,
+   <= 60 MB, <= 0.3 % of a core. torchrun's agent is measured the same way during training,
    for comparison.
 
 How to run (about 20 minutes by default on a quiet 2-core machine;
@@ -115,6 +115,8 @@ CASES = ("steady", "early", "repeat")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 STEPS_BEFORE_FAULT = 20
 RATIO_TARGET = 0.2  # elasticd / torchrun, worker SIGKILL to the first restarted step
+FOOTPRINT_RSS_MB = 60  # the agent process, steady state
+FOOTPRINT_CPU_PCT = 0.3  # % of one core, over --window
 
 SLEEPER = '''\
 """Workers that do nothing but sleep and report a step a second (bench/recovery.py)."""
@@ -718,8 +720,8 @@ def footprint_run(bench: "Bench", launcher: str, workload: str) -> dict:
         if workload == "train":
             _steady(run, 2, 2, f"{launcher} to train", args.start_timeout)
         if launcher == "elasticd":
-            # Sleepers never print: they run once the warm set for the next round is up
-            # (the agent starts it after every worker's first step, or 10 s).
+            # Sleepers never print: wait until the warm set for the next round is up
+            # (its preload is CPU the agent's children spend, not the agent).
             out["warm_wait_s"] = _wait_warm(run, ln, 2, args.start_timeout)
         time.sleep(max(args.settle, 2.0))
         pid = ln.pid
@@ -1029,9 +1031,11 @@ def render(results: dict, summary: dict, args: argparse.Namespace) -> str:
         verdicts = []
         for key, row in fp.items():
             if key.startswith("elasticd") and not row.get("error"):
-                ok = row["rss_mb"] < 80 and row["cpu_pct"] < 1.0 and not row["torch_libs"]
+                ok = (row["rss_mb"] <= FOOTPRINT_RSS_MB and row["cpu_pct"] <= FOOTPRINT_CPU_PCT
+                      and not row["torch_libs"])
                 verdicts.append(f"{key.split()[1]}: {'met' if ok else 'NOT met'}")
-        out.append(f"  targets for elasticd: < 80 MB, < 1 % of a core, no libtorch "
+        out.append(f"  targets for elasticd: <= {FOOTPRINT_RSS_MB} MB, <= {FOOTPRINT_CPU_PCT} % "
+                   f"of a core, no libtorch "
                    f"({'; '.join(verdicts)})")
     c = results.get("cleanup")
     if c is not None:
@@ -1075,7 +1079,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lease-ttls", default="5,2", help="elasticd --lease-ttl values (5,2)")
     ap.add_argument("--frozen-bound", type=float, default=60.0,
                     help="give up on a frozen-node recovery after this long (60 s)")
-    ap.add_argument("--window", type=float, default=20.0, help="footprint CPU window (20 s)")
+    ap.add_argument("--window", type=float, default=60.0, help="footprint CPU window (60 s)")
     ap.add_argument("--no-footprint-torchrun", dest="footprint_torchrun", action="store_false",
                     help="skip measuring torchrun's agent for comparison")
     ap.add_argument("--start-timeout", type=float, default=120.0,
