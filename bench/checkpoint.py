@@ -24,20 +24,26 @@ What is measured:
    commit in the background, nothing else running), and breakdowns from timers that
    this script wraps around the Checkpointer's internals (in its own processes only):
    collect (DCP state-dict helpers) / stage (copy to CPU) in the blocked part;
-   prepare / write (dcp.save, CRC-32 of the written files for the manifest) / verify
-   (CRC-32 re-read) / commit (rename, commit log, marker, retention) in the background.
-   The rest of the background time is collectives (waiting for the other rank).
+   prepare / write (dcp.save, whose stream computes the CRC-32s of files and items as
+   it writes: "of which CRC-32" is the time in ``layout.crc32``; nothing is read back)
+   / verify (manifests, sizes, items against files: no file read) / commit (rename,
+   commit log, marker, retention) in the background. The rest of the background time
+   is collectives (waiting for the other rank).
 
 2. **Restore with resharding.** Saved by 2 ranks; restored by 2 ranks (no reshard) and
    by 1 rank (a new process, FSDP2 over a 1-rank mesh: resharding). Ours:
-   ``ckpt.restore()`` (reads the commit log, verifies sizes and CRC-32s of the files,
-   each rank a share, then dcp.load and puts the state back); the reference: build the
+   ``ckpt.restore()`` (reads the commit log, verifies manifests and sizes, each rank a
+   share of the files, then dcp.load through a reader that checks the CRC-32 of each
+   item it reads as it reads it, and puts the state back); the reference: build the
    state dict, ``dcp.load(sd, checkpoint_id=...)``, ``set_model_state_dict`` /
    ``set_optimizer_state_dict``. Median of ``--restores`` (5) of each, interleaved,
    slowest rank. Each restore first shifts every tensor (so the load must write it
-   back). Target: ours <= 1.2x the reference. Rows for
-   ``Checkpointer(verify_checksums=False)`` (sizes only) are for information: they show
-   what the CRC pass costs. Every restore is checked against a fingerprint of the saved
+   back). Targets: ours <= 1.1x the reference at the same world size, <= 1.2x when
+   resharding. Rows for ``Checkpointer(verify_checksums=False)`` (sizes only) are for
+   information: they show what the CRC-32 checks cost ("of which CRC-32": the time in
+   ``layout.crc32`` during the load). The header names the CRC-32 implementation
+   (zlib, or zlib-ng when installed: the same values, several times faster). Every
+   restore is checked against a fingerprint of the saved
    state (float64 sums of every shard, all-reduced). By default the files are in the
    page cache (they were just written, as on a node that restarts its workers); with
    ``--cold`` there are extra rows after ``posix_fadvise(DONTNEED)`` on every file (as
@@ -99,7 +105,8 @@ sys.path.insert(0, ROOT)
 
 MiB = 2**20
 TARGET_BLOCKED = 0.10
-TARGET_RESTORE = 1.2
+TARGET_RESTORE = 1.1          # at the saved world size
+TARGET_RESTORE_RESHARD = 1.2  # at another one
 TARGET_MEMORY = 1.1
 
 
@@ -175,8 +182,9 @@ def instrument(ckpt: Any, probe: Probe) -> None:
         ck.dcp = _DcpProxy(ck.dcp, probe)
         ck.state.collect = probe.wrap("collect", ck.state.collect)
         ck.state.apply = probe.wrap("apply", ck.state.apply)
-        ck.layout.verify = probe.wrap("verify", ck.layout.verify)
-        ck.layout.file_digest = probe.wrap("crc", ck.layout.file_digest)
+        ck.layout.verify_structure = probe.wrap("verify", ck.layout.verify_structure)
+        # Every CRC-32 (as written, as read, whole files) goes through layout.crc32.
+        ck.layout.crc32 = probe.wrap("crc", ck.layout.crc32)
     ckpt._stager.stage = probe.wrap("stage", ckpt._stager.stage)
     for name in ("persist", "prepare", "write", "commit", "choose", "load"):
         setattr(ckpt, f"_{name}", probe.wrap(name, getattr(ckpt, f"_{name}")))
@@ -625,7 +633,8 @@ def report(cfg: Config, w2: list[dict], w1: list[dict], meta: dict) -> dict[str,
     p(f"  sharding: FSDP2 fully_shard on CPU, 2 ranks (gloo, {cfg.threads} torch thread each)"
       f"; shard per rank: " + ", ".join(f"rank {r['rank']} {r['shard_bytes'] / MiB:.1f} MiB"
                                        for r in w2))
-    p(f"  torch {meta['torch']}, python {meta['python']}, {meta['cpus']} CPUs; "
+    p(f"  torch {meta['torch']}, python {meta['python']}, {meta['cpus']} CPUs, CRC-32 by "
+      f"{meta['crc32']}; "
       f"checkpoints in {cfg.scratch}; {cfg.saves} timed saves, {cfg.restores} restores each")
     p(f"  load average (1 min) before {meta['loadavg_before'][0]:.1f}, after "
       f"{meta['loadavg_after'][0]:.1f}, run took {meta['wall_s']:.0f} s")
@@ -668,8 +677,8 @@ def report(cfg: Config, w2: list[dict], w1: list[dict], meta: dict) -> dict[str,
     known = sum(op.get(f"persist.{k}", 0.0) for k in ("prepare", "write", "verify", "commit"))
     p(f"   breakdown ours background:  " + fmt_parts(op, [
         ("persist.prepare", "prepare"), ("persist.write.dcp_save", "write: dcp.save"),
-        ("persist.write.crc", "write: CRC for manifest"), ("persist.verify.crc", "verify: CRC"),
-        ("persist.verify", "verify total"), ("persist.commit", "commit")])
+        ("persist.write.dcp_save.crc", "of which CRC-32"),
+        ("persist.verify", "verify (no read)"), ("persist.commit", "commit")])
       + f", collectives/other {max(0.0, persist - known):.3f} (persist {persist:.3f})")
     p(f"   breakdown plain:            collect {rp['collect']:.3f}, dcp.save {rp['dcp_save']:.3f}")
     train = med(slowest(ours, "train_s"))
@@ -692,7 +701,8 @@ def report(cfg: Config, w2: list[dict], w1: list[dict], meta: dict) -> dict[str,
     p(f"2. Restore (median of {cfg.restores}, slowest rank, seconds); saved by 2 ranks")
     restore_out = []
     all_ok = True
-    for label, ranks in (("2 -> 2 (no reshard)", w2), ("2 -> 1 (reshard)", w1)):
+    for label, ranks, target in (("2 -> 2 (no reshard)", w2, TARGET_RESTORE),
+                                 ("2 -> 1 (reshard)", w1, TARGET_RESTORE_RESHARD)):
         for cache in ranks[0]["restore"]:
             rows = {k: [r["restore"][cache][k] for r in ranks] for k in ranks[0]["restore"][cache]}
             t = {k: med(slowest(v, "seconds")) for k, v in rows.items()}
@@ -711,30 +721,32 @@ def report(cfg: Config, w2: list[dict], w1: list[dict], meta: dict) -> dict[str,
             p(f"     {'plain dcp.load (+ state dict helpers)':44s} {t['plain']:6.3f}         "
               f"({tmin['plain']:6.3f})")
             p(f"     {'ours ckpt.restore() (sizes + CRC-32)':44s} {t['ours']:6.3f}  {r_ours:5.2f}  "
-              f"({tmin['ours']:6.3f}  {m_ours:5.2f})   target <= {TARGET_RESTORE}  "
-              f"{verdict(r_ours, TARGET_RESTORE)}")
+              f"({tmin['ours']:6.3f}  {m_ours:5.2f})   target <= {target}  "
+              f"{verdict(r_ours, target)}")
             p(f"     {'ours verify_checksums=False (information)':44s} {t['ours_nocrc']:6.3f}  "
               f"{r_nv:5.2f}  ({tmin['ours_nocrc']:6.3f}  {m_nv:5.2f})")
-            p(f"     breakdown ours:  choose/verify {pa.get('choose', 0):.3f} (CRC "
-              f"{pa.get('choose.verify.crc', 0):.3f}), load {pa.get('load', 0):.3f} (collect "
-              f"{pa.get('load.collect', 0):.3f}, dcp.load {pa.get('load.dcp_load', 0):.3f}, "
-              f"apply {pa.get('load.apply', 0):.3f})")
-            p(f"     breakdown no-CRC: choose/verify {pn.get('choose', 0):.3f}, load "
+            p(f"     breakdown ours:  choose {pa.get('choose', 0):.3f}, load "
+              f"{pa.get('load', 0):.3f} (verify sizes {pa.get('load.verify', 0):.3f}, collect "
+              f"{pa.get('load.collect', 0):.3f}, dcp.load {pa.get('load.dcp_load', 0):.3f} "
+              f"of which CRC-32 {pa.get('load.dcp_load.crc', 0):.3f}, apply "
+              f"{pa.get('load.apply', 0):.3f})")
+            p(f"     breakdown no-CRC: choose {pn.get('choose', 0):.3f}, load "
               f"{pn.get('load', 0):.3f} (dcp.load {pn.get('load.dcp_load', 0):.3f})")
             p(f"     breakdown plain: collect {pr.get('collect', 0):.3f}, dcp.load "
               f"{pr.get('dcp_load', 0):.3f}, apply {pr.get('apply', 0):.3f}")
-            share = pa.get("choose", 0.0) / max(pa.get("choose", 0.0) + pa.get("load", 0.0), 1e-9)
-            if r_ours > TARGET_RESTORE and r_nv <= TARGET_RESTORE:
-                p(f"     -> verification dominates: choosing/verifying is {share:.0%} of ours; "
-                  f"without the CRC pass the row meets the target")
+            crc_s = pa.get("load.dcp_load.crc", 0.0)
+            share = crc_s / max(pa.get("choose", 0.0) + pa.get("load", 0.0), 1e-9)
+            if r_ours > target and r_nv <= target:
+                p(f"     -> the CRC-32 checks make the difference: computing CRC-32s is "
+                  f"{share:.0%} of ours; without them the row meets the target")
             else:
-                p(f"     -> choosing/verifying is {share:.0%} of ours")
+                p(f"     -> computing CRC-32s is {share:.0%} of ours")
             restore_out.append({"case": label, "cache": cache, "plain_s": t["plain"],
                                 "ours_s": t["ours"], "ours_nocrc_s": t["ours_nocrc"],
-                                "ratio": r_ours, "ratio_nocrc": r_nv, "target": TARGET_RESTORE,
+                                "ratio": r_ours, "ratio_nocrc": r_nv, "target": target,
                                 "fastest_s": tmin, "ratio_of_minima": m_ours,
                                 "ratio_nocrc_of_minima": m_nv,
-                                "met": r_ours <= TARGET_RESTORE, "state_verified": ok,
+                                "met": r_ours <= target, "state_verified": ok,
                                 "ours_parts": pa, "ours_nocrc_parts": pn, "plain_parts": pr,
                                 "runs": rows})
     out["restore"] = restore_out
@@ -818,7 +830,10 @@ def main() -> int:
     cfg = Config(scratch=scratch, width=width, depth=args.depth, batch=args.batch,
                  saves=args.saves, restores=args.restores, threads=args.threads,
                  sample_ms=args.sample_ms, cold=args.cold, verbose=args.verbose)
+    from elastic.checkpoint import layout
+
     meta = {"loadavg_before": os.getloadavg(), "torch": torch.__version__, "python": platform.python_version(),
+            "crc32": layout.CRC32_IMPLEMENTATION,
             "cpus": os.cpu_count(), "width": width, "depth": args.depth,
             "state_mib": state_bytes / MiB, "param_mib": state_bytes / 3 / MiB,
             "free_disk_mib": free / MiB, "scratch": scratch, "args": vars(args)}

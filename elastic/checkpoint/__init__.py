@@ -21,7 +21,9 @@ detected (the tensors' ``_version`` counters) and fails that save with
 ``CheckpointError``, never committing a torn copy.
 
 What a checkpoint holds and how it reshards: :mod:`elastic.checkpoint.state`.
-The directory layout, manifests and checksums: :mod:`elastic.checkpoint.layout`.
+The directory layout, manifests and checksums: :mod:`elastic.checkpoint.layout`;
+how they are computed while DCP writes and checked while it reads:
+:mod:`elastic.checkpoint.dcp_io`.
 
 Saving (every rank; one save in flight at a time, over a gloo group of its own)
 -------------------------------------------------------------------------------
@@ -34,11 +36,15 @@ Saving (every rank; one save in flight at a time, over a gloo group of its own)
 2. In the background, rank 0 removes stale temporaries and creates
    ``<root>/.tmp-step-<step>-round-<round>/``; every rank writes its DCP
    shards, its ``rank-<r>.pt`` and then ``manifest-<r>.json`` (each file's
-   size and CRC-32), all fsynced. Any rank's failure fails the save on every
-   rank and rank 0 removes the temporary directory.
+   size and CRC-32, and each DCP item's CRC-32, all computed from the bytes
+   as they are written: nothing is read back), all fsynced. Any rank's
+   failure fails the save on every rank and rank 0 removes the temporary
+   directory.
 3. Every rank verifies its share of all files (manifests complete for the
-   world size, ``.metadata`` present, every listed file with its size and
-   CRC-32).
+   world size, ``.metadata`` present, every listed file with its size, its
+   items consistent with its CRC-32). No file is re-read: right after the
+   write a read comes from the page cache and shows the bytes the CRC-32s
+   were taken from; restore checks what storage gives back.
 4. Rank 0 renames the directory to ``<root>/step-<step:012d>/`` and fsyncs the
    root, then calls ``commit_log.commit(entry)``, and only after the log
    accepted it writes ``COMMITTED`` (json: step, round, world_size, path,
@@ -75,17 +81,22 @@ Let L be ``commit_log.latest()``. Restore tries, in this order:
    than L, newest first (with no L: every marked directory, newest first).
 
 It loads the first one that verifies (complete manifests, ``.metadata``,
-every listed file with its recorded size and CRC-32; each rank checks a
-share of the files, balanced by bytes, so the cost is one read of the
-checkpoint spread over the ranks, at disk speed). The cheap checks
-(manifests, sizes) come first; the CRC-32 pass then runs in a background
-thread while ``dcp.load`` loads the candidate, and the candidate is accepted
-only if the pass succeeded on every rank (gathered); otherwise the next
-candidate is loaded over it. So the model's state is only valid once
-``restore()`` returns. Each failed candidate is logged as a warning naming
-the file at fault. A directory newer than L is never loaded, marked or not.
-Rank 0 lists the candidates and broadcasts them; the verification results
-are gathered on every rank, so all ranks load the same one. Committed
+every listed file with its recorded size, and the CRC-32 of everything the
+load reads). The cheap checks (manifests, sizes; each rank a share of the
+files, balanced by bytes) come first; then ``dcp.load`` loads the candidate
+through a reader that checks each DCP item's CRC-32 as it reads the item
+(:mod:`elastic.checkpoint.dcp_io`), so the check costs no read of its own;
+``.metadata`` and the rank's ``rank-<r>.pt`` are checked whole. Resharding
+reads whole items too, so every item a restore uses is checked by the rank
+that reads it. (Shard files of older checkpoints, whose manifests have no
+item CRC-32s, are checked whole by a pass in a background thread during the
+load, each rank a share.) The candidate is accepted only if every rank's
+checks passed (gathered); otherwise the next candidate is loaded over it. So
+the model's state is only valid once ``restore()`` returns. Each failed
+candidate is logged as a warning naming the file (and the item) at fault. A
+directory newer than L is never loaded, marked or not. Rank 0 lists the
+candidates and broadcasts them; the verification results are gathered on
+every rank, so all ranks load the same one. Committed
 checkpoints that all fail verification raise ``CheckpointCorruptError``
 rather than silently starting from step 0; no checkpoint at all returns 0.
 

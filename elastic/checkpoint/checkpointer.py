@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor
 from elastic.checkpoint import layout, state
 from elastic.checkpoint.api import CommitEntry, CommitLog
 from elastic.checkpoint.agent_log import default_commit_log
+from elastic.checkpoint.dcp_io import ChecksummingWriter, VerifyingReader
 from elastic.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -94,8 +95,9 @@ class Checkpointer:
     history; otherwise a warning), best effort. ``on_saving(s)``
     is called with an estimate in seconds when a save starts and with 0 when
     it ends (default: ``elastic.worker.runtime.saving``, which suspends the
-    agent's hang detection). ``verify_checksums`` makes commit and restore
-    compare CRC-32s, not only sizes. ``timeout_s`` bounds each collective of
+    agent's hang detection). ``verify_checksums`` makes restore compare the
+    CRC-32s of what it reads, not only sizes (saves always record CRC-32s,
+    computed as they write). ``timeout_s`` bounds each collective of
     the group this object creates. ``root`` must be one file system shared by
     all ranks (every rank verifies files that others wrote, and resharding
     reads any rank's shards).
@@ -225,9 +227,10 @@ class Checkpointer:
         own RNG states, data position and extras back; at another one, see
         :mod:`elastic.checkpoint.state` for what each rank gets.
 
-        The CRC-32 pass runs concurrently with the load, so a candidate's
-        state is put into the model and optimizer before it is known to
-        verify; a candidate that fails is then overwritten by the next one.
+        CRC-32s are checked as the load reads (item by item), so a
+        candidate's state is put into the model and optimizer before it is
+        known to verify; a candidate that fails is then overwritten by the
+        next one.
         The model's and optimizer's state is only valid once ``restore()``
         returns (after an error it is undefined).
 
@@ -382,8 +385,11 @@ class Checkpointer:
                 self._discard_on_rank0(tmp)
                 raise failures[0].error(step, tmp, more=len(failures) - 1)
             failpoint("ckpt.after_shards_before_commit")
-            problems = layout.verify(tmp, checksums=self.verify_checksums, part=rank,
-                                     parts=self._group.size)
+            # No file is read back: a read right after the write comes from the page
+            # cache, so it shows what was written, which the CRC-32s already are (taken
+            # from the very bytes DCP wrote). What is checked across ranks: every
+            # manifest, every file's presence and size, items that agree with files.
+            problems, _ = layout.verify_structure(tmp, part=rank, parts=self._group.size)
             problems = [p for ps in self._group.all_gather(problems, "verifying") for p in ps]
             if problems:
                 self._discard_on_rank0(tmp)
@@ -460,10 +466,13 @@ class Checkpointer:
         rank = self._group.rank
         local_name = layout.rank_state_name(rank)
         layout.write_durably(os.path.join(tmp, local_name), staged.local)
-        names = [*writer.written, local_name] + ([layout.METADATA_FILE] if rank == 0 else [])
+        # Digests of the bytes as written (DCP's shards and, on rank 0, .metadata,
+        # item by item), not of a read back: see dcp_io.
+        files = writer.digests()
+        files[local_name] = layout.bytes_digest(staged.local)
         layout.write_manifest(tmp, layout.Manifest(
             rank=rank, world_size=self._group.size, step=staged.step, round=self._round,
-            files={name: layout.file_digest(os.path.join(tmp, name)) for name in names}))
+            files=files))
         layout.fsync_dir(tmp)
 
     def _commit(self, staged: "_Staged", tmp: str) -> None:
@@ -615,11 +624,14 @@ class Checkpointer:
         """Verify and load one candidate; its step, or None when it fails verification.
 
         All ranks together: the structure and sizes first (cheap; each rank its
-        share of the files, gathered), then the CRC-32 pass of this rank's share
-        in the background thread while ``dcp.load`` runs. Both outcomes are
-        gathered, so every rank accepts or rejects the same candidate; only an
-        accepted one's schedulers, RNGs, data position and extras are restored
-        (a rejected one's tensors are overwritten by the next candidate's load).
+        share of the files, gathered), then ``dcp.load`` through a reader that
+        checks each item's CRC-32 as it reads it (and ``.metadata`` and the
+        rank's state file whole); shard files without item CRC-32s (older
+        manifests) are checked whole instead, each rank its share, in the
+        background thread while ``dcp.load`` runs. The outcomes are gathered,
+        so every rank accepts or rejects the same candidate; only an accepted
+        one's schedulers, RNGs, data position and extras are restored (a
+        rejected one's tensors are overwritten by the next candidate's load).
         """
         path = os.path.join(self.root, name)
         rank = self._group.rank
@@ -634,31 +646,40 @@ class Checkpointer:
         if problems:
             self._reject(name, problems, fallback)
             return None
-        crc = (self._executor.submit(layout.verify_checksums, share)
-               if self.verify_checksums and share else None)
         failure: str | None = None
         local: Any = None
-        size_bytes = 0
+        reader: VerifyingReader | None = None
+        crc: concurrent.futures.Future | None = None
         try:
             manifests, _ = layout.read_manifests(path)
+            files = {n: digest for m in manifests for n, digest in m.files.items()}
             saved_world, step = manifests[0].world_size, manifests[0].step
-            size_bytes = layout.manifest_bytes(manifests)
             same_world = saved_world == self._group.size
+            if self.verify_checksums:
+                reader = VerifyingReader(path, files)
+                whole = [(p, digest) for p, digest in share
+                         if digest.items is None and layout.is_shard_file(os.path.basename(p))]
+                if whole:
+                    crc = self._executor.submit(layout.verify_checksums, whole)
             tensors = state.collect(self._chunks)
-            dcp.load(tensors.state_dict, storage_reader=dcp.FileSystemReader(path),
+            dcp.load(tensors.state_dict, storage_reader=reader or dcp.FileSystemReader(path),
                      process_group=self._group.pg, no_dist=self._group.pg is None)
             state.apply(self._chunks, tensors)
-            with open(os.path.join(path, layout.rank_state_name(rank if same_world else 0)),
-                      "rb") as f:
-                local = state.load_local(f.read())
+            local_name = layout.rank_state_name(rank if same_world else 0)
+            if reader is not None:
+                data = reader.verified_bytes(local_name)
+            else:
+                with open(os.path.join(path, local_name), "rb") as f:
+                    data = f.read()
+            local = state.load_local(data)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - gathered below
             failure = f"loading checkpoint {path} failed: {describe_failure(exc)}"
-        problems = []
+        problems = list(reader.problems) if reader is not None else []
         if crc is not None:
             try:
-                problems = crc.result()
+                problems += crc.result()
             except Exception as exc:  # noqa: BLE001 - a verification that cannot run fails
-                problems = [layout.Problem(path, f"cannot verify ({exc!r})")]
+                problems.append(layout.Problem(path, f"cannot verify ({exc!r})"))
         gathered = self._group.all_gather((problems, failure), "verifying and loading")
         problems = [p for ps, _ in gathered for p in ps]
         if problems:
@@ -685,7 +706,7 @@ class Checkpointer:
         self.data_state = local["data_state"]
         self.extras = local["extras"]
         self.restored_path = path
-        self._restored_bytes = size_bytes
+        self._restored_bytes = layout.manifest_bytes(manifests)
         return step
 
     def _reject(self, name: str, problems: list[layout.Problem], fallback: str) -> None:
@@ -832,19 +853,14 @@ def describe_failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-class _RecordingWriter(dcp.FileSystemWriter):
-    """DCP's file writer, remembering which files this rank wrote (for its
-    manifest) and hosting the write-path failpoints."""
-
-    def __init__(self, path: str):
-        super().__init__(path, single_file_per_rank=True, sync_files=True, overwrite=False)
-        self.written: list[str] = []
+class _RecordingWriter(ChecksummingWriter):
+    """DCP's file writer computing CRC-32s as it writes (for this rank's manifest),
+    hosting the write-path failpoints."""
 
     def write_data(self, plan, planner):
         failpoint("ckpt.write")
         future = super().write_data(plan, planner)
-        self.written = sorted({result.storage_data.relative_path for result in future.value()})
-        if self.written:
+        if future.value():
             failpoint("ckpt.mid_write")
         return future
 

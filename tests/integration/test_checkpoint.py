@@ -225,6 +225,36 @@ def test_fsdp2_reshards_from_2_to_1_and_3_ranks(tmp_path):
         assert rank["full"] == saved[0]["full"]
 
 
+def test_fsdp_restore_with_resharding_checks_the_items_it_reads(tmp_path):
+    """Saved by 2 ranks, loaded by 1: the one rank reads rank 1's items too, and a byte
+    flipped inside one of them (the file's size unchanged) is caught as it is read."""
+    from elastic.checkpoint import layout
+
+    root = str(tmp_path / "ckpt")
+    saved = run(tmp_path, 2, {"task": "fsdp", "root": root, "save": True, "saves": 2})
+    directory = os.path.join(root, "step-000000000002")
+    manifests, problems = layout.read_manifests(directory)
+    assert problems == []
+    shard = os.path.join(directory, "__1_0.distcp")
+    item = max(manifests[1].files["__1_0.distcp"].items, key=lambda i: i.length)
+    size = os.path.getsize(shard)
+    with open(shard, "r+b") as f:
+        f.seek(item.offset + item.length // 2)
+        byte = f.read(1)[0]
+        f.seek(item.offset + item.length // 2)
+        f.write(bytes([byte ^ 0x08]))
+    assert os.path.getsize(shard) == size
+
+    ranks = launch(tmp_path, 1, [{"id": "load", "task": "fsdp", "root": root, "save": False}])
+    loaded = ranks[0].results["load"]
+    assert loaded["start"] == 2, "the damaged step 2 was loaded"
+    assert loaded["full"] == saved[0]["full_at"]["1"]
+    warnings = [line for line in ranks[0].stderr.splitlines()
+                if line.startswith("WARNING") and shard in line]
+    assert warnings and "corrupt: CRC-32" in warnings[0], ranks[0].stderr[-3000:]
+    assert f"bytes {item.offset}..{item.offset + item.length} (one item)" in warnings[0]
+
+
 def union(ranks: list[dict]) -> dict:
     merged = {}
     for rank in ranks:
@@ -631,7 +661,9 @@ class Worker:
                 "torch_rand": torch.rand(3).tolist(), "py_rand": random.random(),
                 "restored_data_state": ckpt.data_state, "restored_extras": ckpt.extras}
 
-    def task_fsdp(self, root, save):
+    def task_fsdp(self, root, save, saves: int = 1):
+        """Restore, then (``save``) train and save ``saves`` steps, 1 to ``saves``; the
+        full state as a fingerprint per key, after each save (``full_at``) and at the end."""
         import torch
         from torch import nn
         from torch.distributed.checkpoint.state_dict import (
@@ -650,16 +682,23 @@ class Worker:
         opt = torch.optim.AdamW(model.parameters(), lr=0.05)
         ckpt = self.checkpointer(root, model, opt)
         start = ckpt.restore()
-        if save:
-            torch.manual_seed(1 + self.rank)
-            self.train(model, opt, steps=2, in_features=8)
-            ckpt.save(1, async_=True)
-        ckpt.close()
         full = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
-        state = {**{f"model.{k}": v for k, v in get_model_state_dict(model, options=full).items()},
-                 **{f"optim.{k}": v for k, v in
-                    get_optimizer_state_dict(model, opt, options=full).items()}}
-        return {"start": start, "full": {k: fingerprint(v) for k, v in state.items()}}
+
+        def fingerprints() -> dict:
+            state = {**{f"model.{k}": v
+                        for k, v in get_model_state_dict(model, options=full).items()},
+                     **{f"optim.{k}": v for k, v in
+                        get_optimizer_state_dict(model, opt, options=full).items()}}
+            return {k: fingerprint(v) for k, v in state.items()}
+
+        full_at = {}
+        for step in range(1, saves + 1) if save else ():
+            torch.manual_seed(step + self.rank)
+            self.train(model, opt, steps=2, in_features=8)
+            ckpt.save(step, async_=True)
+            full_at[step] = fingerprints()
+        ckpt.close()
+        return {"start": start, "full": fingerprints(), "full_at": full_at}
 
     def task_pipeline(self, root, chunks_per_rank, save):
         """Stages are copies of one model that keep only their layers, so FQNs are

@@ -3,12 +3,15 @@ commit log and failpoints: no torch, no processes."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
+import random
 import subprocess
 import sys
 import time
+import zlib
 
 import pytest
 
@@ -108,6 +111,85 @@ def test_bit_flip_is_caught_by_checksum_only(tmp_path):
     problems = layout.verify(directory)
     assert [p.path for p in problems] == [shard]
     assert "CRC-32" in problems[0].reason
+
+
+# --- item CRC-32s -----------------------------------------------------------------------------
+
+
+def itemize(directory: str, rank: int, name: str, cuts: list[int]) -> list[layout.ItemDigest]:
+    """Give ``name`` in ``rank``'s manifest items split at ``cuts`` (as a save does)."""
+    with open(os.path.join(directory, name), "rb") as f:
+        data = f.read()
+    bounds = [0, *cuts, len(data)]
+    items = [layout.ItemDigest(a, b - a, f"{zlib.crc32(data[a:b]):08x}")
+             for a, b in zip(bounds, bounds[1:])]
+    path = os.path.join(directory, layout.manifest_name(rank))
+    manifest = layout.Manifest.from_json(open(path, "rb").read())
+    files = dict(manifest.files)
+    files[name] = layout.FileDigest(len(data), f"{zlib.crc32(data):08x}", tuple(items))
+    layout.write_manifest(directory, dataclasses.replace(manifest, files=files))
+    return items
+
+
+def edit_items(directory: str, rank: int, name: str, edit) -> None:
+    path = os.path.join(directory, layout.manifest_name(rank))
+    record = json.loads(open(path).read())
+    edit(record["files"][name])
+    open(path, "w").write(json.dumps(record))
+
+
+def test_crc32_combine_matches_zlib():
+    rng = random.Random(7)
+    for _ in range(200):
+        a = rng.randbytes(rng.randrange(0, 3000))
+        b = rng.randbytes(rng.choice([0, 1, rng.randrange(0, 70_000)]))
+        assert layout.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    assert layout.crc32(b"123456789") == 0xCBF43926  # whichever implementation is installed
+
+
+def test_items_round_trip_and_manifests_without_items_stay_valid(tmp_path):
+    directory = make_checkpoint(tmp_path, 5)
+    manifests, problems = layout.read_manifests(directory)
+    assert problems == [] and all(d.items is None for m in manifests for d in m.files.values())
+    items = itemize(directory, 0, "__0_1.distcp", [10, 100])
+    manifests, problems = layout.read_manifests(directory)
+    assert problems == [] and manifests[0].files["__0_1.distcp"].items == tuple(items)
+    assert layout.combined_crc32(items) == manifests[0].files["__0_1.distcp"].crc32
+    assert layout.verify(directory) == []
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (lambda d: d["items"][1].__setitem__(2, "00000000"), "combine to"),
+    (lambda d: d["items"][1].__setitem__(0, 11), "where one at byte 10 was expected"),
+    (lambda d: d["items"].pop(), "items end at byte 100"),
+])
+def test_items_that_contradict_their_file_are_named(tmp_path, edit, reason):
+    directory = make_checkpoint(tmp_path, 5)
+    itemize(directory, 0, "__0_1.distcp", [10, 100])
+    edit_items(directory, 0, "__0_1.distcp", edit)
+    problems = layout.verify(directory, checksums=False)
+    assert [p.path for p in problems] == [os.path.join(directory, "__0_1.distcp")]
+    assert reason in problems[0].reason
+
+
+@pytest.mark.parametrize("items", ["x", [[0, 5]], [[0, -1, "00000000"]], [[0, 5, "zz"]],
+                                   [[0.0, 5, "00000000"]]])
+def test_malformed_items_make_the_manifest_unreadable(tmp_path, items):
+    directory = make_checkpoint(tmp_path, 5)
+    edit_items(directory, 0, "__0_1.distcp", lambda d: d.__setitem__("items", items))
+    _, problems = layout.read_manifests(directory)
+    assert "unreadable manifest" in problems[0].reason, problems
+
+
+def test_bytes_are_checked_against_a_digest(tmp_path):
+    digest = layout.bytes_digest(b"123456789")
+    assert digest == layout.FileDigest(size=9, crc32="cbf43926")
+    assert layout.check_bytes("f", b"123456789", digest) is None
+    assert "truncated" in layout.check_bytes("f", b"12345678", digest).reason
+    assert "corrupt: CRC-32" in layout.check_bytes("f", b"123456780", digest).reason
+    assert layout.is_shard_file("__0_0.distcp")
+    assert not layout.is_shard_file(layout.METADATA_FILE)
+    assert not layout.is_shard_file(layout.rank_state_name(3))
 
 
 def test_missing_metadata_shard_and_manifest(tmp_path):
