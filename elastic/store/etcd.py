@@ -13,9 +13,11 @@ retries and reconnection:
   else -> StoreError, with the gRPC error chained.
 * All sessions of a store share one keep-alive thread and one LeaseKeepAlive
   stream; the number of sessions costs memory, not threads.
-* Each watch has one thread and one Watch stream, re-created after any
-  transient failure from the revision after the last one delivered, so no
-  event is lost or repeated across reconnects and etcd restarts.
+* All watches of a store share one Watch stream, read by one thread that
+  runs their callbacks; after any transient failure the stream is reopened
+  and each watch created again from the revision after the last one it
+  delivered, so no event is lost or repeated across reconnects and etcd
+  restarts.
 
 Long-lived streams (watches, keep-alive) carry no deadline; HTTP/2 keepalive
 pings detect a dead connection under them, and the keep-alive loop recycles a
@@ -34,7 +36,8 @@ error translation, and the public entry points. Beside it:
 :mod:`.etcd_endpoints` (endpoint parsing and the gRPC target),
 :mod:`.etcd_auth` (TLS credentials, the auth token, refusals explained),
 :mod:`.etcd_convert` (store types <-> etcd messages), :mod:`.etcd_lease`
-(sessions and the keep-alive loop) and :mod:`.etcd_watch` (watch threads).
+(sessions and the keep-alive loop) and :mod:`.etcd_watch` (watches and the
+one stream that carries them).
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ from elastic.store.etcd_endpoints import (
     parse_endpoints,
 )
 from elastic.store.etcd_lease import EtcdSession, KeepAliveLoop
-from elastic.store.etcd_watch import EtcdWatch
+from elastic.store.etcd_watch import EtcdWatch, WatchMux
 from elastic.store.retry import call_with_retry
 from elastic.store.security import EtcdSecurity
 
@@ -186,9 +189,9 @@ class EtcdStore(Store):
         self._lock = threading.Lock()
         self._closing = False  # close() has begun: no new sessions or watches
         self._closed = False  # the channel is closed
-        self._watches: set[EtcdWatch] = set()
         self._sessions: set[EtcdSession] = set()
         self._keeper = KeepAliveLoop(self)
+        self._watcher = WatchMux(self)
         self._connect(connect_timeout_s)
 
     def __repr__(self) -> str:
@@ -485,12 +488,16 @@ class EtcdStore(Store):
 
         With ``start_revision`` None this reads the current revision first, so
         every change made after ``watch`` returns is delivered, even if the
-        stream is only established later.
+        stream is only established later. The watch rides the store's one
+        Watch stream; its callbacks run on the store's ``etcd-watch`` thread,
+        one at a time with those of the store's other watches (see
+        :mod:`.etcd_watch`). Callable from a callback.
 
         Raises:
             ValueError: ``start_revision`` is not positive.
             StoreUnavailableError, StoreTimeoutError: reading the current
                 revision failed.
+            StoreError: the store is closed.
         """
         if start_revision is not None and start_revision < 1:
             raise ValueError(f"start_revision must be >= 1, got {start_revision}")
@@ -500,32 +507,26 @@ class EtcdStore(Store):
                               rpc_pb2.RangeRequest(key=key_bytes(key), count_only=True),
                               timeout_s=None, retry=True, count=False)
             start_revision = resp.header.revision + 1
-        w = EtcdWatch(self, key, prefix, start_revision, on_events, on_error)
-        with self._lock:
-            if self._closing:
-                raise self._closed_error()
-            self._watches.add(w)
-        w.start()
+        w = EtcdWatch(self._watcher, key, prefix, start_revision, on_events, on_error)
+        w.start()  # raises once close() has begun
         return w
 
-    def _forget(self, item) -> None:
+    def _forget(self, session: EtcdSession) -> None:
         with self._lock:
-            self._watches.discard(item)
-            self._sessions.discard(item)
+            self._sessions.discard(session)
 
     # -- lifecycle ----------------------------------------------------------------
 
     def close(self) -> None:
-        """Cancel watches, revoke sessions' leases (best effort, about 2 s in
-        all) and close the connection. Idempotent."""
+        """Cancel watches (waiting about 2 s at most for a running callback),
+        revoke sessions' leases (best effort, about 2 s in all) and close the
+        connection. Idempotent; may be called from a watch callback."""
         with self._lock:
             if self._closing:
                 return
             self._closing = True
-            watches, self._watches = list(self._watches), set()
             sessions, self._sessions = list(self._sessions), set()
-        for w in watches:
-            w.cancel()
+        self._watcher.stop()
         revoke_deadline = self._revoke_deadline()
         for s in sessions:
             s._close(revoke_deadline=revoke_deadline)

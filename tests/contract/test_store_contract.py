@@ -626,6 +626,125 @@ class StoreContract:
         assert threading.current_thread() not in seen.threads
         assert read_back[0].value == b"v"
 
+    def test_cancelling_one_of_several_watches_stops_only_its_deliveries(self, store: Store,
+                                                                         prefix, watch):
+        key = prefix + "k"
+        kept = [watch(prefix, prefix=True), watch(key)]
+        stopped = EventSink()
+        cancelled = store.watch(prefix, stopped.on_events, prefix=True, on_error=stopped.on_error)
+        kept.append(watch(prefix, prefix=True))  # a neighbour started after it, too
+        before = store.put(key, b"before")
+        for sink in kept + [stopped]:
+            sink.wait_key(key)
+
+        cancelled.cancel()
+        after = store.put(key, b"after")
+        fence = store.put(key, b"fence")
+
+        for sink in kept:
+            assert [e.revision for e in sink.wait_count(3)] == [before, after, fence], \
+                sink.describe()
+        assert [e.revision for e in stopped.snapshot()] == [before]
+        assert not any(sink.errors for sink in kept + [stopped])
+
+    def test_a_compacted_start_revision_ends_only_that_watch(self, store: Store, prefix, watch,
+                                                             compact):
+        key = prefix + "k"
+        r1 = store.put(key, b"1")
+        live = watch(prefix, prefix=True, start_revision=r1)
+        r2 = store.put(key, b"2")
+        live.wait_count(2)
+        compact(r2)
+
+        too_old = watch(prefix, prefix=True, start_revision=r1)
+        assert isinstance(too_old.wait_error(), WatchCompactedError)
+        later = watch(key, start_revision=r2)
+        r3 = store.put(key, b"3")
+        fence = store.put(prefix + "fence", b"")
+
+        assert [e.revision for e in live.wait_count(4)] == [r1, r2, r3, fence], live.describe()
+        assert [e.revision for e in later.wait_count(2)] == [r2, r3], later.describe()
+        assert live.errors == [] and later.errors == []
+        assert too_old.snapshot() == [] and len(too_old.errors) == 1
+
+    def test_a_callback_may_cancel_watches_and_start_new_ones(self, store: Store, prefix, watch,
+                                                              watches):
+        other = EventSink()
+        other_watch = store.watch(prefix, other.on_events, prefix=True, on_error=other.on_error)
+        watches.append(other_watch)
+        mine = EventSink()
+        started: dict[str, EventSink] = {}
+        done = threading.Event()
+
+        def on_events(events) -> None:
+            mine.on_events(events)
+            if done.is_set():
+                return
+            other_watch.cancel()  # another watch's
+            own.cancel()  # its own, twice
+            own.cancel()
+            started["from the next revision"] = watch(prefix, prefix=True,
+                                                      start_revision=events[-1].revision + 1)
+            started["from now"] = watch(prefix, prefix=True)
+            done.set()
+
+        own = store.watch(prefix, on_events, prefix=True)
+        watches.append(own)
+        trigger = store.put(prefix + "trigger", b"")
+        assert done.wait(WAIT_S), "a callback that cancels watches and starts new ones hung"
+
+        after = store.put(prefix + "after", b"")
+        fence = store.put(prefix + "fence", b"")
+        for what, sink in started.items():
+            assert [e.revision for e in sink.wait_count(2)] == [after, fence], what
+            assert sink.errors == []
+        assert [e.revision for e in mine.snapshot()] == [trigger]
+        assert all(e.revision < after for e in other.snapshot()), other.describe()
+
+    def test_cancel_waits_for_the_callback_that_runs(self, store: Store, prefix, watches):
+        entered, release, finished = threading.Event(), threading.Event(), threading.Event()
+
+        def on_events(events) -> None:
+            entered.set()
+            release.wait(WAIT_S)
+            finished.set()
+
+        w = store.watch(prefix, on_events, prefix=True)
+        watches.append(w)
+        store.put(prefix + "k", b"")
+        assert entered.wait(WAIT_S)
+        timer = threading.Timer(0.2, release.set)
+        timer.start()
+        try:
+            w.cancel()
+            assert finished.is_set(), "cancel() returned while the watch's callback still ran"
+        finally:
+            release.set()
+            timer.cancel()
+
+    def test_a_raising_callback_is_logged_and_its_watch_goes_on(self, store: Store, prefix,
+                                                                watch, watches, caplog):
+        sink = EventSink()
+        bug = RuntimeError("a bug in the callback")
+
+        def on_events(events) -> None:
+            first = sink.batches == 0
+            sink.on_events(events)
+            if first:
+                raise bug
+
+        watches.append(store.watch(prefix, on_events, prefix=True, on_error=sink.on_error))
+        neighbour = watch(prefix, prefix=True)
+        r1 = store.put(prefix + "a", b"")
+        sink.wait_count(1)
+        r2 = store.put(prefix + "b", b"")
+        fence = store.put(prefix + "fence", b"")
+
+        for s in (sink, neighbour):
+            assert [e.revision for e in s.wait_count(3)] == [r1, r2, fence], s.describe()
+            assert s.errors == []
+        assert any(r.exc_info and r.exc_info[1] is bug for r in caplog.records)
+
     # ---------------------------------------------------------------- ops
 
     def test_ops_are_counted_by_kind(self, store: Store, prefix, watches):

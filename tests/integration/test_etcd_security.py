@@ -277,6 +277,32 @@ def test_a_user_without_the_jobs_prefix_is_refused_naming_the_prefix(secure_etcd
         assert store.get("/elastic/v1/other-job/round") is None  # its own prefix works
 
 
+def test_a_watch_refused_for_permission_ends_alone(secure_etcd, pki, secrets_not_logged):
+    # The refused watch shares its store's stream with the others: its
+    # refusal (and the retry with a fresh token that tells it from a stale
+    # token) must neither end them nor make them miss or repeat an event.
+    own = f"/elastic/v1/other-job/{uuid.uuid4().hex[:12]}/"
+    hint = (f"at etcd {secure_etcd.endpoint}: the role of user outsider must grant readwrite "
+            f"on prefix {JOB_PREFIX}")
+    with _open(secure_etcd, pki.security(user="outsider", password=OUTSIDER_PASSWORD)) as store:
+        first = store.put(own + "first", b"")
+        older = EventSink()
+        store.watch(own, older.on_events, prefix=True, start_revision=first,
+                    on_error=older.on_error)
+        older.wait_count(1)
+        refused = EventSink()
+        store.watch(JOB_PREFIX, refused.on_events, prefix=True, start_revision=1,
+                    on_error=refused.on_error)
+        assert str(refused.wait_error()) == f"permission denied for watch of {JOB_PREFIX!r} {hint}"
+        newer = EventSink()
+        store.watch(own, newer.on_events, prefix=True, on_error=newer.on_error)
+        second = store.put(own + "second", b"")
+        assert [e.revision for e in older.wait_count(2)] == [first, second], older.describe()
+        assert [e.revision for e in newer.wait_count(1)] == [second], newer.describe()
+        assert older.errors == [] and newer.errors == []
+        assert refused.snapshot() == [] and len(refused.errors) == 1
+
+
 def test_without_a_user_the_certificates_name_is_the_user(secure_etcd, pki, secrets_not_logged):
     # etcd takes the user from the client certificate's common name; ours has none.
     key = JOB_PREFIX + "round"
@@ -368,3 +394,35 @@ def test_concurrent_callers_share_one_renewal(secure_etcd, pki, caplog, secrets_
         kvs, _ = store.get_prefix(f"{JOB_PREFIX}concurrent/")
         assert len(kvs) == 8
         assert all(kv.key.startswith(JOB_PREFIX) for kv in kvs)
+
+
+def test_a_watch_created_on_a_stream_whose_token_expired_joins_the_others(
+        secure_etcd, pki, secrets_not_logged):
+    # All watches of a store share one stream, which carries the token of
+    # when it was opened. Once that token has expired, etcd refuses the next
+    # watch's creation on it: the stream is reopened with a fresh token and
+    # every watch created again, none missing or repeating an event.
+    prefix = f"{JOB_PREFIX}{uuid.uuid4().hex[:12]}/"
+    with _open(secure_etcd, pki.security()) as store:
+        first = store.put(prefix + "a", b"1")
+        older = [EventSink() for _ in range(3)]
+        for sink in older:
+            store.watch(prefix, sink.on_events, prefix=True, start_revision=first,
+                        on_error=sink.on_error)
+            sink.wait_count(1)
+        time.sleep(3.5)  # past the 2 s token TTL: the stream's token is gone
+        second = store.put(prefix + "b", b"2")  # renews the store's token
+        for sink in older:
+            sink.wait_count(2)
+
+        newer = EventSink()
+        store.watch(prefix, newer.on_events, prefix=True, start_revision=first,
+                    on_error=newer.on_error)
+        third = store.put(prefix + "c", b"3")
+        fence = store.put(prefix + "fence", b"")
+
+        for sink in [*older, newer]:
+            events = sink.wait_count(4)
+            assert [e.revision for e in events] == [first, second, third, fence], sink.describe()
+            assert sink.errors == []
+        secrets_not_logged.append(store._auth.token)
