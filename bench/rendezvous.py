@@ -78,19 +78,11 @@ def _node_info(i: int) -> NodeInfo:
                     addr=f"10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256}:29400")
 
 
-def _start_all(nodes: list[RendezvousNode], threads: int = 8) -> None:
-    """Start nodes concurrently (registration is a few round trips each)."""
+def _in_threads(nodes: list[RendezvousNode], action, threads: int = 8) -> None:
+    """Call ``action(node)`` for every node, from ``threads`` threads (starting
+    and stopping are a few etcd round trips each)."""
     chunks = [nodes[i::threads] for i in range(threads)]
-    workers = [threading.Thread(target=lambda c=c: [n.start() for n in c]) for c in chunks]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-
-
-def _stop_all(nodes: list[RendezvousNode], threads: int = 8) -> None:
-    chunks = [nodes[i::threads] for i in range(threads)]
-    workers = [threading.Thread(target=lambda c=c: [n.stop() for n in c]) for c in chunks]
+    workers = [threading.Thread(target=lambda c=c: [action(n) for n in c]) for c in chunks]
     for w in workers:
         w.start()
     for w in workers:
@@ -106,7 +98,7 @@ def _worker(conn, endpoint: str, config: RendezvousConfig, ids: list[int], last:
     store = EtcdStore(endpoint)
     nodes = {i: RendezvousNode(store, config, _node_info(i)) for i in ids}
     try:
-        _start_all([n for i, n in nodes.items() if i != last])
+        _in_threads([n for i, n in nodes.items() if i != last], RendezvousNode.start)
         conn.send(("ready", threading.active_count()))
         assert conn.recv() == "go"
         started_at = None
@@ -123,7 +115,7 @@ def _worker(conn, endpoint: str, config: RendezvousConfig, ids: list[int], last:
                    len(rounds[0].to_json()), bad, threading.active_count()))
         assert conn.recv() == "stop"
     finally:
-        _stop_all(list(nodes.values()))
+        _in_threads(list(nodes.values()), RendezvousNode.stop)
         store.close()
 
 
