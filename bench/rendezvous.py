@@ -96,7 +96,9 @@ def _worker(conn, endpoint: str, config: RendezvousConfig, ids: list[int], last:
     nodes saw the round; on "stop" leaves and exits."""
     logging.basicConfig(level=logging.WARNING)
     store = EtcdStore(endpoint)
-    nodes = {i: RendezvousNode(store, config, _node_info(i)) for i in ids}
+    # The hosts are made up: rank 0's next MASTER_PORT is not probed on them.
+    nodes = {i: RendezvousNode(store, config, _node_info(i), port_picker=lambda _host: 29500)
+             for i in ids}
     try:
         _in_threads([n for i, n in nodes.items() if i != last], RendezvousNode.start)
         conn.send(("ready", threading.active_count()))

@@ -40,6 +40,7 @@ newcomer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import queue
@@ -93,6 +94,15 @@ Takeover = Callable[[NodeInfo], bool]
 # Tells the agents at these addresses that the leader reaches etcd; True once
 # none of them runs workers any more (see RendezvousNode._fence_lost).
 Fence = Callable[[tuple[str, ...]], bool]
+
+
+@functools.lru_cache(maxsize=4)
+def _parse_round(key: str, value: bytes, version: int) -> Round:
+    """``Round.from_json``, once per record in a process: nodes that share one
+    (tests, the simulator, bench/rendezvous.py's 128 per process) get the same
+    bytes, and a 1,024-member round takes ~7 ms to check. Rounds are immutable;
+    a malformed record raises each time (exceptions are not cached)."""
+    return Round.from_json(key, value, version)
 
 
 class RendezvousNode:
@@ -619,7 +629,7 @@ class RendezvousNode:
         parsed = None
         if value is not None:
             try:
-                parsed = Round.from_json(key, value, version)
+                parsed = _parse_round(key, value, version)
             except MalformedRecordError as exc:
                 self._report_bad(exc, version)
         with self._cond:
