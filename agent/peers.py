@@ -33,6 +33,7 @@ from elastic.errors import (
     RateLimitedError,
     RequestRefusedError,
 )
+from elastic.net import fast_reconnect_options
 from elastic.v1 import agent_pb2, agent_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -42,9 +43,7 @@ DEFAULT_TIMEOUT_S = 1.0
 DEFAULT_CONTROL_TIMEOUT_S = 5.0
 
 _CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1_000),
+    *fast_reconnect_options(),
     # A frozen peer still ACKs TCP (its kernel runs); only an unanswered HTTP/2
     # ping shows it is gone: detected within about keepalive_time + ping_timeout
     # (5 s). gRPC 1.85 times keepalive pings out by ping_timeout_ms (default 60 s),

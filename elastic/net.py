@@ -9,6 +9,9 @@ import socket
 GRPC_FORK_SUPPORT_ENV = "GRPC_ENABLE_FORK_SUPPORT"
 # How long one slice of a blocking gRPC wait may last in a long-running daemon.
 GRPC_WAIT_SLICE_S = 1.0
+# How long one connection attempt (TCP, TLS handshake, the server's HTTP/2
+# SETTINGS) may take before gRPC gives it up.
+GRPC_CONNECT_TIMEOUT_S = 5.0
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,28 @@ def relax_grpc_blocking_waits(slice_s: float = GRPC_WAIT_SLICE_S) -> bool:
         return False
     grpc_common.MAXIMUM_WAIT_TIMEOUT = slice_s
     return True
+
+
+def fast_reconnect_options(max_backoff_s: float = 1.0,
+                           connect_timeout_s: float = GRPC_CONNECT_TIMEOUT_S
+                           ) -> list[tuple[str, int]]:
+    """gRPC channel options that retry a lost connection 0.1 s after it fails,
+    backing off to at most ``max_backoff_s`` (gRPC's default grows to 120 s),
+    and give each attempt ``connect_timeout_s`` to finish.
+
+    gRPC's C core reads ``grpc.min_reconnect_backoff_ms`` as the *connect
+    timeout* (the spec's MIN_CONNECT_TIMEOUT), not as a backoff. Set to
+    0.1 s with the backoffs, it failed every call whose TLS handshake or
+    HTTP/2 SETTINGS took longer than that: an agent busy starting its workers
+    on a loaded machine ("connection attempt timed out before receiving
+    SETTINGS frame"). A refused connection still fails at once, and callers'
+    deadlines still bound every call, so a long connect timeout delays nothing.
+    """
+    return [
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", int(max_backoff_s * 1000)),
+        ("grpc.min_reconnect_backoff_ms", int(connect_timeout_s * 1000)),
+    ]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

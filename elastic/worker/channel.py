@@ -12,16 +12,13 @@ import time
 import grpc
 
 from elastic.errors import AgentUnreachableError
+from elastic.net import fast_reconnect_options
 from elastic.v1 import agent_pb2, agent_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-_CHANNEL_OPTIONS = [
-    # The agent may restart while its workers live on; reconnect within about a second.
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1_000),
-]
+# The agent may restart while its workers live on; reconnect within about a second.
+_CHANNEL_OPTIONS = fast_reconnect_options()
 # The agent is restarting or busy: normal, and the next heartbeat will tell.
 _TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 

@@ -1,7 +1,8 @@
-"""elastic.net: how the daemon's idle gRPC streams wait."""
+"""elastic.net: how the daemon's idle gRPC streams wait, and how its channels connect."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from concurrent import futures
@@ -10,7 +11,7 @@ import grpc
 from grpc import _common as grpc_common
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from elastic.net import relax_grpc_blocking_waits
+from elastic.net import fast_reconnect_options, relax_grpc_blocking_waits
 
 
 def _voluntary_switches(tid: int) -> int:
@@ -66,3 +67,76 @@ def test_relaxed_waits_let_an_idle_stream_reader_sleep_instead_of_waking_ten_tim
         grpc_common.MAXIMUM_WAIT_TIMEOUT = saved
     assert default >= 7, default  # grpc's 0.1 s slices: about 10 a second
     assert relaxed <= 3, relaxed  # 1 s slices: about 1
+
+
+class _SlowToAnswer:
+    """A TCP forwarder on loopback that holds each new connection ``delay_s``
+    before it forwards anything: a server whose handshake (TLS, HTTP/2
+    SETTINGS) is slow because it is busy."""
+
+    def __init__(self, target_port: int, delay_s: float):
+        self._target_port, self._delay_s = target_port, delay_s
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        time.sleep(self._delay_s)
+        try:
+            server = socket.create_connection(("127.0.0.1", self._target_port))
+        except OSError:  # the test is over and its server gone
+            client.close()
+            return
+        for a, b in ((client, server), (server, client)):
+            threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def _health_check_through_a_slow_server(options, delay_s: float) -> grpc.StatusCode | None:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    slow = _SlowToAnswer(port, delay_s)
+    channel = grpc.insecure_channel(f"127.0.0.1:{slow.port}", options=options)
+    try:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        return None
+    except grpc.RpcError as exc:
+        return exc.code()
+    finally:
+        channel.close()
+        slow.close()
+        server.stop(None)
+
+
+def test_a_call_waits_for_a_server_slow_to_answer_its_connection_within_its_deadline():
+    # The options our peer and worker channels had: gRPC reads the "min backoff"
+    # as the connect timeout, so a handshake slower than 0.1 s failed the call.
+    old = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+           ("grpc.max_reconnect_backoff_ms", 1_000)]
+    assert _health_check_through_a_slow_server(old, 0.5) == grpc.StatusCode.UNAVAILABLE
+    assert _health_check_through_a_slow_server(fast_reconnect_options(), 0.5) is None
