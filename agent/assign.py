@@ -1,4 +1,28 @@
-"""What each worker of a round is told: torchrun's environment plus elasticd's own."""
+"""What each worker of a round is told: torchrun's environment plus elasticd's own.
+
+The variables torch 2.13's ``LocalElasticAgent`` sets for each worker, with
+the same names and meanings: ``RANK``, ``LOCAL_RANK``, ``GROUP_RANK`` (the
+node's rank), ``ROLE_RANK``, ``ROLE_NAME`` (``--role``), ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``GROUP_WORLD_SIZE`` (the nodes), ``ROLE_WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``,
+``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_RUN_ID`` (the job id),
+``TORCHELASTIC_USE_AGENT_STORE`` (``False``: the workers' group rendezvous at
+``MASTER_ADDR:MASTER_PORT``, with no store of the agent's), and, read when the
+interpreter or torch starts (:func:`startup_env`), ``OMP_NUM_THREADS=1`` and
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` unless the agent's environment sets them.
+``TORCHELASTIC_ERROR_FILE`` is set by the supervisor, per rank and round
+(:func:`agent.supervisor.rank_files`); ``CUDA_VISIBLE_DEVICES`` is inherited.
+
+What differs: ``TORCHELASTIC_RESTART_COUNT`` is the number of rounds this
+node started workers in before this one, whatever ended them (a failure, a
+node joining or leaving, an operator's restart); 0 in the node's first round.
+torchrun counts only the restarts after a failure on its own node, so under
+elasticd it grows faster, and "above 0" still means "this node has run
+workers of this job before": the usual test for resuming from a checkpoint.
+A node that joins late starts at 0, as under torchrun; ``ELASTIC_ROUND`` is
+the job-wide count. ``TORCHELASTIC_MAX_RESTARTS`` is ``--max-restarts``:
+failures allowed within ``--restart-window``, not over the job's life.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +31,15 @@ from typing import Mapping
 from agent.netaddr import SYSTEM_NETWORK, HostNetwork, socket_ifname_env
 from elastic.rendezvous.api import Round
 
+NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
 
 def worker_envs(round_: Round, node_id: str, *, job_id: str, restart_count: int,
                 max_restarts: int, agent_socket: str, checkpoint_dir: str | None,
-                hang_timeout_s: float, lease_ttl_s: float = 0.0) -> list[dict[str, str]]:
-    """The environment of each local worker of ``node_id`` in ``round_``, by local rank.
+                hang_timeout_s: float, lease_ttl_s: float = 0.0,
+                role: str = "default") -> list[dict[str, str]]:
+    """The environment of each local worker of ``node_id`` in ``round_``, by local rank
+    (the variables are those of the module docstring).
 
     Global ranks are dense and follow node ranks: a node's first rank is the
     number of workers on the nodes before it (nodes may differ in nproc).
@@ -26,7 +54,7 @@ def worker_envs(round_: Round, node_id: str, *, job_id: str, restart_count: int,
         "LOCAL_WORLD_SIZE": str(me.nproc),
         "GROUP_RANK": str(me.node_rank),
         "GROUP_WORLD_SIZE": str(len(round_.members)),
-        "ROLE_NAME": "default",
+        "ROLE_NAME": role,
         "ROLE_WORLD_SIZE": str(round_.world_size),
         "MASTER_ADDR": round_.master_addr,
         "MASTER_PORT": str(round_.master_port),
@@ -59,7 +87,8 @@ def startup_env(nproc: int, environ: Mapping[str, str], advertise_addr: str | No
     interpreter or torch starts (so warm workers must be started with them).
 
     ``environ`` is the agent's environment: a variable set there is never
-    overridden. ``OMP_NUM_THREADS=1`` with several workers per node.
+    overridden. ``OMP_NUM_THREADS=1`` with several workers per node;
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``.
     ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` name the interface that
     carries ``advertise_addr`` (see :func:`agent.netaddr.socket_ifname_env`:
     none, and a warning, when no interface does); none without
@@ -70,6 +99,10 @@ def startup_env(nproc: int, environ: Mapping[str, str], advertise_addr: str | No
         # As torchrun: several workers on one node each using every core would
         # oversubscribe it.
         env["OMP_NUM_THREADS"] = "1"
+    if NCCL_ASYNC_ERROR_HANDLING not in environ:
+        # As torchrun: a failed NCCL collective aborts the worker instead of
+        # hanging it, so the agent sees an exit and restarts the group.
+        env[NCCL_ASYNC_ERROR_HANDLING] = "1"
     if advertise_addr:
         env.update(socket_ifname_env(advertise_addr, environ, net=net))
     return env

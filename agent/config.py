@@ -8,7 +8,10 @@ Every option can be given three ways; the first one found wins:
 3. a YAML file given with ``--config`` (or ``ELASTIC_CONFIG``), keys in snake
    case (``hang_timeout: 60``),
 
-and otherwise the default. Unknown keys in the file are an error (a file that
+and otherwise the default. torchrun's command line counts as flags: its names
+for our options (``--rdzv-id`` for ``--job-id``, ``--nproc_per_node``), its
+``--rdzv-conf`` keys, and its own flags, honoured or refused with one line
+(:mod:`agent.torchrun_cli`). Unknown keys in the file are an error (a file that
 silently ignores a setting is worse than none); unknown ``ELASTIC_*``
 variables get a warning. A key left empty in the file (``log_dir:``) means
 "not given".
@@ -26,6 +29,7 @@ import logging
 import math
 import os
 import shlex
+import shutil
 import socket
 import textwrap
 from dataclasses import dataclass
@@ -33,6 +37,9 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
+from agent import torchrun_cli
+from agent.console import ConsoleFilter, Streams, parse_local_ranks, parse_streams
+from agent.devices import SYSTEM_DEVICES, HostDevices, parse_nproc_per_node, resolve_nproc
 from agent.netaddr import SYSTEM_NETWORK, HostNetwork, choose_advertise_addr
 from elastic import __version__
 from elastic.errors import EXIT_CODES_HELP, ConfigError
@@ -58,8 +65,9 @@ from elastic.store.security import PASSWORD_ENV, EtcdSecurity, security_from_opt
 log = logging.getLogger(__name__)
 
 # The training script from the environment (systemd's EnvironmentFile, a pod's
-# env): the script, its arguments split like a shell, and "run it with -m".
-SCRIPT_ENV = ("ELASTIC_SCRIPT", "ELASTIC_SCRIPT_ARGS", "ELASTIC_MODULE")
+# env): the script, its arguments split like a shell, "run it with -m", and
+# "execute it directly, not with python" (torchrun's --no-python).
+SCRIPT_ENV = ("ELASTIC_SCRIPT", "ELASTIC_SCRIPT_ARGS", "ELASTIC_MODULE", "ELASTIC_NO_PYTHON")
 # Variables the agent sets for its workers: not options, never warned about.
 WORKER_ENV = {"ELASTIC_ROUND", "ELASTIC_AGENT_SOCKET", "ELASTIC_CHECKPOINT_DIR",
               "ELASTIC_JOB_ID", "ELASTIC_NODE_ID", "ELASTIC_PRELOAD", "ELASTIC_HANG_TIMEOUT_S",
@@ -169,12 +177,22 @@ def _readable_file(name: str, raw: Any) -> str:
 
 @dataclass(frozen=True)
 class Option:
+    """One option: its flag ``--name`` (also ``--name_with_underscores``, as
+    torchrun spells flags), ``ELASTIC_NAME`` and the file key ``name``.
+    ``parse(flag, raw)`` turns what was written into the value, or raises
+    ConfigError naming ``--flag``. ``torchrun``: torchrun's other flags for the
+    same option; ``rdzv_conf``: torchrun's ``--rdzv-conf`` keys that set it
+    (see :mod:`agent.torchrun_cli`); ``short``: a one-letter flag (``-r``)."""
+
     name: str  # the flag without dashes; env and file keys derive from it
     parse: Callable[[str, Any], Any]
     default: Any
     help: str
     metavar: str | None = None
     is_flag: bool = False
+    torchrun: tuple[str, ...] = ()
+    rdzv_conf: tuple[str, ...] = ()
+    short: str | None = None
 
     @property
     def key(self) -> str:
@@ -186,15 +204,23 @@ class Option:
 
 
 OPTIONS = [
-    Option("etcd", _text, None, "etcd endpoints, comma-separated (http://host:2379,...)", "URLS"),
-    Option("standalone", _flag, False, "start a private etcd on a free loopback port",
-           is_flag=True),
-    Option("job-id", _text, None, "the job's id: every agent of a job uses the same", "ID"),
-    Option("nnodes", _text, None, "number of nodes, N or MIN:MAX", "MIN[:MAX]"),
-    Option("nproc-per-node", _positive(int), 1, "workers per node", "N"),
+    Option("etcd", _text, None, "etcd endpoints, comma-separated (http://host:2379,...)", "URLS",
+           torchrun=("--rdzv-endpoint",)),
+    Option("standalone", _flag, False,
+           "start a private etcd on a free loopback port (default for a job of one node "
+           "without an etcd; job id: a random one)", is_flag=True),
+    Option("job-id", _text, None, "the job's id: every agent of a job uses the same", "ID",
+           torchrun=("--rdzv-id",)),
+    Option("nnodes", _text, None,
+           "number of nodes, N or MIN:MAX (default 1 for --standalone and with "
+           "--rdzv-backend, as torchrun)", "MIN[:MAX]"),
+    Option("nproc-per-node", parse_nproc_per_node, 1,
+           "workers per node: N, gpu (the CUDA GPUs visible here), cpu (the CPUs) or auto "
+           "(gpu if there are any, else cpu)", "N|gpu|cpu|auto"),
     Option("node-id", _text, None, "this node's id (default: <hostname>-<pid>)", "ID"),
     Option("max-restarts", _non_negative(int), DEFAULT_MAX_RESTARTS,
-           "failures allowed within --restart-window before the job fails", "N"),
+           "failures allowed within --restart-window before the job fails (torchrun: "
+           "restarts over the whole job, default 0)", "N"),
     Option("restart-window", _positive(float), DEFAULT_RESTART_WINDOW_S,
            "the window of the restart budget", "SECONDS"),
     Option("checkpoint-dir", _text, None, "where workers save and find checkpoints", "DIR"),
@@ -202,11 +228,14 @@ OPTIONS = [
            "a worker without heartbeat or progress this long is hung (0: never judged)",
            "SECONDS"),
     Option("lease-ttl", _positive(float), DEFAULT_LEASE_TTL_S,
-           "a node silent this long is considered gone", "SECONDS"),
+           "a node silent this long is considered gone", "SECONDS",
+           rdzv_conf=("keep_alive_interval", "keep_alive_max_attempt")),  # their product
     Option("settle", _non_negative(float), DEFAULT_SETTLE_S,
-           "wait this long without new arrivals before closing a round below max", "SECONDS"),
+           "wait this long without new arrivals before closing a round below max", "SECONDS",
+           rdzv_conf=("last_call_timeout",)),
     Option("join-timeout", _positive(float), DEFAULT_JOIN_TIMEOUT_S,
-           "give up when no round includes this node for this long", "SECONDS"),
+           "give up when no round includes this node for this long", "SECONDS",
+           rdzv_conf=("join_timeout", "timeout")),
     Option("start-timeout", _positive(float), DEFAULT_START_TIMEOUT_S,
            "a round member that has not started its workers this long after the round "
            "formed is left out and the round formed again without it", "SECONDS"),
@@ -223,7 +252,8 @@ OPTIONS = [
     Option("advertise-addr", _text, None,
            "address peers and workers reach this node at (default: the host name if it "
            "resolves to an address that is not loopback, else this host's source address on "
-           "the route to etcd; 127.0.0.1 with --standalone or an etcd on loopback)", "HOST"),
+           "the route to etcd; 127.0.0.1 with --standalone or an etcd on loopback)", "HOST",
+           torchrun=("--local-addr",)),
     Option("state-dir", _text, None,
            "the agent's own files: rank logs and error files under <dir>/<job>/<node>/ "
            "(default: $STATE_DIRECTORY under systemd, /var/lib/elasticd for root, else "
@@ -237,7 +267,8 @@ OPTIONS = [
            "serve Prometheus metrics over HTTP on this port, on the --listen host (0: off)",
            "PORT"),
     Option("stop-grace", _non_negative(float), 5.0,
-           "after SIGTERM, wait this long before SIGKILL of a worker", "SECONDS"),
+           "after SIGTERM, wait this long before SIGKILL of a worker (torchrun: 30)", "SECONDS",
+           torchrun=("--shutdown-timeout",)),
     Option("prestart", _flag, True,
            "keep warm workers (torch imported) ready for fast restarts; --no-prestart to turn off",
            is_flag=True),
@@ -250,14 +281,15 @@ OPTIONS = [
            "143 so that a Job replaces a pod it terminated instead of counting it complete",
            "N"),
     Option("connect-timeout", _positive(float), 5.0, "give up reaching etcd after this long",
-           "SECONDS"),
+           "SECONDS", rdzv_conf=("read_timeout",)),
     Option("etcd-cacert", _readable_file, None,
            "PEM bundle of the CAs that sign etcd's server certificates, for https:// "
-           "endpoints (default: the system's CA roots)", "FILE"),
+           "endpoints (default: the system's CA roots)", "FILE", rdzv_conf=("cacert", "ca_cert")),
     Option("etcd-cert", _readable_file, None,
            "PEM client certificate for etcd (with --etcd-key), for etcd's --client-cert-auth",
-           "FILE"),
-    Option("etcd-key", _readable_file, None, "PEM private key of --etcd-cert", "FILE"),
+           "FILE", rdzv_conf=("cert", "ssl_cert")),
+    Option("etcd-key", _readable_file, None, "PEM private key of --etcd-cert", "FILE",
+           rdzv_conf=("key", "ssl_cert_key")),
     Option("etcd-user", _text, None,
            f"etcd user to authenticate as; its password from {PASSWORD_ENV} or "
            "--etcd-password-file (never a flag). Its role needs readwrite on the prefix "
@@ -283,6 +315,13 @@ OPTIONS = [
     Option("operator-restart-interval", _non_negative(float), DEFAULT_OPERATOR_RESTART_INTERVAL_S,
            "at most one operator restart (elasticctl restart, RequestRestart over gRPC) of the "
            "job per this many seconds (0: no limit)", "SECONDS"),
+    Option("role", _text, "default", "the workers' ROLE_NAME", "NAME"),
+    Option("redirects", parse_streams, Streams(),
+           "keep worker output off the console (it still goes to the rank logs): 0 none, "
+           "1 stdout, 2 stderr, 3 both, or per local rank, e.g. 0:3,1:2", "SPEC", short="-r"),
+    Option("local-ranks-filter", parse_local_ranks, None,
+           "copy only these local ranks' output to the console, e.g. 0 or 0,1 (every rank's "
+           "output still goes to its log)", "RANKS"),
 ]
 _BY_KEY = {o.key: o for o in OPTIONS}
 
@@ -330,6 +369,10 @@ class AgentConfig:
     tls: AgentTLS | None = None
     probe_listen: str | None = None
     operator_restart_interval_s: float = DEFAULT_OPERATOR_RESTART_INTERVAL_S
+    # torchrun's --no-python: ``script`` is a program executed as it is.
+    no_python: bool = False
+    role: str = "default"
+    console: ConsoleFilter = ConsoleFilter()
 
     def rendezvous(self) -> RendezvousConfig:
         return RendezvousConfig(
@@ -343,28 +386,39 @@ class AgentConfig:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="elasticd",
+        prog="elasticd", usage="%(prog)s [OPTIONS] SCRIPT [ARGS...]",
+        # An abbreviation of a flag could take a script's own --flag (after SCRIPT) for ours.
+        allow_abbrev=False,
         description="Per-node agent of an elastic, fault-tolerant PyTorch training job.",
         epilog="\n\n".join(textwrap.fill(paragraph, 79) for paragraph in (
             "Every option also reads ELASTIC_<OPTION> (e.g. ELASTIC_HANG_TIMEOUT) and the "
             "--config YAML file (e.g. hang_timeout: 60); flags win over the environment, "
             "which wins over the file.",
             "The script may come from ELASTIC_SCRIPT (with ELASTIC_SCRIPT_ARGS, split like a "
-            "shell, and ELASTIC_MODULE=1 for -m) or the file's script, script_args and module.",
+            "shell, ELASTIC_MODULE=1 for -m and ELASTIC_NO_PYTHON=1 for --no-python) or the "
+            "file's script, script_args, module and no_python.",
+            "A torchrun command line works as it is: replace torchrun by elasticd "
+            "(docs/migrating-from-torchrun.md says what changes).",
             EXIT_CODES_HELP + " After SIGTERM or SIGINT the node drains and leaves the job, "
             "then exits with --drain-exit-code (default 0) for SIGTERM, 130 for SIGINT.")),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"elasticd {__version__}")
     p.add_argument("--config", default=None, metavar="FILE", help="YAML file of options")
     for o in OPTIONS:
+        names = ([o.short] if o.short else []) + [f"--{o.name}"]
         if o.is_flag:
-            p.add_argument(f"--{o.name}", dest=o.key, action=argparse.BooleanOptionalAction,
+            p.add_argument(*names, dest=o.key, action=argparse.BooleanOptionalAction,
                            default=None, help=o.help)
         else:
-            p.add_argument(f"--{o.name}", dest=o.key, default=None, metavar=o.metavar,
-                           help=o.help)
-    p.add_argument("-m", "--module", dest="as_module", action="store_true",
+            p.add_argument(*names, dest=o.key, default=None, metavar=o.metavar, help=o.help)
+    p.add_argument("-m", "--module", dest="as_module", action="store_true", default=None,
                    help="run SCRIPT as a module, like python -m")
+    p.add_argument("--no-python", dest="no_python", action="store_true", default=None,
+                   help="SCRIPT is a program (looked up on PATH): execute it directly, not "
+                        "with python (no warm workers then)")
+    p.add_argument("--no_python", dest="no_python", action="store_true", default=None,
+                   help=argparse.SUPPRESS)  # torchrun's other spelling
+    torchrun_cli.add_arguments(p, OPTIONS)
     p.add_argument("script", nargs="?", metavar="SCRIPT", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
     return p
@@ -415,7 +469,7 @@ def _read_file(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path!r}: expected a mapping of options, got "
                           f"{type(data).__name__}")
-    allowed = set(_BY_KEY) | {"script", "module", "script_args"}
+    allowed = set(_BY_KEY) | {"script", "module", "script_args", "no_python"}
     unknown = sorted(cap_text(repr(str(k).replace("-", "_")), 64) for k in data
                      if str(k).replace("-", "_") not in allowed)
     if unknown:
@@ -426,19 +480,52 @@ def _read_file(path: str) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in data.items() if v is not None}
 
 
+def _script(args: argparse.Namespace, environ: Mapping[str, str],
+            file_values: Mapping[str, Any]) -> tuple[str | None, bool, bool, tuple[str, ...]]:
+    """The training script, whether it is a module, whether it is executed without
+    python, and its arguments: from the command line, else the environment, else
+    the file."""
+    script, as_module, no_python = args.script, bool(args.as_module), bool(args.no_python)
+    script_args = tuple(args.script_args)
+    if script is None and environ.get(SCRIPT_ENV[0]):
+        script = environ[SCRIPT_ENV[0]]
+        as_module = _flag("module", environ.get(SCRIPT_ENV[2], as_module))
+        no_python = _flag("no-python", environ.get(SCRIPT_ENV[3], no_python))
+        try:
+            script_args = tuple(shlex.split(environ.get(SCRIPT_ENV[1], "")))
+        except ValueError as exc:
+            raise ConfigError(f"{SCRIPT_ENV[1]}: cannot split into arguments ({exc})") from None
+    elif script is None:
+        script = _text("script", file_values["script"]) if "script" in file_values else None
+        as_module = _flag("module", file_values.get("module", as_module))
+        no_python = _flag("no-python", file_values.get("no_python", no_python))
+        file_args = file_values.get("script_args", [])
+        if not isinstance(file_args, list) or not all(isinstance(a, str) for a in file_args):
+            raise ConfigError(f"script_args {file_args!r}: expected a list of arguments")
+        script_args = tuple(file_args)
+    return script, as_module, no_python, script_args
+
+
 def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None, *,
-         net: HostNetwork = SYSTEM_NETWORK) -> AgentConfig:
+         net: HostNetwork = SYSTEM_NETWORK, devices: HostDevices = SYSTEM_DEVICES
+         ) -> AgentConfig:
     """Parse flags, environment and config file into a validated AgentConfig.
 
-    Without --advertise-addr, the address is chosen by
-    :func:`agent.netaddr.choose_advertise_addr` (asking ``net``), and the choice
-    and its reason are logged. Raises ConfigError naming the offending option
-    and value, or telling to pass --advertise-addr when no address is usable.
+    torchrun's command line is read as :mod:`agent.torchrun_cli` describes:
+    its names for our options count as flags, its rendezvous flags choose
+    between an etcd and a private one, and a flag elasticd cannot honour is
+    refused. ``--nproc-per-node gpu|cpu|auto`` is counted with ``devices``
+    (:mod:`agent.devices`). Without --advertise-addr, the address is chosen by
+    :func:`agent.netaddr.choose_advertise_addr` (asking ``net``). Both choices
+    are logged with their reasons. Raises ConfigError naming the offending
+    option and value, or telling to pass --advertise-addr when no address is
+    usable.
     """
     environ = os.environ if environ is None else environ
     args = parser().parse_args(argv)
     config_path = args.config or environ.get("ELASTIC_CONFIG")
     file_values = _read_file(config_path) if config_path else {}
+    line = torchrun_cli.read_command_line(args, OPTIONS)
 
     # The etcd password comes from the environment only: no flag, no file key.
     known_env = ({o.env for o in OPTIONS} | {"ELASTIC_CONFIG", "ELASTIC_LOG_LEVEL"}
@@ -446,11 +533,13 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     for name in sorted(environ):
         if name.startswith("ELASTIC_") and name not in known_env:
             log.warning("Ignoring unknown environment variable %s (not an elasticd option)", name)
+    for warning in torchrun_cli.check_environment(environ):
+        log.warning("%s", warning)
 
     def value(o: Option) -> Any:
-        given = getattr(args, o.key)
-        if given is not None:
-            return o.parse(o.name, given)
+        if o.key in line.flags:
+            spelling, given = line.flags[o.key]
+            return o.parse(spelling, given)
         if o.env in environ:
             return o.parse(o.name, environ[o.env])
         if o.key in file_values:
@@ -459,20 +548,21 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
 
     v = {o.key: value(o) for o in OPTIONS}
 
-    if not v["job_id"]:
-        raise ConfigError("--job-id is required (or ELASTIC_JOB_ID, or job_id in --config)")
-    validate_id("job id", v["job_id"])
-    if not v["nnodes"]:
+    rdzv = torchrun_cli.choose_rendezvous(line, etcd=v["etcd"], standalone=v["standalone"],
+                                          nnodes=v["nnodes"], job_id=v["job_id"])
+    for level, note in rdzv.notes:
+        log.log(logging.getLevelName(level), "%s", note)
+    if not rdzv.job_id:
+        raise ConfigError("--job-id (torchrun: --rdzv-id) is required: every agent of a job "
+                          "uses the same (or ELASTIC_JOB_ID, or job_id in --config)")
+    validate_id("job id", rdzv.job_id)
+    if not rdzv.nnodes:
         raise ConfigError("--nnodes is required: N or MIN:MAX")
-    min_nodes, max_nodes = parse_nnodes(v["nnodes"])
-    if v["standalone"] and v["etcd"]:
-        raise ConfigError("give either --etcd or --standalone, not both")
-    if not v["standalone"] and not v["etcd"]:
-        raise ConfigError("no etcd given: use --etcd URL[,URL...] or --standalone")
+    min_nodes, max_nodes = parse_nnodes(rdzv.nnodes)
     etcd_security = security_from_options(
         cacert=v["etcd_cacert"], cert=v["etcd_cert"], key=v["etcd_key"], user=v["etcd_user"],
         password_file=v["etcd_password_file"], environ=environ)
-    if v["standalone"] and etcd_security != EtcdSecurity():
+    if rdzv.standalone and etcd_security != EtcdSecurity():
         raise ConfigError("--etcd-cacert, --etcd-cert, --etcd-key, --etcd-user and "
                           f"{PASSWORD_ENV} are for --etcd; --standalone starts a private "
                           "plain-text etcd")
@@ -480,44 +570,44 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
                                  server_name=v["tls_server_name"], serving=True)
     node_id = v["node_id"] or f"{socket.gethostname()}-{os.getpid()}"
     validate_id("node id", node_id)
+    nproc, why = resolve_nproc(v["nproc_per_node"], environ, devices)
+    if isinstance(v["nproc_per_node"], str):
+        log.info("job %s node %s: %d workers per node (--nproc-per-node %s).", rdzv.job_id,
+                 node_id, nproc, why)
 
-    script, as_module = args.script, args.as_module
-    script_args = tuple(args.script_args)
-    if script is None and environ.get(SCRIPT_ENV[0]):
-        script = environ[SCRIPT_ENV[0]]
-        as_module = _flag("module", environ.get(SCRIPT_ENV[2], as_module))
-        try:
-            script_args = tuple(shlex.split(environ.get(SCRIPT_ENV[1], "")))
-        except ValueError as exc:
-            raise ConfigError(f"{SCRIPT_ENV[1]}: cannot split into arguments ({exc})") from None
-    elif script is None:
-        script = _text("script", file_values["script"]) if "script" in file_values else None
-        as_module = _flag("module", file_values.get("module", as_module))
-        file_args = file_values.get("script_args", [])
-        if not isinstance(file_args, list) or not all(isinstance(a, str) for a in file_args):
-            raise ConfigError(f"script_args {file_args!r}: expected a list of arguments")
-        script_args = tuple(file_args)
+    script, as_module, no_python, script_args = _script(args, environ, file_values)
+    if line.given("--run-path"):
+        no_python = False  # torchrun: --run-path takes precedence over --no-python
     if not script:
         raise ConfigError("no training script given: elasticd [options] SCRIPT [ARGS...] "
                           f"(or {SCRIPT_ENV[0]} with {SCRIPT_ENV[1]})")
-    if not as_module and not os.path.isfile(script):
+    if as_module and no_python:
+        raise ConfigError("--no-python and -m/--module exclude each other: a module is run by "
+                          "python")
+    if no_python:
+        program = shutil.which(script)
+        if program is None:
+            raise ConfigError(f"training program {script!r} not found on PATH or not "
+                              "executable (--no-python executes it directly)")
+        script = program
+    elif not as_module and not os.path.isfile(script):
         raise ConfigError(f"training script {script!r} not found (working directory "
                           f"{os.getcwd()})")
 
-    advertise = choose_advertise_addr(v["advertise_addr"], standalone=v["standalone"],
-                                      etcd=v["etcd"], net=net)
+    advertise = choose_advertise_addr(v["advertise_addr"], standalone=rdzv.standalone,
+                                      etcd=rdzv.etcd, net=net)
     if not valid_host(advertise.addr):
         # Peers would refuse this node's registration as a malformed record.
         raise ConfigError(f"--advertise-addr {cap_text(repr(advertise.addr), 80)}: expected "
                           "a host name or an IP address")
     log.info("job %s node %s: advertising %s to the other nodes and the workers: %s.",
-             v["job_id"], node_id, advertise.addr, advertise.reason)
+             rdzv.job_id, node_id, advertise.addr, advertise.reason)
     state_dir = os.path.abspath(v["state_dir"] or default_state_dir(environ))
-    node_dir = os.path.join(state_dir, v["job_id"], node_id)
+    node_dir = os.path.join(state_dir, rdzv.job_id, node_id)
     log_dir = v["log_dir"] or os.path.join(node_dir, "logs")
     return AgentConfig(
-        job_id=v["job_id"], etcd=v["etcd"], standalone=v["standalone"], min_nodes=min_nodes,
-        max_nodes=max_nodes, nproc_per_node=v["nproc_per_node"], node_id=node_id,
+        job_id=rdzv.job_id, etcd=rdzv.etcd, standalone=rdzv.standalone, min_nodes=min_nodes,
+        max_nodes=max_nodes, nproc_per_node=nproc, node_id=node_id,
         max_restarts=v["max_restarts"], restart_window_s=v["restart_window"],
         checkpoint_dir=os.path.abspath(v["checkpoint_dir"]) if v["checkpoint_dir"] else None,
         hang_timeout_s=v["hang_timeout"], lease_ttl_s=v["lease_ttl"], settle_s=v["settle"],
@@ -528,9 +618,12 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         advertise_addr=advertise.addr,
         state_dir=node_dir, log_dir=log_dir, log_format=v["log_format"],
         metrics_port=v["metrics_port"], stop_grace_s=v["stop_grace"],
-        drain_exit_code=v["drain_exit_code"], prestart=v["prestart"],
+        # Warm workers keep an interpreter ready; a program executed directly has no use for one.
+        drain_exit_code=v["drain_exit_code"], prestart=v["prestart"] and not no_python,
         warm_sets=v["warm_sets"], connect_timeout_s=v["connect_timeout"],
         script=None if as_module else os.path.abspath(script),
         module=script if as_module else None, script_args=script_args,
         etcd_security=etcd_security, tls=tls, probe_listen=v["probe_listen"],
-        operator_restart_interval_s=v["operator_restart_interval"])
+        operator_restart_interval_s=v["operator_restart_interval"], no_python=no_python,
+        role=v["role"],
+        console=ConsoleFilter(redirected=v["redirects"], local_ranks=v["local_ranks_filter"]))

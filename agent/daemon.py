@@ -203,12 +203,13 @@ class Agent:
         supervisor = WorkerSupervisor(
             job_id=config.job_id, node_id=config.node_id, nproc=config.nproc_per_node,
             entrypoint=Entrypoint(script=config.script, module=config.module,
-                                  args=config.script_args),
+                                  args=config.script_args, no_python=config.no_python),
             log_dir=files.log_dir, stop_grace_s=config.stop_grace_s,
             prestart=config.prestart, warm_sets=config.warm_sets,
             on_exit=lambda e: inbox.put(_exit_event(e)),
             worker_env=startup_env(config.nproc_per_node, dict(os.environ),
-                                   config.advertise_addr))
+                                   config.advertise_addr),
+            console=config.console)
         agent = cls(config, store, rendezvous, supervisor, server, peers, inbox=inbox,
                     socket_path=socket_path, clock=clock, notifier=notifier, metrics=metrics)
         handlers.agent = agent
@@ -404,7 +405,7 @@ class Agent:
                            agent_socket=self.socket_path,
                            checkpoint_dir=self.config.checkpoint_dir,
                            hang_timeout_s=self.config.hang_timeout_s,
-                           lease_ttl_s=self.config.lease_ttl_s)
+                           lease_ttl_s=self.config.lease_ttl_s, role=self.config.role)
         now = self.clock.monotonic()
         with self._workers_lock:
             self.workers = {i: WorkerHealth(local_rank=i, rank=int(env["RANK"]), started_at=now)

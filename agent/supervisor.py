@@ -45,6 +45,7 @@ from typing import Callable, Mapping, NamedTuple
 
 import elastic
 from agent import localfiles
+from agent.console import ConsoleFilter
 from elastic import errorfile
 from elastic.errors import ConfigError, WorkerSpawnError
 
@@ -73,16 +74,21 @@ _POLL_S = 0.02
 class Entrypoint:
     """What every worker runs: a script path or a module name (exactly one), and its arguments.
 
-    Raises ValueError if neither or both of ``script`` and ``module`` are given.
+    ``no_python``: ``script`` is a program the worker executes in its place
+    (torchrun's ``--no-python``). Raises ValueError if neither or both of
+    ``script`` and ``module`` are given, or ``no_python`` with a module.
     """
 
     script: str | None = None
     module: str | None = None
     args: tuple[str, ...] = ()
+    no_python: bool = False
 
     def __post_init__(self) -> None:
         if (self.script is None) == (self.module is None):
             raise ValueError("an entrypoint needs exactly one of script and module")
+        if self.no_python and self.module is not None:
+            raise ValueError("a module is run by python: no_python needs a script")
         object.__setattr__(self, "args", tuple(str(a) for a in self.args))
 
 
@@ -279,12 +285,15 @@ class WorkerSupervisor:
     ``os.environ`` (``OMP_NUM_THREADS`` and the like): warm workers start with
     them, so even the first round can use warm workers when it sets startup
     variables. ``start_round``'s environments are added on top of both.
+    ``console`` says which lines reach ``sys.stdout`` (torchrun's
+    ``--redirects`` and ``--local-ranks-filter``); the log files get every line.
     """
 
     def __init__(self, *, job_id: str, node_id: str, nproc: int, entrypoint: Entrypoint,
                  log_dir: str, stop_grace_s: float = 5.0, prestart: bool = True,
                  warm_sets: int = 1, on_exit: Callable[[WorkerExit], None] | None = None,
-                 python: str = sys.executable, worker_env: Mapping[str, str] | None = None):
+                 python: str = sys.executable, worker_env: Mapping[str, str] | None = None,
+                 console: ConsoleFilter = ConsoleFilter()):
         if nproc < 1:
             raise ValueError(f"nproc must be at least 1, got {nproc}")
         if stop_grace_s < 0:
@@ -301,6 +310,7 @@ class WorkerSupervisor:
         self.warm_sets = warm_sets
         self.python = python
         self.worker_env = dict(worker_env or {})
+        self.console = console
         self._on_exit = on_exit
         # The bootstrap runs with -m from here, so it imports even if elastic is not installed.
         self._package_root = os.path.dirname(os.path.dirname(os.path.abspath(elastic.__file__)))
@@ -510,7 +520,8 @@ class WorkerSupervisor:
                 env = {**base, **extra, errorfile.ENV_VAR: error_file}
                 assignment = {"env": env, "argv": list(self.entrypoint.args),
                               "script": self.entrypoint.script,
-                              "module": self.entrypoint.module, "cwd": os.getcwd()}
+                              "module": self.entrypoint.module, "cwd": os.getcwd(),
+                              "no_python": self.entrypoint.no_python}
                 line = (json.dumps(assignment) + "\n").encode()
                 worker = None
                 while warm and worker is None:
@@ -666,6 +677,7 @@ class WorkerSupervisor:
                 text = raw.decode("utf-8", "replace").rstrip("\n")
                 with w.lock:
                     label = w.label
+                    shown = self.console.shows(w.local_rank if w.assigned else None, name)
                     if w.log_file is not None:
                         try:
                             w.log_file.write(f"{name}: {text}\n")
@@ -674,7 +686,8 @@ class WorkerSupervisor:
                             pass
                     elif not w.assigned:
                         w.pending.append((name, text))
-                self._echo(f"[{label}]: {text}\n")
+                if shown:
+                    self._echo(f"[{label}]: {text}\n")
         finally:
             stream.close()
             with w.lock:

@@ -21,7 +21,9 @@ Protocol (the agent's side is ``agent.supervisor``):
   "preload_s": S}`` once preloading is done, and is then closed;
   ``ELASTIC_BOOTSTRAP_PARENT_PID``: the agent's pid.
 - stdin: exactly one JSON line, ``{"env": {...}, "argv": [...],
-  "script": path | null, "module": name | null, "cwd": dir}``. ``env`` is the
+  "script": path | null, "module": name | null, "cwd": dir}``, with
+  ``"no_python": true`` when ``script`` is a program to execute in this
+  process's place (torchrun's ``--no-python``). ``env`` is the
   complete environment the script sees (it replaces ``os.environ``); ``argv``
   are the arguments after the script or module name. After reading it, stdin
   is re-pointed to ``/dev/null``. EOF before a full line (the agent is gone or
@@ -51,6 +53,7 @@ import json
 import os
 import runpy
 import signal
+import socket
 import sys
 import threading
 import time
@@ -255,8 +258,73 @@ def _run_file(path: str) -> None:
     exec(code, main_module.__dict__)
 
 
+def _exec_program(path: str, args: list[str]) -> None:
+    """Replace this process by the program at ``path`` (torchrun's --no-python);
+    returns only by exiting 126 (not executable) or 127 (missing), as a shell does."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execv(path, [path, *args])
+    except OSError as exc:
+        print(f"elastic.worker.bootstrap: cannot execute {path}: {exc}", file=sys.stderr)
+        sys.exit(127 if isinstance(exc, FileNotFoundError) else 126)
+
+
+# How long a warm worker of another rank waits for rank 0's early store before
+# its script runs anyway (rank 0 hosts it within milliseconds of its assignment).
+RENDEZVOUS_STORE_WAIT_S = 0.2
+
+
+def _meet_at_the_rendezvous_store() -> object | None:
+    """Make the process group's TCPStore server on ``MASTER_PORT`` be up before
+    any rank's script connects to it; returns the server where this worker
+    hosts it (it must stay referenced), else None.
+
+    The scripts connect in ``init_process_group``. A connection that comes
+    before rank 0's script has listened is refused, and torch tries again only
+    after a backoff of 0.4 to 0.7 s: half of a warm restart, whenever another
+    rank wins the race. So a warm worker (torch preloaded) of global rank 0
+    hosts the server a few milliseconds after its assignment, before its
+    script imports anything; the script's own ``env://`` rendezvous asks for a
+    multi-tenant store on that port and shares it, nothing in its environment
+    changes. A warm worker of another rank waits for that port to answer, for
+    at most RENDEZVOUS_STORE_WAIT_S, before its script runs.
+
+    A script that binds ``MASTER_PORT`` itself without multi-tenancy finds it
+    taken, as under torchrun, whose agent hosts that port. Cold workers host
+    and wait for nothing: importing torch, or waiting for a rank 0 that may
+    not use torch, would only delay a script that may not need it.
+    """
+    env = os.environ
+    if "torch.distributed" not in sys.modules or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    try:
+        host, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", ""))
+    except ValueError:
+        return None  # the script's own rendezvous says what is wrong, if it needs one
+    if env.get("RANK") != "0":
+        deadline = time.monotonic() + RENDEZVOUS_STORE_WAIT_S
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                socket.create_connection((host, port), timeout=left).close()
+                break
+            except OSError:
+                time.sleep(0.002)
+        return None
+    try:
+        from torch.distributed import TCPStore
+
+        return TCPStore(host, port, None, True, wait_for_workers=False, multi_tenant=True)
+    except Exception as exc:  # the script's own rendezvous will fail the same way, and say so
+        print(f"elastic.worker.bootstrap: not hosting the rendezvous store early: {exc}",
+              file=sys.stderr)
+        return None
+
+
 def _run(assignment: dict) -> None:
     script = assignment.get("script")
+    if assignment.get("no_python"):
+        _exec_program(script, sys.argv[1:])
     if script is None:
         # What ``python -m`` itself calls: __main__ stays the module, argv[0] its file.
         runpy._run_module_as_main(assignment["module"], alter_argv=True)
@@ -300,6 +368,7 @@ def main() -> None:
     priority.restore_process()  # threads the preload started after the first pass
     _detach_stdin()
     _apply(assignment)
+    store = None if assignment.get("no_python") else _meet_at_the_rendezvous_store()  # noqa: F841
     try:
         _run(assignment)
     except SystemExit:

@@ -50,10 +50,10 @@ class TestConfig:
         assert c.module == "pkg.train" and c.script is None and c.script_args == ("x",)
 
     @pytest.mark.parametrize("argv,needle", [
-        (["--job-id", "j", "--nnodes", "1"], "no etcd given"),
+        (["--job-id", "j", "--nnodes", "2"], "no etcd given"),  # one node: standalone
         (["--standalone", "--etcd", "http://x:1", "--job-id", "j", "--nnodes", "1"],
          "either --etcd or --standalone"),
-        (["--standalone", "--nnodes", "1"], "--job-id is required"),
+        (["--etcd", "http://x:1", "--nnodes", "1"], "--job-id (torchrun: --rdzv-id) is required"),
         (["--standalone", "--job-id", "j", "--nnodes", "3:2"], "MIN (3) must not be greater"),
         (["--standalone", "--job-id", "j", "--nnodes", "1", "--nproc-per-node", "0"],
          "--nproc-per-node '0': must be greater than 0"),
@@ -173,6 +173,7 @@ def test_worker_envs_follow_node_ranks_with_uneven_nproc():
 
 
 def test_startup_env_limits_threads_only_for_several_workers_unless_set():
-    assert startup_env(2, {}) == {"OMP_NUM_THREADS": "1"}
-    assert startup_env(1, {}) == {}
-    assert startup_env(4, {"OMP_NUM_THREADS": "8"}) == {}
+    nccl = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # as torchrun, unless set
+    assert startup_env(2, {}) == {"OMP_NUM_THREADS": "1", **nccl}
+    assert startup_env(1, {}) == nccl
+    assert startup_env(4, {"OMP_NUM_THREADS": "8", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}) == {}
