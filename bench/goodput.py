@@ -288,7 +288,7 @@ class GoodputRun(Run):
                       "--scale-up-wait", f"{a.scale_up_wait:g}"]
             first = self.elasticd(names[0], [*common, "--node-id", NODES[0]])
             try:
-                wait_for("node a to lead", lambda: first.find(r"node a: elected leader"), 30,
+                wait_for("node a to lead", lambda: first.find(r"node a round \d+: elected leader"), 30,
                          0.05)
             except BenchError:
                 pass  # a restarted job may find b's old lease still leading

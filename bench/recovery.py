@@ -616,7 +616,7 @@ def frozen_run(bench: "Bench", launcher: str, lease_ttl: float, bound_s: float,
                       "--nproc-per-node", "1", "--lease-ttl", f"{lease_ttl:g}"]
             a = run.elasticd("a", [*common, "--node-id", "a"])
             # a first, so that a leads and b's worker is rank 1 (as in the brief).
-            wait_for("node a to lead", lambda: a.find(r"node a: elected leader"), 30, 0.05,
+            wait_for("node a to lead", lambda: a.find(r"node a round \d+: elected leader"), 30, 0.05,
                      run=run)
             b = run.elasticd("b", [*common, "--node-id", "b"])
         else:

@@ -58,6 +58,7 @@ from elastic.errors import (
     StoreError,
 )
 from elastic.fence import current_round_number, fenced_put, fenced_txn
+from elastic.joblog import JobLogger
 from elastic.keyspace import JobKeys
 from elastic.net import free_port
 from elastic.rendezvous.api import (
@@ -138,6 +139,9 @@ class RendezvousNode:
         self._running_round = running_round
         self._fencing_since: float | None = None
         self._election = Election(store, self.keys, info.node_id)
+        # Lines name the latest committed round this node has seen.
+        self.log = JobLogger(log, config.job_id, info.node_id,
+                             lambda: self._round.number if self._round is not None else 0)
 
         self._inbox: queue.Queue = queue.Queue()
         self._woken_by: tuple | None = None  # taken from the inbox by the loop thread
@@ -266,8 +270,7 @@ class RendezvousNode:
                 self._publish_standbys()
         except StoreError as exc:
             self._changed = True
-            log.warning("job %s node %s: store error in the rendezvous loop, will retry: %s",
-                        self.config.job_id, self.node_id, exc)
+            self.log.warning("store error in the rendezvous loop, will retry: %s", exc)
             return self.clock.wall() + _ERROR_BACKOFF_S
         return self._wake_at
 
@@ -400,8 +403,7 @@ class RendezvousNode:
                                              ev.kv.value if ev.type is EventType.PUT else None,
                                              ev.kv.create_revision, now)
                 if left is not None:
-                    log.info("job %s node %s: node %s left", self.config.job_id, self.node_id,
-                             left)
+                    self.log.info("node %s left", left)
         elif tag == "checkpoint" and self.is_leader:
             for ev in payload:
                 self._view.checkpoint_revision = (ev.kv.mod_revision
@@ -413,8 +415,7 @@ class RendezvousNode:
                                          ev.kv.mod_revision, now)
         elif tag == "error":
             which, exc = payload
-            log.warning("job %s node %s: watch on %s ended (%s); re-reading state",
-                        self.config.job_id, self.node_id, which, exc)
+            self.log.warning("watch on %s ended (%s); re-reading state", which, exc)
             self._pending_resync.add(which)
 
     def _maintain(self) -> None:
@@ -428,7 +429,7 @@ class RendezvousNode:
         if self._leader is None and self.clock.monotonic() >= self._campaign_after:
             self._leader = self._election.campaign(self._session.lease_id)
             if self.is_leader:
-                log.info("job %s node %s: elected leader", self.config.job_id, self.node_id)
+                self.log.info("elected leader")
         taking_over = self.is_leader and not self._leading
         if taking_over and not _LEADER_PARTS & self._pending_resync:
             self._pending_resync |= _LEADER_PARTS  # load the leader's view
@@ -461,8 +462,7 @@ class RendezvousNode:
             stored = (RendezvousConfig.settings_from_json(stored_kv.key, stored_kv.value)
                       if stored_kv else {})
         except MalformedRecordError as exc:
-            log.error("job %s node %s: ignoring %s; overwriting it", self.config.job_id,
-                      self.node_id, exc)
+            self.log.error("ignoring %s; overwriting it", exc)
             self.store.put(self.keys.config, json.dumps(mine, sort_keys=True).encode())
             stored = mine
         if stored != mine:
@@ -499,13 +499,11 @@ class RendezvousNode:
         if result.succeeded:
             self._registered = True
             self.registration_problem = ""
-            log.info("job %s node %s: registered (nproc %d, host %s)",
-                     self.config.job_id, self.node_id, self.info.nproc, self.info.host)
+            self.log.info("registered (nproc %d, host %s)", self.info.nproc, self.info.host)
             return
         if existing is not None and self._provably_gone(existing):
-            log.warning("job %s node %s: the agent that registered this id before (lease %x, "
-                        "same host) does not answer; taking its place", self.config.job_id,
-                        self.node_id, existing.lease)
+            self.log.warning("the agent that registered this id before (lease %x, "
+                        "same host) does not answer; taking its place", existing.lease)
             self.store.revoke_lease(existing.lease)
             self._try_register()
             return
@@ -513,7 +511,7 @@ class RendezvousNode:
                    f"{existing.lease if existing else 0:x}); waiting for its lease "
                    f"({self.config.lease_ttl_s:g} s) to expire")
         if problem != self.registration_problem:
-            log.warning("job %s node %s: %s", self.config.job_id, self.node_id, problem)
+            self.log.warning("%s", problem)
         self.registration_problem = problem
 
     def _provably_gone(self, existing: KeyValue) -> bool:
@@ -532,12 +530,11 @@ class RendezvousNode:
         if old is not None:
             resumed = self.store.resume_session(old.lease_id, self.config.lease_ttl_s)
             if resumed is not None:
-                log.warning("job %s node %s: etcd kept lease %x through the outage; resuming it",
-                            self.config.job_id, self.node_id, old.lease_id)
+                self.log.warning("etcd kept lease %x through the outage; resuming it", old.lease_id)
                 self._session = resumed
                 return
-            log.warning("job %s node %s: lease lost (frozen or cut off longer than %.0f s); "
-                        "registering again", self.config.job_id, self.node_id,
+            self.log.warning("lease lost (frozen or cut off longer than %.0f s); "
+                        "registering again",
                         self.config.lease_ttl_s)
             old.close()
         self._drop_leadership()
@@ -553,8 +550,8 @@ class RendezvousNode:
         now = self.clock.monotonic()
         self._takeover_failing_since = self._takeover_failing_since or now
         if now - self._takeover_failing_since > self.config.lease_ttl_s:
-            log.warning("job %s node %s: could not take over as leader for %.0f s; "
-                        "stepping down", self.config.job_id, self.node_id,
+            self.log.warning("could not take over as leader for %.0f s; "
+                        "stepping down",
                         now - self._takeover_failing_since)
             self._drop_leadership()
             if self._election.resign():
@@ -623,7 +620,7 @@ class RendezvousNode:
         """Log a malformed record once per (key, revision): loud, but no log storm."""
         if (exc.key, revision) not in self._reported_bad:
             self._reported_bad.add((exc.key, revision))
-            log.error("job %s node %s: ignoring %s", self.config.job_id, self.node_id, exc)
+            self.log.error("ignoring %s", exc)
 
     def _apply_round(self, key: str, value: bytes | None, version: int, revision: int) -> None:
         parsed = None
@@ -654,8 +651,7 @@ class RendezvousNode:
             self._cond.notify_all()
         if parsed is not None:
             me = parsed.member(self.node_id)
-            log.info("job %s node %s: round %d committed (%s); %s", self.config.job_id,
-                     self.node_id, parsed.number, parsed.reason,
+            self.log.info("round %d committed (%s); %s", parsed.number, parsed.reason,
                      f"node rank {me.node_rank} of {len(parsed.members)}" if me else "standby")
             if self._on_round is not None:
                 self._on_round(parsed)
@@ -695,7 +691,7 @@ class RendezvousNode:
         decision = decide(self._view.observed(self._round, self._round_revision), now,
                           self.config)
         if decision.reason != self._last_reason:
-            log.info("job %s node %s (leader): %s", self.config.job_id, self.node_id,
+            self.log.info("leader: %s",
                      decision.reason)
             self._last_reason = decision.reason
         for node_id in decision.suspects:
@@ -730,13 +726,12 @@ class RendezvousNode:
             self._fencing_since = None
             return True
         if now - self._fencing_since > 3 * self.config.lease_ttl_s:
-            log.warning("job %s node %s (leader): lost members at %s still report running "
-                        "workers after %.0f s; forming the round anyway", self.config.job_id,
-                        self.node_id, ", ".join(lost), now - self._fencing_since)
+            self.log.warning("leader: lost members at %s still report running "
+                        "workers after %.0f s; forming the round anyway", ", ".join(lost), now - self._fencing_since)
             self._fencing_since = None
             return True
-        log.info("job %s node %s (leader): waiting for the workers of lost members at %s to "
-                 "stop", self.config.job_id, self.node_id, ", ".join(lost))
+        self.log.info("leader: waiting for the workers of lost members at %s to "
+                 "stop", ", ".join(lost))
         return False
 
     def _commit_round(self, decision: Decision) -> bool:
@@ -763,8 +758,7 @@ class RendezvousNode:
                                f"{decision.reason}")]
         if not self._commit(number, record, ops + served[:100]):
             return False
-        log.info("job %s node %s (leader): committed round %d with %s", self.config.job_id,
-                 self.node_id, number, list(decision.members))
+        self.log.info("leader: committed round %d with %s", number, list(decision.members))
         for op in served[:100]:
             self._view.restarts.pop(op.key, None)
         if number % 100 == 0:
@@ -784,8 +778,7 @@ class RendezvousNode:
                                f"job {outcome}: {decision.reason}")]
         if not self._commit(number, final, ops):
             return False
-        log.info("job %s node %s (leader): job %s in round %d: %s", self.config.job_id,
-                 self.node_id, outcome, number, decision.reason)
+        self.log.info("leader: job %s in round %d: %s", outcome, number, decision.reason)
         return True
 
     def _commit(self, number: int, record: Round, ops: list) -> bool:
@@ -793,8 +786,8 @@ class RendezvousNode:
         leadership; apply it at once on success (the watch echo is then a no-op)."""
         result = fenced_txn(self.store, self.keys, number - 1, ops, also=[self._election.holds()])
         if not result.succeeded:
-            log.info("job %s node %s: round %d was not committed (the job is in round %d, or "
-                     "leadership moved); re-reading", self.config.job_id, self.node_id, number,
+            self.log.info("round %d was not committed (the job is in round %d, or "
+                     "leadership moved); re-reading", number,
                      current_round_number(result))
             kv, rev = self._read(self.keys.round)
             self._apply_round(self.keys.round, kv.value if kv else None, kv.version if kv else 0,
