@@ -44,6 +44,7 @@ from agent.netaddr import SYSTEM_NETWORK, HostNetwork, choose_advertise_addr
 from elastic import __version__
 from elastic.errors import EXIT_CODES_HELP, ConfigError
 from elastic.failpoints import ENV_VAR as FAILPOINT_ENV
+from elastic.joblog import JobLogger
 from elastic.rendezvous.api import (
     DEFAULT_EXIT_BARRIER_TIMEOUT_S,
     DEFAULT_JOIN_TIMEOUT_S,
@@ -572,8 +573,8 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     validate_id("node id", node_id)
     nproc, why = resolve_nproc(v["nproc_per_node"], environ, devices)
     if isinstance(v["nproc_per_node"], str):
-        log.info("job %s node %s: %d workers per node (--nproc-per-node %s).", rdzv.job_id,
-                 node_id, nproc, why)
+        JobLogger(log, rdzv.job_id, node_id).info("%d workers per node (--nproc-per-node %s).",
+                                                  nproc, why)
 
     script, as_module, no_python, script_args = _script(args, environ, file_values)
     if line.given("--run-path"):
@@ -600,8 +601,8 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         # Peers would refuse this node's registration as a malformed record.
         raise ConfigError(f"--advertise-addr {cap_text(repr(advertise.addr), 80)}: expected "
                           "a host name or an IP address")
-    log.info("job %s node %s: advertising %s to the other nodes and the workers: %s.",
-             rdzv.job_id, node_id, advertise.addr, advertise.reason)
+    JobLogger(log, rdzv.job_id, node_id).info(
+        "advertising %s to the other nodes and the workers: %s.", advertise.addr, advertise.reason)
     state_dir = os.path.abspath(v["state_dir"] or default_state_dir(environ))
     node_dir = os.path.join(state_dir, rdzv.job_id, node_id)
     log_dir = v["log_dir"] or os.path.join(node_dir, "logs")

@@ -733,8 +733,8 @@ def main(argv: list[str] | None = None) -> int:
 
             server = EtcdServer().start()
             endpoint = server.endpoint
-            log.info("job %s node %s: started a private etcd at %s", config.job_id,
-                     config.node_id, endpoint)
+            JobLogger(log, config.job_id, config.node_id).info("started a private etcd at %s",
+                                                               endpoint)
         # Before the workers' environment is copied from ours: they must not
         # talk to systemd in the agent's name.
         notifier = SystemdNotifier()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from elastic.clock import SYSTEM_CLOCK, Clock
+from elastic.joblog import JobLogger
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class Lifecycle:
                  clock: Clock = SYSTEM_CLOCK):
         self.job_id = job_id
         self.node_id = node_id
+        self._log = JobLogger(log, job_id, node_id)
         self._publish = publish
         self._clock = clock
         self._state = AgentState.INIT
@@ -96,8 +98,7 @@ class Lifecycle:
             self._state = after
             t = Transition(before, after, reason, round_number, self._clock.wall())
             self.history.append(t)
-        log.info("job %s node %s round %d: %s -> %s: %s", self.job_id, self.node_id,
-                 round_number, before.value, after.value, reason)
+        self._log.at_round(round_number).info("%s -> %s: %s", before.value, after.value, reason)
         if self._publish is not None:
             self._publish(t)
         return t

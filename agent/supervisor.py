@@ -48,6 +48,7 @@ from agent import localfiles
 from agent.console import ConsoleFilter
 from elastic import errorfile
 from elastic.errors import ConfigError, WorkerSpawnError
+from elastic.joblog import JobLogger
 
 log = logging.getLogger(__name__)
 
@@ -326,6 +327,9 @@ class WorkerSupervisor:
         self._warm_disabled = False
         self._closed = False
         self._spawner = _Spawner(f"elastic-spawner-{node_id}")
+        # Lines about no round in particular (warm workers) name the latest one started.
+        self.log = JobLogger(log, job_id, node_id,
+                             lambda: self._round.number if self._round is not None else 0)
 
     # ------------------------------------------------------------ public API
 
@@ -403,31 +407,30 @@ class WorkerSupervisor:
                 with w.lock:
                     w.stop_requested = True
                     running += not w.exited
-            log.info("job %s node %s round %d: stopping %d running workers (grace %.1f s).",
-                     self.job_id, self.node_id, rnd.number, running, grace_s)
+            self.log.at_round(rnd.number).info("stopping %d running workers (grace %.1f s).",
+                                               running, grace_s)
             started = time.monotonic()
             for w in workers:
                 _signal_group(w.pid, signal.SIGTERM)
                 _signal_group(w.pid, signal.SIGCONT)
             if not self._wait_quiet(workers, started + grace_s):
                 stubborn = [w.rank for w in workers if not w.exited or _group_alive(w.pid)]
-                log.warning("job %s node %s round %d: workers of ranks %s (or their children) "
-                            "outlived the %.1f s grace period; killing them.", self.job_id,
-                            self.node_id, rnd.number, stubborn, grace_s)
+                self.log.at_round(rnd.number).warning("workers of ranks %s (or their children) "
+                            "outlived the %.1f s grace period; killing them.", stubborn, grace_s)
                 for w in workers:
                     _signal_group(w.pid, signal.SIGKILL)
                 if not self._wait_quiet(workers, time.monotonic() + _KILL_WAIT_S):
-                    log.error("job %s node %s round %d: processes of ranks %s survived SIGKILL "
-                              "for %.0f s (stuck in the kernel?).", self.job_id, self.node_id,
-                              rnd.number, [w.rank for w in workers if not w.reaped.is_set()],
+                    self.log.at_round(rnd.number).error("processes of ranks %s survived SIGKILL "
+                              "for %.0f s (stuck in the kernel?).",
+                              [w.rank for w in workers if not w.reaped.is_set()],
                               _KILL_WAIT_S)
             me = threading.current_thread()
             deadline = time.monotonic() + _CALLBACK_WAIT_S
             for w in workers:
                 if me not in w.threads:
                     w.done.wait(max(0.0, deadline - time.monotonic()))
-            log.info("job %s node %s round %d: workers stopped in %.2f s.", self.job_id,
-                     self.node_id, rnd.number, time.monotonic() - started)
+            self.log.at_round(rnd.number).info("workers stopped in %.2f s.",
+                                               time.monotonic() - started)
             return [w.exit for w in workers if w.exit is not None]
 
     def shutdown(self) -> None:
@@ -455,7 +458,7 @@ class WorkerSupervisor:
                 if t is not threading.current_thread():
                     t.join(max(0.0, deadline - time.monotonic()))
         if not already:
-            log.info("job %s node %s: worker supervisor shut down.", self.job_id, self.node_id)
+            self.log.info("worker supervisor shut down.")
 
     def workers(self) -> list[WorkerStatus]:
         """The workers of the current round (or of the last one, once stopped), by local rank."""
@@ -487,8 +490,7 @@ class WorkerSupervisor:
                 try:
                     self._warm.append(self._spawn(env, preload=None))
                 except WorkerSpawnError as exc:
-                    log.warning("job %s node %s: could not start a warm worker: %s",
-                                self.job_id, self.node_id, exc)
+                    self.log.warning("could not start a warm worker: %s", exc)
                     return
 
     def _start_round_now(self, number: int, envs: list[dict[str, str]]) -> None:
@@ -553,16 +555,16 @@ class WorkerSupervisor:
                         k: v for k, v in common.items() if mine.get(k) == v}
                 self._learned_env = common or {}
         if cold_ranks and differing:
-            log.info("job %s node %s round %d: ranks %s start cold: the round changes %s, which "
+            self.log.at_round(number).info("ranks %s start cold: the round changes %s, which "
                      "the warm workers read when they started; the next warm workers start with "
-                     "the new values.", self.job_id, self.node_id, number, cold_ranks,
+                     "the new values.", cold_ranks,
                      ", ".join(sorted(differing)))
         elif cold_ranks and self.warm_enabled:
-            log.info("job %s node %s round %d: ranks %s start cold: no warm worker was left.",
-                     self.job_id, self.node_id, number, cold_ranks)
-        log.info("job %s node %s round %d: started %d workers (pids %s, %d cold, %d warm but "
-                 "still importing) in %.3f s.", self.job_id, self.node_id, number,
-                 len(rnd.workers), [w.pid for w in rnd.workers], len(cold_ranks), unready,
+            self.log.at_round(number).info("ranks %s start cold: no warm worker was left.",
+                                           cold_ranks)
+        self.log.at_round(number).info("started %d workers (pids %s, %d cold, %d warm but "
+                 "still importing) in %.3f s.", len(rnd.workers), [w.pid for w in rnd.workers],
+                 len(cold_ranks), unready,
                  time.monotonic() - started)
 
     def _spawn(self, env: dict[str, str], preload: str | None,
@@ -625,8 +627,8 @@ class WorkerSupervisor:
                 w.log_file.write(f"{stream}: {text}\n")
             w.log_file.flush()
         except OSError as exc:
-            log.warning("job %s node %s round %d: cannot write the log of rank %d to %s: %s",
-                        self.job_id, self.node_id, slot.round, slot.rank, path, exc)
+            self.log.at_round(slot.round).warning("cannot write the log of rank %d to %s: %s",
+                                                  slot.rank, path, exc)
             w.log_file = None
         w.pending.clear()
         self._close_log_if_done(w)
@@ -769,30 +771,28 @@ class WorkerSupervisor:
                 ready_now = sum(1 for x in self._warm if x.ready and not x.exited)
             # Once per set, so an operator (or a benchmark) knows a restart is fast now.
             level = logging.INFO if ready_now % self.nproc == 0 else logging.DEBUG
-            log.log(level, "job %s node %s: warm worker pid %d is ready (%d of %d warm).",
-                    self.job_id, self.node_id, w.pid, ready_now, self.warm_sets * self.nproc)
+            self.log.log(level, "warm worker pid %d is ready (%d of %d warm).", w.pid, ready_now,
+                         self.warm_sets * self.nproc)
 
     def _report(self, e: WorkerExit) -> None:
         how = f"was killed by signal {e.signal}" if e.signal else f"exited with code {e.exit_code}"
         level = logging.INFO if e.stopped or e.exit_code == 0 else logging.WARNING
-        log.log(level, "job %s node %s round %d: worker rank %d (local rank %d, pid %d) %s%s.",
-                self.job_id, self.node_id, e.round, e.rank, e.local_rank, e.pid, how,
+        self.log.at_round(e.round).log(level, "worker rank %d (local rank %d, pid %d) %s%s.",
+                                       e.rank, e.local_rank, e.pid, how,
                 " after stop()" if e.stopped else "")
         if self._on_exit is None:
             return
         try:
             self._on_exit(e)
         except Exception:  # noqa: BLE001 - a broken callback must not kill the waiter
-            log.exception("job %s node %s round %d: on_exit raised for worker rank %d.",
-                          self.job_id, self.node_id, e.round, e.rank)
+            self.log.at_round(e.round).exception("on_exit raised for worker rank %d.", e.rank)
 
     def _on_warm_exit(self, w: _Worker, returncode: int) -> None:
         with self._lock:
             if w in self._warm:
                 self._warm.remove(w)
             if w.discarded or self._closed:
-                log.debug("job %s node %s: discarded warm worker pid %d is gone.", self.job_id,
-                          self.node_id, w.pid)
+                self.log.debug("discarded warm worker pid %d is gone.", w.pid)
                 return
             self._warm_failures += 1
             failures = self._warm_failures
@@ -801,14 +801,14 @@ class WorkerSupervisor:
         with w.lock:
             tail = " | ".join(text for _, text in list(w.pending)[-5:])
         if failures >= WARM_FAILURE_LIMIT:
-            log.warning("job %s node %s: %d warm workers in a row died before they got a round "
+            self.log.warning("%d warm workers in a row died before they got a round "
                         "(the last, pid %d, with status %d; its last output: %s); workers start "
-                        "cold from now on.", self.job_id, self.node_id, failures, w.pid,
+                        "cold from now on.", failures, w.pid,
                         returncode, tail or "none")
             return
-        log.warning("job %s node %s: warm worker pid %d died with status %d before it got a "
-                    "round (its last output: %s); starting another.", self.job_id, self.node_id,
-                    w.pid, returncode, tail or "none")
+        self.log.warning("warm worker pid %d died with status %d before it got a "
+                    "round (its last output: %s); starting another.", w.pid, returncode,
+                    tail or "none")
         self.warm_up()
 
     # ------------------------------------------------------------ helpers

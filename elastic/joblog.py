@@ -26,6 +26,10 @@ class JobLogger(logging.LoggerAdapter):
         super().__init__(logger, {"job": job_id, "node": node_id})
         self._round_of = round_of
 
+    def at_round(self, number: int) -> "JobLogger":
+        """This logger for lines about round ``number``, whichever is current."""
+        return JobLogger(self.logger, self.extra["job"], self.extra["node"], lambda: number)
+
     def process(self, msg, kwargs):
         number = self._round_of()
         kwargs["extra"] = {**self.extra, "round": number, **kwargs.get("extra", {})}

@@ -273,6 +273,8 @@ def _exec_program(path: str, args: list[str]) -> None:
 # How long a warm worker of another rank waits for rank 0's early store before
 # its script runs anyway (rank 0 hosts it within milliseconds of its assignment).
 RENDEZVOUS_STORE_WAIT_S = 0.2
+# Rank 0's early store: referenced for the life of the process, which it serves.
+_hosted_store: object | None = None
 
 
 def _meet_at_the_rendezvous_store() -> object | None:
@@ -368,7 +370,9 @@ def main() -> None:
     priority.restore_process()  # threads the preload started after the first pass
     _detach_stdin()
     _apply(assignment)
-    store = None if assignment.get("no_python") else _meet_at_the_rendezvous_store()  # noqa: F841
+    global _hosted_store
+    if not assignment.get("no_python"):
+        _hosted_store = _meet_at_the_rendezvous_store()
     try:
         _run(assignment)
     except SystemExit:

@@ -172,7 +172,7 @@ def test_the_advertised_address_and_why_are_logged_once_at_load(tmp_path, caplog
     assert cfg.advertise_addr == "10.0.0.5"
     lines = [r.getMessage() for r in caplog.records if "advertising" in r.getMessage()]
     assert len(lines) == 1
-    assert "job j node n1: advertising 10.0.0.5" in lines[0]
+    assert "job j node n1 round 0: advertising 10.0.0.5" in lines[0]
     assert "route to etcd at etcd1:2379" in lines[0]
 
 
