@@ -43,6 +43,12 @@ while True:
 """
 
 
+# The scripts here never import torch: a warm worker would make each of them wait for
+# the `import torch` it preloads (seconds of both cores) before running, and then be
+# replaced by another that imports it again. Warm workers: tests/integration/test_supervisor.py.
+COLD = ("--no-prestart",)
+
+
 def write_script(tmp_path, source: str) -> str:
     path = tmp_path / "train.py"
     path.write_text(textwrap.dedent(source))
@@ -88,7 +94,7 @@ def test_systemd_sees_ready_then_watchdog_pings_then_stopping_and_sigterm_exits_
     port = free_port("127.0.0.1")
     agent = AgentProcess(etcd_endpoint, job_id, "a", "1", [str(tmp_path)], nproc=2,
                          script=write_script(tmp_path, SLEEPER),
-                         extra=("--listen", f"127.0.0.1:{port}", "--log-format", "json"),
+                         extra=(*COLD, "--listen", f"127.0.0.1:{port}", "--log-format", "json"),
                          env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock"),
                               "WATCHDOG_USEC": "1000000"})
     try:
@@ -125,7 +131,7 @@ def test_a_worker_that_raises_is_named_with_its_exception_and_log(etcd_endpoint,
     state = tmp_path / "state"
     agent = AgentProcess(etcd_endpoint, job_id, "a", "1", [], nproc=2,
                          script=write_script(tmp_path, RAISES_ONCE),
-                         extra=("--state-dir", str(state), "--max-restarts", "3"))
+                         extra=(*COLD, "--state-dir", str(state), "--max-restarts", "3"))
     try:
         agent.wait_output("requesting a restart")
         agent.wait_output("RUNNING", timeout_s=30)
@@ -149,10 +155,12 @@ def test_a_worker_that_raises_is_named_with_its_exception_and_log(etcd_endpoint,
 def test_an_agent_started_after_its_job_succeeded_exits_0_saying_so(etcd_endpoint, job_id,
                                                                      tmp_path):
     script = write_script(tmp_path, "print('trained')\n")
-    first = AgentProcess(etcd_endpoint, job_id, "a", "1", [], nproc=1, script=script)
+    first = AgentProcess(etcd_endpoint, job_id, "a", "1", [], nproc=1, script=script,
+                         extra=COLD)
     assert first.wait_exit(60) == 0, first.text
 
-    again = AgentProcess(etcd_endpoint, job_id, "a", "1", [], nproc=1, script=script)
+    again = AgentProcess(etcd_endpoint, job_id, "a", "1", [], nproc=1, script=script,
+                         extra=COLD)
     code = again.wait_exit(30)
 
     assert code == 0, again.text

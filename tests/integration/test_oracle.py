@@ -38,7 +38,11 @@ def launch(etcd_endpoint, tmp_path):
     """Start one elasticd agent (one node) running an example under a job id of its own."""
     started: list[AgentProcess] = []
 
-    def start(kind: str, name: str, nproc: int, ckpt_dir, args: list[str]) -> AgentProcess:
+    def start(kind: str, name: str, nproc: int, ckpt_dir, args: list[str], *,
+              restarts: bool = False) -> AgentProcess:
+        """``restarts``: the run will be restarted, so its agent keeps warm workers for it.
+        A run that is never restarted starts cold: a warm set would only be replaced by
+        another that is never used, and its `import torch` competes with the training."""
         job_id = f"oracle-{name}-{uuid.uuid4().hex[:8]}"
         agent = AgentProcess(
             etcd_endpoint, job_id, f"{name}-node", "1",
@@ -46,7 +50,8 @@ def launch(etcd_endpoint, tmp_path):
              "--result-file", str(tmp_path / f"{name}.result")],
             nproc=nproc, hang_timeout=60.0, script=SCRIPTS[kind],
             extra=("--checkpoint-dir", str(ckpt_dir), "--max-restarts", "10",
-                   "--log-dir", str(tmp_path / f"{name}-logs")))
+                   "--log-dir", str(tmp_path / f"{name}-logs"),
+                   *(() if restarts else ("--no-prestart",))))
         started.append(agent)
         return agent
 
@@ -85,7 +90,7 @@ def test_run_with_killed_workers_ends_bitwise_equal_to_an_uninterrupted_run(kind
     args = ["--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--step-time", "0.05",
             "--dropout", "0.1"]
     clean = launch(kind, "clean", 2, tmp_path / "ckpt-clean", args)
-    faulty = launch(kind, "faulty", 2, tmp_path / "ckpt-faulty", args)
+    faulty = launch(kind, "faulty", 2, tmp_path / "ckpt-faulty", args, restarts=True)
     progress = tmp_path / "faulty.jsonl"
 
     killed = []
