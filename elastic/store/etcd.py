@@ -1,7 +1,7 @@
 """The etcd v3 backend of :class:`~elastic.store.api.Store`, over raw gRPC.
 
-It speaks etcd's gRPC API through the generated stubs of ``pyetcd.etcdrpc``
-only (not pyetcd's client), so that this backend alone decides deadlines,
+It speaks etcd's gRPC API through our generated stubs (``elastic.store.etcdpb``)
+and no etcd client library, so that this backend alone decides deadlines,
 retries and reconnection:
 
 * Every unary call has a deadline. Calls that are safe to repeat are retried
@@ -49,7 +49,6 @@ import time
 from typing import Callable, Sequence
 
 import grpc
-from pyetcd.etcdrpc import rpc_pb2, rpc_pb2_grpc
 
 from elastic.errors import (
     ConfigError,
@@ -99,6 +98,7 @@ from elastic.store.etcd_endpoints import (
 )
 from elastic.store.etcd_lease import EtcdSession, KeepAliveLoop
 from elastic.store.etcd_watch import EtcdWatch, WatchMux
+from elastic.store.etcdpb import rpc_pb2, rpc_pb2_grpc
 from elastic.store.retry import call_with_retry
 from elastic.store.security import EtcdSecurity
 

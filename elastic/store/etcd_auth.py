@@ -27,10 +27,10 @@ import threading
 from typing import Callable
 
 import grpc
-from pyetcd.etcdrpc import rpc_pb2, rpc_pb2_grpc
 
 from elastic.errors import StoreAuthError, StoreError
 from elastic.keyspace import ROOT as JOBS_ROOT
+from elastic.store.etcdpb import rpc_pb2, rpc_pb2_grpc
 from elastic.store.security import EtcdSecurity
 
 logger = logging.getLogger(__name__)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pyetcd.etcdrpc import kv_pb2, rpc_pb2
-
 from elastic.store.api import (
     Compare,
     CompareTarget,
@@ -22,6 +20,7 @@ from elastic.store.api import (
     Put,
     WatchEvent,
 )
+from elastic.store.etcdpb import kv_pb2, rpc_pb2
 
 if TYPE_CHECKING:
     import grpc

@@ -21,12 +21,12 @@ import time
 from typing import TYPE_CHECKING, Iterable
 
 import grpc
-from pyetcd.etcdrpc import rpc_pb2
 
 from elastic.errors import StoreAuthError, StoreError
 from elastic.store.api import KEEPALIVE_TTL_FRACTION, Session
 from elastic.store.etcd_auth import is_token_error
 from elastic.store.etcd_convert import rpc_error_text
+from elastic.store.etcdpb import rpc_pb2
 from elastic.store.retry import reconnect_delay
 
 if TYPE_CHECKING:

@@ -56,7 +56,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
 
 import grpc
-from pyetcd.etcdrpc import rpc_pb2
 
 from elastic.errors import StoreAuthError, StoreError, WatchCompactedError
 from elastic.store.api import ErrorCallback, EventsCallback, Watch
@@ -68,6 +67,7 @@ from elastic.store.etcd_auth import (
     permission_error,
 )
 from elastic.store.etcd_convert import key_range, rpc_error_text, to_event
+from elastic.store.etcdpb import rpc_pb2
 from elastic.store.retry import reconnect_delay
 
 if TYPE_CHECKING:

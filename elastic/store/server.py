@@ -368,7 +368,7 @@ class EtcdServer:
         readwrite on each of ``prefixes`` (every key that starts with it: range
         end = the prefix with its last byte plus one) and nothing else.
         Works before and after :meth:`enable_auth` (then as root)."""
-        from pyetcd.etcdrpc import auth_pb2, rpc_pb2, rpc_pb2_grpc
+        from elastic.store.etcdpb import auth_pb2, rpc_pb2, rpc_pb2_grpc
 
         from elastic.store.etcd_convert import key_range
 
@@ -392,7 +392,7 @@ class EtcdServer:
         """Create the root user (with the root role) and turn authentication
         on: from then on every request needs a user (a token, or a client
         certificate whose common name is a user)."""
-        from pyetcd.etcdrpc import rpc_pb2, rpc_pb2_grpc
+        from elastic.store.etcdpb import rpc_pb2, rpc_pb2_grpc
 
         with self.channel() as channel:
             auth = rpc_pb2_grpc.AuthStub(channel)
@@ -407,7 +407,7 @@ class EtcdServer:
     def _root_metadata(self, auth):
         if self._root_password is None:
             return None
-        from pyetcd.etcdrpc import rpc_pb2
+        from elastic.store.etcdpb import rpc_pb2
 
         resp = auth.Authenticate(rpc_pb2.AuthenticateRequest(name="root",
                                                              password=self._root_password),
@@ -465,7 +465,7 @@ class EtcdServer:
     def _wait_ready(self, deadline: float) -> str:
         """"ready", "exited" or "timeout"."""
         import grpc
-        from pyetcd.etcdrpc import rpc_pb2, rpc_pb2_grpc
+        from elastic.store.etcdpb import rpc_pb2, rpc_pb2_grpc
 
         # With authentication on, etcd checks the user after the read is
         # linearized: a refusal proves a leader as well as an answer does.

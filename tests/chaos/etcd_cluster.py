@@ -20,8 +20,8 @@ import subprocess
 import time
 
 import grpc
-from pyetcd.etcdrpc import rpc_pb2, rpc_pb2_grpc
 
+from elastic.store.etcdpb import rpc_pb2, rpc_pb2_grpc
 from elastic.store.server import find_etcd_binary
 from tests.chaos.topology import TAG_ENV, Host
 

@@ -921,7 +921,7 @@ class TestEtcdStore(StoreContract):
         """Direct etcd gRPC stubs for what the Store interface deliberately lacks:
         compaction, and leases nobody keeps alive."""
         import grpc
-        from pyetcd.etcdrpc import rpc_pb2, rpc_pb2_grpc
+        from elastic.store.etcdpb import rpc_pb2, rpc_pb2_grpc
 
         url = urlparse(etcd_endpoint)
         channel = grpc.insecure_channel(f"{url.hostname}:{url.port}")

@@ -154,7 +154,7 @@ class TestSecureEtcdStore(StoreContract):
     def raw_etcd(self, secure_etcd):
         """Root's own stubs for what the Store interface lacks (compaction,
         leases nobody keeps alive)."""
-        from pyetcd.etcdrpc import rpc_pb2, rpc_pb2_grpc
+        from elastic.store.etcdpb import rpc_pb2, rpc_pb2_grpc
 
         channel = secure_etcd.channel()
         token = rpc_pb2_grpc.AuthStub(channel).Authenticate(

@@ -8,7 +8,6 @@ import logging
 
 import grpc
 import pytest
-from pyetcd.etcdrpc import rpc_pb2
 
 from agent import config
 from elastic.errors import ConfigError, StoreAuthError, StoreError, StoreUnavailableError
@@ -24,6 +23,7 @@ from elastic.store.etcd_auth import (
 )
 from elastic.store.etcd_convert import put_request
 from elastic.store.etcd_endpoints import parse_endpoint_urls
+from elastic.store.etcdpb import rpc_pb2
 
 PASSWORD = "s3cret-pa55word"
 PEM = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
