@@ -21,6 +21,12 @@ class JobKeys:
     node started the workers of a round (``started/``), that its workers all
     exited 0 (``done/``), or that a peer's agent does not answer
     (``suspect/``). Reports live under their writer's lease.
+
+    ``torchrun/`` belongs to torchrun's ``etcd3`` rendezvous backend
+    (:mod:`elastic.torchrun`), whose job id is torchrun's ``--rdzv-id``:
+    ``torchrun/closed`` marks the rendezvous closed (torch's ``set_closed``),
+    and ``torchrun/store/<round>/`` holds the key-value store the torchrun
+    agents of that round share (their rank assignment, their exit barrier).
     """
 
     def __init__(self, job_id: str):
@@ -43,6 +49,8 @@ class JobKeys:
         # The last operator restart taken (not under requests/: the leader
         # reads every key there as a request); see elastic.rendezvous.operator.
         self.operator_restart = self.prefix + "operator-restart"
+        self.torchrun_closed = self.prefix + "torchrun/closed"
+        self.torchrun_stores = self.prefix + "torchrun/store/"
 
     def node(self, node_id: str) -> str:
         return self.nodes + node_id
@@ -71,3 +79,7 @@ class JobKeys:
 
     def status_of(self, node_id: str) -> str:
         return self.status + node_id
+
+    def torchrun_store(self, round_number: int) -> str:
+        """The prefix of round ``round_number``'s torchrun agent store."""
+        return f"{self.torchrun_stores}{round_number:012d}/"
