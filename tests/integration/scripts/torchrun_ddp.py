@@ -47,7 +47,12 @@ def main() -> int:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    dist.init_process_group("gloo")
+    # The store explicitly, so that rank 0, which hosts it, can leave last: a rank whose
+    # store host is gone while it tears its group down dies in C++ ("terminate called
+    # without an active exception"), and its launcher fails the job.
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     torch.manual_seed(0)
     model = DistributedDataParallel(torch.nn.Linear(4, 1))
@@ -71,6 +76,10 @@ def main() -> int:
     with open(os.path.join(args.out, f"{restart}-{rank}.json"), "w") as f:
         json.dump(record, f)
     dist.destroy_process_group()
+    if rank == 0:
+        store.wait([f"left-{r}" for r in range(1, world)])  # nothing to wait for alone
+    else:
+        store.set(f"left-{rank}", "1")
     return 0
 
 
