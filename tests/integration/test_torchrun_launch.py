@@ -4,7 +4,7 @@ Nothing but the installed package makes torchrun find the backend (its
 ``torchrun.handlers`` entry point). Two scenarios, each ending with every
 launcher exiting 0 and every rank holding the same weights (the script checks):
 
-* a worker crashes once: with ``--max-restarts 1`` both launchers restart into
+* a worker is killed once (SIGKILL): with ``--max-restarts 1`` both launchers restart into
   a new round, and the job finishes;
 * a third launcher arrives while two train (``--nnodes 2:3``): the running
   group restarts to admit it, and the job finishes in a world of 3.
@@ -84,18 +84,19 @@ def records(out_dir) -> list[dict]:
             for name in sorted(os.listdir(out_dir)) if name.endswith(".json")]
 
 
-def test_a_crashed_worker_restarts_both_launchers_in_a_new_round(etcd_endpoint, etcd_store,
+def test_a_killed_worker_restarts_both_launchers_in_a_new_round(etcd_endpoint, etcd_store,
                                                                  job_id, tmp_path, launchers):
-    marker = tmp_path / "crashed-once"
+    marker = tmp_path / "killed-once"
     for name in ("a", "b"):
         launchers.append(Launcher(etcd_endpoint, job_id, "2", tmp_path, name,
                                   extra=("--max-restarts", "1"),
                                   script_args=("--crash-once", str(marker))))
     finish(launchers)
-    assert marker.exists()  # rank 1 did crash
+    assert marker.exists()  # rank 1 was killed, and its launcher saw it
+    assert any("exitcode: -9" in (tmp_path / f"{name}.log").read_text() for name in "ab")
     done = records(tmp_path)
     assert sorted((r["rank"], r["world"]) for r in done) == [(0, 2), (1, 2)]
-    assert max(r["restart"] for r in done) == 1  # the crashed launcher used its one restart
+    assert max(r["restart"] for r in done) == 1  # the killed rank's launcher used its one restart
     keys = JobKeys(job_id)
     kv = etcd_store.get(keys.round)
     assert Round.from_json(kv.key, kv.value, kv.version).number >= 2

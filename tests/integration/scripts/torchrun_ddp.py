@@ -7,8 +7,8 @@ checks that every rank ended with the same weights, and writes
 
     {"rank": ..., "world": ..., "group_rank": ..., "restart": ..., "weights_sum": ...}
 
-``--crash-once MARKER``: global rank 1 exits 1 at its start, once (it creates
-MARKER first; with MARKER present it trains normally). Its peers then wait in
+``--crash-once MARKER``: global rank 1 is killed (SIGKILL) at its start, once (it
+creates MARKER first; with MARKER present it trains normally). Its peers then wait in
 ``init_process_group`` for it: only the rendezvous can get them out.
 ``--until-world N``: in a world smaller than N, write
 ``<--out>/running-<world>-<rank>`` and wait (until the agent stops the group
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -37,7 +38,7 @@ def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.crash_once and rank == 1 and not os.path.exists(args.crash_once):
         open(args.crash_once, "w").close()
-        return 1
+        os.kill(os.getpid(), signal.SIGKILL)
     if world < args.until_world:
         open(os.path.join(args.out, f"running-{world}-{rank}"), "w").close()
         time.sleep(args.give_up_s)
