@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import shlex
 import shutil
@@ -45,6 +44,7 @@ from elastic import __version__
 from elastic.errors import EXIT_CODES_HELP, ConfigError
 from elastic.failpoints import ENV_VAR as FAILPOINT_ENV
 from elastic.joblog import JobLogger
+from elastic.options import non_negative, positive
 from elastic.rendezvous.api import (
     DEFAULT_EXIT_BARRIER_TIMEOUT_S,
     DEFAULT_JOIN_TIMEOUT_S,
@@ -73,33 +73,6 @@ SCRIPT_ENV = ("ELASTIC_SCRIPT", "ELASTIC_SCRIPT_ARGS", "ELASTIC_MODULE", "ELASTI
 WORKER_ENV = {"ELASTIC_ROUND", "ELASTIC_AGENT_SOCKET", "ELASTIC_CHECKPOINT_DIR",
               "ELASTIC_JOB_ID", "ELASTIC_NODE_ID", "ELASTIC_PRELOAD", "ELASTIC_HANG_TIMEOUT_S",
               "ELASTIC_LEASE_TTL_S", FAILPOINT_ENV}
-
-
-def _number(kind: type, *, allow_zero: bool) -> Callable[[str, Any], Any]:
-    """A parser for a number option that must be > 0 (or >= 0 with ``allow_zero``)
-    and finite; raises ConfigError naming the option otherwise."""
-    def parse(name: str, raw: Any) -> Any:
-        try:
-            value = kind(raw)
-        except (TypeError, ValueError, OverflowError):
-            raise ConfigError(f"--{name} {raw!r}: expected a {kind.__name__}") from None
-        # nan compares false with everything, so it would pass the checks below
-        # (and turn a timeout or the restart budget off); inf is no better.
-        if not math.isfinite(value):
-            raise ConfigError(f"--{name} {raw!r}: expected a finite number")
-        if value < 0 or (value == 0 and not allow_zero):
-            raise ConfigError(f"--{name} {raw!r}: must "
-                              + ("not be negative" if allow_zero else "be greater than 0"))
-        return value
-    return parse
-
-
-def _positive(kind: type) -> Callable[[str, Any], Any]:
-    return _number(kind, allow_zero=False)
-
-
-def _non_negative(kind: type) -> Callable[[str, Any], Any]:
-    return _number(kind, allow_zero=True)
 
 
 def _text(name: str, raw: Any) -> str:
@@ -182,8 +155,8 @@ class Option:
     torchrun spells flags), ``ELASTIC_NAME`` and the file key ``name``.
     ``parse(flag, raw)`` turns what was written into the value, or raises
     ConfigError naming ``--flag``. ``torchrun``: torchrun's other flags for the
-    same option; ``rdzv_conf``: torchrun's ``--rdzv-conf`` keys that set it
-    (see :mod:`agent.torchrun_cli`); ``short``: a one-letter flag (``-r``)."""
+    same option (its ``--rdzv-conf`` keys: :mod:`agent.torchrun_cli`);
+    ``short``: a one-letter flag (``-r``)."""
 
     name: str  # the flag without dashes; env and file keys derive from it
     parse: Callable[[str, Any], Any]
@@ -192,7 +165,6 @@ class Option:
     metavar: str | None = None
     is_flag: bool = False
     torchrun: tuple[str, ...] = ()
-    rdzv_conf: tuple[str, ...] = ()
     short: str | None = None
 
     @property
@@ -219,31 +191,28 @@ OPTIONS = [
            "workers per node: N, gpu (the CUDA GPUs visible here), cpu (the CPUs) or auto "
            "(gpu if there are any, else cpu)", "N|gpu|cpu|auto"),
     Option("node-id", _text, None, "this node's id (default: <hostname>-<pid>)", "ID"),
-    Option("max-restarts", _non_negative(int), DEFAULT_MAX_RESTARTS,
+    Option("max-restarts", non_negative(int), DEFAULT_MAX_RESTARTS,
            "failures allowed within --restart-window before the job fails (torchrun: "
            "restarts over the whole job, default 0)", "N"),
-    Option("restart-window", _positive(float), DEFAULT_RESTART_WINDOW_S,
+    Option("restart-window", positive(float), DEFAULT_RESTART_WINDOW_S,
            "the window of the restart budget", "SECONDS"),
     Option("checkpoint-dir", _text, None, "where workers save and find checkpoints", "DIR"),
-    Option("hang-timeout", _non_negative(float), 300.0,
+    Option("hang-timeout", non_negative(float), 300.0,
            "a worker without heartbeat or progress this long is hung (0: never judged)",
            "SECONDS"),
-    Option("lease-ttl", _positive(float), DEFAULT_LEASE_TTL_S,
-           "a node silent this long is considered gone", "SECONDS",
-           rdzv_conf=("keep_alive_interval", "keep_alive_max_attempt")),  # their product
-    Option("settle", _non_negative(float), DEFAULT_SETTLE_S,
-           "wait this long without new arrivals before closing a round below max", "SECONDS",
-           rdzv_conf=("last_call_timeout",)),
-    Option("join-timeout", _positive(float), DEFAULT_JOIN_TIMEOUT_S,
-           "give up when no round includes this node for this long", "SECONDS",
-           rdzv_conf=("join_timeout", "timeout")),
-    Option("start-timeout", _positive(float), DEFAULT_START_TIMEOUT_S,
+    Option("lease-ttl", positive(float), DEFAULT_LEASE_TTL_S,
+           "a node silent this long is considered gone", "SECONDS"),
+    Option("settle", non_negative(float), DEFAULT_SETTLE_S,
+           "wait this long without new arrivals before closing a round below max", "SECONDS"),
+    Option("join-timeout", positive(float), DEFAULT_JOIN_TIMEOUT_S,
+           "give up when no round includes this node for this long", "SECONDS"),
+    Option("start-timeout", positive(float), DEFAULT_START_TIMEOUT_S,
            "a round member that has not started its workers this long after the round "
            "formed is left out and the round formed again without it", "SECONDS"),
-    Option("exit-barrier-timeout", _positive(float), DEFAULT_EXIT_BARRIER_TIMEOUT_S,
+    Option("exit-barrier-timeout", positive(float), DEFAULT_EXIT_BARRIER_TIMEOUT_S,
            "once one node's workers all exited 0, how long the others may go on before "
            "the job fails naming them", "SECONDS"),
-    Option("scale-up-wait", _non_negative(float), 0.0,
+    Option("scale-up-wait", non_negative(float), 0.0,
            "0: grow a running round as soon as a node joins; above 0: a joining node waits "
            "for the next committed checkpoint (so growing redoes no work), at most this long",
            "SECONDS"),
@@ -267,30 +236,29 @@ OPTIONS = [
     Option("metrics-port", _port, 0,
            "serve Prometheus metrics over HTTP on this port, on the --listen host (0: off)",
            "PORT"),
-    Option("stop-grace", _non_negative(float), 5.0,
+    Option("stop-grace", non_negative(float), 5.0,
            "after SIGTERM, wait this long before SIGKILL of a worker (torchrun: 30)", "SECONDS",
            torchrun=("--shutdown-timeout",)),
     Option("prestart", _flag, True,
            "keep warm workers (torch imported) ready for fast restarts; --no-prestart to turn off",
            is_flag=True),
-    Option("warm-sets", _positive(int), 2,
+    Option("warm-sets", positive(int), 2,
            "sets of nproc warm workers kept ready: with 2, a failure soon after a restart "
            "(before the set that replaces the used one has imported torch) restarts warm too",
            "N"),
-    Option("drain-exit-code", _non_negative(int), 0,
+    Option("drain-exit-code", non_negative(int), 0,
            "exit code after a SIGTERM drain: 0 is a clean stop (systemd); Kubernetes sets "
            "143 so that a Job replaces a pod it terminated instead of counting it complete",
            "N"),
-    Option("connect-timeout", _positive(float), 5.0, "give up reaching etcd after this long",
-           "SECONDS", rdzv_conf=("read_timeout",)),
+    Option("connect-timeout", positive(float), 5.0, "give up reaching etcd after this long",
+           "SECONDS"),
     Option("etcd-cacert", _readable_file, None,
            "PEM bundle of the CAs that sign etcd's server certificates, for https:// "
-           "endpoints (default: the system's CA roots)", "FILE", rdzv_conf=("cacert", "ca_cert")),
+           "endpoints (default: the system's CA roots)", "FILE"),
     Option("etcd-cert", _readable_file, None,
            "PEM client certificate for etcd (with --etcd-key), for etcd's --client-cert-auth",
-           "FILE", rdzv_conf=("cert", "ssl_cert")),
-    Option("etcd-key", _readable_file, None, "PEM private key of --etcd-cert", "FILE",
-           rdzv_conf=("key", "ssl_cert_key")),
+           "FILE"),
+    Option("etcd-key", _readable_file, None, "PEM private key of --etcd-cert", "FILE"),
     Option("etcd-user", _text, None,
            f"etcd user to authenticate as; its password from {PASSWORD_ENV} or "
            "--etcd-password-file (never a flag). Its role needs readwrite on the prefix "
@@ -313,7 +281,7 @@ OPTIONS = [
            "also serve health and status, read-only and in plain text, on this address (for "
            "Kubernetes gRPC probes, which cannot use TLS); drain and restart are refused "
            "there", "HOST:PORT"),
-    Option("operator-restart-interval", _non_negative(float), DEFAULT_OPERATOR_RESTART_INTERVAL_S,
+    Option("operator-restart-interval", non_negative(float), DEFAULT_OPERATOR_RESTART_INTERVAL_S,
            "at most one operator restart (elasticctl restart, RequestRestart over gRPC) of the "
            "job per this many seconds (0: no limit)", "SECONDS"),
     Option("role", _text, "default", "the workers' ROLE_NAME", "NAME"),

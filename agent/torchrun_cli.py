@@ -7,10 +7,12 @@ command line has; the options themselves stay defined once, in
 
 - every long flag also accepts its underscore spelling (``--nproc_per_node``),
   as torchrun's do; ``Option.torchrun`` names torchrun's other flag for an
-  option (``--rdzv-id`` for ``--job-id``), ``Option.rdzv_conf`` the
-  ``--rdzv-conf`` keys that set it (``join_timeout`` for ``--join-timeout``).
-  Given two ways at once (``--job-id a --rdzv-id b``) is an error, never a
-  silent choice;
+  option (``--rdzv-id`` for ``--job-id``), and :data:`OPTION_OF_SETTING` the
+  option each ``--rdzv-conf`` setting sets (``join_timeout`` sets
+  ``--join-timeout``; the keys and what they mean are
+  :mod:`elastic.torchrun.conf`'s, shared with the ``etcd3`` handler). Given
+  two ways at once (``--job-id a --rdzv-id b``) is an error, never a silent
+  choice;
 - :data:`TORCHRUN_FLAGS`: torchrun's flags that are no elasticd option, each
   with what elasticd does with it; one it cannot honour is refused with one
   line that says what to use instead;
@@ -31,21 +33,37 @@ from typing import Any, Callable, Mapping, Sequence
 
 from agent.console import parse_streams
 from elastic.errors import ConfigError
+from elastic.options import positive
 from elastic.rendezvous.api import cap_text, parse_nnodes
+from elastic.torchrun.conf import (
+    C10D_KEYS,
+    CONF_KEYS,
+    Given,
+    Setting,
+    c10d_refusal,
+    read_rdzv_conf,
+    with_protocol,
+)
 
 ETCD_BACKENDS = ("etcd", "etcd-v2", "etcd3")
 # torchrun's rendezvous without etcd: served by a private etcd when the job has one node.
 STORELESS_BACKENDS = ("static", "c10d")
 _STATIC_ONLY = ("--node-rank", "--master-addr", "--master-port")
-# --rdzv-conf keys of torch's rendezvous that elasticd accepts with nothing to set: each
-# bounds one rendezvous write, and elasticd's etcd calls carry their own short deadlines.
-RDZV_CONF_WITHOUT_EFFECT = ("close_timeout", "heartbeat_timeout")
-# torch's c10d backend's own keys: meaningless once a one-node job runs on a private etcd.
-RDZV_CONF_C10D = ("is_host", "store_type", "use_libuv")
-# torch's dead-node rule: no keep-alive for interval * attempts (defaults 5 s and 3). The
-# option whose Option.rdzv_conf names these two keys gets their product.
-_KEEP_ALIVE = ("keep_alive_interval", "keep_alive_max_attempt")
-_KEEP_ALIVE_DEFAULTS = (5.0, 3.0)
+# The elasticd option (its name) each --rdzv-conf setting sets. The protocol is the etcd
+# endpoints' scheme (choose_rendezvous); a setting not here has nothing to set: the
+# close timeout bounds one rendezvous write, and elasticd's etcd calls carry their own
+# short deadlines.
+OPTION_OF_SETTING = {
+    Setting.JOIN_TIMEOUT: "join-timeout",
+    Setting.LAST_CALL: "settle",
+    Setting.LEASE_TTL: "lease-ttl",
+    Setting.CONNECT_TIMEOUT: "connect-timeout",
+    Setting.CACERT: "etcd-cacert",
+    Setting.CERT: "etcd-cert",
+    Setting.KEY: "etcd-key",
+    Setting.USER: "etcd-user",
+    Setting.PASSWORD_FILE: "etcd-password-file",
+}
 _SIGNALS_ELASTICD_ENDS_ON = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 _MAX_RDZV_CONF_CHARS = 4096
 
@@ -75,12 +93,7 @@ def _accept(flag: str, value: Any) -> None:
 
 
 def _positive_number(flag: str, value: Any) -> None:
-    try:
-        ok = 0 < float(value) < float("inf")
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ConfigError(f"{flag} {value!r}: expected a number of seconds greater than 0")
+    positive(float)(flag.lstrip("-"), value)
 
 
 def _whole_number(flag: str, value: Any) -> None:
@@ -116,6 +129,20 @@ def _tee(flag: str, value: Any) -> None:
     parse_streams(flag.lstrip("-"), value)  # elasticd always tees: a valid value asks nothing more
 
 
+def _rdzv_conf_help() -> str:
+    """What each ``--rdzv-conf`` key sets, from the one table of them."""
+    names: dict[Setting | None, list[str]] = {}
+    for k in CONF_KEYS:
+        names.setdefault(k.setting, []).append(k.name)
+    sets = [("*" if s is Setting.LEASE_TTL else "/").join(names[s]) + f" = --{o}"
+            for s, o in OPTION_OF_SETTING.items()]
+    idle = [n for s, keys in names.items() if s not in OPTION_OF_SETTING
+            and s is not Setting.PROTOCOL for n in keys]
+    return (f"KEY=VALUE,... with torch's keys: {', '.join(sets)}; protocol=http|https for "
+            f"the endpoints; {', '.join(idle)} accepted, nothing to set; "
+            f"{', '.join(C10D_KEYS)} only when one node runs standalone; others refused")
+
+
 @dataclass(frozen=True)
 class TorchrunFlag:
     """One of torchrun's flags that is no elasticd option.
@@ -141,10 +168,7 @@ TORCHRUN_FLAGS = (
     TorchrunFlag("--rdzv-backend", "etcd, etcd-v2 or etcd3: elasticd's etcd v3 rendezvous at "
                  "--rdzv-endpoint; static or c10d: a job of one node runs standalone, more are "
                  "refused (they need an etcd)", _accept, "NAME"),
-    TorchrunFlag("--rdzv-conf", "KEY=VALUE,...: join_timeout/timeout, last_call_timeout, "
-                 "read_timeout, keep_alive_interval, keep_alive_max_attempt, protocol, "
-                 "cacert/ca_cert, cert/ssl_cert, key/ssl_cert_key set the elasticd options "
-                 "they correspond to; unknown keys are refused", _accept, "CONF"),
+    TorchrunFlag("--rdzv-conf", _rdzv_conf_help(), _accept, "CONF"),
     TorchrunFlag("--node-rank", "static rendezvous only, as in torchrun: ignored (with a "
                  "warning) with an etcd; 0 on one node", _whole_number, "N"),
     TorchrunFlag("--master-addr", "static rendezvous only: ignored with an etcd; on one node "
@@ -250,12 +274,14 @@ class CommandLine:
     ``flags``: option key -> (the flag as written without its dashes, raw
     value), for every option given as a flag under any of its names or
     through ``--rdzv-conf``. ``torchrun``: torchrun-only flag dest -> value,
-    for those given. ``rdzv_conf``: the parsed ``--rdzv-conf``.
+    for those given. ``rdzv_conf``: the parsed ``--rdzv-conf``; ``rdzv``:
+    what it sets (:func:`elastic.torchrun.conf.read_rdzv_conf`).
     """
 
     flags: dict[str, tuple[str, Any]] = field(default_factory=dict)
     torchrun: dict[str, Any] = field(default_factory=dict)
     rdzv_conf: dict[str, str] = field(default_factory=dict)
+    rdzv: dict[Setting, Given] = field(default_factory=dict)
 
     def given(self, flag: str) -> bool:
         return alias_dest(flag) in self.torchrun
@@ -268,9 +294,10 @@ def read_command_line(args: argparse.Namespace, options: Sequence[Any]) -> Comma
     """Collect every option given as a flag, under whichever name, and judge
     torchrun's own flags (:data:`TORCHRUN_FLAGS`).
 
-    Raises ConfigError when an option is given under two names, for a
-    ``--rdzv-conf`` key elasticd does not know, and for a torchrun flag it
-    cannot honour.
+    Raises ConfigError when an option is given under two names (a flag and
+    a ``--rdzv-conf`` key count as two), for what
+    :func:`~elastic.torchrun.conf.read_rdzv_conf` refuses, and for a
+    torchrun flag elasticd cannot honour.
     """
     torchrun = {t.dest: getattr(args, t.dest) for t in TORCHRUN_FLAGS
                 if getattr(args, t.dest, None) is not None}
@@ -278,14 +305,7 @@ def read_command_line(args: argparse.Namespace, options: Sequence[Any]) -> Comma
         if t.dest in torchrun:
             t.judge(t.flag, torchrun[t.dest])
     conf = parse_rdzv_conf(torchrun.get(alias_dest("--rdzv-conf"), ""))
-    by_conf_key = {k: o for o in options for k in o.rdzv_conf}
-    known = set(by_conf_key) | set(RDZV_CONF_WITHOUT_EFFECT) | set(RDZV_CONF_C10D) | {"protocol"}
-    unknown = sorted(k for k in conf if k not in known)
-    if unknown:
-        hint = (" (elasticd keeps its keys under /elastic/v1/<job id>/: separate jobs with "
-                "--rdzv-id)" if unknown == ["etcd_prefix"] else "")
-        raise ConfigError(f"--rdzv-conf: unknown key(s) {', '.join(map(repr, unknown))}{hint}; "
-                          f"known: {', '.join(sorted(known))}")
+    rdzv = read_rdzv_conf(conf)
 
     flags: dict[str, tuple[str, Any]] = {}
 
@@ -301,27 +321,12 @@ def read_command_line(args: argparse.Namespace, options: Sequence[Any]) -> Comma
         for other in o.torchrun:
             if getattr(args, alias_dest(other), None) is not None:
                 give(o.key, other.lstrip("-"), getattr(args, alias_dest(other)))
-    for key, value in conf.items():
-        if key in by_conf_key and key not in _KEEP_ALIVE:
-            give(by_conf_key[key].key, f"rdzv-conf {key}", value)
-    if any(k in conf for k in _KEEP_ALIVE) and _KEEP_ALIVE[0] in by_conf_key:
-        # Two keys, one option: torch's dead-node time is their product.
-        give(by_conf_key[_KEEP_ALIVE[0]].key, "rdzv-conf " + "*".join(_KEEP_ALIVE),
-             str(_keep_alive_product(conf)))
-    return CommandLine(flags=flags, torchrun=torchrun, rdzv_conf=conf)
-
-
-def _keep_alive_product(conf: Mapping[str, str]) -> float:
-    values = []
-    for key, default in zip(_KEEP_ALIVE, _KEEP_ALIVE_DEFAULTS):
-        try:
-            value = float(conf.get(key, default))
-        except ValueError:
-            raise ConfigError(f"--rdzv-conf {key}={conf[key]!r}: expected a number") from None
-        if not 0 < value < float("inf"):
-            raise ConfigError(f"--rdzv-conf {key}={conf[key]!r}: must be greater than 0")
-        values.append(value)
-    return values[0] * values[1]
+    by_name = {o.name: o for o in options}
+    for setting, given in rdzv.items():
+        if setting in OPTION_OF_SETTING:
+            give(by_name[OPTION_OF_SETTING[setting]].key, f"rdzv-conf {given.spelling}",
+                 given.value)
+    return CommandLine(flags=flags, torchrun=torchrun, rdzv_conf=conf, rdzv=rdzv)
 
 
 # ------------------------------------------------------------------ the rendezvous
@@ -337,18 +342,6 @@ class Rendezvous:
     nnodes: str | None
     job_id: str | None
     notes: tuple[tuple[str, str], ...] = ()
-
-
-def _with_protocol(endpoints: str, protocol: str | None) -> str:
-    """Bare ``host:port`` endpoints get ``protocol://`` (rdzv-conf ``protocol``)."""
-    if protocol is None:
-        return endpoints
-    parts = [p.strip() for p in endpoints.split(",") if p.strip()]
-    for p in parts:
-        if "://" in p and not p.lower().startswith(protocol + "://"):
-            raise ConfigError(f"--rdzv-conf protocol={protocol} but the endpoint {p!r} says "
-                              "otherwise: give one")
-    return ",".join(p if "://" in p else f"{protocol}://{p}" for p in parts)
 
 
 def choose_rendezvous(line: CommandLine, *, etcd: str | None, standalone: bool,
@@ -383,17 +376,13 @@ def choose_rendezvous(line: CommandLine, *, etcd: str | None, standalone: bool,
                           "--standalone on one node)")
     endpoint_flag = line.flags.get("etcd", ("",))[0] == "rdzv-endpoint"
     static = [f for f in _STATIC_ONLY if line.given(f)]
-    c10d_keys = [k for k in RDZV_CONF_C10D if k in line.rdzv_conf]
-    conf_noop = [k for k in RDZV_CONF_WITHOUT_EFFECT if k in line.rdzv_conf]
+    c10d_keys = [k for k in C10D_KEYS if k in line.rdzv_conf]
+    conf_noop = [k.name for k in CONF_KEYS if k.name in line.rdzv_conf
+                 and k.setting not in OPTION_OF_SETTING and k.setting is not Setting.PROTOCOL]
     if conf_noop:
         notes.append(("INFO", f"--rdzv-conf {', '.join(conf_noop)}: nothing to set, each etcd "
                               "call of elasticd's rendezvous has its own short deadline"))
-    protocol = line.rdzv_conf.get("protocol")
-    if protocol is not None:
-        protocol = protocol.strip().lower()
-        if protocol not in ("http", "https"):
-            raise ConfigError(f"--rdzv-conf protocol={line.rdzv_conf['protocol']!r}: expected "
-                              "http or https")
+    protocol = line.rdzv[Setting.PROTOCOL].value if Setting.PROTOCOL in line.rdzv else None
 
     if standalone:
         if etcd and not endpoint_flag:
@@ -405,9 +394,9 @@ def choose_rendezvous(line: CommandLine, *, etcd: str | None, standalone: bool,
                                      "does; the job runs on a private etcd on this machine"))
         return _standalone(nnodes, job_id, notes, c10d_keys=c10d_keys)
 
-    if etcd and c10d_keys and backend not in STORELESS_BACKENDS:
-        raise ConfigError(f"--rdzv-conf {', '.join(c10d_keys)}: settings of torch's c10d "
-                          "rendezvous, not of elasticd's etcd one: drop them")
+    refusal = c10d_refusal(line.rdzv_conf)
+    if etcd and refusal is not None and backend not in STORELESS_BACKENDS:
+        raise refusal
     if backend in ETCD_BACKENDS and not etcd:
         raise ConfigError(f"--rdzv-backend {backend} needs --rdzv-endpoint HOST:PORT, the "
                           "address of an etcd")
@@ -422,7 +411,7 @@ def choose_rendezvous(line: CommandLine, *, etcd: str | None, standalone: bool,
                                      "in the order they join and picks MASTER_ADDR and "
                                      "MASTER_PORT each round"))
         # A torchrun line gets torchrun's node count; elasticd's own (--etcd) must say it.
-        return Rendezvous(standalone=False, etcd=_with_protocol(etcd, protocol),
+        return Rendezvous(standalone=False, etcd=with_protocol(etcd, protocol),
                           nnodes=nnodes or ("1" if backend else None), job_id=job_id,
                           notes=tuple(notes))
     if etcd and not endpoint_flag:

@@ -12,6 +12,10 @@ GRPC_WAIT_SLICE_S = 1.0
 # How long one connection attempt (TCP, TLS handshake, the server's HTTP/2
 # SETTINGS) may take before gRPC gives it up.
 GRPC_CONNECT_TIMEOUT_S = 5.0
+# How soon a channel tries a lost connection again, and the longest it waits between
+# tries: a peer or an agent that restarts is reached again within a second.
+GRPC_INITIAL_RECONNECT_BACKOFF_S = 0.1
+GRPC_MAX_RECONNECT_BACKOFF_S = 1.0
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +59,11 @@ def relax_grpc_blocking_waits(slice_s: float = GRPC_WAIT_SLICE_S) -> bool:
     return True
 
 
-def fast_reconnect_options(max_backoff_s: float = 1.0,
-                           connect_timeout_s: float = GRPC_CONNECT_TIMEOUT_S
-                           ) -> list[tuple[str, int]]:
-    """gRPC channel options that retry a lost connection 0.1 s after it fails,
-    backing off to at most ``max_backoff_s`` (gRPC's default grows to 120 s),
-    and give each attempt ``connect_timeout_s`` to finish.
+def fast_reconnect_options() -> list[tuple[str, int]]:
+    """gRPC channel options that retry a lost connection
+    ``GRPC_INITIAL_RECONNECT_BACKOFF_S`` after it fails, backing off to at most
+    ``GRPC_MAX_RECONNECT_BACKOFF_S`` (gRPC's default grows to 120 s), and give
+    each attempt ``GRPC_CONNECT_TIMEOUT_S`` to finish.
 
     gRPC's C core reads ``grpc.min_reconnect_backoff_ms`` as the *connect
     timeout* (the spec's MIN_CONNECT_TIMEOUT), not as a backoff. Set to
@@ -71,9 +74,9 @@ def fast_reconnect_options(max_backoff_s: float = 1.0,
     deadlines still bound every call, so a long connect timeout delays nothing.
     """
     return [
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", int(max_backoff_s * 1000)),
-        ("grpc.min_reconnect_backoff_ms", int(connect_timeout_s * 1000)),
+        ("grpc.initial_reconnect_backoff_ms", int(GRPC_INITIAL_RECONNECT_BACKOFF_S * 1000)),
+        ("grpc.max_reconnect_backoff_ms", int(GRPC_MAX_RECONNECT_BACKOFF_S * 1000)),
+        ("grpc.min_reconnect_backoff_ms", int(GRPC_CONNECT_TIMEOUT_S * 1000)),
     ]
 
 

@@ -19,6 +19,7 @@ from elastic.errors import ConfigError, MalformedRecordError
 
 DEFAULT_SETTLE_S = 1.0
 DEFAULT_LEASE_TTL_S = 5.0
+MIN_LEASE_TTL_S = 1.0  # etcd's smallest lease TTL
 DEFAULT_JOIN_TIMEOUT_S = 600.0
 DEFAULT_MAX_RESTARTS = 3
 DEFAULT_RESTART_WINDOW_S = 3600.0
@@ -178,8 +179,9 @@ class RendezvousConfig:
             )
         if self.settle_s < 0:
             raise ConfigError(f"settle window {self.settle_s} s must not be negative")
-        if self.lease_ttl_s < 1:
-            raise ConfigError(f"lease TTL {self.lease_ttl_s} s must be at least 1 s")
+        if self.lease_ttl_s < MIN_LEASE_TTL_S:
+            raise ConfigError(f"lease TTL {self.lease_ttl_s} s must be at least "
+                              f"{MIN_LEASE_TTL_S:g} s")
         if self.join_timeout_s <= 0:
             raise ConfigError(f"join timeout {self.join_timeout_s} s must be positive")
         if self.max_restarts < 0:

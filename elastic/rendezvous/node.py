@@ -112,6 +112,8 @@ class RendezvousNode:
     Thread-safe: ``wait_for_round`` and friends may be called from any thread
     while the node's loop runs in the background (:meth:`start`), or while a
     simulator drives it with :meth:`pump` (:meth:`start` with ``thread=False``).
+    ``job_flag``: the flag its user gave the job id with, as errors name it
+    (torchrun's users know ``--rdzv-id``).
     """
 
     def __init__(
@@ -126,6 +128,7 @@ class RendezvousNode:
         port_picker: Callable[[str], int] = free_port,
         fence: Fence | None = None,
         running_round: Callable[[], int] = lambda: 0,
+        job_flag: str = "--job-id",
     ):
         self.store = store
         self.config = config
@@ -137,6 +140,7 @@ class RendezvousNode:
         self._port_picker = port_picker
         self._fence = fence
         self._running_round = running_round
+        self._job_flag = job_flag
         self._fencing_since: float | None = None
         self._election = Election(store, self.keys, info.node_id)
         # Lines name the latest committed round this node has seen.
@@ -473,7 +477,7 @@ class RendezvousNode:
                              if stored.get(k) != mine.get(k))
             raise ConfigError(
                 f"job {self.config.job_id} is already running with other settings: {diff}; "
-                "start this agent with the same settings or use another --job-id")
+                f"start this agent with the same settings or use another {self._job_flag}")
         if round_kvs:
             try:
                 last = Round.from_json(self.keys.round, round_kvs[0].value, round_kvs[0].version)
@@ -482,7 +486,7 @@ class RendezvousNode:
             if last.outcome:
                 raise JobEndedError(
                     f"job {self.config.job_id} has already {last.outcome} (round {last.number}: "
-                    f"{last.reason}); nothing to do (use a new --job-id to run it again)",
+                    f"{last.reason}); nothing to do (use a new {self._job_flag} to run it again)",
                     succeeded=last.outcome == "succeeded")
 
     def _try_register(self) -> None:

@@ -5,20 +5,22 @@ With this package installed, torch finds the backend through the
 
     torchrun --rdzv-backend etcd3 --rdzv-endpoint HOST:2379[,HOST:2379...] \\
         --rdzv-id JOB --nnodes 1:4 --nproc-per-node 8 \\
-        [--rdzv-conf last_call_timeout=1,heartbeat=5,cacert=ca.pem,cert=c.pem,key=k.pem] \\
+        [--rdzv-conf last_call_timeout=1,keep_alive_interval=1,cacert=ca.pem] \\
         train.py
 
 torch's own etcd backends speak etcd's v2 API (off by default since etcd 3.4,
 removed in 3.6); this one speaks v3 only, through :mod:`elastic.store`.
-``--rdzv-conf`` keys: :data:`elastic.torchrun.settings.CONF_KEYS`.
+``--rdzv-conf`` keys: :data:`elastic.torchrun.conf.CONF_KEYS`, the same table
+elasticd reads a torchrun command line with.
 
 How torch's handler contract maps onto :class:`~elastic.rendezvous.node.RendezvousNode`
 (the protocol elasticd uses; nothing here forms rounds itself):
 
 * Each torchrun agent is one node of the job ``--rdzv-id``, with its own etcd
-  lease (TTL ``heartbeat``). Its first ``next_rendezvous`` registers it; the
-  elected leader commits fenced rounds: at MAX nodes at once, at MIN or more
-  once no node arrived for ``last_call_timeout``. The round's node ranks are
+  lease (TTL ``keep_alive_interval`` x ``keep_alive_max_attempt``). Its first
+  ``next_rendezvous`` registers it; the elected leader commits fenced rounds:
+  at MAX nodes at once, at MIN or more once no node arrived for
+  ``last_call_timeout``. The round's node ranks are
   the agents' group ranks, consecutive, survivors first in their old order.
 * A later ``next_rendezvous`` (torch's agent calls it when its workers failed,
   or to admit waiting nodes) takes a newer round that includes this node if
@@ -157,7 +159,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._store = store
         self._keys = JobKeys(settings.run_id)
         self._node = RendezvousNode(store, settings.rendezvous_config(), info,
-                                    port_picker=_master_port)
+                                    port_picker=_master_port, job_flag="--rdzv-id")
         self._lock = threading.Lock()  # one next_rendezvous at a time
         self._shutdown_lock = threading.Lock()  # never held while waiting
         self._joined = False
@@ -177,7 +179,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
         info = NodeInfo(node_id=default_node_id(), host=settings.host,
                         master_port=_master_port(settings.host), version="torchrun-etcd3")
         with _torch_errors(f"--rdzv-endpoint {settings.endpoints}"):
-            store = open_store(settings.endpoints, security=settings.security)
+            store = open_store(settings.endpoints, security=settings.security,
+                               **({} if settings.connect_timeout_s is None
+                                  else {"connect_timeout_s": settings.connect_timeout_s}))
         return cls(settings, store, info)
 
     # ------------------------------------------------------ torch's interface

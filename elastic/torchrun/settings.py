@@ -4,19 +4,17 @@ torchrun hands a rendezvous backend ``--rdzv-endpoint``, ``--rdzv-id``,
 ``--nnodes MIN:MAX``, ``--local-addr`` and the ``key=value`` pairs of
 ``--rdzv-conf``; :func:`settings_from_conf` turns them into
 :class:`HandlerSettings` or raises one :class:`~elastic.errors.ConfigError`
-line naming the option. The ``--rdzv-conf`` keys are :data:`CONF_KEYS`, the
-one table of them: the timeouts keep the names torch's c10d backend gives them,
-the TLS and user keys the names of our ``--etcd-*`` flags
-(:mod:`elastic.store.security`, whose validation they go through). Unknown keys
-are refused, never ignored: a typo in a timeout would otherwise run the job
-with the default.
+line naming the option. The ``--rdzv-conf`` keys, and what each sets, are
+those of :mod:`elastic.torchrun.conf`, the table elasticd reads a torchrun
+command line with too: a key means the same thing to both. The TLS and user
+keys go through :mod:`elastic.store.security`, as elasticd's ``--etcd-*``
+flags do.
 
 No torch here: the handler (:mod:`elastic.torchrun.handler`) passes plain values.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -31,50 +29,11 @@ from elastic.rendezvous.api import (
     validate_id,
 )
 from elastic.store.etcd_endpoints import parse_endpoint_urls
-from elastic.store.security import PASSWORD_ENV, EtcdSecurity, security_from_options
+from elastic.store.security import EtcdSecurity, security_from_options
+from elastic.torchrun.conf import Setting, c10d_refusal, read_rdzv_conf, with_protocol
 
 BACKEND = "etcd3"  # the --rdzv-backend name, and what get_backend() answers
 DEFAULT_CLOSE_TIMEOUT_S = 30.0  # torch's c10d default
-
-
-@dataclass(frozen=True)
-class ConfKey:
-    """One ``--rdzv-conf`` key: its name, what it sets, and whether it is seconds."""
-
-    name: str
-    help: str
-    seconds: bool = False
-
-
-CONF_KEYS: tuple[ConfKey, ...] = (
-    ConfKey("join_timeout", "seconds next_rendezvous waits for a round that includes this "
-                            "node (default: torchrun's --rdzv-timeout)", seconds=True),
-    ConfKey("timeout", "torchrun's --rdzv-timeout, which torchrun always passes (900 s "
-                       "unless given); the join timeout when join_timeout is not given",
-            seconds=True),
-    ConfKey("last_call_timeout", f"once MIN nodes are present, the round closes when no node "
-                                 f"arrived for this long (default {DEFAULT_SETTLE_S:g} s)",
-            seconds=True),
-    ConfKey("close_timeout", "seconds set_closed and shutdown may take to mark the rendezvous "
-                             f"closed (default {DEFAULT_CLOSE_TIMEOUT_S:g} s)", seconds=True),
-    ConfKey("heartbeat", "the TTL of each node's etcd lease: a node whose keep-alives stop is "
-                         f"out of the rendezvous this long after (default "
-                         f"{DEFAULT_LEASE_TTL_S:g} s, at least 1)", seconds=True),
-    ConfKey("cacert", "PEM bundle of the CAs that sign etcd's certificate (as --etcd-cacert)"),
-    ConfKey("cert", "PEM client certificate for etcd, with key= (as --etcd-cert)"),
-    ConfKey("key", "the client certificate's private key (as --etcd-key)"),
-    ConfKey("user", f"etcd user; its password comes from {PASSWORD_ENV} or password_file= "
-                    "(as --etcd-user)"),
-    ConfKey("password_file", "file holding the etcd user's password (as --etcd-password-file)"),
-)
-_KNOWN = {k.name: k for k in CONF_KEYS}
-# Keys of torch's other backends that users bring along, and what to write instead.
-_INSTEAD = {
-    "keep_alive_interval": "heartbeat=SECONDS (the lease TTL)",
-    "keep_alive_max_attempt": "heartbeat=SECONDS (the lease TTL)",
-    "ca_cert": "cacert=", "ssl_cert": "cert=", "ssl_cert_key": "key=",
-    "protocol": "https:// endpoints (or cacert=, which makes bare endpoints TLS)",
-}
 
 
 @dataclass(frozen=True)
@@ -82,7 +41,9 @@ class HandlerSettings:
     """Everything the ``etcd3`` handler needs, validated.
 
     ``host``: where this node's workers can be reached by the others (rank 0's
-    is the workers' MASTER_ADDR). ``endpoints``: the etcd endpoints as given.
+    is the workers' MASTER_ADDR). ``endpoints``: the etcd endpoints as given,
+    bare ones with ``protocol://`` when ``--rdzv-conf protocol`` is.
+    ``connect_timeout_s`` None: the store's default.
     """
 
     run_id: str
@@ -93,7 +54,8 @@ class HandlerSettings:
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
     last_call_s: float = DEFAULT_SETTLE_S
     close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S
-    heartbeat_s: float = DEFAULT_LEASE_TTL_S
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    connect_timeout_s: float | None = None
     security: EtcdSecurity = EtcdSecurity()
 
     def rendezvous_config(self) -> RendezvousConfig:
@@ -104,19 +66,7 @@ class HandlerSettings:
         """
         return RendezvousConfig(job_id=self.run_id, min_nodes=self.min_nodes,
                                 max_nodes=self.max_nodes, settle_s=self.last_call_s,
-                                lease_ttl_s=self.heartbeat_s, join_timeout_s=self.join_timeout_s)
-
-
-def _seconds(name: str, value: Any) -> float:
-    text = value if isinstance(value, str) else repr(value)
-    try:
-        seconds = float(value) if not isinstance(value, bool) else math.nan
-    except (TypeError, ValueError):
-        seconds = math.nan
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ConfigError(f"--rdzv-conf {name}={cap_text(text, 64)}: expected a number of "
-                          "seconds >= 0")
-    return seconds
+                                lease_ttl_s=self.lease_ttl_s, join_timeout_s=self.join_timeout_s)
 
 
 def settings_from_conf(*, run_id: str, endpoint: str, min_nodes: int, max_nodes: int,
@@ -128,23 +78,28 @@ def settings_from_conf(*, run_id: str, endpoint: str, min_nodes: int, max_nodes:
     given; ``environ`` (default ``os.environ``) may hold the etcd password.
 
     Raises:
-        ConfigError: an unknown or malformed ``--rdzv-conf`` key, an invalid
-            ``--rdzv-id``, no or a malformed ``--rdzv-endpoint``, a bad
-            ``--local-addr``, ``--nnodes`` out of order, or TLS and user
-            options that :mod:`elastic.store.security` refuses.
+        ConfigError: what :func:`~elastic.torchrun.conf.read_rdzv_conf`
+            refuses (an unknown or malformed ``--rdzv-conf`` key), c10d's keys,
+            an invalid ``--rdzv-id``, no or a malformed ``--rdzv-endpoint``
+            (or one ``protocol`` contradicts), a bad ``--local-addr``,
+            ``--nnodes`` out of order, or TLS and user options that
+            :mod:`elastic.store.security` refuses.
     """
-    unknown = sorted(set(conf) - set(_KNOWN), key=str)
-    if unknown:
-        name = cap_text(str(unknown[0]), 64)
-        hint = (f"; write {_INSTEAD[name]} instead" if name in _INSTEAD
-                else f"; the {BACKEND} backend takes {', '.join(sorted(_KNOWN))}")
-        raise ConfigError(f"--rdzv-conf: unknown key {name!r}{hint}")
+    given = read_rdzv_conf(conf)
+    refusal = c10d_refusal(conf)
+    if refusal is not None:
+        raise refusal
+
+    def value(setting: Setting, default: Any = None) -> Any:
+        return given[setting].value if setting in given else default
+
     validate_id("--rdzv-id", run_id)
     if not str(endpoint or "").strip():
         raise ConfigError(f"the {BACKEND} rendezvous needs --rdzv-endpoint "
                           "HOST[:PORT][,HOST[:PORT]...]: the etcd cluster's client endpoints")
+    endpoints = with_protocol(endpoint, value(Setting.PROTOCOL))
     try:
-        parse_endpoint_urls(endpoint)
+        parse_endpoint_urls(endpoints)
     except ConfigError as exc:
         raise ConfigError(f"--rdzv-endpoint: {exc}") from None
     host = local_addr or default_host
@@ -154,28 +109,19 @@ def settings_from_conf(*, run_id: str, endpoint: str, min_nodes: int, max_nodes:
                           "address the other nodes can reach; give --local-addr")
     if not 1 <= min_nodes <= max_nodes:
         raise ConfigError(f"--nnodes {min_nodes}:{max_nodes}: need 1 <= MIN <= MAX")
-
-    seconds = {k: _seconds(k, v) for k, v in conf.items() if _KNOWN[k].seconds}
-    join_key = "join_timeout" if "join_timeout" in seconds else "timeout"
-    join = seconds.get(join_key, DEFAULT_JOIN_TIMEOUT_S)
-    close = seconds.get("close_timeout", DEFAULT_CLOSE_TIMEOUT_S)
-    heartbeat = seconds.get("heartbeat", DEFAULT_LEASE_TTL_S)
-    for name, value in ((join_key, join), ("close_timeout", close)):
-        if value <= 0:
-            raise ConfigError(f"--rdzv-conf {name}={value:g}: must be more than 0 seconds")
-    if heartbeat < 1:
-        raise ConfigError(f"--rdzv-conf heartbeat={heartbeat:g}: the lease TTL must be at "
-                          "least 1 second (etcd's smallest)")
     try:
         security = security_from_options(
-            cacert=conf.get("cacert"), cert=conf.get("cert"), key=conf.get("key"),
-            user=conf.get("user"), password_file=conf.get("password_file"), environ=environ)
+            cacert=value(Setting.CACERT), cert=value(Setting.CERT), key=value(Setting.KEY),
+            user=value(Setting.USER), password_file=value(Setting.PASSWORD_FILE),
+            environ=environ)
     except ConfigError as exc:
-        raise ConfigError(f"--rdzv-conf: {exc} (in --rdzv-conf: cacert=, cert=, key=, user=, "
-                          "password_file=)") from None
+        raise ConfigError(f"--rdzv-conf: {exc} (here --etcd-cacert, --etcd-cert, --etcd-key, "
+                          "--etcd-user and --etcd-password-file are --rdzv-conf cacert=, "
+                          "cert=, key=, user= and password_file=)") from None
     return HandlerSettings(
-        run_id=run_id, endpoints=endpoint, min_nodes=min_nodes, max_nodes=max_nodes, host=host,
-        join_timeout_s=join,
-        last_call_s=seconds.get("last_call_timeout", DEFAULT_SETTLE_S),
-        close_timeout_s=close,
-        heartbeat_s=heartbeat, security=security)
+        run_id=run_id, endpoints=endpoints, min_nodes=min_nodes, max_nodes=max_nodes,
+        host=host, join_timeout_s=value(Setting.JOIN_TIMEOUT, DEFAULT_JOIN_TIMEOUT_S),
+        last_call_s=value(Setting.LAST_CALL, DEFAULT_SETTLE_S),
+        close_timeout_s=value(Setting.CLOSE_TIMEOUT, DEFAULT_CLOSE_TIMEOUT_S),
+        lease_ttl_s=value(Setting.LEASE_TTL, DEFAULT_LEASE_TTL_S),
+        connect_timeout_s=value(Setting.CONNECT_TIMEOUT), security=security)

@@ -40,7 +40,8 @@ class Launcher:
         cmd = [TORCHRUN, "--rdzv-backend", "etcd3", "--rdzv-endpoint", endpoint,
                "--rdzv-id", job_id, "--nnodes", nnodes, "--nproc-per-node", "1",
                "--local-addr", "127.0.0.1", "--monitor-interval", "0.1",
-               "--rdzv-conf", "last_call_timeout=0.3,heartbeat=2,join_timeout=60", *extra,
+               "--rdzv-conf", "last_call_timeout=0.3,keep_alive_interval=1,"
+               "keep_alive_max_attempt=2,join_timeout=60", *extra,
                SCRIPT, "--out", str(out_dir), *script_args]
         # INFO: the agent's log says where it was if the test fails.
         env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO"}

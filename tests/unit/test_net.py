@@ -11,7 +11,11 @@ import grpc
 from grpc import _common as grpc_common
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from elastic.net import fast_reconnect_options, relax_grpc_blocking_waits
+from elastic.net import (
+    GRPC_MAX_RECONNECT_BACKOFF_S,
+    fast_reconnect_options,
+    relax_grpc_blocking_waits,
+)
 
 
 def _voluntary_switches(tid: int) -> int:
@@ -140,3 +144,33 @@ def test_a_call_waits_for_a_server_slow_to_answer_its_connection_within_its_dead
            ("grpc.max_reconnect_backoff_ms", 1_000)]
     assert _health_check_through_a_slow_server(old, 0.5) == grpc.StatusCode.UNAVAILABLE
     assert _health_check_through_a_slow_server(fast_reconnect_options(), 0.5) is None
+
+
+def _seconds_to_reach_a_server_that_came_back(options, down_s: float) -> float:
+    """How long a call (waiting for a connection) takes to reach a server that
+    was down for ``down_s`` while the channel kept trying."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    try:
+        channel.subscribe(lambda _state: None, try_to_connect=True)  # keep dialling
+        time.sleep(down_s)  # refused all along: the backoff grows
+        assert server.add_insecure_port(f"127.0.0.1:{port}") == port
+        server.start()
+        started = time.monotonic()
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30,
+                                                  wait_for_ready=True)
+        return time.monotonic() - started
+    finally:
+        channel.close()
+        server.stop(None)
+
+
+def test_a_channel_reaches_a_server_that_came_back_within_the_longest_backoff():
+    # With gRPC's own backoff (from 1 s, 1.6 times longer each try, up to 120 s)
+    # the next try after 6 s down comes 2 to 4 s after the server is back.
+    took = _seconds_to_reach_a_server_that_came_back(fast_reconnect_options(), 6.0)
+    assert took < GRPC_MAX_RECONNECT_BACKOFF_S + 0.5, took

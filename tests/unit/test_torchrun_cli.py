@@ -283,6 +283,20 @@ class TestRdzvConf:
 
         assert (cfg.join_timeout_s, cfg.lease_ttl_s) == (90.0, 10.0)
 
+    def test_join_timeout_wins_over_torchrun_s_timeout(self, load):
+        # torchrun passes timeout always; torch's dynamic rendezvous reads join_timeout.
+        cfg = load(*ETCD_LINE, "--rdzv-conf", "timeout=900,join_timeout=30")
+
+        assert cfg.join_timeout_s == 30.0
+
+    def test_the_etcd_user_and_its_password_file(self, load, tmp_path):
+        password = tmp_path / "password"
+        password.write_text("s3cret\n")
+
+        cfg = load(*ETCD_LINE, "--rdzv-conf", f"user=trainer,password_file={password}")
+
+        assert (cfg.etcd_security.user, cfg.etcd_security.password) == ("trainer", "s3cret")
+
     def test_protocol_and_tls_files_reach_etcd(self, load, tmp_path):
         certs = make_certs(str(tmp_path))
 
@@ -308,17 +322,26 @@ class TestRdzvConf:
                    for r in caplog.records)
 
     @pytest.mark.parametrize("conf, needle", [
-        ("etcd_prefix=/x", "unknown key(s) 'etcd_prefix' (elasticd keeps its keys under"),
+        ("etcd_prefix=/x", "unknown key(s) 'etcd_prefix' (the rendezvous keeps its keys under"),
+        ("heartbeat=6", "unknown key(s) 'heartbeat' (not read by torch: the lease TTL is "
+                        "keep_alive_interval x keep_alive_max_attempt)"),
         ("join_timout=5", "unknown key(s) 'join_timout'; known: ca_cert, cacert"),
         ("join_timeout", "expected KEY=VALUE,..."),
         ("join_timeout=", "expected KEY=VALUE,..."),
         ("=5", "expected KEY=VALUE,..."),
         ("timeout=1,timeout=2", "timeout is given twice"),
         ("join_timeout=soon", "--rdzv-conf join_timeout 'soon': expected a float"),
-        ("keep_alive_interval=0", "keep_alive_interval='0': must be greater than 0"),
-        ("protocol=ftp", "protocol='ftp': expected http or https"),
+        ("keep_alive_interval=0", "--rdzv-conf keep_alive_interval '0': must be greater than 0"),
+        ("keep_alive_max_attempt=1.5", "keep_alive_max_attempt '1.5': expected a int"),
+        ("keep_alive_interval=0.3", "keep_alive_interval*keep_alive_max_attempt 0.3*3: the lease "
+                                    "TTL must be at least 1 s"),
+        ("close_timeout=-1", "--rdzv-conf close_timeout '-1': must be greater than 0"),
+        ("cacert=/a,ca_cert=/b", "--rdzv-conf cacert and ca_cert both set the etcd CA bundle: "
+                                 "give one"),
+        ("protocol=ftp", "--rdzv-conf protocol 'ftp': expected http or https"),
         ("protocol=http,cacert=/nope", "--rdzv-conf cacert /nope: no such file"),
-        ("is_host=1", "settings of torch's c10d rendezvous, not of elasticd's etcd one"),
+        ("is_host=1", "--rdzv-conf is_host: settings of torch's c10d rendezvous, not of an "
+                      "etcd one"),
     ])
     def test_bad_or_unknown_keys_are_refused(self, load, conf, needle):
         assert needle in refusal(load, *ETCD_LINE, "--rdzv-conf", conf)
@@ -344,7 +367,7 @@ class TestTorchrunOnlyFlags:
         (("--event-log-handler", "dynamic_rendezvous"), "elasticctl events"),
         (("--signals-to-handle", "SIGTERM,SIGUSR1"), "forwards no SIGUSR1 to workers"),
         (("--start-method", "thread"), "expected spawn, fork or forkserver"),
-        (("--monitor-interval", "0"), "expected a number of seconds greater than 0"),
+        (("--monitor-interval", "0"), "--monitor-interval '0': must be greater than 0"),
         (("--tee", "4"), "expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both)"),
         (("--node-rank", "first"), "expected a whole number"),
     ])
