@@ -71,7 +71,7 @@ from elastic.v1 import agent_pb2
 
 S = AgentState
 # How often the loop looks at worker health and the lease when nothing else wakes it.
-_TICK_S = 0.5
+TICK_S = 0.5
 # The liveness health service (elastic.v1.Liveness) says NOT_SERVING once the
 # loop has not completed a pass this long (plus the workers' stop grace, the
 # longest a pass may legitimately take).
@@ -222,7 +222,7 @@ class Agent:
         try:
             self.start()
             while not self.lifecycle.state.final:
-                self.step(_TICK_S)
+                self.step(TICK_S)
         except ElasticError as exc:
             self.fail(exc)
             raise

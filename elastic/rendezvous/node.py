@@ -83,7 +83,7 @@ log = logging.getLogger(__name__)
 
 # How often the loop looks at its session even when nothing else happens; a
 # lost lease is noticed within this long.
-_SESSION_CHECK_S = 0.5
+SESSION_CHECK_S = 0.5
 # After a store error the thread waits this long before the next pass.
 _ERROR_BACKOFF_S = 0.2
 # How often a leader asks lost members again whether their workers stopped.
@@ -241,6 +241,11 @@ class RendezvousNode:
         if self._session is not None:
             self._session.close()
 
+    def has_news(self) -> bool:
+        """Whether something arrived that the loop has not applied yet: what
+        wakes the loop's thread before its next timed pass."""
+        return self._woken_by is not None or not self._inbox.empty()
+
     def pump(self) -> float | None:
         """Apply everything that arrived, then do one pass of the loop's duties.
 
@@ -368,7 +373,7 @@ class RendezvousNode:
     def _run(self) -> None:
         while not self._stopping.is_set():
             wake_at = self.pump()
-            timeout = _SESSION_CHECK_S
+            timeout = SESSION_CHECK_S
             if wake_at is not None:
                 timeout = max(0.0, min(timeout, wake_at - self.clock.wall()))
             try:

@@ -27,11 +27,11 @@ import traceback
 from dataclasses import dataclass, field
 
 from agent.config import AgentConfig
-from agent.daemon import Agent, RoundChanged
+from agent.daemon import TICK_S, Agent, RoundChanged
 from elastic.errors import ElasticError, MalformedRecordError, exit_code_for
 from elastic.keyspace import JobKeys
 from elastic.rendezvous.api import NodeInfo, Round
-from elastic.rendezvous.node import RendezvousNode
+from elastic.rendezvous.node import SESSION_CHECK_S, RendezvousNode
 from tests.fakes.clock import FakeClock
 from tests.fakes.memory_store import MemoryStore
 from tests.sim.faults import Fault, make_schedule
@@ -67,6 +67,10 @@ class Proc:
     exit_code: int | None = None  # set once it exited
     killed: bool = False
     stalled: bool = False  # its loops make no progress (slow etcd calls, or frozen)
+    # When each loop's thread wakes next with nothing arriving (simulated time;
+    # the rendezvous loop's in wall time, as it computes it).
+    agent_wakes_at: float = 0.0
+    rdzv_wakes_at: float = 0.0
 
 
 @dataclass
@@ -326,17 +330,28 @@ class Cluster:
 
     def step_all(self) -> None:
         """One step of every process: rendezvous loops, then agent loops (each
-        sees what the other wrote through the store), then the workers."""
+        sees what the other wrote through the store), then the workers.
+
+        A loop runs a pass when its thread would wake: something arrived, or
+        its timer ran out (the agent's every TICK_S, the rendezvous loop's
+        every SESSION_CHECK_S or at the time its last pass asked for)."""
         self.store.deliver_pending()
         for proc in self.live_procs():
-            if not proc.stalled:
-                proc.rdzv.pump()
+            if not proc.stalled and (proc.rdzv.has_news()
+                                     or self.clock.wall() >= proc.rdzv_wakes_at):
+                wake_at = proc.rdzv.pump()
+                proc.rdzv_wakes_at = self.clock.wall() + SESSION_CHECK_S
+                if wake_at is not None:
+                    proc.rdzv_wakes_at = min(proc.rdzv_wakes_at, wake_at)
         self.store.deliver_pending()
         self.network.update()
         for node in list(self.nodes.values()):
             proc = node.proc
             if proc is None or proc.exit_code is not None or proc.stalled:
                 continue
+            if proc.agent.inbox.empty() and self.now() < proc.agent_wakes_at:
+                continue
+            proc.agent_wakes_at = self.now() + TICK_S
             try:
                 proc.agent.step(0)
             except ElasticError as exc:

@@ -289,6 +289,9 @@ class FakeWorker:
     stopped: bool = False
     crash_at: float | None = None  # a crash is coming (its group broke)
     finish_at: float | None = None
+    # What the agent last heard (step, exiting) and when the next periodic heartbeat is due.
+    reported: tuple[int, bool] | None = None
+    heartbeat_at: float = 0.0
 
 
 @dataclass
@@ -323,7 +326,7 @@ class Workers:
     def __init__(self, network: Network, *, step_s: float, total_steps: int, ckpt_every: int,
                  init_timeout_s: float, crash_delay_s: float, form_s: float,
                  rng: random.Random, save_s: tuple[float, float] = (0.25, 3.0),
-                 grace_s: float = 1.0,
+                 grace_s: float = 1.0, heartbeat_s: float = 0.75,
                  latest_step: Callable[[], tuple[int, int]]):
         self.network = network
         self.step_s = step_s
@@ -335,6 +338,7 @@ class Workers:
         self.rng = rng
         self.save_s = save_s
         self.grace_s = grace_s
+        self.heartbeat_s = heartbeat_s
         self.saves: list[_Save] = []
         self.latest_step = latest_step
         self.groups: dict[int, Group] = {}
@@ -434,11 +438,23 @@ class Workers:
                         w.finish_at = now + self.finish_delay.get(w.node_id, 0.0)
         for w in live:
             if not (w.hung or w.frozen) and (g.formed or g.finishing):
-                agent = self.agents.get(w.node_id)
-                if agent is not None:
-                    agent.heartbeat(agent_pb2.WorkerChannelHeartbeatRequest(
-                        rank=w.rank, local_rank=w.local_rank, round=w.round, step=g.step,
-                        exiting=g.finishing))
+                self._heartbeat(w, g, now)
+
+    def _heartbeat(self, w: FakeWorker, g: Group, now: float) -> None:
+        """As the worker library sends them (elastic.worker.runtime): every
+        ``heartbeat_s``, and at once for the first step and when the script
+        ends; the agent learns of the steps between with the next one."""
+        news = w.reported is None or (w.reported[0] < 0 <= g.step) or (
+            g.finishing and not w.reported[1])
+        if not news and now < w.heartbeat_at:
+            return
+        agent = self.agents.get(w.node_id)
+        if agent is None:
+            return
+        w.reported, w.heartbeat_at = (g.step, g.finishing), now + self.heartbeat_s
+        agent.heartbeat(agent_pb2.WorkerChannelHeartbeatRequest(
+            rank=w.rank, local_rank=w.local_rank, round=w.round, step=g.step,
+            exiting=g.finishing))
 
     def _save(self, g: Group, now: float) -> None:
         """Rank 0 starts an async save of this step; it commits ``save_s`` later.
