@@ -121,6 +121,7 @@ class Cluster:
             self.workers.finish_delay[name] = self.rng.choice((0.0, 0.0, 1.0, 5.0))
         self.result = Result(seed, schedule=list(self.schedule))
         self.latest_ckpt: tuple[int, int] | None = None
+        self._parsed_latest: tuple[int, tuple[int, int]] = (0, (0, 0))
         self.final: Round | None = None
         self.cut_rounds: dict[Fault, list[Proc]] = {}
         self.quiet_at = max((f.at + f.duration for f in self.schedule), default=0.0)
@@ -368,8 +369,10 @@ class Cluster:
         kv = self.store.peek(self.keys.checkpoint_latest)
         if kv is None:
             return (0, 0)
-        record = json.loads(kv.value)
-        return record["step"], record["round"]
+        if self._parsed_latest[0] != kv.mod_revision:  # parsed once per commit, not per step
+            record = json.loads(kv.value)
+            self._parsed_latest = (kv.mod_revision, (record["step"], record["round"]))
+        return self._parsed_latest[1]
 
     def check(self) -> None:
         v = self.result.violations
