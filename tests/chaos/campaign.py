@@ -9,12 +9,14 @@ The checkpoints live on a small tmpfs of the run's (as root), which the
 ``disk_full`` fault fills.
 Then it lets the job finish (the target step goes to the workers through a
 file), checks the invariants (:mod:`tests.chaos.invariants`) and, in the
-fixed-size variant, runs the same job without faults for the weights oracle.
+fixed-size variant, runs the same job without faults for the weights oracle
+(started as soon as the target is set, so its start-up overlaps the end).
 Everything it started is removed on the way out, whatever happened.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -90,10 +92,11 @@ class Campaign:
     """The run's state; also the :class:`tests.chaos.faults.Context` the faults use."""
 
     def __init__(self, topo: Topology, etcd: EtcdCluster, workdir: str, *, variant: str,
-                 job_id: str, say, lease_ttl_s: float = 3.0, hang_timeout_s: float = 4.0):
+                 job_id: str, say, lease_ttl_s: float = 3.0, hang_timeout_s: float = 4.0,
+                 tag: str | None = None):
         self.topo = topo
         self.etcd = etcd
-        self.tag = topo.tag
+        self.tag = tag or topo.tag  # what its processes carry; starts with the topology's
         self.workdir = workdir
         self.job_id = job_id
         self.say = say
@@ -231,13 +234,17 @@ class Campaign:
         except ElasticError as exc:  # a failed read only loses history; the next one retries
             log.warning("reading the job's events failed: %s", exc)
 
-    def finish(self, timeout_s: float = 120.0) -> None:
-        """Let the job end: a target a few steps ahead, then full speed."""
+    def set_target(self) -> int:
+        """Let the job end: a target a few steps ahead, then full speed; returns the target."""
         target = self.steps.max_step() + FINISH_MARGIN
         _write_atomically(self.target_file, str(target))
         time.sleep(PACE_S * 3)
         self._set_pace(0)
         self.say(f"finishing: target step {target}")
+        return target
+
+    def wait_finished(self, timeout_s: float = 120.0) -> None:
+        """Until every active agent exited; AssertionError after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while any(a.poll() is None for a in self.active.values()):
             if time.monotonic() > deadline:
@@ -324,13 +331,17 @@ def run_campaign(seed: int, n_faults: int, variant: str = "fixed", *,
         poller = camp.poller.start()
         recovered_at: dict[int, float] = {}
         temporaries: list[str] | None = None
+        ref: Campaign | None = None
         try:
             for i in range(N_NODES):
                 camp.start_node(f"n{i + 1}", topo.slots[i])
             span = camp.wait_full_size(0, 180, "the job to train at full size")
             say(f"chaos: training in round {span.number} at world size {span.world}")
             _inject_all(camp, report, rng, recovered_at, say)
-            camp.finish()
+            target = camp.set_target()
+            if variant == "fixed":  # its start-up overlaps the campaign's last steps
+                ref = _start_reference(topo, etcd, workdir, camp, target, say)
+            camp.wait_finished()
             temporaries = camp.temporaries()  # before the disk goes, with the topology
         except (AssertionError, RuntimeError) as exc:
             report.errors.append(str(exc)[:2000])
@@ -347,8 +358,10 @@ def run_campaign(seed: int, n_faults: int, variant: str = "fixed", *,
         events = sorted(camp.events.values(), key=lambda e: e["time"])
         camp.steps.refresh()
         reference = ref_steps = None
-        if variant == "fixed" and not report.errors:
-            reference, ref_steps = _reference_run(topo, etcd, workdir, camp, say, report)
+        if ref is not None and not report.errors:
+            reference, ref_steps = _finish_reference(ref, report)
+        elif ref is not None:
+            ref.stop_agents()
         etcd.stop()
         for m in etcd.members:  # ~120 MB of WAL each; their logs stay
             shutil.rmtree(m.data_dir, ignore_errors=True)
@@ -380,7 +393,7 @@ def run_campaign(seed: int, n_faults: int, variant: str = "fixed", *,
 def _inject_all(camp: Campaign, report: Report, rng: random.Random,
                 recovered_at: dict[int, float], say) -> None:
     for i, kind in enumerate(report.planned):
-        pause = rng.uniform(0.3, 1.5)  # the seeded moment: this long into healthy training
+        pause = rng.uniform(0.2, 1.0)  # the seeded moment: this long into healthy training
         time.sleep(pause)
         rec = fault_kinds.KINDS[kind].inject(camp, rng)
         report.faults.append(rec)
@@ -402,23 +415,29 @@ def _inject_all(camp: Campaign, report: Report, rng: random.Random,
             + (f" PROBLEMS: {'; '.join(rec.problems)}" if rec.problems else ""))
 
 
-def _reference_run(topo, etcd, workdir, camp: Campaign, say, report: Report):
-    """The same job without faults, to the same step, for the weights oracle;
-    returns its result and its step log."""
-    result = _read_json(os.path.join(workdir, "result.json"))
-    if result is None:
-        return None, None
+def _start_reference(topo, etcd, workdir, camp: Campaign, target: int, say) -> Campaign:
+    """Start the same job without faults, to ``target`` (the campaign's last step), for
+    the weights oracle. Its processes carry a tag of their own, so the campaign's
+    orphan check does not count them while the reference still runs."""
     refdir = os.path.join(workdir, "reference")
     os.makedirs(refdir, exist_ok=True)
     ref = Campaign(topo, etcd, refdir, variant="fixed", job_id=camp.job_id + "-ref", say=say,
                    lease_ttl_s=camp.settings.lease_ttl_s,
-                   hang_timeout_s=camp.settings.hang_timeout_s)
-    _write_atomically(ref.target_file, str(result["step"]))
+                   hang_timeout_s=camp.settings.hang_timeout_s, tag=f"{topo.tag}-ref")
+    # Nothing restarts here and nothing crashes a save: no warm workers (their spare
+    # sets would only compete for the CPU) and no slowed saves. Neither changes a number.
+    ref.settings = dataclasses.replace(ref.settings, prestart=False, worker_failpoints="")
+    _write_atomically(ref.target_file, str(target))
     ref._set_pace(0)
-    say(f"chaos: reference run without faults to step {result['step']}")
+    say(f"chaos: reference run without faults to step {target}")
+    for i in range(N_NODES):
+        ref.start_node(f"n{i + 1}", topo.slots[i])
+    return ref
+
+
+def _finish_reference(ref: Campaign, report: Report):
+    """Wait for the reference run; returns its result and its step log."""
     try:
-        for i in range(N_NODES):
-            ref.start_node(f"n{i + 1}", topo.slots[i])
         ref.wait_for(lambda: all(a.poll() is not None for a in ref.agents), 240,
                      "the reference run to finish")
         bad = [f"{a.node_id} exited {a.poll()}" for a in ref.agents if a.poll() != 0]
@@ -431,7 +450,7 @@ def _reference_run(topo, etcd, workdir, camp: Campaign, say, report: Report):
     for a in ref.agents:
         a.kill()
     ref.steps.refresh()
-    return _read_json(os.path.join(refdir, "result.json")), ref.steps
+    return _read_json(os.path.join(ref.workdir, "result.json")), ref.steps
 
 
 def _write_atomically(path: str, text: str) -> None:

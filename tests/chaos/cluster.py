@@ -58,6 +58,9 @@ class AgentSettings:
     # The workers' ELASTIC_FAILPOINT: every rank sleeps after writing its shards, so each
     # save stays in flight long enough for a fault to crash a worker in its middle.
     worker_failpoints: str = "ckpt.mid_write=sleep:0.4"
+    # Warm workers (elasticd's default). The fault-free reference run turns them off: it
+    # restarts nothing, and on 2 cores its spare sets' torch imports only compete.
+    prestart: bool = True
 
 
 def node_pids(tag: str, node_id: str) -> list[int]:
@@ -124,6 +127,7 @@ class NodeAgent:
                "--join-timeout", f"{s.join_timeout_s:g}",
                "--exit-barrier-timeout", f"{s.exit_barrier_timeout_s:g}",
                "--max-restarts", "1000", "--connect-timeout", "10",
+               *([] if s.prestart else ["--no-prestart"]),
                "--checkpoint-dir", checkpoint_dir(workdir),
                "--log-dir", os.path.join(workdir, "worker-logs", f"{node_id}.{incarnation}"),
                TRAIN_SCRIPT, *script_args]

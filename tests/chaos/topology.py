@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 
 STATE_DIR = "/tmp/elastic-chaos"
 BASE = "cx"
-TAG_ENV = "CHAOS_TAG"  # every process a run starts carries CHAOS_TAG=<prefix>
+TAG_ENV = "CHAOS_TAG"  # every process a run starts carries CHAOS_TAG=<prefix>[-<part>]
 _PREFIX_RE = re.compile(rf"^{BASE}[0-9a-f]{{4}}")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -136,10 +136,15 @@ def tagged_pids(tag: str | None = None) -> dict[int, str]:
     return found
 
 
+def _run_pids(tag: str) -> list[int]:
+    """Processes tagged ``tag`` or ``<tag>-<part>`` (a part of the run, e.g. its reference job)."""
+    return [p for p, t in tagged_pids().items() if t == tag or t.startswith(f"{tag}-")]
+
+
 def kill_tagged(tag: str, *, grace_s: float = 0.0) -> list[int]:
     """SIGKILL (after SIGCONT, and SIGTERM + ``grace_s`` if given) every process
-    tagged ``tag``; returns the pids that were alive."""
-    pids = list(tagged_pids(tag))
+    tagged ``tag`` or ``<tag>-<part>``; returns the pids that were alive."""
+    pids = _run_pids(tag)
     for pid in pids:
         for sig in ((signal.SIGCONT, signal.SIGTERM) if grace_s else (signal.SIGCONT,)):
             try:
@@ -147,9 +152,9 @@ def kill_tagged(tag: str, *, grace_s: float = 0.0) -> list[int]:
             except ProcessLookupError:
                 pass
     deadline = time.monotonic() + grace_s
-    while grace_s and time.monotonic() < deadline and tagged_pids(tag):
+    while grace_s and time.monotonic() < deadline and _run_pids(tag):
         time.sleep(0.1)
-    for pid in tagged_pids(tag):
+    for pid in _run_pids(tag):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
