@@ -448,7 +448,12 @@ class EtcdStore(Store):
     def resume_session(self, lease_id: int, ttl_s: float) -> Session | None:
         """See :meth:`Store.resume_session`."""
         asked_at = time.monotonic()
-        left = self.lease_time_to_live(lease_id)
+        # A third of the TTL, not the store's timeout: a probe sent while etcd
+        # had no leader can sit on its member until its deadline even after
+        # quorum is back (seen in the chaos campaign: 5 s, while the peers,
+        # back already, told this node it was the one cut off, and it stopped
+        # its workers). The caller asks again on its next pass, soon enough.
+        left = self.lease_time_to_live(lease_id, timeout_s=max(1.0, ttl_s / 3))
         if left <= 0:
             return None
         session = EtcdSession(self, lease_id, max(ttl_s, left), granted_at=asked_at)
