@@ -69,6 +69,7 @@ the load average before and after)::
     .venv/bin/python bench/checkpoint.py
     .venv/bin/python bench/checkpoint.py --size-mb 512 --saves 7 --json /tmp/ckpt.json
     .venv/bin/python bench/checkpoint.py --cold       # also restore from evicted files
+    .venv/bin/python bench/checkpoint.py --restore-only --restores 9   # section 2 only
 
 How to read it: every "ratio" is ours / reference (lower is better), next to its target
 and MET / MISSED, judged on the medians. The ratio of the fastest runs (in parentheses)
@@ -121,6 +122,7 @@ class Config:
     threads: int
     sample_ms: float
     cold: bool
+    restore_only: bool
     verbose: bool
 
 
@@ -534,13 +536,17 @@ def rank_world2(rank: int, world: int, cfg: Config) -> None:
         return {"step": step, **times, "memory": mem, "fingerprint": expect,
                 "dir": directory}
 
-    # First saves (warm-up), with the RSS sampler: ours allocates its staging copy here.
-    result["ours_first"] = ours_save(memory=True)
-    result["plain_first"] = ref_save(memory=True)
-    for _ in range(cfg.saves):
-        result["ours"].append(ours_save(memory=False))
+    if cfg.restore_only:  # one save of each, untimed, to restore from
         result["plain"].append(ref_save(memory=False))
-    result["ours_steady"] = ours_save(memory=True)
+        result["ours_steady"] = ours_save(memory=False)
+    else:
+        # First saves (warm-up), with the RSS sampler: ours allocates its staging copy here.
+        result["ours_first"] = ours_save(memory=True)
+        result["plain_first"] = ref_save(memory=True)
+        for _ in range(cfg.saves):
+            result["ours"].append(ours_save(memory=False))
+            result["plain"].append(ref_save(memory=False))
+        result["ours_steady"] = ours_save(memory=True)
     expect_ours = result["ours_steady"]["fingerprint"]
     expect_ref = result["plain"][-1]["fingerprint"]
     ours_dir = os.path.join(ours_root, f"step-{result['ours_steady']['step']:012d}")
@@ -621,6 +627,64 @@ def fmt_parts(parts: dict[str, float], names: list[tuple[str, str]]) -> str:
     return ", ".join(f"{label} {parts.get(key, 0.0):.3f}" for key, label in names)
 
 
+def _report_restore(cfg: Config, w2: list[dict], w1: list[dict]) -> dict[str, Any]:
+    """Section 2 of the report: the restore rows."""
+    p = print
+    p()
+    p(f"2. Restore (median of {cfg.restores}, slowest rank, seconds); saved by 2 ranks")
+    restore_out = []
+    all_ok = True
+    for label, ranks, target in (("2 -> 2 (no reshard)", w2, TARGET_RESTORE),
+                                 ("2 -> 1 (reshard)", w1, TARGET_RESTORE_RESHARD)):
+        for cache in ranks[0]["restore"]:
+            rows = {k: [r["restore"][cache][k] for r in ranks] for k in ranks[0]["restore"][cache]}
+            t = {k: med(slowest(v, "seconds")) for k, v in rows.items()}
+            tmin = {k: min(slowest(v, "seconds")) for k, v in rows.items()}
+            ok = all(row["verified_state"] for v in rows.values() for rr in v for row in rr)
+            all_ok &= ok
+            r_ours = t["ours"] / t["plain"]
+            r_nv = t["ours_nocrc"] / t["plain"]
+            pa = parts_mean(rows["ours"])
+            pn = parts_mean(rows["ours_nocrc"])
+            pr = parts_mean(rows["plain"])
+            p(f"   world {label}, page cache {cache}:"
+              f"{'' if ok else '  !! restored state differs from the saved one !!'}")
+            m_ours, m_nv = tmin["ours"] / tmin["plain"], tmin["ours_nocrc"] / tmin["plain"]
+            p(f"     {'':44s} median  ratio  (fastest  ratio)")
+            p(f"     {'plain dcp.load (+ state dict helpers)':44s} {t['plain']:6.3f}         "
+              f"({tmin['plain']:6.3f})")
+            p(f"     {'ours ckpt.restore() (sizes + CRC-32)':44s} {t['ours']:6.3f}  {r_ours:5.2f}  "
+              f"({tmin['ours']:6.3f}  {m_ours:5.2f})   target <= {target}  "
+              f"{verdict(r_ours, target)}")
+            p(f"     {'ours verify_checksums=False (information)':44s} {t['ours_nocrc']:6.3f}  "
+              f"{r_nv:5.2f}  ({tmin['ours_nocrc']:6.3f}  {m_nv:5.2f})")
+            p(f"     breakdown ours:  choose {pa.get('choose', 0):.3f}, load "
+              f"{pa.get('load', 0):.3f} (verify sizes {pa.get('load.verify', 0):.3f}, collect "
+              f"{pa.get('load.collect', 0):.3f}, dcp.load {pa.get('load.dcp_load', 0):.3f} "
+              f"of which CRC-32 {pa.get('load.dcp_load.crc', 0):.3f}, apply "
+              f"{pa.get('load.apply', 0):.3f})")
+            p(f"     breakdown no-CRC: choose {pn.get('choose', 0):.3f}, load "
+              f"{pn.get('load', 0):.3f} (dcp.load {pn.get('load.dcp_load', 0):.3f})")
+            p(f"     breakdown plain: collect {pr.get('collect', 0):.3f}, dcp.load "
+              f"{pr.get('dcp_load', 0):.3f}, apply {pr.get('apply', 0):.3f}")
+            crc_s = pa.get("load.dcp_load.crc", 0.0)
+            share = crc_s / max(pa.get("choose", 0.0) + pa.get("load", 0.0), 1e-9)
+            if r_ours > target and r_nv <= target:
+                p(f"     -> the CRC-32 checks make the difference: computing CRC-32s is "
+                  f"{share:.0%} of ours; without them the row meets the target")
+            else:
+                p(f"     -> computing CRC-32s is {share:.0%} of ours")
+            restore_out.append({"case": label, "cache": cache, "plain_s": t["plain"],
+                                "ours_s": t["ours"], "ours_nocrc_s": t["ours_nocrc"],
+                                "ratio": r_ours, "ratio_nocrc": r_nv, "target": target,
+                                "fastest_s": tmin, "ratio_of_minima": m_ours,
+                                "ratio_nocrc_of_minima": m_nv,
+                                "met": r_ours <= target, "state_verified": ok,
+                                "ours_parts": pa, "ours_nocrc_parts": pn, "plain_parts": pr,
+                                "runs": rows})
+    return {"restore": restore_out, "restored_state_verified": all_ok}
+
+
 def report(cfg: Config, w2: list[dict], w1: list[dict], meta: dict) -> dict[str, Any]:
     out: dict[str, Any] = {"meta": meta}
     p = print
@@ -635,9 +699,15 @@ def report(cfg: Config, w2: list[dict], w1: list[dict], meta: dict) -> dict[str,
                                        for r in w2))
     p(f"  torch {meta['torch']}, python {meta['python']}, {meta['cpus']} CPUs, CRC-32 by "
       f"{meta['crc32']}; "
-      f"checkpoints in {cfg.scratch}; {cfg.saves} timed saves, {cfg.restores} restores each")
+      f"checkpoints in {cfg.scratch}; "
+      f"{0 if cfg.restore_only else cfg.saves} timed saves, {cfg.restores} restores each")
     p(f"  load average (1 min) before {meta['loadavg_before'][0]:.1f}, after "
       f"{meta['loadavg_after'][0]:.1f}, run took {meta['wall_s']:.0f} s")
+
+    if cfg.restore_only:
+        out.update(_report_restore(cfg, w2, w1))
+        _report_verified(out["restored_state_verified"])
+        return out
 
     # 1. blocked time
     ours = [r["ours"] for r in w2]
@@ -696,61 +766,7 @@ def report(cfg: Config, w2: list[dict], w1: list[dict], meta: dict) -> dict[str,
                       "plain_runs": [[{k: v for k, v in row.items() if k != "fingerprint"}
                                       for row in rows] for rows in plain]}
 
-    # 2. restore
-    p()
-    p(f"2. Restore (median of {cfg.restores}, slowest rank, seconds); saved by 2 ranks")
-    restore_out = []
-    all_ok = True
-    for label, ranks, target in (("2 -> 2 (no reshard)", w2, TARGET_RESTORE),
-                                 ("2 -> 1 (reshard)", w1, TARGET_RESTORE_RESHARD)):
-        for cache in ranks[0]["restore"]:
-            rows = {k: [r["restore"][cache][k] for r in ranks] for k in ranks[0]["restore"][cache]}
-            t = {k: med(slowest(v, "seconds")) for k, v in rows.items()}
-            tmin = {k: min(slowest(v, "seconds")) for k, v in rows.items()}
-            ok = all(row["verified_state"] for v in rows.values() for rr in v for row in rr)
-            all_ok &= ok
-            r_ours = t["ours"] / t["plain"]
-            r_nv = t["ours_nocrc"] / t["plain"]
-            pa = parts_mean(rows["ours"])
-            pn = parts_mean(rows["ours_nocrc"])
-            pr = parts_mean(rows["plain"])
-            p(f"   world {label}, page cache {cache}:"
-              f"{'' if ok else '  !! restored state differs from the saved one !!'}")
-            m_ours, m_nv = tmin["ours"] / tmin["plain"], tmin["ours_nocrc"] / tmin["plain"]
-            p(f"     {'':44s} median  ratio  (fastest  ratio)")
-            p(f"     {'plain dcp.load (+ state dict helpers)':44s} {t['plain']:6.3f}         "
-              f"({tmin['plain']:6.3f})")
-            p(f"     {'ours ckpt.restore() (sizes + CRC-32)':44s} {t['ours']:6.3f}  {r_ours:5.2f}  "
-              f"({tmin['ours']:6.3f}  {m_ours:5.2f})   target <= {target}  "
-              f"{verdict(r_ours, target)}")
-            p(f"     {'ours verify_checksums=False (information)':44s} {t['ours_nocrc']:6.3f}  "
-              f"{r_nv:5.2f}  ({tmin['ours_nocrc']:6.3f}  {m_nv:5.2f})")
-            p(f"     breakdown ours:  choose {pa.get('choose', 0):.3f}, load "
-              f"{pa.get('load', 0):.3f} (verify sizes {pa.get('load.verify', 0):.3f}, collect "
-              f"{pa.get('load.collect', 0):.3f}, dcp.load {pa.get('load.dcp_load', 0):.3f} "
-              f"of which CRC-32 {pa.get('load.dcp_load.crc', 0):.3f}, apply "
-              f"{pa.get('load.apply', 0):.3f})")
-            p(f"     breakdown no-CRC: choose {pn.get('choose', 0):.3f}, load "
-              f"{pn.get('load', 0):.3f} (dcp.load {pn.get('load.dcp_load', 0):.3f})")
-            p(f"     breakdown plain: collect {pr.get('collect', 0):.3f}, dcp.load "
-              f"{pr.get('dcp_load', 0):.3f}, apply {pr.get('apply', 0):.3f}")
-            crc_s = pa.get("load.dcp_load.crc", 0.0)
-            share = crc_s / max(pa.get("choose", 0.0) + pa.get("load", 0.0), 1e-9)
-            if r_ours > target and r_nv <= target:
-                p(f"     -> the CRC-32 checks make the difference: computing CRC-32s is "
-                  f"{share:.0%} of ours; without them the row meets the target")
-            else:
-                p(f"     -> computing CRC-32s is {share:.0%} of ours")
-            restore_out.append({"case": label, "cache": cache, "plain_s": t["plain"],
-                                "ours_s": t["ours"], "ours_nocrc_s": t["ours_nocrc"],
-                                "ratio": r_ours, "ratio_nocrc": r_nv, "target": target,
-                                "fastest_s": tmin, "ratio_of_minima": m_ours,
-                                "ratio_nocrc_of_minima": m_nv,
-                                "met": r_ours <= target, "state_verified": ok,
-                                "ours_parts": pa, "ours_nocrc_parts": pn, "plain_parts": pr,
-                                "runs": rows})
-    out["restore"] = restore_out
-    out["restored_state_verified"] = all_ok
+    out.update(_report_restore(cfg, w2, w1))
 
     # 3. memory
     p()
@@ -781,10 +797,14 @@ def report(cfg: Config, w2: list[dict], w1: list[dict], meta: dict) -> dict[str,
                         "target": TARGET_MEMORY,
                         "met_first": rf <= TARGET_MEMORY, "met_steady": rs <= TARGET_MEMORY})
     out["memory"] = mem_out
-    p()
-    p(f"Restored state checked against the saved one in every restore: "
-      f"{'yes, all equal' if all_ok else 'NO: some differ (see above)'}")
+    _report_verified(out["restored_state_verified"])
     return out
+
+
+def _report_verified(all_ok: bool) -> None:
+    print()
+    print(f"Restored state checked against the saved one in every restore: "
+          f"{'yes, all equal' if all_ok else 'NO: some differ (see above)'}")
 
 
 # ---------------------------------------------------------------- main
@@ -802,6 +822,8 @@ def main() -> int:
     ap.add_argument("--sample-ms", type=float, default=2.0, help="RSS sampling period (2)")
     ap.add_argument("--cold", action="store_true",
                     help="also restore after evicting the files from the page cache")
+    ap.add_argument("--restore-only", action="store_true",
+                    help="only section 2: one untimed save of each kind, then the restores")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     ap.add_argument("--keep-dir", action="store_true", help="do not delete the checkpoints")
     ap.add_argument("--verbose", action="store_true", help="the Checkpointer's INFO logs")
@@ -829,7 +851,8 @@ def main() -> int:
     scratch = tempfile.mkdtemp(prefix="bench-checkpoint-", dir=tempfile.gettempdir())
     cfg = Config(scratch=scratch, width=width, depth=args.depth, batch=args.batch,
                  saves=args.saves, restores=args.restores, threads=args.threads,
-                 sample_ms=args.sample_ms, cold=args.cold, verbose=args.verbose)
+                 sample_ms=args.sample_ms, cold=args.cold, restore_only=args.restore_only,
+                 verbose=args.verbose)
     from elastic.checkpoint import layout
 
     meta = {"loadavg_before": os.getloadavg(), "torch": torch.__version__, "python": platform.python_version(),

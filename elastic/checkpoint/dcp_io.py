@@ -25,10 +25,18 @@ verdict on a tensor's item comes when DCP closes its file, after the tensor was
 copied into the model: a failed restore leaves the model's state undefined, as
 any failed load does (see :meth:`Checkpointer.restore`). An item read whole in
 one read (DCP's pickled objects, which it unpickles with ``weights_only=False``)
-is checked before DCP sees its bytes. DCP reads whole items
-also when it reshards (it narrows the loaded tensor afterwards), so every item
-a restore uses is checked, by the rank that reads it; items no rank reads are
-not.
+is checked before DCP sees its bytes.
+
+The reader runs DCP's read loop itself (:meth:`VerifyingReader.read_data`), so
+that a tensor's bytes go from the file straight into the state dict's tensor,
+chunk by chunk, each chunk folded into the item's CRC-32 while it is in the
+CPU's cache; ``torch.load`` only reads the item's description (on the meta
+device). DCP's loop lets ``torch.load`` allocate a tensor, read into it and
+copy that into the state dict: more memory traffic than the CRC-32 costs.
+Tensors that cannot be placed so go DCP's way (:func:`_load_tensor`). An item
+is checked whole also when resharding places only part of it (the view reads
+the rest for the CRC-32), so every item a restore uses is checked, by the rank
+that reads it; items no rank reads are not.
 
 The hooks are DCP's ``FileSystemBase`` (``create_stream``, ``rename``) through
 the writer's and reader's ``fs`` attribute, and ``FileSystemReader._slice_file``
@@ -40,13 +48,19 @@ that items were read unchecked and fails the load rather than trust them.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import os
+import sys
 import threading
+import zipfile
 from typing import Any, Iterator, Mapping
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.planner import LoadItemType
+from torch.futures import Future
 
 from elastic.checkpoint import layout
 from elastic.errors import CheckpointCorruptError, CheckpointError
@@ -260,6 +274,38 @@ class _VerifyingView(io.RawIOBase):
         self._pos += len(data)
         return data
 
+    def byte_order(self) -> str | None:
+        """The byte order ``torch.save`` recorded in the item (``"little"`` or
+        ``"big"``), or None when it recorded none (or the item is no zip: then
+        ``torch.load`` will say what is wrong). Reads a few small pieces, which
+        are checked as any others are."""
+        self.seek(0)
+        try:
+            with zipfile.ZipFile(self) as archive:
+                name = next((n for n in archive.namelist() if n.endswith("/byteorder")), None)
+                order = archive.read(name).decode("ascii", "replace") if name else None
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+            order = None
+        self.seek(0)
+        return order
+
+    def fill(self, start: int, buffer: Any) -> None:
+        """Read the item's bytes ``[start, start + len(buffer))`` into ``buffer``
+        (a tensor's memory), a chunk at a time, each folded into the CRC-32 while
+        it is still in the CPU's cache. Raises EOFError when the item is shorter."""
+        view = memoryview(buffer).cast("B")
+        position, end = 0, len(view)
+        while position < end:
+            size = min(_CHUNK, end - position)
+            if end - position - size < _LARGE_READ:
+                size = end - position  # no small tail: it would be kept and read again
+            self.seek(start + position)
+            got = self.readinto(view[position:position + size])
+            if got <= 0:
+                raise EOFError(f"{self.path}: the item ends {start + position} bytes in, "
+                               f"inside a tensor's data")
+            position += got
+
     def _consumed(self, offset: int, data: Any) -> None:
         if len(data) < _LARGE_READ:
             self._kept.append([offset, bytes(data), 0])  # the caller may reuse its buffer
@@ -294,6 +340,8 @@ class _VerifyingView(io.RawIOBase):
         end = start + len(data)
         for kept in self._kept:
             offset, piece = kept[0], kept[1]
+            if offset >= end or offset + len(piece) <= start:
+                continue
             low, high = max(start, offset), min(end, offset + len(piece))
             if low < high:
                 if data[low - start:high - start] != piece[low - offset:high - offset]:
@@ -369,7 +417,9 @@ class VerifyingReader(dcp.FileSystemReader):
     A mismatch is appended to :attr:`problems` (naming the file and the item)
     and fails the load with :class:`CheckpointCorruptError`, which DCP passes
     on to every rank. :attr:`items_checked` counts the items checked, and
-    :attr:`items_reread` those whose reads forced a second read of the item.
+    :attr:`items_reread` those whose reads forced a second read of the item,
+    :attr:`tensors_in_place` the tensors read straight into the state dict's
+    tensors (the rest are loaded and copied, as DCP does).
     """
 
     def __init__(self, path: str, files: Mapping[str, layout.FileDigest]):
@@ -384,6 +434,8 @@ class VerifyingReader(dcp.FileSystemReader):
                        for name, digest in files.items() if digest.items is not None}
         self._open: dict[int, list[_VerifyingView]] = {}
         self._sliced = 0
+        self._byte_orders: dict[str, str | None] = {}
+        self.tensors_in_place = 0
 
     def fail(self, problem: layout.Problem) -> CheckpointCorruptError:
         self.problems.append(problem)
@@ -442,13 +494,102 @@ class VerifyingReader(dcp.FileSystemReader):
             raise self.fail(problems[0])
 
     def read_data(self, plan: Any, planner: Any) -> Any:
-        """DCP's read, then a check that every item went through :meth:`_slice_file`.
-        Raises CheckpointError when one did not (a DCP that reads around the checks)."""
+        """DCP's read, with each tensor read straight into its place (see
+        :func:`_load_tensor`), then a check that every item went through
+        :meth:`_slice_file`. Raises CheckpointError when one did not (a DCP that
+        reads around the checks)."""
         before = self._sliced
-        future = super().read_data(plan, planner)
+        if any(getattr(self.storage_data[item.storage_index], "transform_descriptors", None)
+               for item in plan.items):
+            future = super().read_data(plan, planner)  # DCP's extensions (e.g. compression)
+        else:
+            future = self._read_items(plan, planner)
         if self._sliced - before != len(plan.items):
             raise CheckpointError(
                 f"DCP read {len(plan.items)} item(s) from {self.directory}, "
                 f"{self._sliced - before} through the verifying reader: this version of "
                 f"torch reads around the checks, so nothing vouches for what it loaded")
         return future
+
+    def _byte_order(self, relative_path: str, piece: Any) -> str | None:
+        """The byte order of the tensors in a shard file, from the first tensor
+        item read from it: ``torch.save`` records the writing process's, and one
+        DCP file is written by one process."""
+        if relative_path not in self._byte_orders and isinstance(piece, _VerifyingView):
+            self._byte_orders[relative_path] = piece.byte_order()
+        return self._byte_orders.get(relative_path)
+
+    def _read_items(self, plan: Any, planner: Any) -> Future:
+        """DCP's ``FileSystemReader.read_data`` (files opened through ``fs``, items
+        cut by ``_slice_file``, the planner's ``load_bytes``, ``resolve_tensor`` and
+        ``commit_tensor``), except that a tensor lands in its place directly."""
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            path = self.storage_data[item.storage_index].relative_path
+            per_file.setdefault(path, []).append(item)
+        for relative_path, items in per_file.items():
+            with self.fs.create_stream(self.fs.concat_path(self.path, relative_path),
+                                       "rb") as stream:
+                for item in items:
+                    piece = self._slice_file(stream, self.storage_data[item.storage_index])
+                    if item.type == LoadItemType.BYTE_IO:
+                        planner.load_bytes(item, io.BytesIO(piece.read(-1)))
+                        continue
+                    target = planner.resolve_tensor(item).detach()
+                    if _load_tensor(piece, item, target, self._byte_order(relative_path, piece)):
+                        self.tensors_in_place += 1
+                    planner.commit_tensor(item, target)
+        future: Future = Future()
+        future.set_result(None)
+        return future
+
+
+def _narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
+    """The part of a saved chunk a read item wants (what DCP's reader narrows to)."""
+    for dim, (offset, length) in enumerate(zip(offsets, lengths)):
+        if length < tensor.size(dim):
+            tensor = tensor.narrow(dim, offset, length)
+    return tensor
+
+
+def _load_tensor(piece: Any, item: Any, target: torch.Tensor, byte_order: str | None) -> bool:
+    """Put the tensor saved in ``piece`` (one item, a ``torch.save`` zip whose
+    tensors are in ``byte_order``), narrowed as ``item`` says, into ``target``;
+    True when its bytes went there directly.
+
+    DCP's reader lets ``torch.load`` allocate the tensor, reads the item into it
+    and copies it into the target: three passes over the bytes, the first into
+    freshly faulted-in memory. Here ``torch.load`` on the meta device reads only
+    the item's description (dtype, shape, strides, where the storage's bytes lie
+    in the item), and the bytes go straight from the file into the target's
+    memory, through the view's CRC-32 (:meth:`_VerifyingView.fill`); the
+    target's in-place counter is bumped as ``copy_`` would. Anything that cannot
+    be put in place so (a target that is not contiguous CPU memory of the same
+    dtype, a part of the saved tensor that is not one block, a file written with
+    another byte order, a torch that does not say where the storage lies, an
+    item read without a verifying view) goes DCP's way.
+    """
+    if (isinstance(piece, _VerifyingView) and target.device.type == "cpu"
+            and target.is_contiguous() and byte_order == sys.byteorder):
+        saved = torch.load(piece, map_location="meta", weights_only=True)
+        piece.seek(0)
+        plain = (type(saved) is torch.Tensor and saved.layout == torch.strided
+                 and not (saved.is_quantized or saved.is_conj() or saved.is_neg()))
+        base = getattr(saved.untyped_storage(), "_checkpoint_offset", None) if plain else None
+        if isinstance(base, int):
+            part = _narrow(saved, item.storage_offsets, item.lengths)
+            if (part.is_contiguous() and part.dtype == target.dtype
+                    and part.shape == target.shape):
+                nbytes = part.numel() * part.element_size()
+                if nbytes:
+                    piece.fill(base + part.storage_offset() * part.element_size(),
+                               (ctypes.c_char * nbytes).from_address(target.data_ptr()))
+                    torch.autograd.graph.increment_version(target)
+                return True
+    tensor = _narrow(torch.load(piece, map_location="cpu", weights_only=True),
+                     item.storage_offsets, item.lengths)
+    if target.size() != tensor.size():
+        raise CheckpointError(f"item {item.storage_index} has shape {tuple(tensor.size())}, "
+                              f"its place in the state dict {tuple(target.size())}")
+    target.copy_(tensor)
+    return False

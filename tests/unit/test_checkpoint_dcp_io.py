@@ -4,6 +4,7 @@ one process, DCP without a process group, real files, no Checkpointer."""
 from __future__ import annotations
 
 import os
+import sys
 import zlib
 
 import pytest
@@ -222,3 +223,84 @@ def test_bytes_that_change_between_two_reads_are_named(one_item):
     problem = view.finish()
     assert problem is not None and problem.path == path
     assert problem.reason.startswith("changed while read")
+
+
+# --- tensors read straight into their places ----------------------------------------------
+
+
+def test_tensors_are_read_into_the_state_dicts_own_memory(saved):
+    directory, files = saved
+    target = blank()
+    pointers = {k: target[k].data_ptr() for k in ("big", "bias", "ids")}
+    versions = {k: target[k]._version for k in pointers}
+    reader = dcp_io.VerifyingReader(directory, files)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    expected = state()
+    assert reader.tensors_in_place == 3 and reader.problems == []
+    assert reader.items_reread == 0
+    for key in pointers:
+        assert torch.equal(target[key], expected[key])
+        assert target[key].data_ptr() == pointers[key]  # no tensor of its own
+        assert target[key]._version > versions[key]  # an in-place write, as copy_ is
+
+
+def test_tensors_that_cannot_be_placed_are_loaded_and_copied(saved):
+    directory, files = saved
+    target = blank()
+    target["big"] = torch.zeros(256, 300, dtype=torch.float64)  # converted by copy_
+    target["bias"] = torch.zeros(7, 2)[:, 0]  # not contiguous
+    reader = dcp_io.VerifyingReader(directory, files)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    expected = state()
+    assert reader.tensors_in_place == 1  # ids
+    assert torch.equal(target["big"], expected["big"].double())
+    assert torch.equal(target["bias"], expected["bias"])
+    assert reader.items_checked == len(files[SHARD].items) and reader.problems == []
+
+
+def test_a_file_of_another_byte_order_is_loaded_by_torch(saved, monkeypatch):
+    directory, files = saved
+    foreign = "big" if sys.byteorder == "little" else "little"
+    monkeypatch.setattr(dcp_io._VerifyingView, "byte_order", lambda self: foreign)
+    target, reader = load(directory, files)
+    assert reader.tensors_in_place == 0 and reader.problems == []
+    assert torch.equal(target["big"], state()["big"])
+
+
+def test_a_view_reports_the_byte_order_torch_save_recorded(saved):
+    directory, files = saved
+    item = max(files[SHARD].items, key=lambda i: i.length)
+    path = os.path.join(directory, SHARD)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        view = dcp_io._VerifyingView(fd, path, item)
+        assert view.byte_order() == sys.byteorder
+        assert view.finish() is None  # what it read went through the check
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("rows", [(0, 100), (100, 156), (0, 256)])
+def test_part_of_a_saved_tensor_is_placed_and_the_whole_item_checked(saved, rows):
+    # Resharding: a rank needs some rows of a saved chunk.
+    from types import SimpleNamespace
+
+    directory, files = saved
+    item = max(files[SHARD].items, key=lambda i: i.length)  # "big"
+    path = os.path.join(directory, SHARD)
+    start, length = rows
+    target = torch.zeros(length, 300)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        view = dcp_io._VerifyingView(fd, path, item)
+        wanted = SimpleNamespace(storage_offsets=[start, 0], lengths=[length, 300],
+                                 storage_index=None)
+        assert dcp_io._load_tensor(view, wanted, target, sys.byteorder)
+        assert torch.equal(target, state()["big"][start:start + length])
+        assert view.finish() is None and not view.reread
+        flip(path, item.offset + item.length // 2)  # a byte this rank may not need
+        view = dcp_io._VerifyingView(fd, path, item)
+        dcp_io._load_tensor(view, wanted, torch.zeros(length, 300), sys.byteorder)
+        assert "corrupt: CRC-32" in view.finish().reason
+    finally:
+        os.close(fd)
