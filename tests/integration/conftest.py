@@ -24,3 +24,17 @@ def one_warm_set_per_agent():
     if before is None:
         os.environ.pop(WARM_SETS_ENV, None)
 
+
+
+@pytest.fixture
+def own_etcd(tmp_path):
+    """An etcd of the test's own, free to be restarted or frozen (the session's is shared)."""
+    from elastic.store.server import EtcdServer
+
+    server = EtcdServer(data_dir=str(tmp_path / "data"), log_path=str(tmp_path / "etcd.log"),
+                        unsafe_no_fsync=True)
+    server.start(timeout_s=20.0)
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -11,35 +11,21 @@ import pytest
 from elastic.errors import StoreError
 from elastic.store.api import DEFAULT_REQUEST_TIMEOUT_S
 from elastic.store.etcd import EtcdStore
-from elastic.store.server import EtcdServer
 
 pytestmark = [pytest.mark.integration]
 
 LEASE_TTL_S = 3.0
 
 
-@pytest.fixture
-def frozen_etcd(tmp_path):
-    """A private etcd (the session's is shared: it must not be frozen), SIGCONT on the way out."""
-    server = EtcdServer(data_dir=str(tmp_path / "data"), log_path=str(tmp_path / "etcd.log"),
-                        unsafe_no_fsync=True)
-    server.start(timeout_s=20.0)
-    try:
-        yield server
-    finally:
-        os.kill(server.pid, signal.SIGCONT)
-        server.stop()
-
-
-def test_probing_a_lease_to_resume_gives_up_after_a_third_of_its_ttl(frozen_etcd):
+def test_probing_a_lease_to_resume_gives_up_after_a_third_of_its_ttl(own_etcd):
     # After an outage, a node resumes its lease only if etcd kept it. The probe
     # must not hold the rendezvous loop for the store's whole request timeout:
     # the loop asks again on its next pass, and the first answer after etcd is
     # back must come before the peers conclude this node is the one cut off.
-    store = EtcdStore(frozen_etcd.endpoint)
+    store = EtcdStore(own_etcd.endpoint)
     try:
         session = store.session(LEASE_TTL_S)
-        os.kill(frozen_etcd.pid, signal.SIGSTOP)
+        os.kill(own_etcd.pid, signal.SIGSTOP)
 
         started = time.monotonic()
         with pytest.raises(StoreError):
@@ -47,9 +33,10 @@ def test_probing_a_lease_to_resume_gives_up_after_a_third_of_its_ttl(frozen_etcd
         waited = time.monotonic() - started
 
         assert LEASE_TTL_S / 3 * 0.9 <= waited < DEFAULT_REQUEST_TIMEOUT_S / 2, waited
-        os.kill(frozen_etcd.pid, signal.SIGCONT)
+        os.kill(own_etcd.pid, signal.SIGCONT)
         resumed = store.resume_session(session.lease_id, LEASE_TTL_S)
         assert resumed is not None and resumed.lease_id == session.lease_id
         resumed.close()
     finally:
+        os.kill(own_etcd.pid, signal.SIGCONT)  # a frozen etcd would not stop
         store.close()

@@ -22,7 +22,6 @@ import uuid
 import pytest
 
 from elastic.store.etcd import EtcdStore
-from elastic.store.server import EtcdServer
 from tests.contract.test_store_contract import WAIT_S, EventSink
 
 pytestmark = pytest.mark.integration
@@ -69,18 +68,6 @@ def test_fifty_watches_share_one_stream_and_one_thread_and_each_sees_only_its_ke
         for w in watches:
             w.cancel()
     assert not etcd_store._watcher.stream_open  # closed with the last watch
-
-
-@pytest.fixture
-def own_etcd(tmp_path):
-    """An etcd of the test's own, free to be restarted."""
-    server = EtcdServer(data_dir=str(tmp_path / "data"), log_path=str(tmp_path / "etcd.log"),
-                        unsafe_no_fsync=True)
-    server.start(timeout_s=20.0)
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def test_after_an_etcd_restart_every_watch_resumes_with_no_event_lost_or_repeated(
