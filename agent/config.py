@@ -61,6 +61,7 @@ from elastic.rendezvous.api import (
 )
 from agent.tls import AgentTLS, agent_tls_from_options
 from elastic.rendezvous.operator import DEFAULT_OPERATOR_RESTART_INTERVAL_S
+from elastic.store.api import DEFAULT_CONNECT_TIMEOUT_S
 from elastic.store.security import PASSWORD_ENV, EtcdSecurity, security_from_options
 
 log = logging.getLogger(__name__)
@@ -250,7 +251,7 @@ OPTIONS = [
            "exit code after a SIGTERM drain: 0 is a clean stop (systemd); Kubernetes sets "
            "143 so that a Job replaces a pod it terminated instead of counting it complete",
            "N"),
-    Option("connect-timeout", positive(float), 5.0, "give up reaching etcd after this long",
+    Option("connect-timeout", positive(float), DEFAULT_CONNECT_TIMEOUT_S, "give up reaching etcd after this long",
            "SECONDS"),
     Option("etcd-cacert", _readable_file, None,
            "PEM bundle of the CAs that sign etcd's server certificates, for https:// "

@@ -15,6 +15,7 @@ from typing import Protocol
 
 from elastic.errors import ConfigError
 from elastic.store.api import (
+    DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_REQUEST_TIMEOUT_S,
     Compare,
     CompareTarget,
@@ -36,6 +37,7 @@ from elastic.store.api import (
 from elastic.store.security import PASSWORD_ENV, EtcdSecurity, security_from_options
 
 __all__ = [
+    "DEFAULT_CONNECT_TIMEOUT_S",
     "DEFAULT_REQUEST_TIMEOUT_S",
     "Compare",
     "CompareTarget",
@@ -93,7 +95,7 @@ def register_backend(scheme: str, factory: StoreFactory) -> None:
 def open_store(
     endpoints: str,
     *,
-    connect_timeout_s: float = 5.0,
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
     security: EtcdSecurity | None = None,
 ) -> Store:

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence, Union
 
 DEFAULT_REQUEST_TIMEOUT_S = 5.0
+# How long reaching etcd may take before a client gives up (elasticd's --connect-timeout).
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)

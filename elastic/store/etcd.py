@@ -58,6 +58,7 @@ from elastic.errors import (
     StoreUnavailableError,
 )
 from elastic.store.api import (
+    DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_REQUEST_TIMEOUT_S,
     Compare,
     ErrorCallback,
@@ -159,7 +160,7 @@ class EtcdStore(Store):
         self,
         endpoints: str | Sequence[str],
         *,
-        connect_timeout_s: float = 5.0,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
         security: EtcdSecurity | None = None,
     ):

@@ -180,8 +180,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                         master_port=_master_port(settings.host), version="torchrun-etcd3")
         with _torch_errors(f"--rdzv-endpoint {settings.endpoints}"):
             store = open_store(settings.endpoints, security=settings.security,
-                               **({} if settings.connect_timeout_s is None
-                                  else {"connect_timeout_s": settings.connect_timeout_s}))
+                               connect_timeout_s=settings.connect_timeout_s)
         return cls(settings, store, info)
 
     # ------------------------------------------------------ torch's interface

@@ -28,6 +28,7 @@ from elastic.rendezvous.api import (
     valid_host,
     validate_id,
 )
+from elastic.store.api import DEFAULT_CONNECT_TIMEOUT_S
 from elastic.store.etcd_endpoints import parse_endpoint_urls
 from elastic.store.security import EtcdSecurity, security_from_options
 from elastic.torchrun.conf import Setting, c10d_refusal, read_rdzv_conf, with_protocol
@@ -43,7 +44,6 @@ class HandlerSettings:
     ``host``: where this node's workers can be reached by the others (rank 0's
     is the workers' MASTER_ADDR). ``endpoints``: the etcd endpoints as given,
     bare ones with ``protocol://`` when ``--rdzv-conf protocol`` is.
-    ``connect_timeout_s`` None: the store's default.
     """
 
     run_id: str
@@ -55,7 +55,7 @@ class HandlerSettings:
     last_call_s: float = DEFAULT_SETTLE_S
     close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
-    connect_timeout_s: float | None = None
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     security: EtcdSecurity = EtcdSecurity()
 
     def rendezvous_config(self) -> RendezvousConfig:
@@ -124,4 +124,4 @@ def settings_from_conf(*, run_id: str, endpoint: str, min_nodes: int, max_nodes:
         last_call_s=value(Setting.LAST_CALL, DEFAULT_SETTLE_S),
         close_timeout_s=value(Setting.CLOSE_TIMEOUT, DEFAULT_CLOSE_TIMEOUT_S),
         lease_ttl_s=value(Setting.LEASE_TTL, DEFAULT_LEASE_TTL_S),
-        connect_timeout_s=value(Setting.CONNECT_TIMEOUT), security=security)
+        connect_timeout_s=value(Setting.CONNECT_TIMEOUT, DEFAULT_CONNECT_TIMEOUT_S), security=security)

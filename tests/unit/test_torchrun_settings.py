@@ -7,6 +7,7 @@ import pytest
 
 from elastic.errors import ConfigError
 from elastic.rendezvous.api import DEFAULT_LEASE_TTL_S, DEFAULT_SETTLE_S
+from elastic.store.api import DEFAULT_CONNECT_TIMEOUT_S
 from elastic.store.security import PASSWORD_ENV
 from elastic.torchrun.conf import CONF_KEYS
 from elastic.torchrun.settings import settings_from_conf
@@ -35,7 +36,7 @@ def test_torchruns_own_timeout_is_the_join_timeout_unless_join_timeout_is_given(
     s = settings({"timeout": 900})
     assert s.join_timeout_s == 900
     assert (s.last_call_s, s.lease_ttl_s) == (DEFAULT_SETTLE_S, DEFAULT_LEASE_TTL_S)
-    assert s.connect_timeout_s is None  # the store's default
+    assert s.connect_timeout_s == DEFAULT_CONNECT_TIMEOUT_S  # the store's default
 
 
 def test_one_keep_alive_key_takes_torchs_default_for_the_other():
