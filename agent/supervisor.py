@@ -796,8 +796,13 @@ class WorkerSupervisor:
                 return
             self._warm_failures += 1
             failures = self._warm_failures
+            given_up: list[_Worker] = []
             if failures >= WARM_FAILURE_LIMIT:
                 self._warm_disabled = True
+                # Replacements started before this verdict would never be taken: end them now.
+                given_up, self._warm = self._warm, []
+        for other in given_up:
+            self._discard(other)
         with w.lock:
             tail = " | ".join(text for _, text in list(w.pending)[-5:])
         if failures >= WARM_FAILURE_LIMIT:

@@ -267,6 +267,39 @@ def test_warm_worker_deaths_are_not_failures_and_a_broken_pool_goes_cold(supervi
     assert sup.warm_workers() == []
 
 
+def test_giving_up_the_warm_pool_ends_the_warm_workers_still_importing(supervise, tmp_path,
+                                                                      monkeypatch):
+    # Once the marker exists, the first import of `badpre` fails and every later one hangs:
+    # the verdict "go cold" comes while a replacement is still importing.
+    marker, claimed = tmp_path / "broken", tmp_path / "claimed"
+    (tmp_path / "badpre.py").write_text(textwrap.dedent(f"""
+        import os, time
+        if os.path.exists({str(marker)!r}):
+            try:
+                os.close(os.open({str(claimed)!r}, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                time.sleep(60)
+            else:
+                raise SystemExit("broken preload")
+        """))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("ELASTIC_PRELOAD", "badpre")
+    sup, exits = supervise("print('ran')", nproc=2, prestart=True)
+    sup.warm_up()
+    warm = _wait(lambda: len(sup.warm_workers()) == 2 and all(
+        w.ready for w in sup.warm_workers()) and sup.warm_workers(), 10, "pool warm")
+    marker.touch()
+
+    for w in warm:  # two deaths, then the first replacement's failed import: three in a row
+        os.kill(w.pid, signal.SIGKILL)
+    _wait(lambda: not sup.warm_enabled, 15, "warm workers given up")
+
+    assert sup.warm_workers() == []
+    hanging = [pid for pid in sup.pids() if pid not in {w.pid for w in warm}]
+    _wait(lambda: not any(_alive(pid) for pid in hanging), 5, "the hanging replacement ended")
+    assert exits.seen == []
+
+
 def test_a_second_warm_set_serves_a_restart_before_the_used_set_is_replaced(
         supervise, tmp_path, monkeypatch):
     # Warm workers import `slowpre`, which takes 30 s once the marker exists:
