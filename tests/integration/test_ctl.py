@@ -25,12 +25,19 @@ from tests.integration.procs import REPO
 from tests.integration.tcp_proxy import TcpProxy
 
 
+def _sigint_as_at_a_terminal() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Ctl:
     """``python -m agent.ctl ARGS`` with its stdout read line by line on a thread."""
 
     def __init__(self, *args: str):
+        # Ctrl-C as at a terminal: a suite started in the background (`make test &`) runs
+        # with SIGINT ignored, which Python would keep, so the child gets it back.
         self.proc = subprocess.Popen([sys.executable, "-m", "agent.ctl", *args], cwd=REPO,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     preexec_fn=_sigint_as_at_a_terminal)
         self.lines: queue.Queue = queue.Queue()
         self.stderr: list[str] = []
         threading.Thread(target=self._pump, args=(self.proc.stdout, self.lines.put),
