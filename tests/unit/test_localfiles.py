@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
+import pathlib
+import shutil
 import socket
+import tempfile
 
 import pytest
 
@@ -138,6 +141,17 @@ def test_a_round_directory_planted_as_a_link_is_refused(tmp_path):
 
 # --- the socket's path: 107 bytes at most ---------------------------------------------------------
 
+@pytest.fixture
+def short_tmp():
+    """A fresh directory with a short path, standing in for the temp dir: the fallback
+    socket must fit in 107 bytes, and pytest's tmp_path may be long (xdist adds to it)."""
+    path = tempfile.mkdtemp(prefix="lf-", dir="/tmp")
+    try:
+        yield pathlib.Path(path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _long_state(tmp_path) -> str:
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     return str(deep / "job" / "n1")
@@ -159,29 +173,29 @@ def test_a_socket_path_too_long_falls_back_to_the_runtime_directory(tmp_path, ca
 
 
 def test_without_a_runtime_directory_the_fallback_is_private_in_the_temp_dir(tmp_path,
+                                                                              short_tmp,
                                                                               monkeypatch):
-    monkeypatch.setattr(localfiles.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(localfiles.tempfile, "gettempdir", lambda: str(short_tmp))
     path = localfiles.socket_path(_long_state(tmp_path), "job", "n1", {})
-    assert os.path.dirname(path) == str(tmp_path / "tmp" / f"elasticd-{os.geteuid()}")
+    assert os.path.dirname(path) == str(short_tmp / f"elasticd-{os.geteuid()}")
     assert _mode(os.path.dirname(path)) == 0o700
 
 
 @as_root
-def test_a_fallback_directory_another_user_created_first_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(localfiles.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    squatted = tmp_path / "tmp" / f"elasticd-{os.geteuid()}"
-    squatted.mkdir(parents=True)
+def test_a_fallback_directory_another_user_created_first_is_refused(tmp_path, short_tmp,
+                                                                   monkeypatch):
+    monkeypatch.setattr(localfiles.tempfile, "gettempdir", lambda: str(short_tmp))
+    squatted = short_tmp / f"elasticd-{os.geteuid()}"
+    squatted.mkdir()
     os.chown(squatted, OTHER_UID, OTHER_UID)
     with pytest.raises(ConfigError, match=f"belongs to uid {OTHER_UID}"):
         localfiles.socket_path(_long_state(tmp_path), "job", "n1", {})
 
 
-def test_a_fallback_directory_planted_as_a_link_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(localfiles.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    (tmp_path / "tmp").mkdir()
+def test_a_fallback_directory_planted_as_a_link_is_refused(tmp_path, short_tmp, monkeypatch):
+    monkeypatch.setattr(localfiles.tempfile, "gettempdir", lambda: str(short_tmp))
     (tmp_path / "elsewhere").mkdir()
-    (tmp_path / "tmp" / f"elasticd-{os.geteuid()}").symlink_to(tmp_path / "elsewhere")
+    (short_tmp / f"elasticd-{os.geteuid()}").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(ConfigError, match="symbolic link"):
         localfiles.socket_path(_long_state(tmp_path), "job", "n1", {})
 
