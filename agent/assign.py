@@ -30,6 +30,7 @@ from typing import Mapping
 
 from agent.netaddr import SYSTEM_NETWORK, HostNetwork, socket_ifname_env
 from elastic.rendezvous.api import Round
+from elastic.worker.channel import HEARTBEAT_SOCKET_ENV
 
 NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
@@ -37,7 +38,7 @@ NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 def worker_envs(round_: Round, node_id: str, *, job_id: str, restart_count: int,
                 max_restarts: int, agent_socket: str, checkpoint_dir: str | None,
                 hang_timeout_s: float, lease_ttl_s: float = 0.0,
-                role: str = "default") -> list[dict[str, str]]:
+                role: str = "default", heartbeat_socket: str = "") -> list[dict[str, str]]:
     """The environment of each local worker of ``node_id`` in ``round_``, by local rank
     (the variables are those of the module docstring).
 
@@ -71,6 +72,8 @@ def worker_envs(round_: Round, node_id: str, *, job_id: str, restart_count: int,
         # (elastic.step); 0 turns that off.
         "ELASTIC_LEASE_TTL_S": f"{lease_ttl_s:g}",
     }
+    if heartbeat_socket:
+        common[HEARTBEAT_SOCKET_ENV] = heartbeat_socket
     if checkpoint_dir:
         common["ELASTIC_CHECKPOINT_DIR"] = checkpoint_dir
     envs = []

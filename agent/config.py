@@ -63,6 +63,7 @@ from agent.tls import AgentTLS, agent_tls_from_options
 from elastic.rendezvous.operator import DEFAULT_OPERATOR_RESTART_INTERVAL_S
 from elastic.store.api import DEFAULT_CONNECT_TIMEOUT_S
 from elastic.store.security import PASSWORD_ENV, EtcdSecurity, security_from_options
+from elastic.worker.channel import HEARTBEAT_SOCKET_ENV
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,8 @@ log = logging.getLogger(__name__)
 # "execute it directly, not with python" (torchrun's --no-python).
 SCRIPT_ENV = ("ELASTIC_SCRIPT", "ELASTIC_SCRIPT_ARGS", "ELASTIC_MODULE", "ELASTIC_NO_PYTHON")
 # Variables the agent sets for its workers: not options, never warned about.
-WORKER_ENV = {"ELASTIC_ROUND", "ELASTIC_AGENT_SOCKET", "ELASTIC_CHECKPOINT_DIR",
+WORKER_ENV = {"ELASTIC_ROUND", "ELASTIC_AGENT_SOCKET", HEARTBEAT_SOCKET_ENV,
+              "ELASTIC_CHECKPOINT_DIR",
               "ELASTIC_JOB_ID", "ELASTIC_NODE_ID", "ELASTIC_PRELOAD", "ELASTIC_HANG_TIMEOUT_S",
               "ELASTIC_LEASE_TTL_S", FAILPOINT_ENV}
 

@@ -129,8 +129,8 @@ class Agent:
     def __init__(self, config: agent_config.AgentConfig, store: Store,
                  rendezvous: RendezvousNode, supervisor: Supervisor, server: Server,
                  peers: PeerMesh, *, inbox: queue.Queue, socket_path: str = "",
-                 clock: Clock = SYSTEM_CLOCK, notifier: SystemdNotifier | None = None,
-                 metrics: NoMetrics = NO_METRICS):
+                 heartbeat_socket: str = "", clock: Clock = SYSTEM_CLOCK,
+                 notifier: SystemdNotifier | None = None, metrics: NoMetrics = NO_METRICS):
         self.config = config
         self.metrics = metrics  # before the lifecycle, which feeds it
         self.store = store
@@ -140,6 +140,7 @@ class Agent:
         self.peers = peers
         self.inbox = inbox
         self.socket_path = socket_path
+        self.heartbeat_socket = heartbeat_socket
         self.clock = clock
         self.settings = Settings(node_id=config.node_id, nproc=config.nproc_per_node,
                                  lease_ttl_s=config.lease_ttl_s,
@@ -211,7 +212,8 @@ class Agent:
                                    config.advertise_addr),
             console=config.console)
         agent = cls(config, store, rendezvous, supervisor, server, peers, inbox=inbox,
-                    socket_path=socket_path, clock=clock, notifier=notifier, metrics=metrics)
+                    socket_path=socket_path, heartbeat_socket=server.heartbeat_socket or "",
+                    clock=clock, notifier=notifier, metrics=metrics)
         handlers.agent = agent
         return agent
 
@@ -403,6 +405,7 @@ class Agent:
         envs = worker_envs(r, self.config.node_id, job_id=self.config.job_id,
                            restart_count=restart_count, max_restarts=self.config.max_restarts,
                            agent_socket=self.socket_path,
+                           heartbeat_socket=self.heartbeat_socket,
                            checkpoint_dir=self.config.checkpoint_dir,
                            hang_timeout_s=self.config.hang_timeout_s,
                            lease_ttl_s=self.config.lease_ttl_s, role=self.config.role)

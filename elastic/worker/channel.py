@@ -1,11 +1,16 @@
 """The worker's end of the local channel to its agent: heartbeats over a Unix socket.
 
-Does not import torch, so it can be used (and tested) without it.
+Heartbeats go as datagrams to the agent's heartbeat socket when it has one
+(``ELASTIC_AGENT_HEARTBEAT_SOCKET``; the protocol and why:
+:mod:`agent.heartbeat_socket`), else as the gRPC Heartbeat call; everything
+else (checkpoint commits, reports) is gRPC. Does not import torch, so it can
+be used (and tested) without it.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 
@@ -21,17 +26,27 @@ logger = logging.getLogger(__name__)
 _CHANNEL_OPTIONS = fast_reconnect_options()
 # The agent is restarting or busy: normal, and the next heartbeat will tell.
 _TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# Where an agent that takes heartbeats as datagrams tells its workers its socket is.
+HEARTBEAT_SOCKET_ENV = "ELASTIC_AGENT_HEARTBEAT_SOCKET"
+# The largest heartbeat datagram the agent reads (agent.heartbeat_socket); a
+# request is well under 100 bytes.
+MAX_HEARTBEAT_DATAGRAM_BYTES = 4096
 
 
 class WorkerChannelClient:
     """Sends this worker's heartbeats to the agent's ``elastic.v1.WorkerChannel`` at a Unix socket.
 
-    Thread-safe. Every call waits at most ``timeout_s`` seconds.
+    Thread-safe. Every call waits at most ``timeout_s`` seconds. With
+    ``heartbeat_socket`` (the agent's datagram socket), heartbeats go there
+    instead of the gRPC call.
     """
 
-    def __init__(self, socket_path: str, timeout_s: float = 1.0):
+    def __init__(self, socket_path: str, timeout_s: float = 1.0,
+                 heartbeat_socket: str | None = None):
         self._target = f"unix:{socket_path}"
         self._timeout_s = timeout_s
+        self._datagrams = _HeartbeatDatagrams(heartbeat_socket, timeout_s) \
+            if heartbeat_socket else None
         self._channel = grpc.insecure_channel(self._target, options=_CHANNEL_OPTIONS)
         self._stub = agent_pb2_grpc.WorkerChannelStub(self._channel)
         self._lock = threading.Lock()
@@ -74,13 +89,19 @@ class WorkerChannelClient:
                              rank)
                 return False
             stub = self._stub
-        try:
-            response = stub.Heartbeat(request, timeout=self._timeout_s)
-        except grpc.RpcError as exc:
-            self._note_failure(exc, rank, pid, round)
-            return False
-        except ValueError:  # close() ran while this call was starting
-            return False
+        if self._datagrams is not None:
+            response, failure = self._datagrams.exchange(request)
+            if response is None:
+                self._note_datagram_failure(failure, rank, pid, round)
+                return False
+        else:
+            try:
+                response = stub.Heartbeat(request, timeout=self._timeout_s)
+            except grpc.RpcError as exc:
+                self._note_failure(exc, rank, pid, round)
+                return False
+            except ValueError:  # close() ran while this call was starting
+                return False
         if self._last_failure is not None:
             logger.debug("Rank %d (pid %d, round %d) reaches the agent at %s again.",
                          rank, pid, round, self._target)
@@ -100,6 +121,16 @@ class WorkerChannelClient:
         else:
             logger.warning("Heartbeat of rank %d (pid %d, round %d) to the agent at %s failed: "
                            "%s: %s.", rank, pid, round_, self._target, code.name, exc.details())
+
+    def _note_datagram_failure(self, failure: str, rank: int, pid: int, round_: int) -> None:
+        # No answer is what an agent restarting, busy or refusing the request
+        # (it logs why) looks like: debug, once until the agent answers again.
+        if self._last_failure is not None:
+            return
+        self._last_failure = grpc.StatusCode.UNAVAILABLE
+        logger.debug("Heartbeat of rank %d (pid %d, round %d) to the agent at %s got no answer: "
+                     "%s; the agent may be restarting.", rank, pid, round_,
+                     self._datagrams.path if self._datagrams else self._target, failure)
 
     def commit_checkpoint(self, *, step: int, round: int, world_size: int,  # noqa: A002
                           path: str, time: float, save_s: float = 0.0,
@@ -182,6 +213,8 @@ class WorkerChannelClient:
             if self._closed:
                 return
             self._closed = True
+        if self._datagrams is not None:
+            self._datagrams.close()
         self._channel.close()
 
     def __enter__(self) -> WorkerChannelClient:
@@ -189,6 +222,80 @@ class WorkerChannelClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class _HeartbeatDatagrams:
+    """One heartbeat request out, its answer back, over the agent's datagram socket.
+
+    The socket is bound (an abstract address, so the agent can answer) and
+    connected to the agent's path: the kernel then delivers only what that
+    socket sends, so no other process can forge an answer. When the agent
+    restarts, its new socket at the same path is another peer; the first
+    send to the old one fails and the next exchange connects afresh.
+    """
+
+    def __init__(self, path: str, timeout_s: float):
+        self.path = path
+        self._timeout_s = timeout_s
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def exchange(self, request: agent_pb2.WorkerChannelHeartbeatRequest
+                 ) -> tuple[agent_pb2.WorkerChannelHeartbeatResponse | None, str]:
+        """(the agent's answer, "") or (None, why there is none); never raises."""
+        with self._lock:
+            if self._closed:
+                return None, "the channel is closed"
+            try:
+                sock = self._connected()
+                self._drop_late_answers(sock)
+                sock.send(request.SerializeToString())
+                data = sock.recv(MAX_HEARTBEAT_DATAGRAM_BYTES)
+            except TimeoutError:
+                return None, f"no answer within {self._timeout_s:g} s"
+            except OSError as exc:
+                self._reset()  # the agent's socket is gone or new: connect afresh next time
+                return None, exc.strerror or str(exc)
+        try:
+            return agent_pb2.WorkerChannelHeartbeatResponse.FromString(data), ""
+        except Exception:  # noqa: BLE001 - protobuf's DecodeError
+            return None, f"a malformed answer ({len(data)} bytes)"
+
+    def _connected(self) -> socket.socket:
+        if self._sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            try:
+                sock.bind("")  # Linux: an abstract address of the kernel's choosing
+                sock.connect(self.path)
+            except OSError:
+                sock.close()
+                raise
+            sock.settimeout(self._timeout_s)
+            self._sock = sock
+        return self._sock
+
+    def _drop_late_answers(self, sock: socket.socket) -> None:
+        # An answer that came after its exchange timed out would otherwise be
+        # taken for the answer to this request.
+        sock.setblocking(False)
+        try:
+            while True:
+                sock.recv(MAX_HEARTBEAT_DATAGRAM_BYTES)
+        except (BlockingIOError, InterruptedError):
+            pass
+        finally:
+            sock.settimeout(self._timeout_s)
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._reset()
 
 
 def _describe(exc: Exception) -> str:

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from elastic.worker.channel import WorkerChannelClient
+from elastic.worker.channel import HEARTBEAT_SOCKET_ENV, WorkerChannelClient
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +31,8 @@ def _env_int(name: str, default: int) -> int:
 class _Heartbeat:
     """Background thread that tells the agent this worker is alive and where it is."""
 
-    def __init__(self, socket_path: str, interval_s: float):
-        self.client = WorkerChannelClient(socket_path)
+    def __init__(self, socket_path: str, interval_s: float, heartbeat_socket: str | None = None):
+        self.client = WorkerChannelClient(socket_path, heartbeat_socket=heartbeat_socket)
         self.interval_s = interval_s
         self.rank = _env_int("RANK", 0)
         self.local_rank = _env_int("LOCAL_RANK", 0)
@@ -117,7 +117,9 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
     if socket_path and _heartbeat is None:
         hang_timeout = float(os.environ.get("ELASTIC_HANG_TIMEOUT_S", "300") or 300)
         interval = min(2.0, max(0.2, hang_timeout / 5)) if hang_timeout > 0 else 2.0
-        _heartbeat = _Heartbeat(socket_path, interval)
+        # Set by an agent that takes heartbeats as datagrams (agent.heartbeat_socket).
+        _heartbeat = _Heartbeat(socket_path, interval,
+                                os.environ.get(HEARTBEAT_SOCKET_ENV) or None)
         _hold_after_s = float(os.environ.get("ELASTIC_LEASE_TTL_S", "0") or 0)
         atexit.register(shutdown)
 

@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from agent import grpc_server, peers
+from agent.assign import worker_envs
 from agent.grpc_server import AgentServer, grpc_code_for
 from agent.peers import HealthWatcher, PeerHealth
 from elastic.errors import (
@@ -28,11 +29,14 @@ from elastic.errors import (
     StoreUnavailableError,
 )
 from elastic.net import free_port
-from elastic.rendezvous.api import MAX_REASON_CHARS
+from elastic.rendezvous.api import MAX_REASON_CHARS, Member, Round
 from elastic.v1 import agent_pb2, agent_pb2_grpc
 from elastic.worker.channel import WorkerChannelClient
 
 pytestmark = pytest.mark.timeout(20)
+
+_ONE_NODE_ROUND = Round(number=1, members=(Member("a", 0, "h0", 2),), master_addr="h0",
+                        master_port=2345, reason="", leader="a", created_at=0)
 
 
 class RecordingControl:
@@ -378,3 +382,155 @@ def test_servicers_implement_every_rpc_of_the_proto(ours, generated):
     assert rpcs, "the generated servicer lists no RPCs"
     missing = [name for name in rpcs if getattr(ours, name) is getattr(generated, name)]
     assert missing == []
+
+
+# --- Worker heartbeats as datagrams (agent.heartbeat_socket) --------------------------------------
+
+def _datagram_client(server, timeout_s: float = 2.0) -> WorkerChannelClient:
+    # The gRPC socket is a dead path: whatever reaches the sink came as a datagram.
+    return WorkerChannelClient("/nonexistent/agent.sock", timeout_s=timeout_s,
+                               heartbeat_socket=server.heartbeat_socket)
+
+
+def test_heartbeat_datagrams_reach_the_sink_and_carry_its_answers_back(server, sink):
+    assert server.heartbeat_socket == os.path.join(os.path.dirname(server.worker_socket),
+                                                   "worker.hb.sock")
+    with _datagram_client(server) as client:
+        assert client.heartbeat(rank=5, local_rank=1, pid=777, round=3, step=41,
+                                saving_for_s=12.5) is False
+        sink.stop_requested = True
+        assert client.heartbeat(5, 1, 777, 3, 42, exiting=True) is True
+        # hold: the answer does not vouch for the round
+        sink.stop_requested = False
+        vouched = client.confirmed_at
+        sink.hold = True
+        client.heartbeat(5, 1, 777, 3, 43)
+        assert client.confirmed_at == vouched
+        sink.hold = False
+        client.heartbeat(5, 1, 777, 3, 44)
+        assert client.confirmed_at > vouched
+    first, second = sink.requests[:2]
+    assert (first.rank, first.local_rank, first.pid, first.round, first.step,
+            first.saving_for_s, first.exiting) == (5, 1, 777, 3, 41, 12.5, False)
+    assert (second.step, second.saving_for_s, second.exiting) == (42, 0.0, True)
+
+
+def test_heartbeat_socket_is_private_to_the_agents_user(server):
+    info = os.stat(server.heartbeat_socket)
+    assert stat.S_ISSOCK(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600
+
+
+def test_a_silent_or_refusing_agent_is_no_answer_and_the_socket_keeps_serving(server, sink,
+                                                                            caplog):
+    with _datagram_client(server, timeout_s=0.5) as client:
+        sink.error = ValueError("agent bug")
+        assert client.heartbeat(0, 0, 1, 1, 1) is False
+        sink.error = None
+        # Values no worker sends: refused by the same checks as the gRPC call.
+        assert client.heartbeat(0, 0, 1, 1, step=-5) is False
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as raw:
+            raw.bind("")
+            raw.settimeout(0.5)
+            for junk in (b"\xff" * 10, b"x" * 70_000):
+                raw.sendto(junk, server.heartbeat_socket)
+                with pytest.raises(TimeoutError):
+                    raw.recv(100)
+        # ... and the next good heartbeat is answered
+        assert client.heartbeat(0, 0, 1, 1, 2) is False
+        sink.stop_requested = True
+        assert client.heartbeat(0, 0, 1, 1, 3) is True
+    assert [r.step for r in sink.requests] == [1, 2, 3]
+    refusals = [r.getMessage() for r in caplog.records if "heartbeat datagram" in r.getMessage()]
+    assert any("malformed" in m for m in refusals) and any("over" in m for m in refusals)
+    assert any("step" in m for m in refusals)
+
+
+def test_only_the_agent_can_answer_a_workers_heartbeat(server, sink):
+    # The client's socket is connected to the agent's: a forged "stop" from
+    # another process never reaches it.
+    with _datagram_client(server) as client:
+        client.heartbeat(0, 0, 1, 1, 1)
+        address = client._datagrams._sock.getsockname()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as stranger:
+            forged = agent_pb2.WorkerChannelHeartbeatResponse(stop_requested=True)
+            with pytest.raises(PermissionError):
+                stranger.sendto(forged.SerializeToString(), address)
+        assert client.heartbeat(0, 0, 1, 1, 2) is False
+
+
+def test_heartbeat_datagrams_reach_a_restarted_agent_at_the_same_path(sock_dir, control, sink):
+    path = os.path.join(sock_dir, "agent.sock")
+    first = AgentServer("127.0.0.1:0", path, control, sink)
+    first.start()
+    client = WorkerChannelClient("/nonexistent/agent.sock", timeout_s=0.5,
+                                 heartbeat_socket=first.heartbeat_socket)
+    try:
+        assert client.heartbeat(0, 0, 1, 1, 1) is False
+        started = time.monotonic()
+        first.stop(grace_s=0)
+        assert time.monotonic() - started < 2.0
+        assert not os.path.exists(first.heartbeat_socket)
+        assert client.heartbeat(0, 0, 1, 1, 2) is False  # no agent: no answer, no exception
+        second = AgentServer("127.0.0.1:0", path, control, sink)
+        second.start()
+        try:
+            sink.stop_requested = True
+            assert client.heartbeat(0, 0, 1, 1, 3) is True
+        finally:
+            second.stop(grace_s=0)
+    finally:
+        client.close()
+    assert [r.step for r in sink.requests] == [1, 3]
+    assert client.heartbeat(0, 0, 1, 1, 4) is False  # closed: still no exception
+
+
+def test_a_stale_heartbeat_socket_is_replaced_and_a_live_one_is_not_stolen(sock_dir, control,
+                                                                         sink):
+    path = os.path.join(sock_dir, "agent.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as leftover:
+        leftover.bind(os.path.join(sock_dir, "agent.hb.sock"))  # a killed agent's
+    srv = AgentServer("127.0.0.1:0", path, control, sink)
+    srv.start()
+    try:
+        with WorkerChannelClient(path, heartbeat_socket=srv.heartbeat_socket) as client:
+            assert client.heartbeat(0, 0, 1, 1, 1) is False
+        assert len(sink.requests) == 1
+        os.unlink(path)  # only the datagram socket is still live
+        with pytest.raises(ConfigError, match="in use"):
+            AgentServer("127.0.0.1:0", path, control, sink).start()
+    finally:
+        srv.stop(grace_s=0)
+
+
+def test_no_heartbeat_socket_when_its_path_would_not_fit(sock_dir, control, sink):
+    # 107 bytes fit the gRPC socket; its ".hb" sibling would not: heartbeats take gRPC.
+    path = os.path.join(sock_dir, "x" * (107 - len(os.fsencode(sock_dir)) - 1 - 5) + ".sock")
+    assert len(os.fsencode(path)) == 107
+    srv = AgentServer("127.0.0.1:0", path, control, sink)
+    assert srv.heartbeat_socket is None
+    assert worker_envs(_ONE_NODE_ROUND, "a", job_id="j", restart_count=0, max_restarts=0,
+                       agent_socket=path, checkpoint_dir=None, hang_timeout_s=60,
+                       heartbeat_socket="")[0].get("ELASTIC_AGENT_HEARTBEAT_SOCKET") is None
+
+
+def test_the_workers_are_told_the_heartbeat_socket(server):
+    env = worker_envs(_ONE_NODE_ROUND, "a", job_id="j", restart_count=0, max_restarts=0,
+                      agent_socket=server.worker_socket, checkpoint_dir=None, hang_timeout_s=60,
+                      heartbeat_socket=server.heartbeat_socket)[0]
+    assert env["ELASTIC_AGENT_HEARTBEAT_SOCKET"] == server.heartbeat_socket
+
+
+def test_the_workers_heartbeat_thread_sends_datagrams(server, sink):
+    # elastic.worker.runtime's thread, as elastic.init() starts it from the environment
+    # (its gRPC socket a dead path).
+    pytest.importorskip("torch")
+    from elastic.worker import runtime
+
+    beat = runtime._Heartbeat("/nonexistent/agent.sock", 0.05, server.heartbeat_socket)
+    try:
+        deadline = time.monotonic() + 10
+        while len(sink.requests) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        beat.close()
+    assert len(sink.requests) >= 3 and sink.requests[-1].exiting

@@ -195,7 +195,8 @@ def test_a_zero_timeout_turns_detection_off():
 class RecordingClient:
     """Stands in for the worker's channel to its agent; records each heartbeat."""
 
-    def __init__(self, socket_path: str):
+    def __init__(self, socket_path: str, heartbeat_socket: str | None = None):
+        self.heartbeat_socket = heartbeat_socket
         self.sent: list[float] = []
         self.cond = threading.Condition()
         self.confirmed_at = time.monotonic()
