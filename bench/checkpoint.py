@@ -42,7 +42,9 @@ What is measured:
    resharding. Rows for ``Checkpointer(verify_checksums=False)`` (sizes only) are for
    information: they show what the CRC-32 checks cost ("of which CRC-32": the time in
    ``layout.crc32`` during the load). The header names the CRC-32 implementation
-   (zlib, or zlib-ng when installed: the same values, several times faster). Every
+   (zlib, or zlib-ng when installed: the same values, several times faster). Each
+   restore's CPU seconds (this process's, largest rank) are shown for information:
+   on a shared machine they move far less with others' load than wall time. Every
    restore is checked against a fingerprint of the saved
    state (float64 sums of every shard, all-reduced). By default the files are in the
    page cache (they were just written, as on a node that restarts its workers); with
@@ -452,10 +454,12 @@ def _restore_rounds(cfg: Config, rank: int, model, opt, ours, ours_nv, ref_dir: 
                 if cache == "cold" and rank == 0:
                     evict(directory)
                 dist.barrier()
+                cpu = time.process_time()
                 seconds, parts, step = action()
+                cpu = time.process_time() - cpu  # this process's CPU: others' load barely moves it
                 ok = same_fingerprint(fingerprint(model, opt), expect)
-                rows[kind].append({"seconds": seconds, "parts": parts, "step": step,
-                                   "verified_state": ok})
+                rows[kind].append({"seconds": seconds, "cpu_s": cpu, "parts": parts,
+                                   "step": step, "verified_state": ok})
         out[cache] = rows
     return out
 
@@ -658,6 +662,11 @@ def _report_restore(cfg: Config, w2: list[dict], w1: list[dict]) -> dict[str, An
               f"{verdict(r_ours, target)}")
             p(f"     {'ours verify_checksums=False (information)':44s} {t['ours_nocrc']:6.3f}  "
               f"{r_nv:5.2f}  ({tmin['ours_nocrc']:6.3f}  {m_nv:5.2f})")
+            cpu = {k: med(slowest(v, "cpu_s")) for k, v in rows.items()}
+            p(f"     CPU seconds (median, largest rank): plain {cpu['plain']:.3f}, ours "
+              f"{cpu['ours']:.3f} ({cpu['ours'] / cpu['plain']:.2f}), no-CRC "
+              f"{cpu['ours_nocrc']:.3f} ({cpu['ours_nocrc'] / cpu['plain']:.2f}); "
+              f"information: less moved by others' load than wall time")
             p(f"     breakdown ours:  choose {pa.get('choose', 0):.3f}, load "
               f"{pa.get('load', 0):.3f} (verify sizes {pa.get('load.verify', 0):.3f}, collect "
               f"{pa.get('load.collect', 0):.3f}, dcp.load {pa.get('load.dcp_load', 0):.3f} "
@@ -677,7 +686,7 @@ def _report_restore(cfg: Config, w2: list[dict], w1: list[dict]) -> dict[str, An
             restore_out.append({"case": label, "cache": cache, "plain_s": t["plain"],
                                 "ours_s": t["ours"], "ours_nocrc_s": t["ours_nocrc"],
                                 "ratio": r_ours, "ratio_nocrc": r_nv, "target": target,
-                                "fastest_s": tmin, "ratio_of_minima": m_ours,
+                                "fastest_s": tmin, "ratio_of_minima": m_ours, "cpu_s": cpu,
                                 "ratio_nocrc_of_minima": m_nv,
                                 "met": r_ours <= target, "state_verified": ok,
                                 "ours_parts": pa, "ours_nocrc_parts": pn, "plain_parts": pr,

@@ -93,7 +93,9 @@ item CRC-32s, are checked whole by a pass in a background thread during the
 load, each rank a share.) The candidate is accepted only if every rank's
 checks passed (gathered); otherwise the next candidate is loaded over it. So
 the model's state is only valid once ``restore()`` returns. Each failed
-candidate is logged as a warning naming the file (and the item) at fault. A
+candidate is logged as a warning naming the file (and the item) at fault.
+With ``verify_checksums=False`` only the cheap checks run, and the same reader
+loads without CRC-32s (still only files the manifests list). A
 directory newer than L is never loaded, marked or not. Rank 0 lists the
 candidates and broadcasts them; the verification results are gathered on
 every rank, so all ranks load the same one. Committed

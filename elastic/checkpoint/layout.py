@@ -475,7 +475,8 @@ def verify(directory: str, *, checksums: bool = True, part: int = 0,
     return problems
 
 
-def verify_structure(directory: str, *, part: int = 0, parts: int = 1
+def verify_structure(directory: str, *, part: int = 0, parts: int = 1,
+                     manifests: tuple[list[Manifest], list[Problem]] | None = None
                      ) -> tuple[list[Problem], list[tuple[str, FileDigest]]]:
     """The cheap checks, and the files left for :func:`verify_checksums`.
 
@@ -486,9 +487,12 @@ def verify_structure(directory: str, *, part: int = 0, parts: int = 1
     (a manifest that contradicts itself). Reads no file but the manifests. Only
     part 0 reports the structural problems, so merged results carry no
     duplicates. Returns ``(problems, share)``: ``share`` is ``(path, expected
-    digest)`` for this part's files whose size was right.
+    digest)`` for this part's files whose size was right. ``manifests`` is
+    what :func:`read_manifests` returned for ``directory``, for a caller that
+    has read them already (they are read here otherwise).
     """
-    manifests, problems = read_manifests(directory)
+    manifests, problems = manifests if manifests is not None else read_manifests(directory)
+    problems = list(problems)
     if not manifests:
         return (problems if part == 0 else []), []
     listed = sorted((name, digest) for m in manifests for name, digest in m.files.items())

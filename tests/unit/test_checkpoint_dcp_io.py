@@ -261,23 +261,148 @@ def test_tensors_that_cannot_be_placed_are_loaded_and_copied(saved):
 def test_a_file_of_another_byte_order_is_loaded_by_torch(saved, monkeypatch):
     directory, files = saved
     foreign = "big" if sys.byteorder == "little" else "little"
-    monkeypatch.setattr(dcp_io._VerifyingView, "byte_order", lambda self: foreign)
+    real = dcp_io._VerifyingView.describe
+    monkeypatch.setattr(dcp_io._VerifyingView, "describe",
+                        lambda self: real(self)._replace(byte_order=foreign))
     target, reader = load(directory, files)
     assert reader.tensors_in_place == 0 and reader.problems == []
     assert torch.equal(target["big"], state()["big"])
 
 
-def test_a_view_reports_the_byte_order_torch_save_recorded(saved):
+def test_a_view_describes_the_tensor_torch_save_wrote(saved):
     directory, files = saved
-    item = max(files[SHARD].items, key=lambda i: i.length)
+    item = max(files[SHARD].items, key=lambda i: i.length)  # "big"
     path = os.path.join(directory, SHARD)
     fd = os.open(path, os.O_RDONLY)
     try:
         view = dcp_io._VerifyingView(fd, path, item)
-        assert view.byte_order() == sys.byteorder
+        saved_tensor = view.describe()
+        assert saved_tensor.byte_order == sys.byteorder
+        assert saved_tensor.tensor.is_meta and saved_tensor.tensor.shape == (256, 300)
+        assert saved_tensor.tensor.dtype == torch.float32
+        expected = state()["big"]
+        data = os.pread(fd, expected.nbytes, item.offset + saved_tensor.offset)
+        assert data == expected.numpy().tobytes()  # the storage's bytes are where it says
         assert view.finish() is None  # what it read went through the check
     finally:
         os.close(fd)
+
+
+def test_a_tensor_saved_as_part_of_a_larger_storage_is_placed(tmp_path):
+    # torch.save writes a view's whole storage, with the view's offset and strides.
+    import io
+
+    whole = torch.arange(40, dtype=torch.float64)
+    data = _saved_bytes(whole.view(4, 10)[1:3])
+    path = str(tmp_path / "item")
+    with open(path, "wb") as f:
+        f.write(data)
+    from types import SimpleNamespace
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        view = dcp_io._VerifyingView(fd, path, layout.ItemDigest(0, len(data),
+                                                                 f"{zlib.crc32(data):08x}"))
+        target = torch.zeros(2, 10, dtype=torch.float64)
+        wanted = SimpleNamespace(storage_offsets=[0, 0], lengths=[2, 10], storage_index=None)
+        assert dcp_io._load_tensor(view, wanted, target)
+        assert torch.equal(target, whole.view(4, 10)[1:3])
+        assert view.finish() is None
+    finally:
+        os.close(fd)
+    assert torch.equal(torch.load(io.BytesIO(data), weights_only=True), target)
+
+
+def _saved_bytes(obj) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+_CALLED = []
+
+
+def _side_effect(*args):
+    _CALLED.append(args)
+    return torch.zeros(1)
+
+
+class _Rigged:
+    def __reduce__(self):
+        return (_side_effect, ("ran",))
+
+
+def test_the_tensor_unpickler_runs_no_code_of_the_files_choosing():
+    import io
+    import pickle
+
+    with pytest.raises(dcp_io._NotPlain):
+        dcp_io._TensorUnpickler(io.BytesIO(pickle.dumps(_Rigged()))).load()
+    assert _CALLED == []
+
+
+def test_an_item_that_is_not_one_plain_tensor_is_left_to_torch_load(tmp_path):
+    data = _saved_bytes({"not": "a tensor"})
+    path = str(tmp_path / "item")
+    with open(path, "wb") as f:
+        f.write(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        view = dcp_io._VerifyingView(fd, path, layout.ItemDigest(0, len(data),
+                                                                 f"{zlib.crc32(data):08x}"))
+        assert view.describe() is None and view.tell() == 0
+        assert view.finish() is None
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("obj", [0.001, (0.9, 0.999), "adam", None, [1, {"a": True}],
+                                 {"eps": 1e-8, "foreach": None}])
+def test_objects_are_unpickled_as_torch_load_does_without_it(obj, monkeypatch):
+    import io
+
+    data = _saved_bytes(obj)
+    expected = torch.load(io.BytesIO(data), weights_only=False)
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load was called"))
+    assert dcp_io.load_object(io.BytesIO(data)) == expected
+
+
+@pytest.mark.parametrize("case", ["a tensor inside", "forced weights only", "not a zip"])
+def test_objects_only_torch_load_rebuilds_go_to_it(case, monkeypatch):
+    import io
+    import pickle
+
+    obj = {"t": torch.arange(3)} if case == "a tensor inside" else {"lr": 0.1}
+    data = pickle.dumps(obj) if case == "not a zip" else _saved_bytes(obj)
+    if case == "forced weights only":
+        monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+    calls = []
+    real = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(k) or real(*a, **k))
+    if case == "not a zip":  # torch.load says what is wrong with it
+        with pytest.raises(RuntimeError, match="magic number"):
+            dcp_io.load_object(io.BytesIO(data))
+        assert calls == [{"weights_only": False}]
+        return
+    result = dcp_io.load_object(io.BytesIO(data))
+    assert calls == [{"weights_only": False}]
+    assert result.keys() == obj.keys() and all(
+        torch.equal(result[k], v) if isinstance(v, torch.Tensor) else result[k] == v
+        for k, v in obj.items())
+
+
+def test_the_planner_restores_dcps_objects_without_torch_load(saved, monkeypatch):
+    directory, files = saved
+    target = blank()
+    real = torch.load
+    calls = []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(a) or real(*a, **k))
+    reader = dcp_io.VerifyingReader(directory, files)
+    dcp.load(target, storage_reader=reader, planner=dcp_io.LoadPlanner(), no_dist=True)
+    assert target["extra"] == state()["extra"]
+    assert reader.tensors_in_place == 3 and calls == []  # .metadata is plain pickle
 
 
 @pytest.mark.parametrize("rows", [(0, 100), (100, 156), (0, 256)])
@@ -295,12 +420,49 @@ def test_part_of_a_saved_tensor_is_placed_and_the_whole_item_checked(saved, rows
         view = dcp_io._VerifyingView(fd, path, item)
         wanted = SimpleNamespace(storage_offsets=[start, 0], lengths=[length, 300],
                                  storage_index=None)
-        assert dcp_io._load_tensor(view, wanted, target, sys.byteorder)
+        assert dcp_io._load_tensor(view, wanted, target)
         assert torch.equal(target, state()["big"][start:start + length])
         assert view.finish() is None and not view.reread
         flip(path, item.offset + item.length // 2)  # a byte this rank may not need
         view = dcp_io._VerifyingView(fd, path, item)
-        dcp_io._load_tensor(view, wanted, torch.zeros(length, 300), sys.byteorder)
+        dcp_io._load_tensor(view, wanted, torch.zeros(length, 300))
         assert "corrupt: CRC-32" in view.finish().reason
     finally:
         os.close(fd)
+
+
+def test_a_sizes_only_reader_places_tensors_and_checks_no_bytes(saved):
+    directory, files = saved
+    item = max(files[SHARD].items, key=lambda i: i.length)  # "big"
+    flip(os.path.join(directory, SHARD), item.offset + item.length // 2)  # in its data
+    target = blank()
+    pointer = target["big"].data_ptr()
+    reader = dcp_io.VerifyingReader(directory, files, checksums=False)
+    dcp.load(target, storage_reader=reader, planner=dcp_io.LoadPlanner(), no_dist=True)
+    assert reader.tensors_in_place == 3 and target["big"].data_ptr() == pointer
+    assert reader.items_checked == 0 and reader.problems == []
+    expected = state()
+    # The flip went through unseen: one number differs.
+    assert (target["big"] != expected["big"]).sum().item() == 1
+    assert target["extra"] == expected["extra"]
+
+
+def test_a_sizes_only_reader_still_opens_only_listed_files(saved):
+    directory, files = saved
+    unlisted = {name: digest for name, digest in files.items() if name != SHARD}
+    reader = dcp_io.VerifyingReader(directory, unlisted, checksums=False)
+    with pytest.raises(CheckpointException):
+        dcp.load(blank(), storage_reader=reader, no_dist=True)
+    assert "not listed in any manifest" in reader.problems[0].reason
+
+
+def test_a_description_that_overruns_its_storage_is_not_followed(saved, monkeypatch):
+    # set_() on the meta device does not check a tensor against its storage's size;
+    # bytes past the storage (the rest of the zip) must never be placed as data.
+    directory, files = saved
+    real = dcp_io._VerifyingView.describe
+    monkeypatch.setattr(dcp_io._VerifyingView, "describe",
+                        lambda self: real(self)._replace(nbytes=real(self).nbytes - 4))
+    target, reader = load(directory, files)
+    assert reader.tensors_in_place == 0 and reader.problems == []
+    assert torch.equal(target["big"], state()["big"])

@@ -1,0 +1,59 @@
+"""The checkpoint group's object collectives (elastic.checkpoint.checkpointer._Group)
+between two real gloo processes: payloads that fit in one frame and payloads that
+need the second round, gathered and broadcast, arrive whole and in rank order."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+def _rank(rank: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from elastic.checkpoint.checkpointer import _FRAME, _Group
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    group = _Group.create(None, 60.0)
+    big = "x" * (3 * _FRAME) + str(rank)  # needs the second round
+    results = {
+        "small": group.all_gather(("problems", rank, [rank] * 3), "testing"),
+        "one big": group.all_gather(big if rank == 1 else rank, "testing"),
+        "all big": group.all_gather(big, "testing"),
+        "broadcast small": group.broadcast(["step-1", "step-0"] if rank == 0 else None, "testing"),
+        "broadcast big": group.broadcast(big if rank == 0 else "ignored", "testing"),
+        "after": group.all_gather(rank, "testing"),  # still in step
+    }
+    dist.destroy_process_group()
+    with open(out, "w") as f:
+        json.dump(results, f)
+
+
+def test_object_collectives_deliver_small_and_large_payloads(tmp_path):
+    from elastic.checkpoint.checkpointer import _FRAME
+
+    context = multiprocessing.get_context("spawn")
+    store = str(tmp_path / "store")
+    outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
+    procs = [context.Process(target=_rank, args=(r, store, outs[r])) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(90)
+        assert proc.exitcode == 0
+    big = ["x" * (3 * _FRAME) + str(r) for r in range(2)]
+    for rank, out in enumerate(outs):
+        with open(out) as f:
+            got = json.load(f)
+        assert got["small"] == [["problems", 0, [0, 0, 0]], ["problems", 1, [1, 1, 1]]]
+        assert got["one big"] == [0, big[1]]
+        assert got["all big"] == big
+        assert got["broadcast small"] == ["step-1", "step-0"]
+        assert got["broadcast big"] == big[0]
+        assert got["after"] == [0, 1], rank
+    assert all(os.path.getsize(out) > 3 * _FRAME for out in outs)
