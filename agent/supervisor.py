@@ -15,11 +15,30 @@ ranks (e.g. the ``OMP_NUM_THREADS=1`` of several workers per node), so from
 the second round on they match even when the agent does not pass them in
 ``worker_env``.
 
+Template: warm workers are *forked* from one template process per startup
+environment (:mod:`elastic.worker.template`), which alone imports torch, so
+replacing a used set costs milliseconds of CPU, not ``nproc`` imports.
+Forked workers are the template's children: it reaps them and relays each
+exit status over a socketpair (:class:`_ForkedProcess` gives them the part of
+Popen's interface the supervisor uses, so the rest does not care how a
+worker was born). Until the template is ready (the agent's first seconds,
+or after it died), warm workers are spawned and import on their own as
+before: a round that starts meanwhile takes them, mid-import if need be,
+exactly as without a template, so the first round is not slower. A template
+that finds forking unsafe (a preloaded module left a thread running, or
+initialized CUDA) says so, is logged once, and every warm worker is spawned
+from then on. A template with other startup variables than the next warm set
+needs is retired: no more forks, killed once its last fork has ended (its
+death kills its forks: PDEATHSIG). If a template dies, its forks die with it;
+those of a round are reported killed, the pool is refilled from a new
+template, and the death counts toward WARM_FAILURE_LIMIT.
+
 Threads: processes are spawned only by one long-lived spawner thread, because
 Linux sends a child's ``PR_SET_PDEATHSIG`` when the *thread* that forked it
 ends, not the process; callers may use any thread. Each worker has two output
 readers, a reader of its bootstrap's status pipe and a waiter that reaps it
-the moment it exits and calls ``on_exit`` (from that waiter thread: ``on_exit``
+the moment it exits (a fork: when its template relays the exit) and calls
+``on_exit`` (from that waiter thread: ``on_exit``
 should only hand the exit over, e.g. to a queue; calling stop() from it works
 but holds up other exits until that stop() returns).
 
@@ -35,6 +54,7 @@ import logging
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -49,15 +69,13 @@ from agent.console import ConsoleFilter
 from elastic import errorfile
 from elastic.errors import ConfigError, WorkerSpawnError
 from elastic.joblog import JobLogger
+# Neither imports torch (nor anything heavy): the agent stays light.
+from elastic.worker.bootstrap import PARENT_PID_ENV, PRELOAD_ENV, STATUS_FD_ENV
+from elastic.worker.template import TEMPLATE_FD_ENV
 
 log = logging.getLogger(__name__)
 
 BOOTSTRAP_MODULE = "elastic.worker.bootstrap"
-# Must match elastic.worker.bootstrap; not imported from there, as the elastic.worker
-# package may import torch.
-_PRELOAD_ENV = "ELASTIC_PRELOAD"
-_STATUS_FD_ENV = "ELASTIC_BOOTSTRAP_STATUS_FD"
-_PARENT_PID_ENV = "ELASTIC_BOOTSTRAP_PARENT_PID"
 
 WARM_FAILURE_LIMIT = 3  # consecutive deaths of unassigned warm workers before going cold
 # Variables read when the interpreter, the dynamic loader, OpenMP/MKL or torch start.
@@ -69,6 +87,8 @@ _CALLBACK_WAIT_S = 2.0  # how long stop() waits for on_exit of the workers it st
 _SPAWN_TIMEOUT_S = 30.0
 _WARM_TAIL_LINES = 50  # output kept from a warm worker before it has a log file
 _POLL_S = 0.02
+_FORK_TIMEOUT_S = 10.0  # a fork costs ~10 ms of CPU; this is for a node loaded to a crawl
+_TEMPLATE_MESSAGE_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -138,13 +158,48 @@ class WarmStatus(NamedTuple):
     ready: bool
 
 
+class _ForkedProcess:
+    """A worker forked by a template, seen through the part of ``subprocess.Popen``
+    the supervisor uses: ``pid``, ``stdin`` (writable), ``stdout``/``stderr``
+    (readable, binary), ``wait``/``poll``/``returncode`` (negative: killed by that
+    signal). The template, its parent, reaps it and relays the status
+    (:class:`_Template`); ``collateral`` is set when it died with its template.
+    """
+
+    def __init__(self, stdin_fd: int, stdout_fd: int, stderr_fd: int):
+        self.pid = -1  # known once the template has forked it
+        self.stdin = os.fdopen(stdin_fd, "wb")
+        self.stdout = os.fdopen(stdout_fd, "rb")
+        self.stderr = os.fdopen(stderr_fd, "rb")
+        self.returncode: int | None = None
+        self.collateral = False
+        self._ended = threading.Event()
+
+    def ended(self, returncode: int, collateral: bool = False) -> None:
+        """Record the exit (first call wins)."""
+        if not self._ended.is_set():
+            self.collateral = collateral
+            self.returncode = returncode
+            self._ended.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit status; raises subprocess.TimeoutExpired after ``timeout`` seconds."""
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(f"forked worker {self.pid}", timeout)
+        return self.returncode
+
+
 @dataclass(eq=False)
 class _Worker:
-    """One child process, warm (no round yet) or assigned to a round."""
+    """One child process, warm (no round yet) or assigned to a round; ``proc`` is a
+    Popen for a spawned one, a :class:`_ForkedProcess` for one forked by a template."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen | _ForkedProcess
     startup_env: dict[str, str]  # what the interpreter started with, less the bootstrap's own
-    status_fd: int
+    status_fd: int  # -1: none (a fork is ready at birth; a template uses its socket)
     lock: threading.Lock = field(default_factory=threading.Lock)
     label: str = "warm"
     round: int | None = None
@@ -170,6 +225,37 @@ class _Worker:
     @property
     def assigned(self) -> bool:
         return self.round is not None
+
+
+@dataclass(eq=False)
+class _Template:
+    """One template process (:mod:`elastic.worker.template`) and what it forked.
+
+    ``worker`` carries its Popen and output (label ``template``); ``children``
+    maps the pid of each live fork to its :class:`_ForkedProcess`. ``retired``:
+    no new forks; killed once its last child has ended (killing it earlier would
+    kill them: PDEATHSIG). ``discarded``: its death is not a failure.
+    """
+
+    worker: _Worker
+    sock: object  # socket.socket, the agent's end of the socketpair
+    started: float
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    ready: bool = False
+    dead: bool = False
+    retired: bool = False
+    discarded: bool = False
+    next_id: int = 0
+    pending: dict = field(default_factory=dict)  # request id -> (Future, _ForkedProcess)
+    children: dict = field(default_factory=dict)  # pid -> _ForkedProcess
+
+    @property
+    def pid(self) -> int:
+        return self.worker.pid
+
+    @property
+    def startup_env(self) -> dict[str, str]:
+        return self.worker.startup_env
 
 
 @dataclass(frozen=True)
@@ -242,6 +328,16 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass  # the group is gone (PermissionError: its id was reused by someone else's)
+
+
+def _process_running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (an orphan nobody reaps stays one)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:].split()[:1] not in ([b"Z"], [b"X"])
 
 
 def _group_alive(pgid: int) -> bool:
@@ -325,6 +421,9 @@ class WorkerSupervisor:
         self._learned_env: dict[str, str] = {}  # startup variables the last round set everywhere
         self._warm_failures = 0
         self._warm_disabled = False
+        self._template: _Template | None = None  # the one new warm workers are forked from
+        self._templates: list[_Template] = []  # every live one, retired ones included
+        self._fork_disabled = False  # a template found forking unsafe: spawn, for good
         self._closed = False
         self._spawner = _Spawner(f"elastic-spawner-{node_id}")
         # Lines about no round in particular (warm workers) name the latest one started.
@@ -354,7 +453,8 @@ class WorkerSupervisor:
         """Start one worker per local rank; ``envs[i]`` is added to ``os.environ`` for local rank i.
 
         Returns once every worker process exists (not once the scripts run).
-        The next warm set starts warming at once: its workers import at the
+        The next warm set starts warming at once: forked from the template
+        when it is ready (warm at birth), else spawned, importing at the
         lowest CPU and I/O priority (:mod:`elastic.worker.priority`), so they
         take only what this round's start leaves, and a failure in the round's
         first seconds already finds them (partly) warm.
@@ -451,6 +551,13 @@ class WorkerSupervisor:
         deadline = time.monotonic() + _KILL_WAIT_S
         for w in warm:
             w.done.wait(max(0.0, deadline - time.monotonic()))
+        # Last: a template's death kills whatever it forked that is still alive.
+        with self._lock:
+            templates, self._templates, self._template = self._templates, [], None
+        for tpl in templates:
+            self._kill_template(tpl)
+        for tpl in templates:
+            tpl.worker.done.wait(max(0.0, deadline - time.monotonic()))
         with self._lock:
             live = list(self._live)
         for w in live:
@@ -473,25 +580,285 @@ class WorkerSupervisor:
         with self._lock:
             return [WarmStatus(w.pid, w.ready) for w in self._warm if not w.exited]
 
+    def warm_template(self) -> WarmStatus | None:
+        """The template new warm workers are forked from (``ready`` once it may fork),
+        or None: none started yet, being replaced, or forking found unsafe."""
+        with self._lock:
+            tpl = self._template
+            if tpl is None or tpl.dead or tpl.retired:
+                return None
+            return WarmStatus(tpl.pid, tpl.ready)
+
     def pids(self) -> list[int]:
-        """Every process this supervisor has started, warm or not, alive or not, in order."""
+        """Every process this supervisor has started (templates and their forks
+        included), warm or not, alive or not, in order."""
         with self._lock:
             return list(self._pid_history)
 
     # ------------------------------------------------------------ spawner thread only
 
     def _fill_warm_pool(self) -> None:
+        """Fork the missing warm workers from the template; while it is still
+        importing (or forking is off), spawn them as before, so a round that
+        starts meanwhile still finds warm workers."""
         with self._lock:
             if not self.warm_enabled or self._closed:
                 return
             missing = self.warm_sets * self.nproc - sum(1 for w in self._warm if not w.exited)
             env = {**self._base_env(), **self._learned_env}
+            tpl = self._template_for(env)
+            forked: list[int] = []
+            started = time.monotonic()
             for _ in range(missing):
                 try:
+                    if tpl is not None and tpl.ready and not tpl.dead and not tpl.retired:
+                        try:
+                            self._warm.append(self._fork(tpl, env))
+                            forked.append(self._warm[-1].pid)
+                            continue
+                        except WorkerSpawnError as exc:
+                            self.log.warning("template pid %d could not fork a warm worker "
+                                             "(%s); spawning it instead.", tpl.pid, exc)
+                            tpl = None
                     self._warm.append(self._spawn(env, preload=None))
                 except WorkerSpawnError as exc:
                     self.log.warning("could not start a warm worker: %s", exc)
                     return
+            if forked:
+                self.log.debug("forked warm workers %s from template pid %d in %.3f s.",
+                               forked, self._templates[-1].pid if self._templates else -1,
+                               time.monotonic() - started)
+
+    def _template_for(self, env: dict[str, str]) -> _Template | None:
+        """The template to fork warm workers with ``env`` from, started if needed
+        (caller holds self._lock, on the spawner thread). One with other startup
+        variables is retired. None when forking is off or no template can start."""
+        if self._fork_disabled:
+            return None
+        tpl = self._template
+        if tpl is not None and (tpl.dead or _startup_differences(tpl.startup_env, env)):
+            self._template = None
+            self._retire_template(tpl)
+            tpl = None
+        if tpl is None:
+            try:
+                tpl = self._template = self._spawn_template(env)
+            except WorkerSpawnError as exc:
+                self.log.warning("could not start a template for warm workers: %s", exc)
+                return None
+        return tpl
+
+    def _spawn_template(self, env: dict[str, str]) -> _Template:
+        """Start a template process (caller holds self._lock, on the spawner thread:
+        its PDEATHSIG follows that thread). Raises WorkerSpawnError."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        child_env = dict(env)
+        child_env[TEMPLATE_FD_ENV] = str(theirs.fileno())
+        child_env[PARENT_PID_ENV] = str(os.getpid())
+        try:
+            proc = subprocess.Popen(
+                [self.python, "-u", "-m", BOOTSTRAP_MODULE], cwd=self._package_root,
+                env=child_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, start_new_session=True, pass_fds=(theirs.fileno(),))
+        except OSError as exc:
+            ours.close()
+            raise WorkerSpawnError(f"cannot start {self.python} -m {BOOTSTRAP_MODULE}: "
+                                   f"{exc}") from exc
+        finally:
+            theirs.close()
+        w = _Worker(proc=proc, startup_env=dict(env), status_fd=-1, label="template")
+        tpl = _Template(worker=w, sock=ours, started=time.monotonic())
+        w.threads = [
+            threading.Thread(target=self._pump, args=(w, proc.stdout, "stdout"),
+                             name=f"elastic-template-{proc.pid}-stdout", daemon=True),
+            threading.Thread(target=self._pump, args=(w, proc.stderr, "stderr"),
+                             name=f"elastic-template-{proc.pid}-stderr", daemon=True),
+            threading.Thread(target=self._serve_template, args=(tpl,),
+                             name=f"elastic-template-{proc.pid}", daemon=True),
+        ]
+        for t in w.threads:
+            t.start()
+        self._templates.append(tpl)
+        self._live.add(w)
+        self._pid_history.append(proc.pid)
+        return tpl
+
+    def _fork(self, tpl: _Template, env: dict[str, str]) -> _Worker:
+        """Have ``tpl`` fork a warm worker (caller holds self._lock, on the spawner
+        thread). Raises WorkerSpawnError if it refuses, dies or does not answer."""
+        stdin_r, stdin_w = os.pipe()
+        stdout_r, stdout_w = os.pipe()
+        stderr_r, stderr_w = os.pipe()
+        proc = _ForkedProcess(stdin_w, stdout_r, stderr_r)
+        future: Future = Future()
+        with tpl.lock:
+            request = tpl.next_id
+            tpl.next_id += 1
+            tpl.pending[request] = (future, proc)
+        try:
+            socket.send_fds(tpl.sock, [json.dumps({"fork": request}).encode()],
+                            [stdin_r, stdout_w, stderr_w])
+        except OSError as exc:
+            future.set_exception(WorkerSpawnError(f"the template is gone: {exc}"))
+        finally:
+            for fd in (stdin_r, stdout_w, stderr_w):
+                os.close(fd)
+        try:
+            future.result(timeout=_FORK_TIMEOUT_S)
+        except (TimeoutError, WorkerSpawnError) as exc:
+            with tpl.lock:
+                tpl.pending.pop(request, None)
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                with contextlib.suppress(OSError):
+                    stream.close()
+            if isinstance(exc, TimeoutError):
+                raise WorkerSpawnError(f"template pid {tpl.pid} did not fork within "
+                                       f"{_FORK_TIMEOUT_S:.0f} s") from exc
+            raise
+        w = _Worker(proc=proc, startup_env=dict(tpl.startup_env), status_fd=-1, ready=True)
+        w.threads = [
+            threading.Thread(target=self._pump, args=(w, proc.stdout, "stdout"),
+                             name=f"elastic-worker-{proc.pid}-stdout", daemon=True),
+            threading.Thread(target=self._pump, args=(w, proc.stderr, "stderr"),
+                             name=f"elastic-worker-{proc.pid}-stderr", daemon=True),
+            threading.Thread(target=self._watch, args=(w,),
+                             name=f"elastic-worker-{proc.pid}-waiter", daemon=True),
+        ]
+        for t in w.threads:
+            t.start()
+        self._live.add(w)
+        self._pid_history.append(w.pid)
+        return w
+
+    def _retire_template(self, tpl: _Template) -> None:
+        """No more forks from ``tpl``; it is killed once its last child has ended."""
+        with tpl.lock:
+            tpl.retired = True
+            tpl.discarded = True
+            idle = not tpl.children
+        if idle:
+            self._kill_template(tpl)
+
+    @staticmethod
+    def _kill_template(tpl: _Template) -> None:
+        with tpl.lock:
+            tpl.discarded = True
+        _signal_group(tpl.pid, signal.SIGKILL)
+
+    # ------------------------------------------------------------ template thread
+
+    def _serve_template(self, tpl: _Template) -> None:
+        """Read ``tpl``'s messages until it dies: readiness, forks, its children's
+        exits (relayed at once: they are its children, not ours); then reap it and
+        end its children's watch."""
+        w = tpl.worker
+        try:
+            while True:
+                try:
+                    data = tpl.sock.recv(_TEMPLATE_MESSAGE_BYTES)
+                except OSError:
+                    data = b""
+                if not data:
+                    break
+                try:
+                    message = json.loads(data)
+                except ValueError:
+                    self.log.warning("template pid %d sent a malformed message: %r", tpl.pid,
+                                     data[:200])
+                    continue
+                self._on_template_message(tpl, message)
+        finally:
+            self._on_template_death(tpl)
+            for t in w.threads[:2]:
+                t.join(_OUTPUT_DRAIN_S)
+            w.done.set()
+            for t in w.threads[:2]:
+                t.join()
+            with self._lock:
+                self._live.discard(w)
+
+    def _on_template_message(self, tpl: _Template, message: dict) -> None:
+        if "exit" in message:
+            with tpl.lock:
+                proc = tpl.children.pop(message["exit"], None)
+                retire = tpl.retired and not tpl.children
+            if proc is not None:
+                proc.ended(os.waitstatus_to_exitcode(int(message["status"])))
+            if retire:
+                self._kill_template(tpl)
+        elif "forked" in message:
+            with tpl.lock:
+                future, proc = tpl.pending.pop(message["forked"], (None, None))
+                if proc is not None:
+                    proc.pid = int(message["pid"])
+                    tpl.children[proc.pid] = proc
+            if future is not None:
+                future.set_result(proc.pid)
+        elif "refused" in message or "unsafe" in message:
+            reason = message.get("reason") or message.get("unsafe")
+            # First: the spawner may hold self._lock while it waits for this answer.
+            with tpl.lock:
+                future, _ = tpl.pending.pop(message.get("refused"), (None, None))
+            if future is not None:
+                future.set_exception(WorkerSpawnError(f"the template refused: {reason}"))
+            with self._lock:
+                first = not self._fork_disabled
+                self._fork_disabled = True
+                if self._template is tpl:
+                    self._template = None
+            if first:
+                self.log.warning("forking warm workers from a template is unsafe here (%s); "
+                                 "every warm worker is spawned and imports on its own from "
+                                 "now on.", reason)
+            self._retire_template(tpl)
+        elif message.get("ready"):
+            with self._lock:
+                self._warm_failures = 0
+            took = time.monotonic() - tpl.started
+            # Last: from now on the spawner may hold self._lock while it waits on us.
+            with tpl.lock:
+                tpl.ready = True
+            self.log.info("template pid %d is ready to fork warm workers (imported in "
+                          "%.1f s).", tpl.pid, took)
+            self.warm_up()
+
+    def _on_template_death(self, tpl: _Template) -> None:
+        """Reap ``tpl``; the forks it leaves died with it (PDEATHSIG): report them
+        killed once they are gone. An unrequested death is a warm failure."""
+        returncode = tpl.worker.proc.wait()
+        with tpl.lock:
+            tpl.dead = True
+            pending, tpl.pending = list(tpl.pending.values()), {}
+            orphans, tpl.children = list(tpl.children.values()), {}
+            discarded = tpl.discarded
+        for future, _ in pending:
+            future.set_exception(WorkerSpawnError(f"template pid {tpl.pid} died"))
+        with contextlib.suppress(OSError):
+            tpl.sock.close()
+        deadline = time.monotonic() + _KILL_WAIT_S
+        for proc in orphans:
+            while _process_running(proc.pid) and time.monotonic() < deadline:
+                time.sleep(_POLL_S / 4)
+            proc.ended(-signal.SIGKILL, collateral=True)
+        with self._lock:
+            if tpl in self._templates:
+                self._templates.remove(tpl)
+            if self._template is tpl:
+                self._template = None
+            if discarded or self._closed:
+                return
+            self._warm_failures += 1
+            failures = self._warm_failures
+        with tpl.worker.lock:
+            tail = " | ".join(text for _, text in list(tpl.worker.pending)[-5:])
+        self.log.warning("template pid %d died with status %d%s (its last output: %s); %d "
+                         "workers it forked died with it.", tpl.pid, returncode,
+                         "" if tpl.ready else " before it was ready", tail or "none",
+                         len(orphans))
+        if failures >= WARM_FAILURE_LIMIT:
+            self._give_up_warm(failures)
+            return
+        self.warm_up()
 
     def _start_round_now(self, number: int, envs: list[dict[str, str]]) -> None:
         round_dir = os.path.dirname(rank_files(self.log_dir, number, 0)[0])
@@ -577,10 +944,10 @@ class WorkerSupervisor:
         instant death is reported as the rank's exit."""
         read_fd, write_fd = os.pipe()
         child_env = dict(env)
-        child_env[_STATUS_FD_ENV] = str(write_fd)
-        child_env[_PARENT_PID_ENV] = str(os.getpid())
+        child_env[STATUS_FD_ENV] = str(write_fd)
+        child_env[PARENT_PID_ENV] = str(os.getpid())
         if preload is not None:
-            child_env[_PRELOAD_ENV] = preload
+            child_env[PRELOAD_ENV] = preload
         try:
             proc = subprocess.Popen(
                 [self.python, "-u", "-m", BOOTSTRAP_MODULE], cwd=self._package_root,
@@ -594,7 +961,7 @@ class WorkerSupervisor:
             os.close(write_fd)
         startup_env = dict(env)
         if preload is not None:
-            startup_env[_PRELOAD_ENV] = preload
+            startup_env[PRELOAD_ENV] = preload
         w = _Worker(proc=proc, startup_env=startup_env, status_fd=read_fd)
         if slot is not None:
             self._bind(w, slot)
@@ -794,27 +1161,38 @@ class WorkerSupervisor:
             if w.discarded or self._closed:
                 self.log.debug("discarded warm worker pid %d is gone.", w.pid)
                 return
-            self._warm_failures += 1
+            # Died with its template: that death was counted once, not once per fork.
+            counted = not getattr(w.proc, "collateral", False)
+            self._warm_failures += counted
             failures = self._warm_failures
-            given_up: list[_Worker] = []
-            if failures >= WARM_FAILURE_LIMIT:
-                self._warm_disabled = True
-                # Replacements started before this verdict would never be taken: end them now.
-                given_up, self._warm = self._warm, []
-        for other in given_up:
-            self._discard(other)
+        if not counted:
+            self.warm_up()
+            return
         with w.lock:
             tail = " | ".join(text for _, text in list(w.pending)[-5:])
         if failures >= WARM_FAILURE_LIMIT:
-            self.log.warning("%d warm workers in a row died before they got a round "
-                        "(the last, pid %d, with status %d; its last output: %s); workers start "
-                        "cold from now on.", failures, w.pid,
-                        returncode, tail or "none")
+            self.log.warning("warm worker pid %d died with status %d before it got a round "
+                             "(its last output: %s).", w.pid, returncode, tail or "none")
+            self._give_up_warm(failures)
             return
         self.log.warning("warm worker pid %d died with status %d before it got a "
                     "round (its last output: %s); starting another.", w.pid, returncode,
                     tail or "none")
         self.warm_up()
+
+    def _give_up_warm(self, failures: int) -> None:
+        """Rounds start cold from now on; end the warm workers and templates that
+        would never be used (replacements started before this verdict included)."""
+        with self._lock:
+            self._warm_disabled = True
+            given_up, self._warm = self._warm, []
+            tpl, self._template = self._template, None
+        for other in given_up:
+            self._discard(other)
+        if tpl is not None:
+            self._retire_template(tpl)
+        self.log.warning("%d warm workers (or templates) in a row died before they got a "
+                         "round; workers start cold from now on.", failures)
 
     # ------------------------------------------------------------ helpers
 

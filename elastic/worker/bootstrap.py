@@ -40,6 +40,12 @@ or torch starts (``PYTHONPATH``, ``OMP_NUM_THREADS``, ...) are those of the
 warm process, not of the assignment; the supervisor starts a worker cold when
 they differ. The worker gets SIGKILL when the thread of the agent that spawned
 it dies (``PR_SET_PDEATHSIG``), so no worker outlives a killed agent.
+
+Template mode: with ``ELASTIC_BOOTSTRAP_TEMPLATE_FD`` (a Unix socket) the
+process preloads the same way but then serves fork requests
+(:mod:`elastic.worker.template`); each fork continues here as a warm worker
+whose preload is already done, with the same protocol and promises, its
+stdin/stdout/stderr passed by the agent, and PDEATHSIG to the template.
 """
 
 from __future__ import annotations
@@ -61,7 +67,8 @@ import traceback
 import types
 
 from elastic import errorfile
-from elastic.worker import priority
+from elastic.worker import priority, template
+from elastic.worker.template import TEMPLATE_FD_ENV
 
 # What a training script's start-up pays for: torch itself, and torch._dynamo,
 # which DistributedDataParallel and FSDP import lazily on construction (about
@@ -354,6 +361,10 @@ def main() -> None:
         except OSError:
             pass
     preloading = _start_preload(os.environ.get(PRELOAD_ENV, DEFAULT_PRELOAD))
+    template_fd = os.environ.get(TEMPLATE_FD_ENV, "")
+    if template_fd.isdigit():
+        # A template: returns only in a forked child, a warm worker from here on.
+        template.serve(int(template_fd), preloading)
     try:
         assignment = _read_assignment()
     except (ValueError, OSError) as exc:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import textwrap
 
 import pytest
 
 from agent.config import OPTIONS
+from agent.supervisor import Entrypoint, WorkerSupervisor
+from tests.integration.supervising import Exits, alive
 
 # Every agent these tests start keeps one warm set, not the default two: on the
 # 2 cores the suite gets, each agent's second set (two more `import torch`)
@@ -38,3 +41,29 @@ def own_etcd(tmp_path):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def supervise(tmp_path):
+    """Build a supervisor for a script text; shut down after the test, which must leave
+    no process behind."""
+    made: list[WorkerSupervisor] = []
+
+    def make(script: str, nproc: int = 1, **kw) -> tuple[WorkerSupervisor, Exits]:
+        path = tmp_path / f"worker{len(made)}.py"
+        path.write_text(textwrap.dedent(script))
+        exits = Exits()
+        kw.setdefault("prestart", False)
+        kw.setdefault("stop_grace_s", 1.0)
+        entrypoint = Entrypoint(script=str(path), args=tuple(kw.pop("args", ())))
+        sup = WorkerSupervisor(job_id="job-t", node_id="node-a", nproc=nproc,
+                               entrypoint=entrypoint, log_dir=str(tmp_path / "logs"),
+                               on_exit=exits, **kw)
+        made.append(sup)
+        return sup, exits
+
+    yield make
+    for sup in made:
+        sup.shutdown()
+        left = [pid for pid in sup.pids() if alive(pid)]
+        assert not left, f"processes left behind: {left}"

@@ -18,84 +18,10 @@ import time
 
 import pytest
 
-from agent.supervisor import Entrypoint, WorkerExit, WorkerSupervisor
+from agent.supervisor import Entrypoint, WorkerSupervisor
+from tests.integration.supervising import REPO, Exits, alive, round_envs, wait_until
 
 pytestmark = pytest.mark.integration
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _alive(pid: int) -> bool:
-    """Running, stopped or sleeping; a zombie counts as dead (this sandbox's PID 1 never
-    reaps orphans, so a killed grandchild may linger as one)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat[stat.rfind(b")") + 2:].split()[0] not in (b"Z", b"X")
-
-
-def _wait(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        time.sleep(0.01)
-
-
-def _envs(n: int, **extra: str) -> list[dict[str, str]]:
-    return [{"RANK": str(10 + i), "LOCAL_RANK": str(i), "WORLD_SIZE": str(n),
-             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", **extra} for i in range(n)]
-
-
-class Exits:
-    """on_exit collector."""
-
-    def __init__(self):
-        self.seen: list[WorkerExit] = []
-        self._cond = threading.Condition()
-
-    def __call__(self, e: WorkerExit) -> None:
-        with self._cond:
-            self.seen.append(e)
-            self._cond.notify_all()
-
-    def wait(self, n: int, timeout_s: float = 10.0) -> list[WorkerExit]:
-        with self._cond:
-            if not self._cond.wait_for(lambda: len(self.seen) >= n, timeout_s):
-                raise AssertionError(f"expected {n} exits within {timeout_s} s, got {self.seen}")
-            return sorted(self.seen, key=lambda e: e.local_rank)
-
-
-@pytest.fixture
-def supervise(tmp_path):
-    """Build a supervisor for a script text; shut down after the test, which must leave
-    no process behind."""
-    made: list[WorkerSupervisor] = []
-
-    def make(script: str, nproc: int = 1, **kw) -> tuple[WorkerSupervisor, Exits]:
-        path = tmp_path / f"worker{len(made)}.py"
-        path.write_text(textwrap.dedent(script))
-        exits = Exits()
-        kw.setdefault("prestart", False)
-        kw.setdefault("stop_grace_s", 1.0)
-        entrypoint = Entrypoint(script=str(path), args=tuple(kw.pop("args", ())))
-        sup = WorkerSupervisor(job_id="job-t", node_id="node-a", nproc=nproc,
-                               entrypoint=entrypoint, log_dir=str(tmp_path / "logs"),
-                               on_exit=exits, **kw)
-        made.append(sup)
-        return sup, exits
-
-    yield make
-    for sup in made:
-        sup.shutdown()
-        left = [pid for pid in sup.pids() if _alive(pid)]
-        assert not left, f"processes left behind: {left}"
-
 
 def test_env_argv_and_output_reach_the_agent_and_the_round_log(supervise, tmp_path, capfd,
                                                                 monkeypatch):
@@ -107,7 +33,7 @@ def test_env_argv_and_output_reach_the_agent_and_the_round_log(supervise, tmp_pa
         print("argv=%s stdin=%r name=%s" % (sys.argv[1:], sys.stdin.read(), __name__))
         print("to stderr", file=sys.stderr)
         """, nproc=2, args=("--lr", "0.1"))
-    sup.start_round(7, _envs(2))
+    sup.start_round(7, round_envs(2))
     got = exits.wait(2)
     assert [(e.round, e.rank, e.exit_code, e.signal, e.stopped) for e in got] == \
         [(7, 10, 0, None, False), (7, 11, 0, None, False)]
@@ -134,7 +60,7 @@ def test_module_entrypoint_runs_like_python_dash_m(tmp_path, monkeypatch):
                            entrypoint=Entrypoint(module="trainmod"), log_dir=str(tmp_path / "l"),
                            prestart=False, on_exit=exits)
     try:
-        sup.start_round(1, _envs(1))
+        sup.start_round(1, round_envs(1))
         assert exits.wait(1)[0].exit_code == 5
         log_text = (tmp_path / "l" / "round-1" / "rank-10.log").read_text()
         assert f"argv0={tmp_path / 'trainmod.py'} path0={tmp_path}" in log_text
@@ -157,8 +83,8 @@ def test_exit_codes_and_signals_are_reported_within_half_a_second(supervise, tmp
         if mode == "hang":
             time.sleep(1000)
         """, nproc=4)
-    sup.start_round(1, _envs(4))
-    _wait(lambda: (marks / "hang").exists(), 10, "the hanging rank started")
+    sup.start_round(1, round_envs(4))
+    wait_until(lambda: (marks / "hang").exists(), 10, "the hanging rank started")
     hang_pid = sup.workers()[3].pid
     killed_at = time.monotonic()
     os.kill(hang_pid, signal.SIGKILL)
@@ -190,13 +116,13 @@ def test_stop_kills_term_ignoring_and_sigstopped_workers_and_their_children(supe
         while True:
             time.sleep(0.05)
         """, nproc=2, stop_grace_s=0.5)
-    sup.start_round(3, _envs(2))
-    children = [int(_wait(lambda i=i: (tmp_path / f"child-{i}").exists() and
+    sup.start_round(3, round_envs(2))
+    children = [int(wait_until(lambda i=i: (tmp_path / f"child-{i}").exists() and
                           (tmp_path / f"child-{i}").read_text(), 10, f"child of rank {i}"))
                 for i in range(2)]
     pids = [w.pid for w in sup.workers()]
     os.kill(pids[1], signal.SIGSTOP)
-    _wait(lambda: open(f"/proc/{pids[1]}/stat").read().split(")")[-1].split()[0] == "T", 5,
+    wait_until(lambda: open(f"/proc/{pids[1]}/stat").read().split(")")[-1].split()[0] == "T", 5,
           "worker 1 stopped")
     started = time.monotonic()
     got = sup.stop()
@@ -204,7 +130,7 @@ def test_stop_kills_term_ignoring_and_sigstopped_workers_and_their_children(supe
     assert 0.4 < took < 0.5 + 3.0, took  # waited out the grace, then no longer than needed
     assert [(e.local_rank, e.signal, e.stopped) for e in got] == [
         (0, signal.SIGKILL, True), (1, signal.SIGTERM, True)]
-    assert not [p for p in pids + children if _alive(p)]
+    assert not [p for p in pids + children if alive(p)]
     assert sorted(e.local_rank for e in exits.wait(2)) == [0, 1]  # delivered before stop returned
     assert all(e.stopped for e in exits.seen)
     assert sup.stop() == []  # idempotent
@@ -220,9 +146,9 @@ def test_a_warm_restart_starts_the_script_faster_than_a_cold_one(supervise, tmp_
 
     def time_to_script(sup, exits, number: int) -> float:
         t0 = time.monotonic()
-        sup.start_round(number, _envs(1, ROUND=str(number)))
+        sup.start_round(number, round_envs(1, ROUND=str(number)))
         mark = tmp_path / f"mark-{number}"
-        _wait(lambda: mark.exists() and mark.read_text(), 30, f"round {number} ran")
+        wait_until(lambda: mark.exists() and mark.read_text(), 30, f"round {number} ran")
         exits.wait(number if sup.prestart else 1, timeout_s=30)
         sup.stop()
         return float(mark.read_text()) - t0
@@ -234,7 +160,7 @@ def test_a_warm_restart_starts_the_script_faster_than_a_cold_one(supervise, tmp_
     warm_sup, warm_exits = supervise(script, prestart=True)
     warm_sup.warm_up()
     time_to_script(warm_sup, warm_exits, 1)  # the first round takes the first warm set
-    _wait(lambda: [w for w in warm_sup.warm_workers() if w.ready], 30, "next set warm")
+    wait_until(lambda: [w for w in warm_sup.warm_workers() if w.ready], 30, "next set warm")
     warm_pid = warm_sup.warm_workers()[0].pid
     warm = time_to_script(warm_sup, warm_exits, 2)
     assert warm_sup.workers()[0].pid == warm_pid
@@ -248,10 +174,10 @@ def test_warm_worker_deaths_are_not_failures_and_a_broken_pool_goes_cold(supervi
     sup, exits = supervise("import os; print('ran', os.environ['RANK'])", nproc=2,
                            prestart=True)
     sup.warm_up()
-    first = _wait(lambda: len(sup.warm_workers()) == 2 and all(
+    first = wait_until(lambda: len(sup.warm_workers()) == 2 and all(
         w.ready for w in sup.warm_workers()) and sup.warm_workers(), 10, "pool warm")
     os.kill(first[0].pid, signal.SIGKILL)
-    _wait(lambda: first[0].pid not in [w.pid for w in sup.warm_workers()] and
+    wait_until(lambda: first[0].pid not in [w.pid for w in sup.warm_workers()] and
           len(sup.warm_workers()) == 2, 10, "the dead warm worker replaced")
     assert sup.warm_enabled
     assert exits.seen == []
@@ -260,9 +186,9 @@ def test_warm_worker_deaths_are_not_failures_and_a_broken_pool_goes_cold(supervi
     monkeypatch.setenv("ELASTIC_PRELOAD", "no_such_module_for_elastic_tests")
     for w in sup.warm_workers():
         os.kill(w.pid, signal.SIGKILL)
-    _wait(lambda: not sup.warm_enabled, 15, "warm workers given up")
+    wait_until(lambda: not sup.warm_enabled, 15, "warm workers given up")
     assert exits.seen == []
-    sup.start_round(1, _envs(2))
+    sup.start_round(1, round_envs(2))
     assert [e.exit_code for e in exits.wait(2)] == [0, 0]
     assert sup.warm_workers() == []
 
@@ -286,57 +212,66 @@ def test_giving_up_the_warm_pool_ends_the_warm_workers_still_importing(supervise
     monkeypatch.setenv("ELASTIC_PRELOAD", "badpre")
     sup, exits = supervise("print('ran')", nproc=2, prestart=True)
     sup.warm_up()
-    warm = _wait(lambda: len(sup.warm_workers()) == 2 and all(
+    warm = wait_until(lambda: len(sup.warm_workers()) == 2 and all(
         w.ready for w in sup.warm_workers()) and sup.warm_workers(), 10, "pool warm")
+    template = wait_until(lambda: (t := sup.warm_template()) and t.ready and t, 10, "template ready")
     marker.touch()
 
-    for w in warm:  # two deaths, then the first replacement's failed import: three in a row
-        os.kill(w.pid, signal.SIGKILL)
-    _wait(lambda: not sup.warm_enabled, 15, "warm workers given up")
+    # The template's death and the two warm workers': three in a row, while their
+    # replacements (a new template, spawned warm workers) fail or hang in `badpre`.
+    for pid in [template.pid] + [w.pid for w in warm]:
+        os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not sup.warm_enabled, 15, "warm workers given up")
 
     assert sup.warm_workers() == []
-    hanging = [pid for pid in sup.pids() if pid not in {w.pid for w in warm}]
-    _wait(lambda: not any(_alive(pid) for pid in hanging), 5, "the hanging replacement ended")
+    assert sup.warm_template() is None
+    hanging = [pid for pid in sup.pids() if pid not in {template.pid, *(w.pid for w in warm)}]
+    assert hanging, "no replacement was started"
+    wait_until(lambda: not any(alive(pid) for pid in hanging), 5, "the hanging replacements ended")
     assert exits.seen == []
 
 
 def test_a_second_warm_set_serves_a_restart_before_the_used_set_is_replaced(
         supervise, tmp_path, monkeypatch):
-    # Warm workers import `slowpre`, which takes 30 s once the marker exists:
-    # the replacements started after round 1 are still importing at round 2.
+    # Warm workers import `slowpre`, which takes 30 s once the marker exists, and
+    # always in the template: while it imports, replacements are spawned, and those
+    # started after round 1 are still importing at round 2.
     marker = tmp_path / "slow"
     (tmp_path / "slowpre.py").write_text(
-        f"import os, time\nif os.path.exists({str(marker)!r}): time.sleep(30)\n")
+        f"import os, time\nif os.path.exists({str(marker)!r}) or "
+        f"os.environ.get('ELASTIC_BOOTSTRAP_TEMPLATE_FD'): time.sleep(30)\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.setenv("ELASTIC_PRELOAD", "slowpre")
     sup, exits = supervise("import time\nwhile True: time.sleep(0.05)", prestart=True,
                            warm_sets=2)
     sup.warm_up()
-    ready = {w.pid for w in _wait(lambda: len(sup.warm_workers()) == 2 and all(
+    ready = {w.pid for w in wait_until(lambda: len(sup.warm_workers()) == 2 and all(
         w.ready for w in sup.warm_workers()) and sup.warm_workers(), 20, "two sets warm")}
     marker.touch()
 
-    sup.start_round(1, _envs(1))  # takes one ready set and starts replacing it
+    sup.start_round(1, round_envs(1))  # takes one ready set and starts replacing it
     first = sup.workers()[0].pid
     sup.stop()
-    sup.start_round(2, _envs(1))  # at once: the replacement is still importing
+    sup.start_round(2, round_envs(1))  # at once: the replacement is still importing
 
     assert first in ready and sup.workers()[0].pid in ready - {first}
-    refilled = _wait(lambda: len(sup.warm_workers()) == 2 and sup.warm_workers(), 10,
+    refilled = wait_until(lambda: len(sup.warm_workers()) == 2 and sup.warm_workers(), 10,
                      "both sets replaced")
     assert not any(w.ready for w in refilled)
+    assert not sup.warm_template().ready
 
 
 def test_warm_workers_import_at_idle_priority_and_the_script_runs_at_normal_priority(
         supervise, tmp_path, monkeypatch):
     # The preload records the priority of the thread importing it, then waits
-    # for the marker: the round takes this warm worker in the middle of its import.
-    marker, seen = tmp_path / "go", tmp_path / "preload.json"
+    # for the marker: the round takes this warm worker in the middle of its import,
+    # while the template imports it too (so the warm worker is a spawned one).
+    marker = tmp_path / "go"
     (tmp_path / "idlepre.py").write_text(textwrap.dedent(f"""
         import json, os, threading, time
         from elastic.worker import priority
         tid = threading.get_native_id()
-        with open({str(seen)!r}, "w") as f:
+        with open(os.path.join({str(tmp_path)!r}, "preload-%d.json" % os.getpid()), "w") as f:
             json.dump({{"idle": priority.is_idle(tid), "io_class": priority.io_class(tid),
                         "main_idle": priority.is_idle(os.getpid())}}, f)
         while not os.path.exists({str(marker)!r}):
@@ -352,14 +287,18 @@ def test_warm_workers_import_at_idle_priority_and_the_script_runs_at_normal_prio
                                     "idle_threads": [t for t in tids if priority.is_idle(t)]}}))
     """, prestart=True)
     sup.warm_up()
-    _wait(seen.exists, 20, "the warm worker to start importing")
-    sup.start_round(1, _envs(1))  # the assignment arrives while it imports
+    seen = wait_until(lambda: len(list(tmp_path.glob("preload-*.json"))) == 2 and
+                 list(tmp_path.glob("preload-*.json")), 20,
+                 "the warm worker and the template to start importing")
+    assert not sup.warm_template().ready
+    sup.start_round(1, round_envs(1))  # the assignment arrives while it imports
     marker.touch()
     assert exits.wait(1)[0].exit_code == 0
 
-    at_import = json.loads(seen.read_text())
-    assert at_import["idle"] and not at_import["main_idle"]
-    assert at_import["io_class"] in (3, None)  # idle I/O, where this machine has the syscall
+    for path in seen:
+        at_import = json.loads(path.read_text())
+        assert at_import["idle"] and not at_import["main_idle"], path.name
+        assert at_import["io_class"] in (3, None)  # idle I/O, where this machine has the syscall
     log = (tmp_path / "logs" / "round-1" / "rank-10.log").read_text()
     ran = json.loads(log.split("RUN ", 1)[1].splitlines()[0])
     assert not ran["main_idle"]
@@ -374,13 +313,13 @@ def test_a_round_sets_startup_variables_so_it_starts_cold_and_the_next_set_learn
     sup, exits = supervise("import os; print('omp', os.environ['OMP_NUM_THREADS'])",
                            prestart=True)
     sup.warm_up()
-    before = _wait(lambda: sup.warm_workers(), 10, "a warm worker")[0].pid
-    sup.start_round(1, _envs(1, OMP_NUM_THREADS="1"))
+    before = wait_until(lambda: sup.warm_workers(), 10, "a warm worker")[0].pid
+    sup.start_round(1, round_envs(1, OMP_NUM_THREADS="1"))
     assert sup.workers()[0].pid != before  # its interpreter started without OMP_NUM_THREADS
     exits.wait(1)
     sup.stop()
-    again = _wait(lambda: sup.warm_workers(), 10, "the next warm worker")[0].pid
-    sup.start_round(2, _envs(1, OMP_NUM_THREADS="1"))
+    again = wait_until(lambda: sup.warm_workers(), 10, "the next warm worker")[0].pid
+    sup.start_round(2, round_envs(1, OMP_NUM_THREADS="1"))
     assert sup.workers()[0].pid == again
     exits.wait(2)
     assert "stdout: omp 1" in (tmp_path / "logs" / "round-2" / "rank-10.log").read_text()
@@ -390,8 +329,8 @@ def test_shutdown_leaves_no_process_and_is_idempotent(supervise, tmp_path, monke
     monkeypatch.setenv("ELASTIC_PRELOAD", "json")
     sup, exits = supervise("import time\nwhile True: time.sleep(0.05)", nproc=2, prestart=True)
     sup.warm_up()
-    sup.start_round(1, _envs(2))
-    _wait(lambda: len(sup.warm_workers()) == 2, 10, "the next warm set")
+    sup.start_round(1, round_envs(2))
+    wait_until(lambda: len(sup.warm_workers()) == 2, 10, "the next warm set")
     sup.shutdown()
     sup.shutdown()
     assert len(sup.pids()) >= 4
@@ -400,26 +339,26 @@ def test_shutdown_leaves_no_process_and_is_idempotent(supervise, tmp_path, monke
             os.kill(pid, 0)
     assert all(e.stopped for e in exits.wait(2))
     with pytest.raises(RuntimeError):
-        sup.start_round(2, _envs(2))
+        sup.start_round(2, round_envs(2))
 
 
 def test_workers_started_from_a_short_lived_thread_outlive_it(supervise):
     # PDEATHSIG follows the spawning *thread*; the supervisor spawns from its own.
     sup, _ = supervise("import time\nwhile True: time.sleep(0.05)")
-    t = threading.Thread(target=sup.start_round, args=(1, _envs(1)))
+    t = threading.Thread(target=sup.start_round, args=(1, round_envs(1)))
     t.start()
     t.join()
     time.sleep(0.3)
-    assert _alive(sup.workers()[0].pid)
+    assert alive(sup.workers()[0].pid)
 
 
 def test_round_misuse_is_refused(supervise):
     sup, _ = supervise("import time\nwhile True: time.sleep(0.05)", nproc=2)
     with pytest.raises(ValueError):
-        sup.start_round(1, _envs(1))
-    sup.start_round(1, _envs(2))
+        sup.start_round(1, round_envs(1))
+    sup.start_round(1, round_envs(2))
     with pytest.raises(RuntimeError):
-        sup.start_round(2, _envs(2))
+        sup.start_round(2, round_envs(2))
     with pytest.raises(ValueError):
         Entrypoint(script="a.py", module="a")
 
@@ -431,15 +370,25 @@ from agent.supervisor import Entrypoint, WorkerSupervisor
 sup = WorkerSupervisor(job_id="job-t", node_id="node-a", nproc=2,
                        entrypoint=Entrypoint(script={script!r}), log_dir={logs!r}, prestart=True)
 sup.warm_up()
-sup.start_round(1, [{{"RANK": "0"}}, {{"RANK": "1"}}])
+while not (sup.warm_template() and sup.warm_template().ready):
+    time.sleep(0.01)
+sup.start_round(1, [{{"RANK": "0"}}, {{"RANK": "1"}}])  # takes the spawned set; forks the next
 while len(sup.warm_workers()) < 2:
     time.sleep(0.01)
-print(json.dumps(sup.pids()), flush=True)
+print(json.dumps({{"pids": sup.pids(), "template": sup.warm_template().pid,
+                  "warm": [w.pid for w in sup.warm_workers()]}}), flush=True)
 time.sleep(1000)
 """
 
 
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    return int(stat[stat.rfind(b")") + 2:].split()[1])
+
+
 def test_a_killed_agent_takes_its_workers_along(tmp_path):
+    # The chain: agent (its spawner thread) -> template and spawned workers -> forked workers.
     script = tmp_path / "forever.py"
     script.write_text("import time\nwhile True: time.sleep(0.05)\n")
     driver = tmp_path / "driver.py"
@@ -447,11 +396,15 @@ def test_a_killed_agent_takes_its_workers_along(tmp_path):
     proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE,
                             env={**os.environ, "ELASTIC_PRELOAD": "json"}, text=True)
     try:
-        pids = json.loads(proc.stdout.readline())
-        assert len(pids) == 4 and all(_alive(p) for p in pids)
+        seen = json.loads(proc.stdout.readline())
+        pids = seen["pids"]
+        # Two spawned warm workers (round 1's), the template, two forks of it.
+        assert len(pids) == 5 and all(alive(p) for p in pids)
+        assert seen["template"] in pids
+        assert [_parent(p) for p in seen["warm"]] == [seen["template"]] * 2
         proc.kill()
         proc.wait()
-        _wait(lambda: not [p for p in pids if _alive(p)], 2.0, f"workers {pids} died")
+        wait_until(lambda: not [p for p in pids if alive(p)], 2.0, f"workers {pids} died")
     finally:
         proc.kill()
         proc.wait()

@@ -1,0 +1,58 @@
+"""Helpers for the tests that drive a WorkerSupervisor with real processes
+(tests/integration/test_supervisor.py, tests/integration/test_warm_template.py)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from agent.supervisor import WorkerExit
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def alive(pid: int) -> bool:
+    """Running, stopped or sleeping; a zombie counts as dead (this sandbox's PID 1 never
+    reaps orphans, so a killed grandchild may linger as one)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat[stat.rfind(b")") + 2:].split()[0] not in (b"Z", b"X")
+
+
+def wait_until(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        time.sleep(0.01)
+
+
+def round_envs(n: int, **extra: str) -> list[dict[str, str]]:
+    return [{"RANK": str(10 + i), "LOCAL_RANK": str(i), "WORLD_SIZE": str(n),
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", **extra} for i in range(n)]
+
+
+class Exits:
+    """on_exit collector."""
+
+    def __init__(self):
+        self.seen: list[WorkerExit] = []
+        self._cond = threading.Condition()
+
+    def __call__(self, e: WorkerExit) -> None:
+        with self._cond:
+            self.seen.append(e)
+            self._cond.notify_all()
+
+    def wait(self, n: int, timeout_s: float = 10.0) -> list[WorkerExit]:
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(self.seen) >= n, timeout_s):
+                raise AssertionError(f"expected {n} exits within {timeout_s} s, got {self.seen}")
+            return sorted(self.seen, key=lambda e: e.local_rank)

@@ -1,0 +1,207 @@
+"""Warm workers forked from one template process (elastic.worker.template), with real processes.
+
+The preload is a small module written by each test (milliseconds to import) that
+records every import by pid, so a test can tell which processes imported it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import textwrap
+import time
+
+import pytest
+
+from tests.integration.supervising import REPO, alive, round_envs, wait_until
+
+pytestmark = pytest.mark.integration
+
+PRELOAD = """
+import os
+with open(os.path.join({dir!r}, "imports"), "a") as f:
+    f.write("%d\\n" % os.getpid())
+"""
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    return int(stat[stat.rfind(b")") + 2:].split()[1])
+
+
+def _imports(tmp_path) -> list[int]:
+    return [int(line) for line in (tmp_path / "imports").read_text().split()]
+
+
+@pytest.fixture
+def counted_preload(tmp_path, monkeypatch):
+    """ELASTIC_PRELOAD is `countpre`, which appends the importing pid to tmp_path/imports."""
+    (tmp_path / "countpre.py").write_text(PRELOAD.format(dir=str(tmp_path)))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{REPO}")
+    monkeypatch.setenv("ELASTIC_PRELOAD", "countpre")
+
+
+def _forked_pool(sup, nproc: int):
+    """Wait for the template, let round 0 take the spawned first set, and return
+    (template pid, the warm set forked to replace it)."""
+    sup.warm_up()
+    template = wait_until(lambda: (t := sup.warm_template()) and t.ready and t, 20, "template ready")
+    sup.start_round(0, round_envs(nproc, ROUND="0"))
+    sup.stop()
+    warm = wait_until(lambda: len(sup.warm_workers()) == nproc and sup.warm_workers(), 10,
+                 "the forked set")
+    assert [_parent(w.pid) for w in warm] == [template.pid] * nproc
+    assert all(w.ready for w in warm)  # ready at once: nothing left to import
+    return template.pid, warm
+
+
+def test_warm_workers_are_forks_of_one_template_that_alone_imported_the_preload(
+        supervise, tmp_path, counted_preload):
+    sup, exits = supervise("""
+        import os, time
+        if os.environ["ROUND"] != "0":
+            print("parent", os.getppid())
+        """, nproc=2, prestart=True)
+    template, warm = _forked_pool(sup, 2)
+    spawned_first = set(sup.pids()) - {template} - {w.pid for w in warm}
+    for number in (1, 2):
+        sup.start_round(number, round_envs(2, ROUND=str(number)))
+        assert [w.pid for w in sup.workers()] == [w.pid for w in warm]
+        exits.wait(2 * (number + 1))
+        sup.stop()
+        warm = wait_until(lambda: len(sup.warm_workers()) == 2 and sup.warm_workers(), 10,
+                     "the next forked set")
+        assert [_parent(w.pid) for w in warm] == [template] * 2
+    log_text = (tmp_path / "logs" / "round-2" / "rank-10.log").read_text()
+    assert f"stdout: parent {template}\n" in log_text
+    # The template and the first set (spawned while the template imported; round 0
+    # may stop them before they finish) imported the preload; none of the six forks did.
+    imported = _imports(tmp_path)
+    assert template in imported and set(imported) <= {template} | spawned_first
+    assert len(imported) == len(set(imported))
+
+
+def test_a_forked_worker_keeps_the_bootstrap_promises_and_its_exit_is_reported_at_once(
+        supervise, tmp_path, counted_preload):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    sup, exits = supervise(f"""
+        import json, os, sys, time
+        from elastic.worker import priority
+        if os.environ["ROUND"] == "0":
+            sys.exit(0)
+        mode = ["info", "three", "raise", "hang"][int(os.environ["LOCAL_RANK"])]
+        with open(os.path.join({str(marks)!r}, mode), "w") as f:
+            f.write(repr(time.monotonic()))
+        if mode == "info":
+            tids = [int(t) for t in os.listdir("/proc/self/task")]
+            print("INFO " + json.dumps({{
+                "argv": sys.argv, "path0": sys.path[0], "name": __name__,
+                "stdin": sys.stdin.read(), "sid": os.getsid(0), "pgid": os.getpgid(0),
+                "pid": os.getpid(), "main_idle": priority.is_idle(os.getpid()),
+                "idle_threads": [t for t in tids if priority.is_idle(t)],
+                "rank": os.environ["RANK"]}}))
+            print("to stderr", file=sys.stderr)
+        if mode == "three":
+            sys.exit(3)
+        if mode == "raise":
+            raise RuntimeError("a bug in the training script")
+        if mode == "hang":
+            time.sleep(1000)
+        """, nproc=4, prestart=True, args=("--lr", "0.1"))
+    template, warm = _forked_pool(sup, 4)
+    sup.start_round(1, round_envs(4, ROUND="1"))
+    assert [w.pid for w in sup.workers()] == [w.pid for w in warm]
+    wait_until(lambda: (marks / "hang").exists(), 10, "the hanging rank started")
+    hang_pid = sup.workers()[3].pid
+    killed_at = time.monotonic()
+    os.kill(hang_pid, signal.SIGKILL)
+    got = [e for e in exits.wait(8) if e.round == 1]
+    assert [(e.local_rank, e.exit_code, e.signal, e.stopped) for e in got] == [
+        (0, 0, None, False), (1, 3, None, False), (2, 1, None, False),
+        (3, 128 + signal.SIGKILL, signal.SIGKILL, False)]
+    for e, mode in zip(got[:3], ["info", "three", "raise"]):
+        exited_at = float((marks / mode).read_text())
+        assert e.at - exited_at < 0.5, f"{mode}: reported {e.at - exited_at:.3f} s after exit"
+    assert got[3].at - killed_at < 0.5
+    assert got[3].pid == hang_pid
+
+    logs = tmp_path / "logs" / "round-1"
+    info_log = (logs / "rank-10.log").read_text()
+    info = json.loads(info_log.split("stdout: INFO ", 1)[1].splitlines()[0])
+    script = str(tmp_path / "worker0.py")
+    assert info["argv"] == [script, "--lr", "0.1"]
+    assert info["path0"] == str(tmp_path) and info["name"] == "__main__"
+    assert info["stdin"] == "" and info["rank"] == "10"
+    assert info["sid"] == info["pgid"] == info["pid"]  # its own session and process group
+    assert not info["main_idle"] and info["idle_threads"] == []
+    assert "stderr: to stderr\n" in info_log
+    raised = (logs / "rank-12.log").read_text()
+    assert "stderr: RuntimeError: a bug in the training script" in raised
+    assert "bootstrap" not in raised and "template" not in raised
+    error = json.loads((logs / "rank-12.error.json").read_text())
+    assert "a bug in the training script" in json.dumps(error)
+
+
+def test_a_killed_template_takes_its_workers_along_and_the_pool_is_rebuilt(
+        supervise, tmp_path, counted_preload):
+    sup, exits = supervise("""
+        import os, sys, time
+        if os.environ["ROUND"] == "0":
+            sys.exit(0)
+        while True:
+            time.sleep(0.05)
+        """, nproc=2, prestart=True)
+    template, _ = _forked_pool(sup, 2)
+    sup.start_round(1, round_envs(2, ROUND="1"))  # on forks of the template
+    running = [w.pid for w in sup.workers()]
+    assert [_parent(p) for p in running] == [template] * 2
+    forks_warm = [w.pid for w in wait_until(lambda: len(sup.warm_workers()) == 2 and
+                                       sup.warm_workers(), 10, "refilled")]
+    seen_before = len(exits.seen)
+
+    killed_at = time.monotonic()
+    os.kill(template, signal.SIGKILL)
+    got = [e for e in exits.wait(seen_before + 2) if e.round == 1]
+    assert [(e.pid, e.signal, e.stopped) for e in got] == [
+        (running[0], signal.SIGKILL, False), (running[1], signal.SIGKILL, False)]
+    assert max(e.at for e in got) - killed_at < 1.0
+    wait_until(lambda: not any(alive(p) for p in forks_warm + running), 2, "its forks died")
+    assert len(exits.seen) == seen_before + 2  # the warm ones are not reported
+
+    sup.stop()
+    rebuilt = wait_until(lambda: (t := sup.warm_template()) and t.ready and t.pid != template and t,
+                    20, "a new template")
+    pool = wait_until(lambda: len(sup.warm_workers()) == 2 and all(
+        w.ready for w in sup.warm_workers()) and sup.warm_workers(), 20, "the pool rebuilt")
+    assert not {w.pid for w in pool} & set(forks_warm)
+    assert sup.warm_enabled and rebuilt.pid in sup.pids()
+
+
+def test_a_template_whose_preload_starts_a_thread_falls_back_to_spawning(
+        supervise, tmp_path, monkeypatch, caplog):
+    (tmp_path / "threadpre.py").write_text(textwrap.dedent("""
+        import threading, time
+        threading.Thread(target=time.sleep, args=(1000,), daemon=True).start()
+        """))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{REPO}")
+    monkeypatch.setenv("ELASTIC_PRELOAD", "threadpre")
+    caplog.set_level(logging.INFO, logger="agent.supervisor")
+    sup, exits = supervise("print('ran')", nproc=2, prestart=True)
+    sup.warm_up()
+    wait_until(lambda: "is unsafe here" in caplog.text, 20, "the template's verdict")
+    assert sup.warm_template() is None
+    for number in (1, 2):
+        wait_until(lambda: len(sup.warm_workers()) == 2, 10, "a spawned warm set")
+        warm = [w.pid for w in sup.warm_workers()]
+        assert [_parent(p) for p in warm] == [os.getpid()] * 2  # spawned by the agent
+        sup.start_round(number, round_envs(2))
+        assert [w.pid for w in sup.workers()] == warm
+        exits.wait(2 * number)
+        sup.stop()
+    assert [e.exit_code for e in exits.seen] == [0] * 4
+    assert caplog.text.count("is unsafe here") == 1
+    assert sup.warm_enabled and sup.warm_template() is None
