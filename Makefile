@@ -24,8 +24,11 @@ $(STAMP): pyproject.toml Makefile tools/protoc-requirements.txt
 demo: setup
 	$(PY) examples/demo.py
 
+# Two xdist workers: most integration tests wait (etcd, rounds, processes) and overlap well
+# on two cores; the CPU-bound ones share one worker (tests/marks.py). TEST_JOBS=0 runs serially.
+TEST_JOBS ?= 2
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadgroup
 
 # The tests on the oldest dependencies pyproject.toml allows (tools/floor_constraints.py),
 # in a venv of their own: torch is the pinned CPU build (its floor is a CUDA download).

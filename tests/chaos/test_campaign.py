@@ -16,8 +16,9 @@ import pytest
 from tests.chaos.__main__ import render
 from tests.chaos.campaign import run_campaign
 from tests.chaos.faults import KINDS
+from tests.marks import CPU_BOUND
 
-pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600), CPU_BOUND]
 
 SEED = int(os.environ.get("CHAOS_SEED", "1"))
 

@@ -17,6 +17,7 @@ import pytest
 from agent import reactor
 from elastic.rendezvous import decisions
 from elastic.rendezvous.api import Action, Decision
+from tests.marks import CPU_BOUND
 from tests.sim import cluster
 from tests.sim.runner import REPLAY, run_many
 from tests.sim.world import FakeMesh
@@ -24,6 +25,7 @@ from tests.sim.world import FakeMesh
 SEEDS = int(os.environ.get("SIM_SEEDS", "10000"))
 
 
+@CPU_BOUND
 @pytest.mark.timeout(600)
 def test_every_schedule_keeps_every_invariant():
     started = time.monotonic()
