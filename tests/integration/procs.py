@@ -151,7 +151,12 @@ def read_progress(path) -> list[dict]:
         return []
 
 
-def wait_progress(path, predicate, timeout_s: float = 60.0) -> list[dict]:
+# A job's first steps wait for its workers' `import torch`: at the start of `make test` the
+# chaos campaign's agents import beside them on the same 2 cores (seen: over 60 s).
+PROGRESS_TIMEOUT_S = 120.0
+
+
+def wait_progress(path, predicate, timeout_s: float = PROGRESS_TIMEOUT_S) -> list[dict]:
     deadline = time.monotonic() + timeout_s
     while True:
         records = read_progress(path)

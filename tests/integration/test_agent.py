@@ -31,6 +31,8 @@ def agents(etcd_endpoint, job_id):
     yield start
     for a in started:
         a.stop()
+        # Shown with a failing test's report ("Captured stdout teardown").
+        print(f"--- agent {a.node_id}: last lines of its output ---\n" + "".join(a.output[-60:]))
 
 
 def final_round(store, job_id) -> Round:
