@@ -716,18 +716,7 @@ class WorkerSupervisor:
                                        f"{_FORK_TIMEOUT_S:.0f} s") from exc
             raise
         w = _Worker(proc=proc, startup_env=dict(tpl.startup_env), status_fd=-1, ready=True)
-        w.threads = [
-            threading.Thread(target=self._pump, args=(w, proc.stdout, "stdout"),
-                             name=f"elastic-worker-{proc.pid}-stdout", daemon=True),
-            threading.Thread(target=self._pump, args=(w, proc.stderr, "stderr"),
-                             name=f"elastic-worker-{proc.pid}-stderr", daemon=True),
-            threading.Thread(target=self._watch, args=(w,),
-                             name=f"elastic-worker-{proc.pid}-waiter", daemon=True),
-        ]
-        for t in w.threads:
-            t.start()
-        self._live.add(w)
-        self._pid_history.append(w.pid)
+        self._track(w, status_pipe=False)  # a fork is ready at once: no status to read
         return w
 
     def _retire_template(self, tpl: _Template) -> None:
@@ -965,23 +954,30 @@ class WorkerSupervisor:
         w = _Worker(proc=proc, startup_env=startup_env, status_fd=read_fd)
         if slot is not None:
             self._bind(w, slot)
+        self._track(w, status_pipe=True)
+        return w
+
+    def _track(self, w: _Worker, *, status_pipe: bool) -> None:
+        """Start ``w``'s output pumps and waiter (and the reader of its status pipe, if it
+        has one), and count it as spawned (caller holds self._lock)."""
+        pid = w.proc.pid
         w.threads = [
-            threading.Thread(target=self._pump, args=(w, proc.stdout, "stdout"),
-                             name=f"elastic-worker-{proc.pid}-stdout", daemon=True),
-            threading.Thread(target=self._pump, args=(w, proc.stderr, "stderr"),
-                             name=f"elastic-worker-{proc.pid}-stderr", daemon=True),
+            threading.Thread(target=self._pump, args=(w, w.proc.stdout, "stdout"),
+                             name=f"elastic-worker-{pid}-stdout", daemon=True),
+            threading.Thread(target=self._pump, args=(w, w.proc.stderr, "stderr"),
+                             name=f"elastic-worker-{pid}-stderr", daemon=True),
             threading.Thread(target=self._watch, args=(w,),
-                             name=f"elastic-worker-{proc.pid}-waiter", daemon=True),
+                             name=f"elastic-worker-{pid}-waiter", daemon=True),
+        ]
+        if status_pipe:
             # Apart from the waiter: a child that inherited the status pipe must not delay
             # the news of the worker's exit.
-            threading.Thread(target=self._read_status, args=(w,),
-                             name=f"elastic-worker-{proc.pid}-status", daemon=True),
-        ]
+            w.threads.append(threading.Thread(target=self._read_status, args=(w,),
+                                              name=f"elastic-worker-{pid}-status", daemon=True))
         for t in w.threads:
             t.start()
         self._live.add(w)
         self._pid_history.append(w.pid)
-        return w
 
     def _bind(self, w: _Worker, slot: _Slot) -> None:
         """Make ``w`` the worker of ``slot`` (caller holds ``w.lock`` or owns ``w`` alone)."""
