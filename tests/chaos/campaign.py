@@ -35,7 +35,6 @@ from tests.chaos.cluster import (
     CheckpointPoller,
     NodeAgent,
     StepLog,
-    alive,
     checkpoint_dir,
     dump_python_stacks,
     signal_pids,
@@ -45,6 +44,7 @@ from tests.chaos.cluster import (
 from tests.chaos.etcd_cluster import EtcdCluster
 from tests.chaos.faults import FaultRecord
 from tests.chaos.topology import Topology, tagged_pids
+from tests.proctable import alive
 
 log = logging.getLogger(__name__)
 

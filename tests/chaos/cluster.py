@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 from elastic.failpoints import ENV_VAR as FAILPOINT_ENV
 from elastic.keyspace import JobKeys
-from tests.chaos.etcd_cluster import _pdeathsig
 from tests.chaos.topology import REPO, TAG_ENV, Host
+from tests.proctable import killed_with_this_process, pids_with_env
 
 log = logging.getLogger(__name__)
 
@@ -66,30 +66,7 @@ class AgentSettings:
 def node_pids(tag: str, node_id: str) -> list[int]:
     """Live processes of run ``tag`` whose environment says ``CHAOS_NODE=node_id``
     (the agent, its workers and warm workers)."""
-    want = (f"{TAG_ENV}={tag}".encode(), f"{NODE_ENV}={node_id}".encode())
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                env = set(f.read().split(b"\0"))
-            with open(f"/proc/{name}/stat") as f:
-                if f.read().rsplit(")", 1)[-1].split()[0] == "Z":
-                    continue
-        except OSError:
-            continue
-        if all(w in env for w in want):
-            found.append(int(name))
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return False
+    return pids_with_env(f"{TAG_ENV}={tag}", f"{NODE_ENV}={node_id}")
 
 
 def signal_pids(pids, sig: int) -> None:
@@ -139,7 +116,7 @@ class NodeAgent:
             # Spawned from the harness's main thread: PDEATHSIG follows the thread.
             self.proc = subprocess.Popen(slot.wrap(cmd), cwd=REPO, env=env,
                                          stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=subprocess.STDOUT, preexec_fn=_pdeathsig())
+                                         stderr=subprocess.STDOUT, preexec_fn=killed_with_this_process())
         self.started_at = time.time()
         self.killed = False  # by a fault: its exit code is not the job's outcome
 

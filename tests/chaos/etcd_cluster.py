@@ -10,11 +10,8 @@ the run's ``CHAOS_TAG`` and dies with the harness (``PR_SET_PDEATHSIG``).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -24,19 +21,9 @@ import grpc
 from elastic.store.etcdpb import rpc_pb2, rpc_pb2_grpc
 from elastic.store.server import find_etcd_binary
 from tests.chaos.topology import TAG_ENV, Host
+from tests.proctable import killed_with_this_process
 
 log = logging.getLogger(__name__)
-
-
-def _pdeathsig():
-    prctl = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).prctl
-    parent = os.getpid()
-
-    def guard() -> None:
-        prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGKILL)
-    return guard
 
 
 def _free_port() -> int:
@@ -90,7 +77,7 @@ class EtcdMember:
             self.proc = subprocess.Popen(
                 self.host.wrap(cmd), stdin=subprocess.DEVNULL, stdout=logf,
                 stderr=subprocess.STDOUT, env={**os.environ, TAG_ENV: self.tag},
-                start_new_session=True, preexec_fn=_pdeathsig())
+                start_new_session=True, preexec_fn=killed_with_this_process())
 
     def kill(self) -> None:
         """SIGKILL: a crash. The data directory stays for :meth:`start`."""

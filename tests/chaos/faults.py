@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from elastic.checkpoint import layout
-from tests.chaos.cluster import alive, node_pids, signal_pids
+from tests.chaos.cluster import node_pids, signal_pids
+from tests.proctable import alive
 
 FILLER_NAME = "chaos-disk-filler"  # not a checkpoint name: restore and retention ignore it
 SAVE_WAIT_S = 60.0  # for a save in flight: a few checkpoint intervals, and a restart

@@ -54,6 +54,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from tests.proctable import live_environments
+
 log = logging.getLogger(__name__)
 
 STATE_DIR = "/tmp/elastic-chaos"
@@ -115,23 +117,12 @@ def _owner_alive(prefix: str) -> bool:
 def tagged_pids(tag: str | None = None) -> dict[int, str]:
     """Live (not zombie) processes carrying ``CHAOS_TAG`` (``tag``, or any), pid -> tag."""
     found: dict[int, str] = {}
-    me = os.getpid()
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == me:
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-            with open(f"/proc/{name}/stat") as f:
-                if f.read().rsplit(")", 1)[-1].split()[0] == "Z":
-                    continue
-        except OSError:
-            continue
+    for pid, env in live_environments():
         for item in env:
             if item.startswith(f"{TAG_ENV}=".encode()):
                 value = item.split(b"=", 1)[1].decode(errors="replace")
                 if tag is None or value == tag:
-                    found[int(name)] = value
+                    found[pid] = value
                 break
     return found
 

@@ -9,13 +9,14 @@ import pytest
 
 from agent.config import OPTIONS
 from agent.supervisor import Entrypoint, WorkerSupervisor
-from tests.integration.supervising import Exits, alive
+from tests.integration.supervising import Exits
+from tests.proctable import alive
 
-# Every agent these tests start keeps one warm set, not the default two: on the
-# 2 cores the suite gets, each agent's second set (two more `import torch`)
-# competes with the training the test watches, and costs the suite about a
-# quarter of its integration time. Two sets are covered by
-# tests/integration/test_supervisor.py and by bench/recovery.py.
+# Every agent these tests start keeps one warm set, not the default two: until
+# an agent's template has imported torch its warm workers are spawned, so a
+# second set is two more `import torch` at every agent's start, beside the
+# training the test watches, on the 2 cores the suite gets. Two sets are
+# covered by tests/integration/test_supervisor.py and by bench/recovery.py.
 WARM_SETS_ENV = next(o.env for o in OPTIONS if o.name == "warm-sets")
 
 

@@ -168,13 +168,3 @@ def wait_progress(path, predicate, timeout_s: float = PROGRESS_TIMEOUT_S) -> lis
         time.sleep(0.05)
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

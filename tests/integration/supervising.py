@@ -12,17 +12,6 @@ from agent.supervisor import WorkerExit
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def alive(pid: int) -> bool:
-    """Running, stopped or sleeping; a zombie counts as dead (this sandbox's PID 1 never
-    reaps orphans, so a killed grandchild may linger as one)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat[stat.rfind(b")") + 2:].split()[0] not in (b"Z", b"X")
-
-
 def wait_until(predicate, timeout_s: float, what: str):
     deadline = time.monotonic() + timeout_s
     while True:

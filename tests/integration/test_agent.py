@@ -14,7 +14,8 @@ import pytest
 from agent import peers
 from elastic.keyspace import JobKeys
 from elastic.rendezvous.api import NodeInfo, Round
-from tests.integration.procs import REPO, AgentProcess, alive, read_progress, wait_progress
+from tests.integration.procs import REPO, AgentProcess, read_progress, wait_progress
+from tests.proctable import alive
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

@@ -26,7 +26,8 @@ import pytest
 
 from elastic.keyspace import JobKeys
 from elastic.rendezvous.api import Round
-from tests.integration.procs import REPO, alive
+from tests.integration.procs import REPO
+from tests.proctable import alive, pids_with_env
 from tests.integration.tcp_proxy import TcpProxy
 
 pytestmark = [pytest.mark.integration]
@@ -104,19 +105,7 @@ class Agent:
 
 def tagged_pids(tag: str) -> list[int]:
     """Live processes whose environment carries ``FAULTS_TEST_TAG=<tag>``."""
-    needle = f"{TAG_ENV}={tag}".encode()
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-        except OSError:
-            continue
-        if needle in env and alive(int(name)):
-            found.append(int(name))
-    return found
+    return pids_with_env(f"{TAG_ENV}={tag}")
 
 
 class Cluster:

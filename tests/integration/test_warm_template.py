@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from tests.integration.supervising import REPO, alive, round_envs, wait_until
+from tests.integration.supervising import REPO, round_envs, wait_until
+from tests.proctable import alive, parent
 
 pytestmark = pytest.mark.integration
 
@@ -24,12 +25,6 @@ import os
 with open(os.path.join({dir!r}, "imports"), "a") as f:
     f.write("%d\\n" % os.getpid())
 """
-
-
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        stat = f.read()
-    return int(stat[stat.rfind(b")") + 2:].split()[1])
 
 
 def _imports(tmp_path) -> list[int]:
@@ -53,7 +48,7 @@ def _forked_pool(sup, nproc: int):
     sup.stop()
     warm = wait_until(lambda: len(sup.warm_workers()) == nproc and sup.warm_workers(), 10,
                  "the forked set")
-    assert [_parent(w.pid) for w in warm] == [template.pid] * nproc
+    assert [parent(w.pid) for w in warm] == [template.pid] * nproc
     assert all(w.ready for w in warm)  # ready at once: nothing left to import
     return template.pid, warm
 
@@ -74,7 +69,7 @@ def test_warm_workers_are_forks_of_one_template_that_alone_imported_the_preload(
         sup.stop()
         warm = wait_until(lambda: len(sup.warm_workers()) == 2 and sup.warm_workers(), 10,
                      "the next forked set")
-        assert [_parent(w.pid) for w in warm] == [template] * 2
+        assert [parent(w.pid) for w in warm] == [template] * 2
     log_text = (tmp_path / "logs" / "round-2" / "rank-10.log").read_text()
     assert f"stdout: parent {template}\n" in log_text
     # The template and the first set (spawned while the template imported; round 0
@@ -158,7 +153,7 @@ def test_a_killed_template_takes_its_workers_along_and_the_pool_is_rebuilt(
     template, _ = _forked_pool(sup, 2)
     sup.start_round(1, round_envs(2, ROUND="1"))  # on forks of the template
     running = [w.pid for w in sup.workers()]
-    assert [_parent(p) for p in running] == [template] * 2
+    assert [parent(p) for p in running] == [template] * 2
     forks_warm = [w.pid for w in wait_until(lambda: len(sup.warm_workers()) == 2 and
                                        sup.warm_workers(), 10, "refilled")]
     seen_before = len(exits.seen)
@@ -197,7 +192,7 @@ def test_a_template_whose_preload_starts_a_thread_falls_back_to_spawning(
     for number in (1, 2):
         wait_until(lambda: len(sup.warm_workers()) == 2, 10, "a spawned warm set")
         warm = [w.pid for w in sup.warm_workers()]
-        assert [_parent(p) for p in warm] == [os.getpid()] * 2  # spawned by the agent
+        assert [parent(p) for p in warm] == [os.getpid()] * 2  # spawned by the agent
         sup.start_round(number, round_envs(2))
         assert [w.pid for w in sup.workers()] == warm
         exits.wait(2 * number)
