@@ -19,12 +19,13 @@ Template: warm workers are *forked* from one template process per startup
 environment (:mod:`elastic.worker.template`), which alone imports torch, so
 replacing a used set costs milliseconds of CPU, not ``nproc`` imports.
 Forked workers are the template's children: it reaps them and relays each
-exit status over a socketpair (:class:`_ForkedProcess` gives them the part of
-Popen's interface the supervisor uses, so the rest does not care how a
-worker was born). Until the template is ready (the agent's first seconds,
-or after it died), warm workers are spawned and import on their own as
-before: a round that starts meanwhile takes them, mid-import if need be,
-exactly as without a template, so the first round is not slower. A template
+exit status over a socketpair (:mod:`agent.template_link`). Before the first
+round, while the template imports, the warm workers are spawned and import on
+their own, so the first round takes them, mid-import if need be, and is not
+slower than without a template. Once a round started, the pool waits for the
+template (replacements spawned then would only serve a failure within the
+template's import, and would import torch ``nproc`` more times beside the
+round's start), and so does it after the template died or was replaced. A template
 that finds forking unsafe (a preloaded module left a thread running, or
 initialized CUDA) says so, is logged once, and every warm worker is spawned
 from then on. A template with other startup variables than the next warm set
@@ -66,6 +67,8 @@ from typing import Callable, Mapping, NamedTuple
 import elastic
 from agent import localfiles
 from agent.console import ConsoleFilter
+from agent.template_link import (ForkedProcess, MalformedMessage, RetiredAndIdle, TemplateEvent,
+                                 TemplateLink, TemplateReady, TemplateUnsafe)
 from elastic import errorfile
 from elastic.errors import ConfigError, WorkerSpawnError
 from elastic.joblog import JobLogger
@@ -88,7 +91,6 @@ _SPAWN_TIMEOUT_S = 30.0
 _WARM_TAIL_LINES = 50  # output kept from a warm worker before it has a log file
 _POLL_S = 0.02
 _FORK_TIMEOUT_S = 10.0  # a fork costs ~10 ms of CPU; this is for a node loaded to a crawl
-_TEMPLATE_MESSAGE_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -158,46 +160,12 @@ class WarmStatus(NamedTuple):
     ready: bool
 
 
-class _ForkedProcess:
-    """A worker forked by a template, seen through the part of ``subprocess.Popen``
-    the supervisor uses: ``pid``, ``stdin`` (writable), ``stdout``/``stderr``
-    (readable, binary), ``wait``/``poll``/``returncode`` (negative: killed by that
-    signal). The template, its parent, reaps it and relays the status
-    (:class:`_Template`); ``collateral`` is set when it died with its template.
-    """
-
-    def __init__(self, stdin_fd: int, stdout_fd: int, stderr_fd: int):
-        self.pid = -1  # known once the template has forked it
-        self.stdin = os.fdopen(stdin_fd, "wb")
-        self.stdout = os.fdopen(stdout_fd, "rb")
-        self.stderr = os.fdopen(stderr_fd, "rb")
-        self.returncode: int | None = None
-        self.collateral = False
-        self._ended = threading.Event()
-
-    def ended(self, returncode: int, collateral: bool = False) -> None:
-        """Record the exit (first call wins)."""
-        if not self._ended.is_set():
-            self.collateral = collateral
-            self.returncode = returncode
-            self._ended.set()
-
-    def poll(self) -> int | None:
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        """The exit status; raises subprocess.TimeoutExpired after ``timeout`` seconds."""
-        if not self._ended.wait(timeout):
-            raise subprocess.TimeoutExpired(f"forked worker {self.pid}", timeout)
-        return self.returncode
-
-
 @dataclass(eq=False)
 class _Worker:
     """One child process, warm (no round yet) or assigned to a round; ``proc`` is a
-    Popen for a spawned one, a :class:`_ForkedProcess` for one forked by a template."""
+    Popen for a spawned one, a :class:`ForkedProcess` for one forked by a template."""
 
-    proc: subprocess.Popen | _ForkedProcess
+    proc: subprocess.Popen | ForkedProcess
     startup_env: dict[str, str]  # what the interpreter started with, less the bootstrap's own
     status_fd: int  # -1: none (a fork is ready at birth; a template uses its socket)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -229,25 +197,19 @@ class _Worker:
 
 @dataclass(eq=False)
 class _Template:
-    """One template process (:mod:`elastic.worker.template`) and what it forked.
-
-    ``worker`` carries its Popen and output (label ``template``); ``children``
-    maps the pid of each live fork to its :class:`_ForkedProcess`. ``retired``:
-    no new forks; killed once its last child has ended (killing it earlier would
-    kill them: PDEATHSIG). ``discarded``: its death is not a failure.
+    """One template process (:mod:`elastic.worker.template`): ``worker`` carries
+    its Popen and output (label ``template``), ``link`` its socket and children.
+    ``ready``: it may fork (set under the supervisor's lock). ``discarded``: its
+    death is not a failure. Once retired (``link.retired``) it forks no more and
+    is killed when its last child has ended (killing it earlier would kill them:
+    PDEATHSIG).
     """
 
     worker: _Worker
-    sock: object  # socket.socket, the agent's end of the socketpair
+    link: TemplateLink
     started: float
-    lock: threading.Lock = field(default_factory=threading.Lock)
     ready: bool = False
-    dead: bool = False
-    retired: bool = False
     discarded: bool = False
-    next_id: int = 0
-    pending: dict = field(default_factory=dict)  # request id -> (Future, _ForkedProcess)
-    children: dict = field(default_factory=dict)  # pid -> _ForkedProcess
 
     @property
     def pid(self) -> int:
@@ -256,6 +218,10 @@ class _Template:
     @property
     def startup_env(self) -> dict[str, str]:
         return self.worker.startup_env
+
+    @property
+    def usable(self) -> bool:
+        return self.ready and not self.link.dead and not self.link.retired
 
 
 @dataclass(frozen=True)
@@ -290,6 +256,13 @@ class _Spawner:
         future: Future = Future()
         self._jobs.put((future, fn, args))
         return future
+
+    def run_queued(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until what is queued now has run; the thread lives on."""
+        if threading.current_thread() is self._thread:
+            return
+        with contextlib.suppress(RuntimeError, TimeoutError):
+            self.submit(lambda: None).result(timeout_s)
 
     def close(self, timeout_s: float) -> None:
         """Run what is queued, then end the thread."""
@@ -440,24 +413,24 @@ class WorkerSupervisor:
     def warm_up(self) -> None:
         """Start warm workers until ``warm_sets * nproc`` are warm; returns at once (they
         warm in the background). Does nothing without prestart, after repeated warm
-        failures, or after shutdown()."""
-        with self._lock:
-            if not self.warm_enabled or self._closed:
-                return
-            try:
-                self._spawner.submit(self._fill_warm_pool)
-            except RuntimeError:
-                return
+        failures, or after shutdown(). Takes no lock (the pool fill checks again), so
+        a template's thread may call it while the spawner waits for its answer."""
+        if not self.warm_enabled or self._closed:
+            return
+        try:
+            self._spawner.submit(self._fill_warm_pool)
+        except RuntimeError:
+            return
 
     def start_round(self, round_number: int, envs: list[dict[str, str]]) -> None:
         """Start one worker per local rank; ``envs[i]`` is added to ``os.environ`` for local rank i.
 
         Returns once every worker process exists (not once the scripts run).
-        The next warm set starts warming at once: forked from the template
-        when it is ready (warm at birth), else spawned, importing at the
-        lowest CPU and I/O priority (:mod:`elastic.worker.priority`), so they
-        take only what this round's start leaves, and a failure in the round's
-        first seconds already finds them (partly) warm.
+        The next warm set is forked from the template at once when it is ready
+        (warm at birth), else as soon as it is; without a template (forking
+        unsafe) it is spawned and imports at the lowest CPU and I/O priority
+        (:mod:`elastic.worker.priority`), taking only what this round's start
+        leaves, so a failure in the round's first seconds finds it partly warm.
         Raises ValueError if ``len(envs) != nproc``, RuntimeError if a worker of the
         previous round is still alive (call stop() first) or after shutdown(),
         WorkerSpawnError if a process or the round's log directory cannot be created
@@ -540,7 +513,7 @@ class WorkerSupervisor:
             already = self._closed
             self._closed = True
         if not already:
-            self._spawner.close(_SPAWN_TIMEOUT_S)  # lets a start_round in progress finish first
+            self._spawner.run_queued(_SPAWN_TIMEOUT_S)  # a start_round in progress finishes
         self.stop()
         with self._lock:
             warm, self._warm = self._warm, []
@@ -551,13 +524,18 @@ class WorkerSupervisor:
         deadline = time.monotonic() + _KILL_WAIT_S
         for w in warm:
             w.done.wait(max(0.0, deadline - time.monotonic()))
-        # Last: a template's death kills whatever it forked that is still alive.
+        # Last: a template's death kills whatever it forked that is still alive, and
+        # they are nobody's to reap then. Only now may the spawner thread end, since
+        # its end kills the templates (PDEATHSIG).
         with self._lock:
             templates, self._templates, self._template = self._templates, [], None
         for tpl in templates:
             self._kill_template(tpl)
+        deadline = time.monotonic() + _KILL_WAIT_S
         for tpl in templates:
             tpl.worker.done.wait(max(0.0, deadline - time.monotonic()))
+        if not already:
+            self._spawner.close(_SPAWN_TIMEOUT_S)
         with self._lock:
             live = list(self._live)
         for w in live:
@@ -585,7 +563,7 @@ class WorkerSupervisor:
         or None: none started yet, being replaced, or forking found unsafe."""
         with self._lock:
             tpl = self._template
-            if tpl is None or tpl.dead or tpl.retired:
+            if tpl is None or tpl.link.dead or tpl.link.retired:
                 return None
             return WarmStatus(tpl.pid, tpl.ready)
 
@@ -598,22 +576,28 @@ class WorkerSupervisor:
     # ------------------------------------------------------------ spawner thread only
 
     def _fill_warm_pool(self) -> None:
-        """Fork the missing warm workers from the template; while it is still
-        importing (or forking is off), spawn them as before, so a round that
-        starts meanwhile still finds warm workers."""
+        """Fork the missing warm workers from the template. While it is still
+        importing, spawn them only before the first round (which takes them);
+        once a round started, leave them to the template, which fills the pool
+        in milliseconds once ready (this runs again then). Without a template
+        (forking is off, or it cannot start) spawn them."""
         with self._lock:
             if not self.warm_enabled or self._closed:
                 return
             missing = self.warm_sets * self.nproc - sum(1 for w in self._warm if not w.exited)
             env = {**self._base_env(), **self._learned_env}
             tpl = self._template_for(env)
+            if tpl is not None and not tpl.ready and self._round is not None:
+                # Spawned now, they would import torch beside the template and the
+                # round's workers, for a failure within the template's import only.
+                return
             forked: list[int] = []
             started = time.monotonic()
             for _ in range(missing):
                 try:
-                    if tpl is not None and tpl.ready and not tpl.dead and not tpl.retired:
+                    if tpl is not None and tpl.usable:
                         try:
-                            self._warm.append(self._fork(tpl, env))
+                            self._warm.append(self._fork(tpl))
                             forked.append(self._warm[-1].pid)
                             continue
                         except WorkerSpawnError as exc:
@@ -636,7 +620,7 @@ class WorkerSupervisor:
         if self._fork_disabled:
             return None
         tpl = self._template
-        if tpl is not None and (tpl.dead or _startup_differences(tpl.startup_env, env)):
+        if tpl is not None and (tpl.link.dead or _startup_differences(tpl.startup_env, env)):
             self._template = None
             self._retire_template(tpl)
             tpl = None
@@ -667,7 +651,7 @@ class WorkerSupervisor:
         finally:
             theirs.close()
         w = _Worker(proc=proc, startup_env=dict(env), status_fd=-1, label="template")
-        tpl = _Template(worker=w, sock=ours, started=time.monotonic())
+        tpl = _Template(worker=w, link=TemplateLink(ours), started=time.monotonic())
         w.threads = [
             threading.Thread(target=self._pump, args=(w, proc.stdout, "stdout"),
                              name=f"elastic-template-{proc.pid}-stdout", daemon=True),
@@ -683,81 +667,39 @@ class WorkerSupervisor:
         self._pid_history.append(proc.pid)
         return tpl
 
-    def _fork(self, tpl: _Template, env: dict[str, str]) -> _Worker:
+    def _fork(self, tpl: _Template) -> _Worker:
         """Have ``tpl`` fork a warm worker (caller holds self._lock, on the spawner
         thread). Raises WorkerSpawnError if it refuses, dies or does not answer."""
-        stdin_r, stdin_w = os.pipe()
-        stdout_r, stdout_w = os.pipe()
-        stderr_r, stderr_w = os.pipe()
-        proc = _ForkedProcess(stdin_w, stdout_r, stderr_r)
-        future: Future = Future()
-        with tpl.lock:
-            request = tpl.next_id
-            tpl.next_id += 1
-            tpl.pending[request] = (future, proc)
         try:
-            socket.send_fds(tpl.sock, [json.dumps({"fork": request}).encode()],
-                            [stdin_r, stdout_w, stderr_w])
-        except OSError as exc:
-            future.set_exception(WorkerSpawnError(f"the template is gone: {exc}"))
-        finally:
-            for fd in (stdin_r, stdout_w, stderr_w):
-                os.close(fd)
-        try:
-            future.result(timeout=_FORK_TIMEOUT_S)
-        except (TimeoutError, WorkerSpawnError) as exc:
-            with tpl.lock:
-                tpl.pending.pop(request, None)
-            for stream in (proc.stdin, proc.stdout, proc.stderr):
-                with contextlib.suppress(OSError):
-                    stream.close()
-            if isinstance(exc, TimeoutError):
-                raise WorkerSpawnError(f"template pid {tpl.pid} did not fork within "
-                                       f"{_FORK_TIMEOUT_S:.0f} s") from exc
-            raise
+            proc = tpl.link.fork(_FORK_TIMEOUT_S)
+        except WorkerSpawnError as exc:
+            raise WorkerSpawnError(f"template pid {tpl.pid} {exc}") from exc
         w = _Worker(proc=proc, startup_env=dict(tpl.startup_env), status_fd=-1, ready=True)
         self._track(w, status_pipe=False)  # a fork is ready at once: no status to read
         return w
 
     def _retire_template(self, tpl: _Template) -> None:
         """No more forks from ``tpl``; it is killed once its last child has ended."""
-        with tpl.lock:
-            tpl.retired = True
-            tpl.discarded = True
-            idle = not tpl.children
-        if idle:
+        tpl.discarded = True
+        if tpl.link.retire():
             self._kill_template(tpl)
 
     @staticmethod
     def _kill_template(tpl: _Template) -> None:
-        with tpl.lock:
-            tpl.discarded = True
+        tpl.discarded = True
         _signal_group(tpl.pid, signal.SIGKILL)
 
     # ------------------------------------------------------------ template thread
 
     def _serve_template(self, tpl: _Template) -> None:
-        """Read ``tpl``'s messages until it dies: readiness, forks, its children's
-        exits (relayed at once: they are its children, not ours); then reap it and
-        end its children's watch."""
+        """Follow ``tpl`` until it dies (:meth:`TemplateLink.serve`); then reap it
+        and end its children's watch."""
         w = tpl.worker
+        orphans: list[ForkedProcess] = []
         try:
-            while True:
-                try:
-                    data = tpl.sock.recv(_TEMPLATE_MESSAGE_BYTES)
-                except OSError:
-                    data = b""
-                if not data:
-                    break
-                try:
-                    message = json.loads(data)
-                except ValueError:
-                    self.log.warning("template pid %d sent a malformed message: %r", tpl.pid,
-                                     data[:200])
-                    continue
-                self._on_template_message(tpl, message)
+            orphans = tpl.link.serve(lambda event: self._on_template_event(tpl, event))
         finally:
-            self._on_template_death(tpl)
+            self._on_template_death(tpl, orphans)
             for t in w.threads[:2]:
                 t.join(_OUTPUT_DRAIN_S)
             w.done.set()
@@ -766,64 +708,41 @@ class WorkerSupervisor:
             with self._lock:
                 self._live.discard(w)
 
-    def _on_template_message(self, tpl: _Template, message: dict) -> None:
-        if "exit" in message:
-            with tpl.lock:
-                proc = tpl.children.pop(message["exit"], None)
-                retire = tpl.retired and not tpl.children
-            if proc is not None:
-                proc.ended(os.waitstatus_to_exitcode(int(message["status"])))
-            if retire:
+    def _on_template_event(self, tpl: _Template, event: TemplateEvent) -> None:
+        # Once tpl is ready the spawner may hold self._lock while it waits in
+        # tpl.link.fork() for an answer only this thread delivers: after "ready",
+        # this thread takes self._lock only where no fork can be waiting
+        # (forking unsafe: the link failed the fork first).
+        match event:
+            case RetiredAndIdle():
                 self._kill_template(tpl)
-        elif "forked" in message:
-            with tpl.lock:
-                future, proc = tpl.pending.pop(message["forked"], (None, None))
-                if proc is not None:
-                    proc.pid = int(message["pid"])
-                    tpl.children[proc.pid] = proc
-            if future is not None:
-                future.set_result(proc.pid)
-        elif "refused" in message or "unsafe" in message:
-            reason = message.get("reason") or message.get("unsafe")
-            # First: the spawner may hold self._lock while it waits for this answer.
-            with tpl.lock:
-                future, _ = tpl.pending.pop(message.get("refused"), (None, None))
-            if future is not None:
-                future.set_exception(WorkerSpawnError(f"the template refused: {reason}"))
-            with self._lock:
-                first = not self._fork_disabled
-                self._fork_disabled = True
-                if self._template is tpl:
-                    self._template = None
-            if first:
-                self.log.warning("forking warm workers from a template is unsafe here (%s); "
-                                 "every warm worker is spawned and imports on its own from "
-                                 "now on.", reason)
-            self._retire_template(tpl)
-        elif message.get("ready"):
-            with self._lock:
-                self._warm_failures = 0
-            took = time.monotonic() - tpl.started
-            # Last: from now on the spawner may hold self._lock while it waits on us.
-            with tpl.lock:
-                tpl.ready = True
-            self.log.info("template pid %d is ready to fork warm workers (imported in "
-                          "%.1f s).", tpl.pid, took)
-            self.warm_up()
+            case TemplateUnsafe(reason=reason):
+                with self._lock:
+                    first = not self._fork_disabled
+                    self._fork_disabled = True
+                    if self._template is tpl:
+                        self._template = None
+                if first:
+                    self.log.warning("forking warm workers from a template is unsafe here "
+                                     "(%s); every warm worker is spawned and imports on its "
+                                     "own from now on.", reason)
+                self._retire_template(tpl)
+                self.warm_up()  # what was left to this template
+            case TemplateReady():
+                with self._lock:  # no fork is asked of tpl before this
+                    self._warm_failures = 0
+                    tpl.ready = True
+                self.log.info("template pid %d is ready to fork warm workers (imported in "
+                              "%.1f s).", tpl.pid, time.monotonic() - tpl.started)
+                self.warm_up()
+            case MalformedMessage(data=data):
+                self.log.warning("template pid %d sent a malformed message: %r", tpl.pid,
+                                 data[:200])
 
-    def _on_template_death(self, tpl: _Template) -> None:
+    def _on_template_death(self, tpl: _Template, orphans: list[ForkedProcess]) -> None:
         """Reap ``tpl``; the forks it leaves died with it (PDEATHSIG): report them
         killed once they are gone. An unrequested death is a warm failure."""
         returncode = tpl.worker.proc.wait()
-        with tpl.lock:
-            tpl.dead = True
-            pending, tpl.pending = list(tpl.pending.values()), {}
-            orphans, tpl.children = list(tpl.children.values()), {}
-            discarded = tpl.discarded
-        for future, _ in pending:
-            future.set_exception(WorkerSpawnError(f"template pid {tpl.pid} died"))
-        with contextlib.suppress(OSError):
-            tpl.sock.close()
         deadline = time.monotonic() + _KILL_WAIT_S
         for proc in orphans:
             while _process_running(proc.pid) and time.monotonic() < deadline:
@@ -834,7 +753,7 @@ class WorkerSupervisor:
                 self._templates.remove(tpl)
             if self._template is tpl:
                 self._template = None
-            if discarded or self._closed:
+            if tpl.discarded or self._closed:
                 return
             self._warm_failures += 1
             failures = self._warm_failures

@@ -69,7 +69,7 @@ from elastic.worker import priority
 
 TEMPLATE_FD_ENV = "ELASTIC_BOOTSTRAP_TEMPLATE_FD"
 _PR_SET_PDEATHSIG = 1
-_MAX_MESSAGE_BYTES = 4096
+MAX_MESSAGE_BYTES = 4096  # one datagram of the protocol, either way
 _THREAD_EXIT_WAIT_S = 1.0
 _FDS_PER_FORK = 3  # stdin, stdout, stderr of the new worker
 
@@ -159,7 +159,7 @@ def serve(fd: int, preloading: threading.Thread) -> None:
                 _send(sock, {"exit": pid, "status": status})
                 continue
             try:
-                data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE_BYTES, _FDS_PER_FORK)
+                data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES, _FDS_PER_FORK)
             except OSError:
                 os._exit(0)
             if not data:

@@ -19,7 +19,9 @@ import time
 import pytest
 
 from agent.supervisor import Entrypoint, WorkerSupervisor
-from tests.integration.supervising import REPO, Exits, alive, round_envs, wait_until
+from elastic.worker.template import TEMPLATE_FD_ENV
+from tests.integration.supervising import REPO, Exits, round_envs, wait_until
+from tests.proctable import alive, parent, state
 
 pytestmark = pytest.mark.integration
 
@@ -122,8 +124,7 @@ def test_stop_kills_term_ignoring_and_sigstopped_workers_and_their_children(supe
                 for i in range(2)]
     pids = [w.pid for w in sup.workers()]
     os.kill(pids[1], signal.SIGSTOP)
-    wait_until(lambda: open(f"/proc/{pids[1]}/stat").read().split(")")[-1].split()[0] == "T", 5,
-          "worker 1 stopped")
+    wait_until(lambda: state(pids[1]) == "T", 5, "worker 1 stopped")
     started = time.monotonic()
     got = sup.stop()
     took = time.monotonic() - started
@@ -231,15 +232,15 @@ def test_giving_up_the_warm_pool_ends_the_warm_workers_still_importing(supervise
     assert exits.seen == []
 
 
-def test_a_second_warm_set_serves_a_restart_before_the_used_set_is_replaced(
+def test_a_second_warm_set_serves_a_restart_while_the_template_imports_and_it_forks_the_rest(
         supervise, tmp_path, monkeypatch):
-    # Warm workers import `slowpre`, which takes 30 s once the marker exists, and
-    # always in the template: while it imports, replacements are spawned, and those
-    # started after round 1 are still importing at round 2.
-    marker = tmp_path / "slow"
+    # Warm workers import `slowpre` at once; the template waits in it for `release`:
+    # both sets are spawned before round 1, and the template imports through rounds 1 and 2.
+    release = tmp_path / "release"
     (tmp_path / "slowpre.py").write_text(
-        f"import os, time\nif os.path.exists({str(marker)!r}) or "
-        f"os.environ.get('ELASTIC_BOOTSTRAP_TEMPLATE_FD'): time.sleep(30)\n")
+        f"import os, time\n"
+        f"while os.environ.get({TEMPLATE_FD_ENV!r}) and not os.path.exists({str(release)!r}):\n"
+        f"    time.sleep(0.05)\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.setenv("ELASTIC_PRELOAD", "slowpre")
     sup, exits = supervise("import time\nwhile True: time.sleep(0.05)", prestart=True,
@@ -247,18 +248,23 @@ def test_a_second_warm_set_serves_a_restart_before_the_used_set_is_replaced(
     sup.warm_up()
     ready = {w.pid for w in wait_until(lambda: len(sup.warm_workers()) == 2 and all(
         w.ready for w in sup.warm_workers()) and sup.warm_workers(), 20, "two sets warm")}
-    marker.touch()
 
-    sup.start_round(1, round_envs(1))  # takes one ready set and starts replacing it
+    sup.start_round(1, round_envs(1))  # takes one ready set
     first = sup.workers()[0].pid
     sup.stop()
-    sup.start_round(2, round_envs(1))  # at once: the replacement is still importing
-
+    sup.start_round(2, round_envs(1))  # at once: the second set serves it
     assert first in ready and sup.workers()[0].pid in ready - {first}
+
+    # Once rounds run, nothing is spawned to import beside the template...
+    time.sleep(1.0)
+    assert sup.warm_workers() == [] and len(sup.pids()) == 3  # two spawned, the template
+    # ...which forks the pool the moment it is ready.
+    release.touch()
+    template = wait_until(lambda: (t := sup.warm_template()) and t.ready and t, 20,
+                          "the template ready")
     refilled = wait_until(lambda: len(sup.warm_workers()) == 2 and sup.warm_workers(), 10,
-                     "both sets replaced")
-    assert not any(w.ready for w in refilled)
-    assert not sup.warm_template().ready
+                          "the pool forked")
+    assert [parent(w.pid) for w in refilled] == [template.pid] * 2
 
 
 def test_warm_workers_import_at_idle_priority_and_the_script_runs_at_normal_priority(
@@ -279,12 +285,12 @@ def test_warm_workers_import_at_idle_priority_and_the_script_runs_at_normal_prio
     """))
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{REPO}")
     monkeypatch.setenv("ELASTIC_PRELOAD", "idlepre")
-    sup, exits = supervise(f"""
+    sup, exits = supervise("""
         import json, os
         from elastic.worker import priority
         tids = [int(t) for t in os.listdir("/proc/self/task")]
-        print("RUN " + json.dumps({{"main_idle": priority.is_idle(os.getpid()),
-                                    "idle_threads": [t for t in tids if priority.is_idle(t)]}}))
+        print("RUN " + json.dumps({"main_idle": priority.is_idle(os.getpid()),
+                                   "idle_threads": [t for t in tids if priority.is_idle(t)]}))
     """, prestart=True)
     sup.warm_up()
     seen = wait_until(lambda: len(list(tmp_path.glob("preload-*.json"))) == 2 and
@@ -381,12 +387,6 @@ time.sleep(1000)
 """
 
 
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        stat = f.read()
-    return int(stat[stat.rfind(b")") + 2:].split()[1])
-
-
 def test_a_killed_agent_takes_its_workers_along(tmp_path):
     # The chain: agent (its spawner thread) -> template and spawned workers -> forked workers.
     script = tmp_path / "forever.py"
@@ -401,7 +401,7 @@ def test_a_killed_agent_takes_its_workers_along(tmp_path):
         # Two spawned warm workers (round 1's), the template, two forks of it.
         assert len(pids) == 5 and all(alive(p) for p in pids)
         assert seen["template"] in pids
-        assert [_parent(p) for p in seen["warm"]] == [seen["template"]] * 2
+        assert [parent(p) for p in seen["warm"]] == [seen["template"]] * 2
         proc.kill()
         proc.wait()
         wait_until(lambda: not [p for p in pids if alive(p)], 2.0, f"workers {pids} died")
