@@ -244,6 +244,54 @@ def test_health_watcher_reports_changes_and_reconnects(sock_dir, control, sink):
     assert seen.empty()
 
 
+# An agent process: serves, says its address, stops serving when stdin has a line, exits.
+_SERVE_UNTIL_TOLD = """
+import sys
+from agent.grpc_server import AgentServer
+server = AgentServer("127.0.0.1:0", sys.argv[1], control=None, heartbeats=None)
+server.start()
+server.set_serving(True)
+print(server.address, flush=True)
+sys.stdin.readline()
+server.stop(grace_s=0.5)
+"""
+
+
+def test_an_agent_watched_by_peers_stops_serving_and_its_process_exits(sock_dir):
+    # Peers hold Watch streams on every agent; a stopping server must end
+    # them, or the process cannot exit (what a SIGTERM-ed agent does after
+    # stop()). Two watchers on one service, one on another.
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE_UNTIL_TOLD,
+                             os.path.join(sock_dir, "w.sock")],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    watchers = []
+    try:
+        addr = proc.stdout.readline().strip()
+        assert addr, "the agent process did not start serving"
+        seen = [queue.Queue() for _ in range(3)]
+        watchers = [HealthWatcher(addr, q.put, service=service, max_backoff_s=0.2).start()
+                    for q, service in zip(seen, ("", "", "elastic.v1.Agent"))]
+        assert [_wait_for(q) for q in seen] == ["SERVING"] * 3
+
+        proc.stdin.write("stop\n")
+        proc.stdin.flush()
+        started = time.monotonic()
+        assert proc.wait(timeout=10) == 0
+        assert time.monotonic() - started < 3.0
+        assert [_wait_for(q) for q in seen] == ["NOT_SERVING"] * 3  # a graceful stop
+        assert [_wait_for(q) for q in seen] == ["UNREACHABLE"] * 3
+    finally:
+        for watcher in watchers:
+            watcher.stop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdin.close()
+        proc.stdout.close()
+        peers.close_channels()
+
+
 def test_unreachable_peer_is_reported_within_the_timeout():
     addr = f"127.0.0.1:{free_port()}"  # nobody listens there
 
