@@ -36,6 +36,14 @@ class PlayedTemplate:
         data, fds, _, _ = socket.recv_fds(self.sock, MAX_MESSAGE_BYTES, 3)
         return json.loads(data)["fork"], fds
 
+    def forked(self, pid: int):
+        """A fork the link asks for and this template grants as ``pid``."""
+        thread, result = fork_in_background(self.link)
+        request, _ = self.request()
+        self.send({"forked": request, "pid": pid})
+        thread.join(5)
+        return result["proc"]
+
     def send(self, message) -> None:
         self.sock.send(message if isinstance(message, bytes) else json.dumps(message).encode())
 
@@ -82,12 +90,9 @@ def test_a_fork_gets_its_pid_and_streams_and_its_exit_status_from_the_template()
 
 def test_a_child_killed_by_a_signal_reads_as_popen_does():
     t = PlayedTemplate()
-    thread, result = fork_in_background(t.link)
-    request, _ = t.request()
-    t.send({"forked": request, "pid": 77})
-    thread.join(5)
+    proc = t.forked(77)
     t.send({"exit": 77, "status": signal.SIGKILL})
-    assert result["proc"].wait(5) == -signal.SIGKILL
+    assert proc.wait(5) == -signal.SIGKILL
     t.die()
 
 
@@ -111,16 +116,13 @@ def test_a_template_that_does_not_answer_fails_the_fork_in_time():
 
 def test_a_template_that_dies_fails_the_fork_asked_for_and_leaves_its_children_as_orphans():
     t = PlayedTemplate()
-    thread, result = fork_in_background(t.link)
-    request, _ = t.request()
-    t.send({"forked": request, "pid": 501})
-    thread.join(5)
+    first = t.forked(501)
     thread, second = fork_in_background(t.link)
     t.request()
     t.die()  # before it answered the second request
     thread.join(5)
     assert "died before it forked" in str(second["error"])
-    assert t.orphans == [result["proc"]] and result["proc"].poll() is None
+    assert t.orphans == [first] and first.poll() is None
     assert t.link.dead
     with pytest.raises(WorkerSpawnError, match="is gone"):
         t.link.fork(1.0)
@@ -132,13 +134,10 @@ def test_a_retired_template_is_idle_once_its_last_child_ended():
     t.die()
 
     t = PlayedTemplate()
-    thread, result = fork_in_background(t.link)
-    request, _ = t.request()
-    t.send({"forked": request, "pid": 900})
-    thread.join(5)
+    proc = t.forked(900)
     assert t.link.retire() is False
     t.send({"exit": 900, "status": 0})
-    result["proc"].wait(5)
+    proc.wait(5)
     t.die()
     assert t.events == [RetiredAndIdle()]
 
@@ -148,11 +147,7 @@ def test_readiness_and_nonsense_reach_the_handler_and_serving_goes_on():
     t.send(b"not json")
     t.send({"what": 1})
     t.send({"ready": True, "pid": 1})
-    thread, result = fork_in_background(t.link)
-    request, _ = t.request()
-    t.send({"forked": request, "pid": 12})
-    thread.join(5)
-    assert result["proc"].pid == 12
+    assert t.forked(12).pid == 12
     t.die()
     assert t.events == [MalformedMessage(b"not json"), MalformedMessage(b'{"what": 1}'),
                         TemplateReady()]
