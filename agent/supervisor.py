@@ -23,9 +23,9 @@ exit status over a socketpair (:mod:`agent.template_link`). Before the first
 round, while the template imports, the warm workers are spawned and import on
 their own, so the first round takes them, mid-import if need be, and is not
 slower than without a template. Once a round started, the pool waits for the
-template (replacements spawned then would only serve a failure within the
-template's import, and would import torch ``nproc`` more times beside the
-round's start), and so does it after the template died or was replaced. A template
+template, and for a new one after it died or was replaced: replacements
+spawned then would only serve a failure within the template's import, and
+would import torch ``nproc`` more times beside the round's start. A template
 that finds forking unsafe (a preloaded module left a thread running, or
 initialized CUDA) says so, is logged once, and every warm worker is spawned
 from then on. A template with other startup variables than the next warm set
