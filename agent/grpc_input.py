@@ -23,6 +23,7 @@ Unknown methods are answered UNIMPLEMENTED by gRPC itself.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from typing import Any, Callable
@@ -49,13 +50,17 @@ _MAX_INT32 = 2**31 - 1
 _MAX_INT64 = 2**63 - 1
 
 
-class ParseRequests(grpc.ServerInterceptor):
+class ParseRequests(grpc.aio.ServerInterceptor):
     """Hands each unary method its request as raw bytes and parses them here:
     a payload that is not the method's message (or not valid UTF-8 in a
-    string field) is aborted with INVALID_ARGUMENT instead of gRPC's INTERNAL."""
+    string field) is aborted with INVALID_ARGUMENT instead of gRPC's INTERNAL.
 
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
+    For ``grpc.aio`` servers. A synchronous handler runs on the server's
+    ``migration_thread_pool`` and so does its parsing; a coroutine handler
+    (the health service's Watch) is parsed on the loop."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
         method = handler_call_details.method
@@ -69,16 +74,33 @@ class ParseRequests(grpc.ServerInterceptor):
         return handler  # no streaming requests among the agent's methods
 
 
+def _refusal(raw: bytes, method: str) -> str:
+    return (f"malformed request to {method}: {len(raw)} bytes that are not the method's "
+            "request message")
+
+
 def _parsing(behavior: Callable, parse: Callable[[bytes], Any], method: str) -> Callable:
+    # The wrapper must be a coroutine function exactly when the handler is
+    # one: that is how an aio server tells where to run it.
+    if inspect.iscoroutinefunction(behavior):
+        async def parsed_async(raw: bytes, context: grpc.aio.ServicerContext):
+            try:
+                request = parse(raw)
+            except Exception:  # noqa: BLE001 - as below
+                logger.warning("Refused a malformed request to %s from %s (%d bytes).", method,
+                               context.peer(), len(raw))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _refusal(raw, method))
+                raise AssertionError("unreachable: context.abort raises") from None
+            return await behavior(request, context)
+        return parsed_async
+
     def parsed(raw: bytes, context: grpc.ServicerContext):
         try:
             request = parse(raw)
         except Exception:  # noqa: BLE001 - protobuf's DecodeError, or anything a parser raises
             logger.warning("Refused a malformed request to %s from %s (%d bytes).", method,
                            context.peer(), len(raw))
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"malformed request to {method}: {len(raw)} bytes that are not "
-                          "the method's request message")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, _refusal(raw, method))
             raise AssertionError("unreachable: context.abort raises") from None
         return behavior(request, context)
     return parsed

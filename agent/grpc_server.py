@@ -23,23 +23,38 @@
   same heartbeats without gRPC, which is what the workers use, at a fraction
   of a gRPC call's CPU (:mod:`agent.heartbeat_socket`).
 
-These are separate ``grpc.server`` instances, not one listening on every address:
+These are separate ``grpc.aio`` servers, not one listening on every address:
 a gRPC server serves every registered service on every port, which would
 let any host that reaches ``--listen`` fake heartbeats of a hung worker, and
-the workers' heartbeats get a thread pool that busy peers cannot exhaust.
+the workers' calls get a thread pool that busy peers cannot exhaust.
+
+Why ``grpc.aio`` with the servicers left synchronous: a synchronous
+``grpc.server`` polls its completion queue on a thread of its own that wakes
+five times a second even when nobody calls (grpc's interrupt check), and
+those wake-ups were about a quarter of an idle agent's CPU. The aio servers
+share one event-loop thread (``agent-grpc-loop``) that sleeps until something
+arrives; each server's unary handlers still run on its own thread pool, so
+they may block as before, dispatched by :class:`_RunOnPool`, not by grpc.aio
+(which frees a cancelled RPC's call while its handler still runs: SIGSEGV at
+the handler's next ``context.peer()``). The health service's Watch
+streams, which peers hold open for as long as they watch, are coroutines on
+that loop: :meth:`AgentServer.stop` ends them (on a pool thread, nothing
+would, and the agent's process could not exit).
 
 Every request is hostile input (:mod:`agent.grpc_input`): over 1 MiB it is
 RESOURCE_EXHAUSTED, bytes that are not the method's message and values no
 worker sends are INVALID_ARGUMENT. The servicers only delegate to an
 :class:`AgentControl` and a :class:`HeartbeatSink`, with free-text reasons
 made printable and cut to MAX_REASON_CHARS; an
-:class:`~elastic.errors.ElasticError` they raise reaches the caller as the gRPC status :func:`grpc_code_for` picks, with the
-error's message as details.
+:class:`~elastic.errors.ElasticError` they raise reaches the caller as the
+gRPC status :func:`grpc_code_for` picks, with the error's message as details.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import inspect
 import logging
 import os
 import socket
@@ -47,7 +62,7 @@ import stat
 import threading
 import enum
 from concurrent import futures
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -99,9 +114,6 @@ _SERVER_OPTIONS = [
     ("grpc.http2.max_ping_strikes", 0),
     *SERVER_OPTIONS,  # requests over 1 MiB: RESOURCE_EXHAUSTED (agent.grpc_input)
 ]
-# Every server parses its requests itself: bytes that are not the method's
-# message are INVALID_ARGUMENT, not gRPC's INTERNAL (agent.grpc_input).
-_INTERCEPTORS = [ParseRequests()]
 
 
 class AgentControl(Protocol):
@@ -322,6 +334,133 @@ class _WorkerChannelServicer(agent_pb2_grpc.WorkerChannelServicer):
         return agent_pb2.WorkerChannelReportRestoreResponse()
 
 
+class _PoolContext:
+    """What a synchronous handler, on a pool thread, may do with its call's
+    ``grpc.aio`` context: the subset of ``grpc.ServicerContext`` the agent's
+    handlers use. Valid only while :class:`_RunOnPool` holds the call."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, loop: asyncio.AbstractEventLoop):
+        self._context = context
+        self._loop = loop
+
+    def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        """End the call with ``code``; always raises (grpc's AbortError once
+        sent, ExecuteBatchError when the call was already cancelled)."""
+        asyncio.run_coroutine_threadsafe(self._context.abort(code, details), self._loop).result()
+        raise AssertionError("unreachable: context.abort raises")
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self._context.set_code(code)
+
+    def set_details(self, details: str) -> None:
+        self._context.set_details(details)
+
+    def peer(self) -> str:
+        return self._context.peer()
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return self._context.auth_context()
+
+    def peer_identities(self) -> list[bytes] | None:
+        return self._context.peer_identities()
+
+    def invocation_metadata(self) -> Any:
+        return self._context.invocation_metadata()
+
+    def time_remaining(self) -> float | None:
+        return self._context.time_remaining()
+
+
+class _RunOnPool(grpc.aio.ServerInterceptor):
+    """Runs each synchronous unary handler on ``pool`` from a coroutine that
+    ends only once the handler has returned, so that the call it uses stays
+    alive (the first of a server's interceptors).
+
+    Why not grpc.aio's own dispatch of a synchronous handler: when the client
+    cancels (its deadline passes, it goes away) or the server stops, grpc
+    cancels the RPC's task at once and then releases the core call (sets it
+    to NULL), while the handler goes on running on the pool; its next
+    ``context.peer()``, ``auth_context()`` or ``abort()`` then dereferences
+    NULL in cygrpc and the agent dies of SIGSEGV (grpcio 1.85.1: a handler
+    that etcd being cut off slows past its caller's deadline, or whose caller
+    is killed, then logs its error with ``context.peer()``). Here a
+    cancellation waits for a handler that has started; one still queued never
+    runs. The RPC then ends cancelled as before.
+    """
+
+    def __init__(self, pool: futures.Executor):
+        self._pool = pool
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None or inspect.iscoroutinefunction(
+                handler.unary_unary):
+            return handler  # coroutines run on the loop; no synchronous streams here
+        behavior, pool = handler.unary_unary, self._pool
+
+        async def held(request, context: grpc.aio.ServicerContext):
+            loop = asyncio.get_running_loop()
+            job = pool.submit(behavior, request, _PoolContext(context, loop))
+            done = asyncio.wrap_future(job, loop=loop)
+            try:
+                return await asyncio.shield(done)
+            except asyncio.CancelledError:
+                if job.cancel():
+                    raise  # still queued: it never runs
+                while not done.done():
+                    try:
+                        await asyncio.wait((done,))
+                    except asyncio.CancelledError:
+                        pass  # cancelled again (the server stopping): still wait
+                if not done.cancelled():
+                    done.exception()  # the RPC is over: what the handler raised is moot
+                raise
+        return handler._replace(unary_unary=held)
+
+
+def _interceptors(pool: futures.Executor) -> list[grpc.aio.ServerInterceptor]:
+    # Every server parses its requests itself, on its pool: bytes that are not
+    # the method's message are INVALID_ARGUMENT, not gRPC's INTERNAL
+    # (agent.grpc_input). _RunOnPool comes first: it wraps what ParseRequests made.
+    return [_RunOnPool(pool), ParseRequests()]
+
+
+async def _stop_servers(servers: list[grpc.aio.Server], grace_s: float | None) -> None:
+    await asyncio.gather(*(server.stop(grace_s) for server in servers))
+    # A synchronous handler still running on a pool keeps its RPC's task (and
+    # call) until it returns (_RunOnPool): wait for those here, so that the
+    # loop closes with nothing pending. The caller bounds the wait.
+    pending = asyncio.all_tasks() - {asyncio.current_task()}
+    if pending:
+        await asyncio.wait(pending)
+
+
+class _LoopThread:
+    """An asyncio event loop on a daemon thread of its own, for the aio servers."""
+
+    def __init__(self, name: str):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Awaitable[_T], timeout_s: float | None) -> _T:
+        """Run ``coro`` on the loop and return its result (or raise what it
+        raised); TimeoutError after ``timeout_s`` (None: no limit)."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
+        try:
+            return future.result(timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop the loop and its thread; then close the loop."""
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+
 def _split_listen(listen: str) -> tuple[str, int]:
     """("HOST", PORT) of ``listen``; raises ConfigError when it is not HOST:PORT."""
     host, sep, port_text = listen.rpartition(":")
@@ -374,7 +513,7 @@ def _prepare_socket_path(path: str, kind: int = socket.SOCK_STREAM) -> None:
                           f"{exc.strerror}") from exc
 
 
-def _bind_tcp(server: grpc.Server, listen: str, flag: str,
+def _bind_tcp(server: grpc.aio.Server, listen: str, flag: str,
               credentials: grpc.ServerCredentials | None) -> int:
     """Bind ``server`` to ``listen`` (TLS with ``credentials``); returns the
     port. Raises ConfigError naming ``flag``."""
@@ -388,22 +527,92 @@ def _bind_tcp(server: grpc.Server, listen: str, flag: str,
     return port
 
 
-class _Health(health.HealthServicer):
-    """The standard health service, with :data:`LIVENESS_SERVICE` answered
-    from ``liveness()`` at each Check (a stalled loop cannot flip a status)."""
+class _Health(health_pb2_grpc.HealthServicer):
+    """The standard health service for the aio servers, set from any thread,
+    with :data:`LIVENESS_SERVICE` answered from ``liveness()`` at each Check
+    (a stalled loop cannot flip a status).
+
+    Not grpc_health's servicers: the synchronous one's Watch blocks a pool
+    thread per stream until the call's close callback, which an aio server
+    that is stopping never runs (the agent then never exits), and the aio
+    one is set by coroutines on the loop. Here Watch is a coroutine on the
+    server's loop, which ``server.stop()`` cancels, and :meth:`set` wakes it
+    from whatever thread calls it, without waiting for the loop.
+    """
 
     def __init__(self, liveness: Callable[[], bool]):
-        super().__init__()
         self._liveness = liveness
-        self.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        self._lock = threading.Lock()
+        self._statuses = {health.OVERALL_HEALTH: health_pb2.HealthCheckResponse.SERVING,
+                          LIVENESS_SERVICE: health_pb2.HealthCheckResponse.SERVING}
+        self._watchers: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+        self._shutting_down = False
+
+    def set(self, service: str, status: int) -> None:
+        """Report ``status`` for ``service``; Watch streams see it at once.
+        Ignored after :meth:`enter_graceful_shutdown`."""
+        with self._lock:
+            if self._shutting_down:
+                return
+            self._statuses[service] = status
+        self._wake_watchers()
+
+    def enter_graceful_shutdown(self) -> None:
+        """Report NOT_SERVING for every service, for good."""
+        with self._lock:
+            self._shutting_down = True
+            for service in self._statuses:
+                self._statuses[service] = health_pb2.HealthCheckResponse.NOT_SERVING
+        self._wake_watchers()
+
+    def _status(self, service: str) -> int | None:
+        with self._lock:
+            return self._statuses.get(service)
+
+    def _wake_watchers(self) -> None:
+        with self._lock:
+            watchers = list(self._watchers)
+        for loop, changed in watchers:
+            try:
+                loop.call_soon_threadsafe(changed.set)
+            except RuntimeError:  # the loop closed: its streams are gone
+                pass
 
     def Check(self, request, context):  # noqa: N802 - gRPC's name
+        # Synchronous, on the server's pool like the other unary handlers.
         if request.service == LIVENESS_SERVICE:
             alive = self._liveness()
             return health_pb2.HealthCheckResponse(
                 status=health_pb2.HealthCheckResponse.SERVING if alive
                 else health_pb2.HealthCheckResponse.NOT_SERVING)
-        return super().Check(request, context)
+        status = self._status(request.service)
+        if status is None:
+            context.set_code(grpc.StatusCode.NOT_FOUND)
+            return health_pb2.HealthCheckResponse()
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request, context):  # noqa: N802
+        # Sends the current status, then each change (intermediate ones may be
+        # skipped: watchers want the latest), until the caller or the server
+        # ends the stream.
+        changed = asyncio.Event()
+        watcher = (asyncio.get_running_loop(), changed)
+        with self._lock:
+            self._watchers.add(watcher)
+        try:
+            last = None
+            while True:
+                changed.clear()
+                status = self._status(request.service)
+                if status is None:
+                    status = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+                if status != last:
+                    await context.write(health_pb2.HealthCheckResponse(status=status))
+                    last = status
+                await changed.wait()
+        finally:
+            with self._lock:
+                self._watchers.discard(watcher)
 
 
 class AgentServer:
@@ -450,9 +659,10 @@ class AgentServer:
         self._max_workers = max_workers
         self._health = _Health(liveness)
         self.set_serving(False)
-        self._tcp: grpc.Server | None = None
-        self._unix: grpc.Server | None = None
-        self._probe: grpc.Server | None = None
+        self._tcp: grpc.aio.Server | None = None
+        self._unix: grpc.aio.Server | None = None
+        self._probe: grpc.aio.Server | None = None
+        self._loop: _LoopThread | None = None
         hb_path = datagram_path(self._socket_path)
         self._datagrams = HeartbeatSocket(hb_path, heartbeats) if hb_path else None
         self._executors: list[futures.ThreadPoolExecutor] = []
@@ -504,38 +714,15 @@ class AgentServer:
                 futures.ThreadPoolExecutor(self._max_workers, thread_name_prefix=name)
                 for name in names
             ]
-            tcp = grpc.server(self._executors[0], options=_SERVER_OPTIONS,
-                              interceptors=_INTERCEPTORS)
-            health_pb2_grpc.add_HealthServicer_to_server(self._health, tcp)
-            access = Access.MUTUAL_TLS if self._tls is not None else Access.OPEN
-            agent_pb2_grpc.add_AgentServicer_to_server(_AgentServicer(self._control, access), tcp)
-            unix = grpc.server(self._executors[1], options=SERVER_OPTIONS,
-                               interceptors=_INTERCEPTORS)
-            agent_pb2_grpc.add_WorkerChannelServicer_to_server(
-                _WorkerChannelServicer(self._heartbeats), unix
-            )
-            probe = None
-            if self._probe_listen:
-                probe = grpc.server(self._executors[2], options=_SERVER_OPTIONS,
-                                    interceptors=_INTERCEPTORS)
-                health_pb2_grpc.add_HealthServicer_to_server(self._health, probe)
-                agent_pb2_grpc.add_AgentServicer_to_server(
-                    _AgentServicer(self._control, Access.READ_ONLY), probe)
-            servers = [s for s in (tcp, unix, probe) if s is not None]
+            loop = _LoopThread("agent-grpc-loop")
             try:
-                port, probe_port = self._bind(tcp, unix, probe)
-                for server in servers:
-                    server.start()
-                if self._datagrams is not None:
-                    self._datagrams.start()
+                tcp, unix, probe, port, probe_port = loop.run(self._build_and_start(), None)
             except BaseException:
-                for server in servers:
-                    server.stop(None)
-                if self._datagrams is not None:
-                    self._datagrams.stop()
+                loop.close()
                 self._shutdown_executors()
                 raise
             self._restrict_socket()
+            self._loop = loop
             self._tcp, self._unix, self._probe = tcp, unix, probe
             self._bound_port, self._probe_port = port, probe_port
         logger.info("The agent serves health and elastic.v1.Agent on %s (%s) and its workers "
@@ -551,8 +738,48 @@ class AgentServer:
                            "job. Give --tls-cert, --tls-key and --tls-ca for mutual TLS.",
                            self.address)
 
-    def _bind(self, tcp: grpc.Server, unix: grpc.Server,
-              probe: grpc.Server | None) -> tuple[int, int | None]:
+    async def _build_and_start(self) -> tuple[grpc.aio.Server, grpc.aio.Server,
+                                              grpc.aio.Server | None, int, int | None]:
+        """On the loop thread (aio servers belong to the loop they are made
+        on): build, bind and start the servers and the heartbeat socket;
+        returns them with the TCP ports. Raises ConfigError, leaving nothing
+        running."""
+        tcp = grpc.aio.server(migration_thread_pool=self._executors[0],
+                              options=_SERVER_OPTIONS,
+                              interceptors=_interceptors(self._executors[0]))
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, tcp)
+        access = Access.MUTUAL_TLS if self._tls is not None else Access.OPEN
+        agent_pb2_grpc.add_AgentServicer_to_server(_AgentServicer(self._control, access), tcp)
+        unix = grpc.aio.server(migration_thread_pool=self._executors[1],
+                               options=SERVER_OPTIONS,
+                               interceptors=_interceptors(self._executors[1]))
+        agent_pb2_grpc.add_WorkerChannelServicer_to_server(
+            _WorkerChannelServicer(self._heartbeats), unix
+        )
+        probe = None
+        if self._probe_listen:
+            probe = grpc.aio.server(migration_thread_pool=self._executors[2],
+                                    options=_SERVER_OPTIONS,
+                                    interceptors=_interceptors(self._executors[2]))
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, probe)
+            agent_pb2_grpc.add_AgentServicer_to_server(
+                _AgentServicer(self._control, Access.READ_ONLY), probe)
+        servers = [s for s in (tcp, unix, probe) if s is not None]
+        try:
+            port, probe_port = self._bind(tcp, unix, probe)
+            for server in servers:
+                await server.start()
+            if self._datagrams is not None:
+                self._datagrams.start()
+        except BaseException:
+            await _stop_servers(servers, None)
+            if self._datagrams is not None:
+                self._datagrams.stop()
+            raise
+        return tcp, unix, probe, port, probe_port
+
+    def _bind(self, tcp: grpc.aio.Server, unix: grpc.aio.Server,
+              probe: grpc.aio.Server | None) -> tuple[int, int | None]:
         """Bind the endpoints; returns the TCP ports (main, probe). Raises ConfigError."""
         credentials = self._tls.server_credentials() if self._tls is not None else None
         port = _bind_tcp(tcp, self._listen, "--listen", credentials)
@@ -607,18 +834,21 @@ class AgentServer:
         Idempotent; a no-op before :meth:`start`.
         """
         with self._lock:
-            tcp, unix, probe = self._tcp, self._unix, self._probe
-            self._tcp = self._unix = self._probe = None
-        if tcp is None or unix is None:
+            tcp, unix, probe, loop = self._tcp, self._unix, self._probe, self._loop
+            self._tcp = self._unix = self._probe = self._loop = None
+        if tcp is None or unix is None or loop is None:
             return
         # Watchers see NOT_SERVING before their streams break, so peers can tell
         # a graceful stop from a crash.
         self._health.enter_graceful_shutdown()
-        stopped = [s.stop(grace_s) for s in (tcp, unix, probe) if s is not None]
         if self._datagrams is not None:
             self._datagrams.stop()
-        for event in stopped:
-            event.wait(grace_s + 1.0)
+        servers = [s for s in (tcp, unix, probe) if s is not None]
+        try:
+            loop.run(_stop_servers(servers, grace_s), grace_s + 1.0)
+        except TimeoutError:
+            logger.warning("The agent's gRPC servers did not stop within %.1f s.", grace_s + 1.0)
+        loop.close()
         self._shutdown_executors()
         try:
             if stat.S_ISSOCK(os.lstat(self._socket_path).st_mode):

@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import grpc
@@ -174,6 +175,71 @@ def test_control_errors_arrive_as_mapped_grpc_codes(server, control, error, code
                                                     timeout=2)
     assert info.value.code() == code
     assert str(error) in info.value.details()
+
+
+class _BlockingControl(RecordingControl):
+    """Status blocks until ``release`` is set, then fails as etcd being cut off does."""
+
+    def __init__(self):
+        super().__init__()
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.finished = threading.Event()
+
+    def status(self) -> agent_pb2.AgentStatusResponse:
+        self.started.set()
+        self.release.wait(10)
+        try:
+            raise StoreUnavailableError("etcd is cut off")
+        finally:
+            self.finished.set()
+
+
+def test_a_handler_that_outlives_its_callers_deadline_does_not_crash_the_agent(sock_dir, sink):
+    # The chaos campaign's SIGSEGV: a handler slowed by an unreachable etcd
+    # outlives its caller's deadline; grpc.aio released the call while the
+    # handler still ran, and the handler's context.peer() (in the log line of
+    # its error) dereferenced NULL. The process must survive and keep serving.
+    control = _BlockingControl()
+    srv = AgentServer("127.0.0.1:0", os.path.join(sock_dir, "worker.sock"), control, sink,
+                      max_workers=4)
+    srv.start()
+    try:
+        with grpc.insecure_channel(srv.address) as channel:
+            with pytest.raises(grpc.RpcError) as info:
+                agent_pb2_grpc.AgentStub(channel).Status(agent_pb2.AgentStatusRequest(),
+                                                         timeout=0.2)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            time.sleep(0.3)  # the server has seen the cancellation by now
+            control.release.set()  # the handler logs the error with context.peer(), aborts
+            assert control.finished.wait(5)
+            with pytest.raises(grpc.RpcError) as info:
+                agent_pb2_grpc.AgentStub(channel).Status(agent_pb2.AgentStatusRequest(),
+                                                         timeout=2)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        srv.stop(grace_s=0.1)
+
+
+def test_stopping_with_a_handler_in_flight_waits_for_it_without_crashing(sock_dir, sink):
+    # Stopping cancels the RPCs in flight; the handler still running must not
+    # find its call freed (as above), and stop() waits for it (within grace + 1 s).
+    control = _BlockingControl()
+    srv = AgentServer("127.0.0.1:0", os.path.join(sock_dir, "worker.sock"), control, sink,
+                      max_workers=4)
+    srv.start()
+    with grpc.insecure_channel(srv.address) as channel:
+        call = agent_pb2_grpc.AgentStub(channel).Status.future(agent_pb2.AgentStatusRequest(),
+                                                               timeout=5)
+        assert control.started.wait(5)
+        threading.Timer(0.5, control.release.set).start()
+        began = time.monotonic()
+        srv.stop(grace_s=0.1)
+        took = time.monotonic() - began
+        assert control.finished.is_set()  # the handler's error log and abort ran, and returned
+        assert 0.3 < took < 1.1
+        with pytest.raises(grpc.RpcError):
+            call.result(timeout=5)
 
 
 def test_peer_helpers_translate_agent_errors(server, control):
