@@ -25,6 +25,8 @@ import signal
 import sys
 import time
 
+from gloo_exit import leave
+
 
 def main() -> int:
     p = argparse.ArgumentParser()
@@ -85,4 +87,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())  # see gloo_exit: a clean exit may abort
