@@ -81,9 +81,13 @@ from elastic.store.api import Compare, Delete, EventType, Get, KeyValue, Put, Se
 
 log = logging.getLogger(__name__)
 
-# How often the loop looks at its session even when nothing else happens; a
-# lost lease is noticed within this long.
+# How often the loop passes while a standing duty is undone (a session to
+# open, registering, campaigning, a view to read again), even when nothing
+# else happens.
 SESSION_CHECK_S = 0.5
+# Once all are done, only an event, a leader's deadline or the session's loss
+# (which posts to the inbox) needs a pass: this is a safety net, not a duty.
+SETTLED_CHECK_S = 5.0
 # After a store error the thread waits this long before the next pass.
 _ERROR_BACKOFF_S = 0.2
 # How often a leader asks lost members again whether their workers stopped.
@@ -218,7 +222,7 @@ class RendezvousNode:
         :meth:`wait_registered`.
         """
         self._check_job_settings()
-        self._session = self.store.session(self.config.lease_ttl_s)
+        self._session = self._told_when_lost(self.store.session(self.config.lease_ttl_s))
         self._try_register()
         for which in ("round", "leader", "standbys"):
             self._resync(which)
@@ -373,7 +377,7 @@ class RendezvousNode:
     def _run(self) -> None:
         while not self._stopping.is_set():
             wake_at = self.pump()
-            timeout = SESSION_CHECK_S
+            timeout = SETTLED_CHECK_S if self._settled() else SESSION_CHECK_S
             if wake_at is not None:
                 timeout = max(0.0, min(timeout, wake_at - self.clock.wall()))
             try:
@@ -422,10 +426,18 @@ class RendezvousNode:
                 self._view.apply_request(ev.kv.key,
                                          ev.kv.value if ev.type is EventType.PUT else None,
                                          ev.kv.mod_revision, now)
+        elif tag == "session_lost":
+            pass  # this pass's _maintain renews it
         elif tag == "error":
             which, exc = payload
             self.log.warning("watch on %s ended (%s); re-reading state", which, exc)
             self._pending_resync.add(which)
+
+    def _settled(self) -> bool:
+        """Whether every standing duty of :meth:`_maintain` is done."""
+        return (self._session is not None and not self._session.lost.is_set()
+                and self._registered and self._leader is not None
+                and not self._pending_resync and not self._advertise_pending)
 
     def _maintain(self) -> None:
         """The standing duties, each retried on the next pass if it fails."""
@@ -540,7 +552,7 @@ class RendezvousNode:
             resumed = self.store.resume_session(old.lease_id, self.config.lease_ttl_s)
             if resumed is not None:
                 self.log.warning("etcd kept lease %x through the outage; resuming it", old.lease_id)
-                self._session = resumed
+                self._session = self._told_when_lost(resumed)
                 return
             self.log.warning("lease lost (frozen or cut off longer than %.0f s); "
                         "registering again",
@@ -549,7 +561,12 @@ class RendezvousNode:
         self._drop_leadership()
         self._leader = None
         self._registered = False
-        self._session = self.store.session(self.config.lease_ttl_s)
+        self._session = self._told_when_lost(self.store.session(self.config.lease_ttl_s))
+
+    def _told_when_lost(self, session: Session) -> Session:
+        """The loss of ``session`` wakes the loop thread, which then renews it."""
+        session.lost.when_set(lambda: self._inbox.put(("session_lost", None)))
+        return session
 
     # ----------------------------------------------------------- leadership
 

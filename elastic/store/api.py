@@ -150,6 +150,38 @@ class TxnResult:
     results: tuple = ()
 
 
+class LostFlag(threading.Event):
+    """``Session.lost``: an Event that can also call back when set, so that an
+    owner learns of the loss without polling. The callbacks run before the
+    waiters wake."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._callbacks: list[Callable[[], None]] = []
+        self._callbacks_lock = threading.Lock()
+        self._fired = False
+
+    def when_set(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once this is set: now if it already is, else on
+        the thread that sets it, which may hold the store's locks (so the
+        callback must not block or call the store)."""
+        with self._callbacks_lock:
+            if not self._fired:
+                self._callbacks.append(callback)
+                return
+        callback()
+
+    def set(self) -> None:
+        with self._callbacks_lock:
+            self._fired = True
+            callbacks, self._callbacks = self._callbacks, []
+        try:
+            for callback in callbacks:
+                callback()
+        finally:
+            super().set()
+
+
 class Session(abc.ABC):
     """A lease kept alive in the background: the liveness of its owner.
 
@@ -162,7 +194,7 @@ class Session(abc.ABC):
     def __init__(self, lease_id: int, ttl_s: float):
         self.lease_id = lease_id
         self.ttl_s = ttl_s
-        self.lost = threading.Event()
+        self.lost = LostFlag()
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -49,6 +49,7 @@ import time
 from typing import Callable, Sequence
 
 import grpc
+import grpc.aio
 
 from elastic.errors import (
     ConfigError,
@@ -98,6 +99,7 @@ from elastic.store.etcd_endpoints import (
     parse_endpoints,
 )
 from elastic.store.etcd_lease import EtcdSession, KeepAliveLoop
+from elastic.store.etcd_stream import EtcdStreams
 from elastic.store.etcd_watch import EtcdWatch, WatchMux
 from elastic.store.etcdpb import rpc_pb2, rpc_pb2_grpc
 from elastic.store.retry import call_with_retry
@@ -183,7 +185,8 @@ class EtcdStore(Store):
         self._channel = self._open_channel(hostports)
         self._kv = rpc_pb2_grpc.KVStub(self._channel)
         self._lease = rpc_pb2_grpc.LeaseStub(self._channel)
-        self._watch = rpc_pb2_grpc.WatchStub(self._channel)
+        # The Watch and LeaseKeepAlive streams, on a channel of their own (see etcd_stream).
+        self.streams = EtcdStreams(lambda: self._open_channel(hostports, grpc.aio))
         self._auth: TokenAuth | None = None
         if self.security.user is not None:
             self._auth = TokenAuth(self._channel, self.security, self._where, self._translate)
@@ -198,18 +201,19 @@ class EtcdStore(Store):
     def __repr__(self) -> str:
         return f"EtcdStore({self._where})"
 
-    def _open_channel(self, hostports: list[tuple[str, int]]) -> grpc.Channel:
+    def _open_channel(self, hostports: list[tuple[str, int]], api=grpc):
+        """A channel to the members: ``api`` is ``grpc`` or ``grpc.aio``."""
         target = grpc_target(hostports)
         if not self.tls:
-            return grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+            return api.insecure_channel(target, options=_CHANNEL_OPTIONS)
         options = _CHANNEL_OPTIONS
         if len(hostports) > 1:
             # The target is a list of addresses; check certificates against a name.
             options += (("grpc.ssl_target_name_override", hostports[0][0]),)
-        if self.security.cacert is None:
+        if self.security.cacert is None and api is grpc:
             logger.info("Checking the certificate of etcd at %s against the system's CA "
                         "roots (no --etcd-cacert given).", self._where)
-        return grpc.secure_channel(target, channel_credentials(self.security), options=options)
+        return api.secure_channel(target, channel_credentials(self.security), options=options)
 
     def _connect(self, timeout_s: float) -> None:
         """Wait until etcd answers, then authenticate; closes the channel and
@@ -537,6 +541,7 @@ class EtcdStore(Store):
         for s in sessions:
             s._close(revoke_deadline=revoke_deadline)
         self._keeper.stop()
+        self.streams.close()
         with self._lock:
             self._closed = True
         self._channel.close()

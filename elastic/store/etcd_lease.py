@@ -15,10 +15,9 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -85,16 +84,11 @@ class EtcdSession(Session):
 
 
 class _KeepAliveStream:
-    """One LeaseKeepAlive call: requests go through a queue, a thread reads answers."""
+    """One LeaseKeepAlive call (see :mod:`.etcd_stream`); a thread reads its answers."""
 
     def __init__(self, loop: KeepAliveLoop):
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self.token = loop.store._token()
-        # wait_for_ready: opened while the channel fails over to another member,
-        # the stream waits for it instead of failing at once into a longer backoff.
-        self.call = loop.store._lease.LeaseKeepAlive(
-            self._request_iter(), wait_for_ready=True,
-            metadata=loop.store._metadata(self.token))
+        self.call = loop.store.streams.lease_keep_alive(loop.store._metadata(self.token))
         self.broken = False
         self.answered = False
         self.reader = threading.Thread(
@@ -102,20 +96,12 @@ class _KeepAliveStream:
         )
         self.reader.start()
 
-    def _request_iter(self) -> Iterable[rpc_pb2.LeaseKeepAliveRequest]:
-        while True:
-            lease_id = self._requests.get()
-            if lease_id is None:
-                return
-            yield rpc_pb2.LeaseKeepAliveRequest(ID=lease_id)
-
     def send(self, lease_id: int) -> None:
-        self._requests.put(lease_id)
+        self.call.send(rpc_pb2.LeaseKeepAliveRequest(ID=lease_id))
 
     def close(self) -> None:
         self.broken = True
-        self._requests.put(None)
-        self.call.cancel()
+        self.call.close()
 
 
 class KeepAliveLoop:
@@ -180,11 +166,14 @@ class KeepAliveLoop:
                     continue
                 if self._stream_usable(now):
                     wake = self._send_due(now)
+                    if (oldest := self._oldest_unanswered()) is not None:
+                        wake = min(wake, oldest + self._patience())
                 else:
                     wake = self._reopen_at
                 for s in self._sessions.values():
                     wake = min(wake, s.last_renewed_at + s.ttl_s)
-                self._cond.wait(timeout=min(1.0, max(0.005, wake - now)))
+                # Sleep until the next deadline: everything else notifies.
+                self._cond.wait(timeout=max(0.005, wake - now))
             self._close_stream()
 
     def _expire(self, now: float) -> None:
@@ -201,10 +190,8 @@ class KeepAliveLoop:
         """Whether the stream can carry keep-alives; opens one when due."""
         stream = self._stream
         if stream is not None and not stream.broken:
-            oldest = min((s.in_flight[0] for s in self._sessions.values() if s.in_flight),
-                         default=None)
-            patience = min(self.store.request_timeout_s, self._shortest_interval())
-            if oldest is None or now - oldest <= patience:
+            oldest = self._oldest_unanswered()
+            if oldest is None or now - oldest <= self._patience():
                 return True
             logger.log(logging.WARNING if self._failures == 0 else logging.DEBUG,
                        "etcd at %s left a lease keep-alive unanswered for %.1f s; "
@@ -220,6 +207,15 @@ class KeepAliveLoop:
             s.in_flight.clear()
             s.next_due = now
         return True
+
+    def _oldest_unanswered(self) -> float | None:
+        """When the oldest keep-alive still unanswered was sent (None: none is)."""
+        return min((s.in_flight[0] for s in self._sessions.values() if s.in_flight),
+                   default=None)
+
+    def _patience(self) -> float:
+        """How long a keep-alive may go unanswered before the stream is replaced."""
+        return min(self.store.request_timeout_s, self._shortest_interval())
 
     def _shortest_interval(self) -> float:
         return min((s.interval_s for s in self._sessions.values()), default=math.inf)

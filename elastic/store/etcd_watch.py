@@ -49,11 +49,10 @@ from __future__ import annotations
 
 import collections
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 
@@ -154,15 +153,11 @@ class _StreamEnd:
 
 
 class _WatchStream:
-    """One Watch call: requests go through a queue, the mux's thread reads answers."""
+    """One Watch call (see :mod:`.etcd_stream`); the mux's thread reads its answers."""
 
     def __init__(self, store: EtcdStore, *, renewed: bool):
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self.token = store._token()
-        # No wait_for_ready: while etcd is down the open fails at once, into
-        # the reconnect backoff and its one warning.
-        self.call = store._watch.Watch(self._request_iter(),
-                                       metadata=store._metadata(self.token))
+        self.call = store.streams.watch(store._metadata(self.token))
         # Creations sent and not yet answered, in the order sent (see the module doc).
         self.pending: collections.deque[EtcdWatch] = collections.deque()
         self.by_id: dict[int, EtcdWatch] = {}  # etcd's watch ids on this stream
@@ -170,29 +165,20 @@ class _WatchStream:
         self.renewed = renewed  # opened with a token fetched after the last one was refused
         self.closed = False
 
-    def _request_iter(self) -> Iterable[rpc_pb2.WatchRequest]:
-        while True:
-            request = self._requests.get()
-            if request is None:
-                return
-            yield request
-
     def create(self, w: EtcdWatch) -> None:
         start, end = w.range
         self.pending.append(w)
-        self._requests.put(rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(
+        self.call.send(rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(
             key=start, range_end=end, start_revision=w.next_revision)))
 
     def cancel_watch(self, stream_id: int) -> None:
-        self._requests.put(rpc_pb2.WatchRequest(
+        self.call.send(rpc_pb2.WatchRequest(
             cancel_request=rpc_pb2.WatchCancelRequest(watch_id=stream_id)))
 
     def close(self) -> None:
-        """End the call; also releases gRPC's thread that waits for requests."""
         if not self.closed:
             self.closed = True
-            self._requests.put(None)
-            self.call.cancel()
+            self.call.close()
 
 
 class WatchMux:

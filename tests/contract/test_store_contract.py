@@ -448,12 +448,17 @@ class StoreContract:
         session = store.session(5)
         store.put(prefix + "node", b"old agent", lease=session.lease_id)
         sink = watch(prefix, prefix=True)
+        told = []
+        session.lost.when_set(lambda: told.append("lost"))  # its owner's wake-up
 
         store.revoke_lease(session.lease_id)
 
         sink.wait_key(prefix + "node", EventType.DELETE)
         assert store.get(prefix + "node") is None
         assert session.lost.wait(LEASE_EXPIRY_WAIT_S)
+        assert told == ["lost"]
+        session.lost.when_set(lambda: told.append("already lost"))  # at once
+        assert told == ["lost", "already lost"]
         store.revoke_lease(session.lease_id)  # already gone: not an error
         session.close()
 

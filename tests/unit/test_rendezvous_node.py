@@ -13,7 +13,7 @@ import pytest
 from elastic.errors import ConfigError, StoreUnavailableError
 from elastic.keyspace import JobKeys
 from elastic.rendezvous.api import NodeInfo, RendezvousConfig, ReportKind
-from elastic.rendezvous.node import RendezvousNode
+from elastic.rendezvous.node import SETTLED_CHECK_S, RendezvousNode
 from elastic.store.api import EventType, KeyValue, WatchEvent
 from tests.fakes.clock import FakeClock
 from tests.fakes.memory_store import MemoryStore
@@ -37,6 +37,33 @@ def test_a_node_joining_after_compaction_watches_from_the_present(caplog):
             node.stop()
     assert r.node_ids == ("a",)
     assert "compacted" not in caplog.text
+
+
+def test_a_settled_follower_whose_lease_is_lost_registers_again_without_waiting_for_a_poll():
+    # Settled, the loop thread sleeps SETTLED_CHECK_S between passes, and a
+    # follower watches no key that its lease's loss deletes: only the
+    # session's loss can wake it.
+    store = MemoryStore()
+    config = RendezvousConfig(job_id="j", min_nodes=2, max_nodes=2, settle_s=0.0,
+                              lease_ttl_s=30.0)
+    nodes = [RendezvousNode(store, config, NodeInfo(node_id=n, host="127.0.0.1")).start()
+             for n in ("a", "b")]
+    try:
+        for node in nodes:
+            node.wait_for_round(timeout_s=5)
+        follower = next(node for node in nodes if not node.is_leader)
+        time.sleep(0.2)  # past the passes that followed the round
+        old = follower.lease_id
+
+        store.revoke_lease(old)
+        revoked_at = time.monotonic()
+        while not (follower.registered and follower.lease_id not in (None, old)):
+            assert time.monotonic() - revoked_at < SETTLED_CHECK_S / 2, "still not registered"
+            time.sleep(0.01)
+        assert store.get(JobKeys("j").node(follower.node_id)).lease == follower.lease_id
+    finally:
+        for node in nodes:
+            node.stop()
 
 
 # -- Driven step by step: a synchronous store, a fake clock, pump() ---------

@@ -1,0 +1,100 @@
+"""The etcd store's two long-lived streams (Watch, LeaseKeepAlive) on a real etcd.
+
+They ride a ``grpc.aio`` channel so that an idle store costs no wake-ups
+(:mod:`elastic.store.etcd_stream`):
+
+* with a watch and a lease open, no thread of the store wakes while nothing
+  happens, and gRPC's synchronous spin thread is not there at all;
+* a stream closed here ends its reader with CANCELLED, and closing the store
+  ends the streams' thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import grpc
+import pytest
+
+from elastic.store.etcd import EtcdStore
+from tests.contract.test_store_contract import EventSink
+
+pytestmark = pytest.mark.integration
+
+QUIET_S = 1.0
+# A synchronous stream's reader wakes every 0.1 s (10 in QUIET_S); the
+# keep-alive loop's own thread checks its leases once a second.
+MOST_WAKES = 3
+
+
+def wakes(thread: threading.Thread) -> int:
+    """The thread's voluntary context switches so far: one per wake-up from a wait."""
+    with open(f"/proc/self/task/{thread.native_id}/status") as f:
+        for line in f:
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no context switch count for {thread.name}")
+
+
+def test_an_idle_watch_and_lease_wake_no_thread(etcd_endpoint):
+    before = set(threading.enumerate())
+    key = f"/etcd-streams/{uuid.uuid4().hex[:12]}"
+    with EtcdStore(etcd_endpoint) as store:
+        sink = EventSink()
+        store.watch(key, sink.on_events, on_error=sink.on_error)
+        session = store.session(ttl_s=60.0)  # a keep-alive every 20 s: none in the window
+        store.put(key, b"created")
+        sink.wait_count(1)
+        time.sleep(0.3)  # the first keep-alive's answer
+        assert session.confirmed_at > 0 and not session.lost.is_set()
+
+        ours = [t for t in threading.enumerate() if t not in before]
+        names = sorted(t.name for t in ours)
+        assert {"etcd-watch", "etcd-keepalive", "etcd-keepalive-reader",
+                "etcd-streams"} <= set(names), names
+        assert not any("channel_spin" in name for name in names), names
+
+        at_start = {t: wakes(t) for t in ours}
+        time.sleep(QUIET_S)
+        woke = {t.name: wakes(t) - n for t, n in at_start.items()}
+        assert all(n <= MOST_WAKES for n in woke.values()), woke
+        assert sink.errors == []
+
+
+def test_a_stream_closed_here_ends_its_reader_with_cancelled(etcd_store):
+    stream = etcd_store.streams.watch(metadata=None)
+    read = []
+    reader = threading.Thread(target=lambda: read.append(_drain(stream)))
+    reader.start()
+    stream.close()
+    reader.join(5.0)
+    assert not reader.is_alive(), "the reader still waits after close()"
+    assert read == [grpc.StatusCode.CANCELLED]
+    assert _drain(stream) == grpc.StatusCode.CANCELLED  # and again, for a second reader
+
+
+def _drain(stream) -> grpc.StatusCode | None:
+    try:
+        for _ in stream:
+            pass
+    except grpc.RpcError as exc:
+        return exc.code()
+    return None
+
+
+def test_closing_the_store_ends_the_streams_thread_and_refuses_new_streams(etcd_endpoint):
+    before = set(threading.enumerate())
+    store = EtcdStore(etcd_endpoint)
+    store.watch(f"/etcd-streams/{uuid.uuid4().hex[:12]}", lambda events: None)
+    deadline = time.monotonic() + 5.0
+    while not (streams_thread := [t for t in threading.enumerate()
+                                  if t not in before and t.name == "etcd-streams"]):
+        assert time.monotonic() < deadline, "the watch opened no stream"
+        time.sleep(0.01)
+    assert len(streams_thread) == 1
+    store.close()
+    assert not streams_thread[0].is_alive()
+    with pytest.raises(ValueError):
+        store.streams.watch(metadata=None)
