@@ -78,6 +78,9 @@ class BidiStream:
             outcome = exc
         except asyncio.CancelledError:  # the call (or this task, at close) was cancelled
             outcome = _cancelled()
+        except Exception as exc:  # a bug or an answer that does not parse: end the stream
+            logger.exception("Reading an etcd stream failed.")
+            outcome = grpc.aio.AioRpcError(grpc.StatusCode.UNKNOWN, details=repr(exc))
         finally:
             self._answers.put(outcome)
             self._writes.put_nowait(None)  # ends the writer
