@@ -45,6 +45,7 @@ from tests.chaos.etcd_cluster import EtcdCluster
 from tests.chaos.faults import FaultRecord
 from tests.chaos.topology import Topology, tagged_pids
 from tests.proctable import alive
+from tests.waiting import wait_until
 
 log = logging.getLogger(__name__)
 
@@ -173,14 +174,7 @@ class Campaign:
         return self.start_node(node_id, slot)
 
     def wait_for(self, predicate, timeout_s: float, what: str):
-        deadline = time.monotonic() + timeout_s
-        while True:
-            value = predicate()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what}: not within {timeout_s:g} s")
-            time.sleep(0.2)
+        return wait_until(predicate, timeout_s, what, poll_s=0.2)
 
     # -- phases -----------------------------------------------------------------------------
 

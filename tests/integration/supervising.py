@@ -5,22 +5,10 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 from agent.supervisor import WorkerExit
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def wait_until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        time.sleep(0.01)
 
 
 def round_envs(n: int, **extra: str) -> list[dict[str, str]]:

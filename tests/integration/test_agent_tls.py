@@ -11,7 +11,7 @@ import glob
 import json
 import os
 import signal
-import time
+from typing import Callable
 
 import grpc
 import pytest
@@ -26,6 +26,7 @@ from elastic.rendezvous.api import NodeInfo, Round
 from elastic.v1 import agent_pb2, agent_pb2_grpc
 from tests.integration.procs import REPO, AgentProcess
 from tests.tls_certs import make_certs
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -65,16 +66,9 @@ def agent_addr(store, job_id, node_id) -> str:
     return NodeInfo.from_json(kv.key, kv.value).addr
 
 
-def wait_until(what: str, predicate, timeout_s: float = 30.0, *procs: AgentProcess):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            tails = "\n".join(f"--- {p.node_id}:\n{''.join(p.output[-25:])}" for p in procs)
-            raise AssertionError(f"not within {timeout_s:g} s: {what}\n{tails}")
-        time.sleep(0.1)
+def output_of(*procs: AgentProcess) -> Callable[[], str]:
+    """What the agents said last, for a wait that timed out."""
+    return lambda: "\n".join(f"--- {p.node_id}:\n{''.join(p.output[-25:])}" for p in procs)
 
 
 def round_with(store, job_id, members, after: int = 0):
@@ -106,9 +100,10 @@ def test_mutual_tls_agents_train_recover_and_take_control_only_from_the_ca(
         env={"ELASTIC_TLS_CERT": certs.agent.cert, "ELASTIC_TLS_KEY": certs.agent.key})
         for node in "ab"}
     a, b = procs["a"], procs["b"]
-    first = wait_until("a round of a and b, both training", lambda: (
+    first = wait_until(lambda: (
         (r := round_with(etcd_store, job_id, ["a", "b"])) and steps_in(work, "a", r.number) >= 0
-        and steps_in(work, "b", r.number) >= 0 and r), 40, a, b)
+        and steps_in(work, "b", r.number) >= 0 and r), 40, "a round of a and b, both training",
+        poll_s=0.1, context=output_of(a, b))
     addr = {node: agent_addr(etcd_store, job_id, node) for node in "ab"}
     operator = AgentTLS(cert=certs.operator.cert, key=certs.operator.key, ca=certs.ca)
 
@@ -151,8 +146,8 @@ def test_mutual_tls_agents_train_recover_and_take_control_only_from_the_ca(
 
     # The refused requests changed nothing: b trains on in the same round.
     before = steps_in(work, "b", first.number)
-    wait_until("b stepping on", lambda: steps_in(work, "b", first.number) >= before + 5,
-               10, a, b)
+    wait_until(lambda: steps_in(work, "b", first.number) >= before + 5, 10, "b stepping on",
+               poll_s=0.1, context=output_of(a, b))
     assert current_round(etcd_store, job_id).number == first.number
     assert b.proc.poll() is None
 
@@ -160,9 +155,10 @@ def test_mutual_tls_agents_train_recover_and_take_control_only_from_the_ca(
     victim = next(r["pid"] for r in progress(work) if r["node"] == "b"
                   and r["round"] == first.number)
     os.kill(victim, signal.SIGKILL)
-    second = wait_until("a new round training after the kill", lambda: (
+    second = wait_until(lambda: (
         (r := round_with(etcd_store, job_id, ["a", "b"], first.number))
-        and steps_in(work, "b", r.number) >= 0 and r), 30, a, b)
+        and steps_in(work, "b", r.number) >= 0 and r), 30, "a new round training after the kill",
+        poll_s=0.1, context=output_of(a, b))
 
     # An operator restart with the job's certificate is taken, a second one
     # within the interval is refused, whichever agent it goes to.
@@ -170,15 +166,16 @@ def test_mutual_tls_agents_train_recover_and_take_control_only_from_the_ca(
         True, second.number)
     with pytest.raises(RateLimitedError, match="next is allowed from"):
         peers.request_restart(addr["b"], "again", tls=operator)
-    third = wait_until("the operator's restart", lambda: round_with(
-        etcd_store, job_id, ["a", "b"], second.number), 30, a, b)
+    third = wait_until(lambda: round_with(etcd_store, job_id, ["a", "b"], second.number), 30,
+                       "the operator's restart", poll_s=0.1, context=output_of(a, b))
     assert "restart requested by a: operator asked" in third.reason
 
     # Drain with the job's certificate works: b leaves with exit 0, a goes on.
     accepted, _ = peers.request_drain(addr["b"], "maintenance", tls=operator)
     assert accepted
     assert b.wait_exit(30) == 0, b.text
-    wait_until("a alone", lambda: round_with(etcd_store, job_id, ["a"], third.number), 30, a)
+    wait_until(lambda: round_with(etcd_store, job_id, ["a"], third.number), 30, "a alone",
+               poll_s=0.1, context=output_of(a))
     hold.unlink()
     assert a.wait_exit(40) == 0, a.text
     assert current_round(etcd_store, job_id).outcome == "succeeded"

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from agent.grpc_server import LIVENESS_SERVICE
 from elastic.net import free_port
 from tests.integration.procs import REPO, AgentProcess
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -74,13 +75,6 @@ def messages(sock: socket.socket, until, timeout_s: float = 30.0) -> list[str]:
     return received
 
 
-def wait_until(condition, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def elasticctl(endpoint: str, job_id: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "agent.ctl", *args, "--etcd", endpoint,
                            "--job-id", job_id], cwd=REPO, capture_output=True, text=True,
@@ -100,7 +94,8 @@ def test_systemd_sees_ready_then_watchdog_pings_then_stopping_and_sigterm_exits_
     try:
         ready = messages(notify, lambda got: any("READY=1" in m for m in got))
         pings = messages(notify, lambda got: sum(m == "WATCHDOG=1" for m in got) >= 3)
-        wait_until(lambda: all((tmp_path / f"env-{r}.json").exists() for r in (0, 1)))
+        wait_until(lambda: all((tmp_path / f"env-{r}.json").exists() for r in (0, 1)), 30,
+                   "both workers to write their environments", poll_s=0.05)
         alive = health(port, LIVENESS_SERVICE)
 
         agent.proc.send_signal(signal.SIGTERM)

@@ -20,7 +20,8 @@ import pytest
 
 from agent.supervisor import Entrypoint, WorkerSupervisor
 from elastic.worker.template import TEMPLATE_FD_ENV
-from tests.integration.supervising import REPO, Exits, round_envs, wait_until
+from tests.integration.supervising import REPO, Exits, round_envs
+from tests.waiting import wait_until
 from tests.proctable import alive, parent, state
 
 pytestmark = pytest.mark.integration

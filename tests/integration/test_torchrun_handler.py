@@ -26,6 +26,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from elastic.errors import ConfigError
 from elastic.store.server import EtcdServer, ServerTLS
 from tests.integration.tcp_proxy import TcpProxy
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -57,14 +58,6 @@ def rendezvous_all(*handlers):
     """next_rendezvous of every handler at once; their RendezvousInfos, in order."""
     with concurrent.futures.ThreadPoolExecutor(len(handlers)) as pool:
         return [f.result(WAIT_S) for f in [pool.submit(h.next_rendezvous) for h in handlers]]
-
-
-def wait_until(predicate, what: str, timeout_s: float = WAIT_S):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        time.sleep(0.05)
 
 
 def test_two_agents_form_a_round_with_consecutive_ranks_and_share_its_store(make, job_id):
@@ -111,8 +104,8 @@ def test_a_late_node_is_counted_as_waiting_and_the_next_round_admits_it(make):
     late = make(nnodes=(2, 3))
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         joining = pool.submit(late.next_rendezvous)
-        wait_until(lambda: a.num_nodes_waiting() == 1 and b.num_nodes_waiting() == 1,
-                   "both members count the late node as waiting")
+        wait_until(lambda: a.num_nodes_waiting() == 1 and b.num_nodes_waiting() == 1, WAIT_S,
+                   "both members count the late node as waiting", poll_s=0.05)
         # As torch's agent does on seeing it: restart, rendezvous again.
         again_a, again_b = rendezvous_all(a, b)
         admitted = joining.result(WAIT_S)
@@ -129,7 +122,7 @@ def test_a_member_that_rendezvous_again_starts_a_new_round_for_everyone(make):
     old_a.store.set("step", "old round")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         failed = pool.submit(a.next_rendezvous)  # a's workers failed: torch's agent asks again
-        wait_until(lambda: b.num_nodes_waiting() >= 1, "b sees the new round")
+        wait_until(lambda: b.num_nodes_waiting() >= 1, WAIT_S, "b sees the new round", poll_s=0.05)
         new_b = b.next_rendezvous()
         new_a = failed.result(WAIT_S)
     assert (new_a.rank, new_b.rank) == (old_a.rank, old_b.rank)
@@ -146,8 +139,8 @@ def test_a_dead_node_leads_to_a_new_round_without_it(make, etcd_endpoint):
         infos = rendezvous_all(a, b, doomed)
         assert sorted(i.rank for i in infos) == [0, 1, 2]
         proxy.cut()  # its keep-alives stop reaching etcd: the lease (1 s) runs out
-        wait_until(lambda: a.num_nodes_waiting() >= 1 and b.num_nodes_waiting() >= 1,
-                   "the survivors see a round without the dead node")
+        wait_until(lambda: a.num_nodes_waiting() >= 1 and b.num_nodes_waiting() >= 1, WAIT_S,
+                   "the survivors see a round without the dead node", poll_s=0.05)
         after_a, after_b = rendezvous_all(a, b)
         assert sorted([after_a.rank, after_b.rank]) == [0, 1]
         assert after_a.world_size == after_b.world_size == 2

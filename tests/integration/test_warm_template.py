@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from tests.integration.supervising import REPO, round_envs, wait_until
+from tests.integration.supervising import REPO, round_envs
+from tests.waiting import wait_until
 from tests.proctable import alive, parent
 
 pytestmark = pytest.mark.integration
