@@ -290,17 +290,28 @@ def _startup_differences(a: dict[str, str], b: dict[str, str]) -> list[str]:
     return sorted(k for k in keys if a.get(k) != b.get(k))
 
 
-def _signal_group(pgid: int, sig: int) -> None:
-    """Signal a worker's process group, which may outlive its leader (the worker's children).
+def signal_worker(pid: int, sig: int) -> None:
+    """Signal a worker's process group, which may outlive its leader (the worker's
+    children); a worker that has no group of its own yet gets the signal alone.
+
+    A template answers a fork before its child has called setsid(), so for a
+    moment a forked worker is not yet the leader of the group its pid names:
+    signalling only the group then missed it (a warm worker discarded right
+    after its fork lived on until its template died, and was left a zombie).
 
     Once the leader is reaped and the group empty, its id could in principle name a new
     group; pids cycle through the whole pid space before that, and stop() signals only
     groups of the round it is stopping, so the window is the few seconds of one stop().
     """
     try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass  # the group is gone (PermissionError: its id was reused by someone else's)
+        os.killpg(pid, sig)
+        return
+    except PermissionError:
+        return  # its id was reused by someone else's group
+    except ProcessLookupError:
+        pass  # no such group: gone, or not made yet
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
 
 
 def _process_running(pid: int) -> bool:
@@ -484,14 +495,14 @@ class WorkerSupervisor:
                                                running, grace_s)
             started = time.monotonic()
             for w in workers:
-                _signal_group(w.pid, signal.SIGTERM)
-                _signal_group(w.pid, signal.SIGCONT)
+                signal_worker(w.pid, signal.SIGTERM)
+                signal_worker(w.pid, signal.SIGCONT)
             if not self._wait_quiet(workers, started + grace_s):
                 stubborn = [w.rank for w in workers if not w.exited or _group_alive(w.pid)]
                 self.log.at_round(rnd.number).warning("workers of ranks %s (or their children) "
                             "outlived the %.1f s grace period; killing them.", stubborn, grace_s)
                 for w in workers:
-                    _signal_group(w.pid, signal.SIGKILL)
+                    signal_worker(w.pid, signal.SIGKILL)
                 if not self._wait_quiet(workers, time.monotonic() + _KILL_WAIT_S):
                     self.log.at_round(rnd.number).error("processes of ranks %s survived SIGKILL "
                               "for %.0f s (stuck in the kernel?).",
@@ -520,7 +531,7 @@ class WorkerSupervisor:
         for w in warm:
             with w.lock:
                 w.discarded = True
-            _signal_group(w.pid, signal.SIGKILL)
+            signal_worker(w.pid, signal.SIGKILL)
         deadline = time.monotonic() + _KILL_WAIT_S
         for w in warm:
             w.done.wait(max(0.0, deadline - time.monotonic()))
@@ -687,7 +698,7 @@ class WorkerSupervisor:
     @staticmethod
     def _kill_template(tpl: _Template) -> None:
         tpl.discarded = True
-        _signal_group(tpl.pid, signal.SIGKILL)
+        signal_worker(tpl.pid, signal.SIGKILL)
 
     # ------------------------------------------------------------ template thread
 
@@ -950,7 +961,7 @@ class WorkerSupervisor:
     def _discard(self, w: _Worker) -> None:
         with w.lock:
             w.discarded = True
-        _signal_group(w.pid, signal.SIGKILL)
+        signal_worker(w.pid, signal.SIGKILL)
 
     # ------------------------------------------------------------ per-worker threads
 

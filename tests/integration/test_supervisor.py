@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from agent.supervisor import Entrypoint, WorkerSupervisor
+from agent.supervisor import Entrypoint, WorkerSupervisor, signal_worker
 from elastic.worker.template import TEMPLATE_FD_ENV
 from tests.integration.supervising import REPO, Exits, round_envs
 from tests.waiting import wait_until
@@ -347,6 +347,20 @@ def test_shutdown_leaves_no_process_and_is_idempotent(supervise, tmp_path, monke
     assert all(e.stopped for e in exits.wait(2))
     with pytest.raises(RuntimeError):
         sup.start_round(2, round_envs(2))
+
+
+def test_a_worker_forked_a_moment_ago_is_signalled_before_it_has_a_group_of_its_own():
+    # A template answers a fork before the child's setsid(): until then the
+    # worker's pid names no process group. Signalling only the group missed it
+    # (under load, shutdown right after a fork left a warm worker alive until
+    # its template died: a zombie where PID 1 does not reap).
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # our group
+    try:
+        signal_worker(proc.pid, signal.SIGKILL)
+        assert proc.wait(5) == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_workers_started_from_a_short_lived_thread_outlive_it(supervise):
