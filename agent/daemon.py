@@ -32,7 +32,7 @@ from agent import config as agent_config
 from agent import grpc_input, localfiles, reactor
 from agent.assign import startup_env, worker_envs
 from agent.grpc_server import AgentServer
-from agent.health import WorkerHealth, hung_workers, last_sign_of_life
+from agent.health import WorkerHealth, hung_workers, last_sign_of_life, next_hang_verdict_at
 from agent.lifecycle import AgentState, Lifecycle, Transition
 from agent.metrics import NO_METRICS, AgentMetrics, NoMetrics
 from agent.peers import GrpcPeerMesh
@@ -70,8 +70,13 @@ from elastic.store.api import Put, Store
 from elastic.v1 import agent_pb2
 
 S = AgentState
-# How often the loop looks at worker health and the lease when nothing else wakes it.
+# How often the loop looks at worker health and the lease when nothing else wakes
+# it, while time matters at every pass (a round starting, the lease in doubt) or
+# a write waits for etcd.
 TICK_S = 0.5
+# Otherwise it sleeps until the reactor's next deadline (reactor.next_tick_at),
+# at most this long: the status key and the systemd status lag by no more.
+STEADY_TICK_S = 2.0
 # The liveness health service (elastic.v1.Liveness) says NOT_SERVING once the
 # loop has not completed a pass this long (plus the workers' stop grace, the
 # longest a pass may legitimately take).
@@ -162,6 +167,7 @@ class Agent:
         self._store_timeout_s = min(1.0, config.lease_ttl_s / 4)
         self._peer_watch: Any = None
         self._last_status_meaning: tuple | None = None
+        self._last_tick: tuple[reactor.Tick, float] | None = None  # and when it was measured
         metrics.count_workers_with(self._worker_states)
         self.notifier = notifier or SystemdNotifier(environ={})
         self._last_pass = clock.monotonic()
@@ -224,7 +230,7 @@ class Agent:
         try:
             self.start()
             while not self.lifecycle.state.final:
-                self.step(TICK_S)
+                self.step(self.next_pass_in())
         except ElasticError as exc:
             self.fail(exc)
             raise
@@ -364,13 +370,32 @@ class Agent:
         hung = hung_workers(workers, now, self.config.hang_timeout_s)
         signs = [t for w, _ in hung
                  if (t := last_sign_of_life(w, now, self.config.hang_timeout_s)) is not None]
-        return reactor.Tick(
+        tick = reactor.Tick(
             hung=tuple(reason for _, reason in hung),
             hung_since=min(signs, default=None),
+            next_hang_at=next_hang_verdict_at(workers, self.config.hang_timeout_s),
             lease_unconfirmed_s=0.0 if confirmed is None else max(0.0, now - confirmed),
             workers_stepped=bool(workers) and all(w.step >= 0 for w in workers),
             registration_problem=self.rdzv.registration_problem,
             standby_addrs=self.rdzv.standby_addrs)
+        self._last_tick = (tick, now)
+        return tick
+
+    def next_pass_in(self) -> float:
+        """How long the next pass may wait for an event: :data:`TICK_S` while
+        writes wait for etcd or time matters at every pass; else until the
+        reactor's next deadline, from :data:`TICK_S` to :data:`STEADY_TICK_S`."""
+        if self._last_tick is None or self._writes_pending():
+            return TICK_S
+        tick, measured_at = self._last_tick
+        wake_at = reactor.next_tick_at(self.view, tick, measured_at, self.settings)
+        return min(STEADY_TICK_S, max(TICK_S, wake_at - self.clock.monotonic()))
+
+    def _writes_pending(self) -> bool:
+        """Whether intents, events or a changed status still wait for etcd."""
+        return bool(self._intents or self._events) or (
+            self.rdzv.lease_id is not None
+            and self._status_meaning() != self._last_status_meaning)
 
     # ---------------------------------------------------------- commands
 

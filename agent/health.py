@@ -62,6 +62,23 @@ def last_sign_of_life(w: WorkerHealth, now: float, hang_timeout_s: float) -> flo
     return w.last_progress_at
 
 
+def next_hang_verdict_at(workers: list[WorkerHealth], hang_timeout_s: float) -> float | None:
+    """The earliest time (monotonic) at which :func:`hung_workers` could judge one
+    of ``workers`` hung if none of them sent anything meanwhile: a heartbeat or
+    a step only moves it later. None: nothing to judge (detection off, or no
+    worker has spoken)."""
+    if hang_timeout_s <= 0:
+        return None
+    deadlines = []
+    for w in workers:
+        if w.last_heartbeat_at is None or w.exiting:
+            continue
+        deadlines.append(w.last_heartbeat_at + hang_timeout_s)
+        if w.last_progress_at is not None:
+            deadlines.append(max(w.last_progress_at + hang_timeout_s, w.saving_until))
+    return min(deadlines, default=None)
+
+
 def hung_workers(workers: list[WorkerHealth], now: float, hang_timeout_s: float
                  ) -> list[tuple[WorkerHealth, str]]:
     """The workers judged hung at ``now``, each with a reason for the log.

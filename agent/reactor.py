@@ -121,6 +121,8 @@ class Tick:
     # When the hung workers last showed life (monotonic): for the time-to-detect
     # metric only; the verdicts above decide.
     hung_since: float | None = None
+    # The earliest a worker not hung now could be judged hung (health.next_hang_verdict_at).
+    next_hang_at: float | None = None
 
 
 Event = Union[RoundCommitted, WorkerExited, PeerHealth, LeaseState, DrainRequested, Signalled,
@@ -433,6 +435,27 @@ def _on_tick(view: AgentView, tick: Tick, now: float, settings: Settings) -> Res
             f"job {settings.job_id}: node {settings.node_id} was not included in a round "
             f"within {settings.join_timeout_s:.0f} s{why}")))
     return view, commands
+
+
+def next_tick_at(view: AgentView, tick: Tick, now: float, settings: Settings) -> float:
+    """When the passing of time alone may next change what a :class:`Tick`
+    decides, given what ``tick`` measured at ``now`` (monotonic). ``now``
+    itself: keep looking at every pass (a round starting, the lease in doubt,
+    a cut-off in progress). Every deadline is the earliest one: what arrives
+    meanwhile (a keep-alive answer, a heartbeat, a step) only moves it later,
+    and anything else that matters arrives as an event and wakes the loop."""
+    if view.state is not S.RUNNING or view.cut_off_since is not None \
+            or view.peers_asked_at is not None or view.store_down_noted or view.cut_off:
+        return now
+    half_ttl = settings.lease_ttl_s / 2
+    if tick.lease_unconfirmed_s > half_ttl:
+        return now
+    deadline = now + half_ttl - tick.lease_unconfirmed_s  # then _on_tick asks the peers
+    if view.peer_unhealthy is not None:
+        deadline = min(deadline, view.peer_unhealthy[1] + settings.lease_ttl_s)
+    if tick.next_hang_at is not None:
+        deadline = min(deadline, tick.next_hang_at)
+    return deadline
 
 
 def _on_lease(view: AgentView, event: LeaseState, now: float, settings: Settings) -> Result:

@@ -8,7 +8,7 @@ import queue
 import random
 
 from agent.config import AgentConfig
-from agent.daemon import Agent, RoundChanged
+from agent.daemon import STEADY_TICK_S, TICK_S, Agent, RoundChanged
 from agent.lifecycle import AgentState as S
 from agent.metrics import NO_METRICS
 from elastic.errors import StoreUnavailableError
@@ -25,7 +25,7 @@ BLIP = StoreUnavailableError("etcd did not answer (injected)")
 class OneNode:
     """One agent with two fake workers; ``run(seconds)`` moves everything."""
 
-    def __init__(self, total_steps=1000, metrics=NO_METRICS):
+    def __init__(self, total_steps=1000, metrics=NO_METRICS, lease_ttl_s=3.0):
         self.clock = FakeClock()
         self.store = MemoryStore(clock=self.clock, synchronous=True)
         network = Network()
@@ -36,7 +36,7 @@ class OneNode:
         config = AgentConfig(
             job_id="j", etcd="mem", standalone=False, min_nodes=1, max_nodes=1,
             nproc_per_node=2, node_id="a", max_restarts=3, restart_window_s=3600.0,
-            checkpoint_dir=None, hang_timeout_s=30.0, lease_ttl_s=3.0, settle_s=0.0,
+            checkpoint_dir=None, hang_timeout_s=30.0, lease_ttl_s=lease_ttl_s, settle_s=0.0,
             join_timeout_s=600.0, start_timeout_s=60.0, exit_barrier_timeout_s=300.0,
             scale_up_wait_s=0.0, listen="mem:0", advertise_addr="h", state_dir="/nonexistent", log_dir="/nonexistent", log_format="text",
             metrics_port=0, stop_grace_s=1.0, drain_exit_code=0,
@@ -126,3 +126,16 @@ def test_workers_are_told_to_hold_while_the_lease_is_unconfirmed():
     node.store.suspend_keepalive(node.rdzv.lease_id)  # etcd stops confirming the lease
     node.clock.advance(1.6)  # more than half the 3 s TTL
     assert node.agent.heartbeat(beat) == (False, True)
+
+
+def test_a_steady_agent_sleeps_to_its_next_deadline_and_ticks_again_once_the_lease_is_in_doubt():
+    node = OneNode(lease_ttl_s=12.0)  # keep-alives every 4 s; peers asked after 6 s without
+    node.run(5)
+    assert node.agent.lifecycle.state is S.RUNNING
+    # Lease confirmed, workers stepping, nothing to write: the longest sleep.
+    assert node.agent.next_pass_in() == STEADY_TICK_S
+    node.store.suspend_keepalive(node.rdzv.lease_id)  # etcd stops confirming the lease
+    node.run(4.5)
+    assert TICK_S < node.agent.next_pass_in() < STEADY_TICK_S  # woken when it turns 6 s
+    node.run(2.0)
+    assert node.agent.next_pass_in() == TICK_S  # in doubt: every tick, as before

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from agent.health import WorkerHealth, hung_workers
+from agent.health import WorkerHealth, hung_workers, next_hang_verdict_at
 
 TIMEOUT_S = 30.0
 EPSILON = 0.5
@@ -257,3 +257,33 @@ def test_a_worker_waits_for_its_agent_to_vouch_for_the_round_before_its_next_ste
         beat._stop.set()
         beat._wake.set()
         beat._thread.join(timeout=5)
+
+
+def test_the_next_verdict_comes_at_the_earliest_of_silence_and_stall_not_before():
+    # Heard from at T0 (step 5, progress at T0 - 10): a stall verdict comes first.
+    w = worker()
+    w.on_heartbeat(T0 - 10.0, 5, 0.0)
+    w.on_heartbeat(T0, 5, 0.0)
+    at = next_hang_verdict_at([w], TIMEOUT_S)
+    assert at == T0 - 10.0 + TIMEOUT_S
+    assert hung_workers([w], at - EPSILON, TIMEOUT_S) == []
+    assert hung_workers([w], at + EPSILON, TIMEOUT_S) != []
+
+
+def test_a_save_announced_moves_the_stall_verdict_to_its_end():
+    w = worker()
+    w.on_heartbeat(T0, 5, saving_for_s=2 * TIMEOUT_S)
+    at = next_hang_verdict_at([w], TIMEOUT_S)
+    assert at == T0 + TIMEOUT_S  # silence still counts while saving
+    w.on_heartbeat(T0 + 1.0, 5, saving_for_s=2 * TIMEOUT_S)
+    assert next_hang_verdict_at([w], TIMEOUT_S) == T0 + 1.0 + TIMEOUT_S
+
+
+def test_no_verdict_is_due_without_detection_a_heard_worker_or_one_still_running():
+    quiet, leaving = worker(0), worker(1)
+    leaving.on_heartbeat(T0, 3, 0.0, exiting=True)
+    assert next_hang_verdict_at([quiet, leaving], TIMEOUT_S) is None
+    talking = worker(2)
+    talking.on_heartbeat(T0, 3, 0.0)
+    assert next_hang_verdict_at([talking], 0.0) is None
+

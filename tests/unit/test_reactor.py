@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from agent.lifecycle import AgentState as S
 from agent.reactor import (
@@ -27,6 +29,7 @@ from agent.reactor import (
     Transition,
     WatchPeer,
     WorkerExited,
+    next_tick_at,
     react,
 )
 from elastic.errors import RendezvousTimeoutError
@@ -291,3 +294,49 @@ def test_a_final_agent_reacts_to_nothing():
 def test_an_unknown_event_is_a_bug():
     with pytest.raises(TypeError):
         react(AgentView(), object(), 1.0, SETTINGS)
+
+
+class TestNextTick:
+    """How long the loop may sleep: until time alone could change a Tick's verdict."""
+
+    def test_a_steady_node_sleeps_until_its_lease_has_gone_unconfirmed_for_half_a_ttl(self):
+        # TTL 4: peers are asked once the lease is unconfirmed for over 2 s.
+        assert next_tick_at(running(3), Tick(lease_unconfirmed_s=0.5), 10.0, SETTINGS) == 11.5
+
+    def test_a_worker_that_could_be_judged_hung_sooner_wakes_it_sooner(self):
+        tick = Tick(lease_unconfirmed_s=0.5, next_hang_at=10.7)
+        assert next_tick_at(running(3), tick, 10.0, SETTINGS) == 10.7
+
+    def test_an_unhealthy_peer_wakes_it_when_a_ttl_of_unhealth_has_passed(self):
+        view = running(3, peer_unhealthy=("b", 7.5))  # sooner than the lease's 12.0
+        assert next_tick_at(view, Tick(lease_unconfirmed_s=0.0), 10.0, SETTINGS) == 11.5
+
+    @pytest.mark.parametrize("view,tick", [
+        (running(3), Tick(lease_unconfirmed_s=2.1)),  # in doubt: ask every quarter TTL
+        (running(3, peers_asked_at=9.0), Tick(lease_unconfirmed_s=0.5)),  # reset pending
+        (running(3, cut_off_since=9.0, cut_off="x"), Tick(lease_unconfirmed_s=0.5)),
+        (AgentView(state=S.JOINING, waiting_since=0.0), Tick()),  # a round forming
+    ])
+    def test_time_matters_at_every_pass_while_a_round_forms_or_the_lease_is_in_doubt(self, view,
+                                                                                   tick):
+        assert next_tick_at(view, tick, 10.0, SETTINGS) == 10.0
+
+    @given(unconfirmed=st.floats(0.0, 2.0), unhealthy_for=st.none() | st.floats(0.0, 4.0),
+           fraction=st.floats(0.0, 0.999))
+    def test_no_verdict_changes_before_the_deadline(self, unconfirmed, unhealthy_for, fraction):
+        # Nothing arrives meanwhile: the lease ages with the clock, the peer stays unhealthy.
+        now = 100.0
+        view = running(3, peer_unhealthy=None if unhealthy_for is None
+                       else ("b", now - unhealthy_for))
+        wake_at = next_tick_at(view, Tick(lease_unconfirmed_s=unconfirmed), now, SETTINGS)
+        assert wake_at >= now
+        then = now + (wake_at - now) * fraction
+        assert react(view, Tick(lease_unconfirmed_s=unconfirmed + then - now), then,
+                     SETTINGS) == react(view, Tick(lease_unconfirmed_s=unconfirmed), now,
+                                        SETTINGS)
+        # ... and at the deadline, or just after, one does.
+        late = wake_at + 0.01
+        assert react(view, Tick(lease_unconfirmed_s=unconfirmed + late - now), late,
+                     SETTINGS) != react(view, Tick(lease_unconfirmed_s=unconfirmed), now,
+                                        SETTINGS)
+
