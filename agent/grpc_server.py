@@ -76,6 +76,7 @@ from agent.grpc_input import (
 )
 from agent.heartbeat_socket import HeartbeatSocket, datagram_path
 from agent.tls import AgentTLS, verified_client
+from elastic import aio_fork
 from elastic.errors import (
     ConfigError,
     ElasticError,
@@ -744,23 +745,23 @@ class AgentServer:
         on): build, bind and start the servers and the heartbeat socket;
         returns them with the TCP ports. Raises ConfigError, leaving nothing
         running."""
-        tcp = grpc.aio.server(migration_thread_pool=self._executors[0],
-                              options=_SERVER_OPTIONS,
-                              interceptors=_interceptors(self._executors[0]))
+        tcp = aio_fork.track(grpc.aio.server(migration_thread_pool=self._executors[0],
+                                             options=_SERVER_OPTIONS,
+                                             interceptors=_interceptors(self._executors[0])))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, tcp)
         access = Access.MUTUAL_TLS if self._tls is not None else Access.OPEN
         agent_pb2_grpc.add_AgentServicer_to_server(_AgentServicer(self._control, access), tcp)
-        unix = grpc.aio.server(migration_thread_pool=self._executors[1],
-                               options=SERVER_OPTIONS,
-                               interceptors=_interceptors(self._executors[1]))
+        unix = aio_fork.track(grpc.aio.server(migration_thread_pool=self._executors[1],
+                                              options=SERVER_OPTIONS,
+                                              interceptors=_interceptors(self._executors[1])))
         agent_pb2_grpc.add_WorkerChannelServicer_to_server(
             _WorkerChannelServicer(self._heartbeats), unix
         )
         probe = None
         if self._probe_listen:
-            probe = grpc.aio.server(migration_thread_pool=self._executors[2],
-                                    options=_SERVER_OPTIONS,
-                                    interceptors=_interceptors(self._executors[2]))
+            probe = aio_fork.track(grpc.aio.server(
+                migration_thread_pool=self._executors[2], options=_SERVER_OPTIONS,
+                interceptors=_interceptors(self._executors[2])))
             health_pb2_grpc.add_HealthServicer_to_server(self._health, probe)
             agent_pb2_grpc.add_AgentServicer_to_server(
                 _AgentServicer(self._control, Access.READ_ONLY), probe)

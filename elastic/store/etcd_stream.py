@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator
 import grpc
 import grpc.aio
 
+from elastic import aio_fork
 from elastic.store.etcdpb import rpc_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ class EtcdStreams:
 
         async def start() -> BidiStream:
             if self._channel is None:
-                self._channel = self._open_channel()
+                self._channel = aio_fork.track(self._open_channel())
             stream = BidiStream(self, make_call(self._channel))
             stream._start()
             with self._lock:

@@ -6,11 +6,15 @@ They ride a ``grpc.aio`` channel so that an idle store costs no wake-ups
 * with a watch and a lease open, no thread of the store wakes while nothing
   happens, and gRPC's synchronous spin thread is not there at all;
 * a stream closed here ends its reader with CANCELLED, and closing the store
-  ends the streams' thread.
+  ends the streams' thread;
+* a child forked after a store was closed and dropped can collect it (grpc's
+  aio shutdown would otherwise wait there for a thread the child does not have).
 """
 
 from __future__ import annotations
 
+import gc
+import os
 import threading
 import time
 import uuid
@@ -98,3 +102,32 @@ def test_closing_the_store_ends_the_streams_thread_and_refuses_new_streams(etcd_
     assert not streams_thread[0].is_alive()
     with pytest.raises(ValueError):
         store.streams.watch(metadata=None)
+
+
+
+def test_a_child_forked_after_a_store_was_dropped_can_collect_it(etcd_endpoint):
+    gc.disable()  # the dropped store stays garbage until the child collects it
+    try:
+        store = EtcdStore(etcd_endpoint)
+        key, sink = f"/etcd-streams/{uuid.uuid4().hex[:12]}", EventSink()
+        store.watch(key, sink.on_events)
+        store.put(key, b"seen")
+        sink.wait_count(1)  # so its aio channel exists
+        store.close()
+        del store  # a cycle (its streams refer back to it): garbage, not freed
+
+        child = os.fork()
+        if child == 0:
+            gc.collect()  # frees the last aio channel here: grpc's aio shutdown
+            os._exit(0)
+        deadline = time.monotonic() + 10.0
+        while (done := os.waitpid(child, os.WNOHANG))[0] == 0:
+            if time.monotonic() > deadline:
+                os.kill(child, 9)
+                os.waitpid(child, 0)
+                raise AssertionError("the forked child hung collecting the dropped store")
+            time.sleep(0.05)
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        gc.enable()
+
