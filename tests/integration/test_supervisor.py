@@ -221,13 +221,19 @@ def test_giving_up_the_warm_pool_ends_the_warm_workers_still_importing(supervise
 
     # The template's death and the two warm workers': three in a row, while their
     # replacements (a new template, spawned warm workers) fail or hang in `badpre`.
-    for pid in [template.pid] + [w.pid for w in warm]:
-        os.kill(pid, signal.SIGKILL)
+    # The warm workers die once a replacement has started: all three deaths at once
+    # could be judged before the spawner started any (seen under load).
+    first = {template.pid, *(w.pid for w in warm)}
+    os.kill(template.pid, signal.SIGKILL)
+    wait_until(lambda: [pid for pid in sup.pids() if pid not in first], 15,
+               "a replacement for the template")
+    for w in warm:
+        os.kill(w.pid, signal.SIGKILL)
     wait_until(lambda: not sup.warm_enabled, 15, "warm workers given up")
 
     assert sup.warm_workers() == []
     assert sup.warm_template() is None
-    hanging = [pid for pid in sup.pids() if pid not in {template.pid, *(w.pid for w in warm)}]
+    hanging = [pid for pid in sup.pids() if pid not in first]
     assert hanging, "no replacement was started"
     wait_until(lambda: not any(alive(pid) for pid in hanging), 5, "the hanging replacements ended")
     assert exits.seen == []
