@@ -14,11 +14,13 @@ import signal
 from typing import Callable, Iterator
 
 
-def _stat_fields(pid: int) -> list[bytes] | None:
-    """The fields of ``/proc/PID/stat`` after the command name (which may itself
-    hold spaces and parentheses), or None when the process is gone."""
+def _stat_fields(pid: int, tid: int | None = None) -> list[bytes] | None:
+    """The fields of ``/proc/PID/stat`` (of thread ``tid``: ``/proc/PID/task/TID/stat``)
+    after the command name (which may itself hold spaces and parentheses), or None
+    when the process or thread is gone."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with open(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat",
+                  "rb") as f:
             stat = f.read()
     except OSError:
         return None
@@ -29,6 +31,16 @@ def state(pid: int) -> str | None:
     """The process's state letter (R, S, T, Z, ...), None when it is gone."""
     fields = _stat_fields(pid)
     return fields[0].decode() if fields else None
+
+
+def stopped(pid: int) -> bool:
+    """Whether every thread of the process is stopped (SIGSTOP takes effect
+    thread by thread, a moment after kill() returns)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return False
+    return bool(tids) and all((f := _stat_fields(pid, tid)) and f[0] == b"T" for tid in tids)
 
 
 def alive(pid: int) -> bool:

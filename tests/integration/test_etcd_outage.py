@@ -11,6 +11,8 @@ import pytest
 from elastic.errors import StoreError
 from elastic.store.api import DEFAULT_REQUEST_TIMEOUT_S
 from elastic.store.etcd import EtcdStore
+from tests.proctable import stopped
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.integration]
 
@@ -26,6 +28,8 @@ def test_probing_a_lease_to_resume_gives_up_after_a_third_of_its_ttl(own_etcd):
     try:
         session = store.session(LEASE_TTL_S)
         os.kill(own_etcd.pid, signal.SIGSTOP)
+        # Else, on a loaded machine, a thread of etcd still running could answer.
+        wait_until(lambda: stopped(own_etcd.pid), 5, "etcd stopped")
 
         started = time.monotonic()
         with pytest.raises(StoreError):
