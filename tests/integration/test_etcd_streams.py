@@ -28,8 +28,8 @@ from tests.contract.test_store_contract import EventSink
 pytestmark = pytest.mark.integration
 
 QUIET_S = 1.0
-# A synchronous stream's reader wakes every 0.1 s (10 in QUIET_S); the
-# keep-alive loop's own thread checks its leases once a second.
+# A synchronous stream's reader wakes every 0.1 s (10 in QUIET_S); a lease of
+# 60 s has no keep-alive due in the window, and nothing else is.
 MOST_WAKES = 3
 
 
