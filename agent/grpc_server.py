@@ -62,7 +62,7 @@ import stat
 import threading
 import enum
 from concurrent import futures
-from typing import Any, Awaitable, Callable, Protocol, TypeVar
+from typing import Any, Callable, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -77,6 +77,7 @@ from agent.grpc_input import (
 from agent.heartbeat_socket import HeartbeatSocket, datagram_path
 from agent.tls import AgentTLS, verified_client
 from elastic import aio_fork
+from elastic.loop_thread import LoopThread
 from elastic.errors import (
     ConfigError,
     ElasticError,
@@ -436,32 +437,6 @@ async def _stop_servers(servers: list[grpc.aio.Server], grace_s: float | None) -
         await asyncio.wait(pending)
 
 
-class _LoopThread:
-    """An asyncio event loop on a daemon thread of its own, for the aio servers."""
-
-    def __init__(self, name: str):
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Awaitable[_T], timeout_s: float | None) -> _T:
-        """Run ``coro`` on the loop and return its result (or raise what it
-        raised); TimeoutError after ``timeout_s`` (None: no limit)."""
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
-        try:
-            return future.result(timeout_s)
-        except TimeoutError:
-            future.cancel()
-            raise
-
-    def close(self, timeout_s: float = 2.0) -> None:
-        """Stop the loop and its thread; then close the loop."""
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout_s)
-        if not self._thread.is_alive():
-            self._loop.close()
-
-
 def _split_listen(listen: str) -> tuple[str, int]:
     """("HOST", PORT) of ``listen``; raises ConfigError when it is not HOST:PORT."""
     host, sep, port_text = listen.rpartition(":")
@@ -663,7 +638,7 @@ class AgentServer:
         self._tcp: grpc.aio.Server | None = None
         self._unix: grpc.aio.Server | None = None
         self._probe: grpc.aio.Server | None = None
-        self._loop: _LoopThread | None = None
+        self._loop: LoopThread | None = None
         hb_path = datagram_path(self._socket_path)
         self._datagrams = HeartbeatSocket(hb_path, heartbeats) if hb_path else None
         self._executors: list[futures.ThreadPoolExecutor] = []
@@ -715,7 +690,7 @@ class AgentServer:
                 futures.ThreadPoolExecutor(self._max_workers, thread_name_prefix=name)
                 for name in names
             ]
-            loop = _LoopThread("agent-grpc-loop")
+            loop = LoopThread("agent-grpc-loop")
             try:
                 tcp, unix, probe, port, probe_port = loop.run(self._build_and_start(), None)
             except BaseException:

@@ -35,6 +35,7 @@ import grpc
 import grpc.aio
 
 from elastic import aio_fork
+from elastic.loop_thread import LoopThread
 from elastic.store.etcdpb import rpc_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -133,8 +134,7 @@ class EtcdStreams:
     def __init__(self, open_channel: Callable[[], grpc.aio.Channel]):
         self._open_channel = open_channel
         self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._loop: LoopThread | None = None
         self._channel: grpc.aio.Channel | None = None
         self._open: set[BidiStream] = set()
         self._closed = False
@@ -163,29 +163,20 @@ class EtcdStreams:
                 self._open.add(stream)
             return stream
 
-        return asyncio.run_coroutine_threadsafe(start(), loop).result()
+        return loop.run(start(), None)
 
-    def _running_loop(self) -> asyncio.AbstractEventLoop:
+    def _running_loop(self) -> LoopThread:
         with self._lock:
             if self._closed:
                 raise ValueError("the store's etcd streams are closed")
             if self._loop is None:
-                self._loop = asyncio.new_event_loop()
-                self._thread = threading.Thread(target=self._loop.run_forever,
-                                                name="etcd-streams", daemon=True)
-                self._thread.start()
+                self._loop = LoopThread("etcd-streams")
             return self._loop
 
     def run_soon(self, fn: Callable, *args) -> bool:
         """Run ``fn(*args)`` on the loop; False if the loop has ended."""
         loop = self._loop
-        if loop is None:
-            return False
-        try:
-            loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # closed
-            return False
-        return True
+        return loop is not None and loop.call_soon(fn, *args)
 
     def forget(self, stream: BidiStream) -> None:
         with self._lock:
@@ -196,7 +187,7 @@ class EtcdStreams:
         at most about ``timeout_s``. Idempotent."""
         with self._lock:
             self._closed = True
-            loop, thread, self._loop = self._loop, self._thread, None
+            loop, self._loop = self._loop, None
         if loop is None:
             return
 
@@ -211,14 +202,11 @@ class EtcdStreams:
             await asyncio.gather(*(t for s in streams for t in s._tasks), return_exceptions=True)
 
         try:
-            asyncio.run_coroutine_threadsafe(shut(), loop).result(timeout_s)
+            loop.run(shut(), timeout_s)
         except Exception as exc:  # closing goes on whatever the channel says
             logger.debug("Closing the etcd streams' channel: %r", exc)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout_s)
+        loop.close(timeout_s)
         with self._lock:
             left, self._open = list(self._open), set()
         for stream in left:  # never got to end on the loop: end their readers here
             stream.abandon()
-        if not thread.is_alive():
-            loop.close()
