@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 import logging.handlers
+import math
 import os
 import queue
 import signal
@@ -81,9 +82,12 @@ STEADY_TICK_S = 2.0
 # loop has not completed a pass this long (plus the workers' stop grace, the
 # longest a pass may legitimately take).
 LOOP_STALL_S = 30.0
-# The status key is rewritten when its meaning changes: state, round, failure,
-# worker states, or the step moving into another bucket of this many steps.
-STATUS_STEP_BUCKET = 100
+# The status key is rewritten at once when its meaning changes (state, round,
+# failure, worker states), and for the step alone at most this often: a node's
+# progress is read live from its agent, the record is the fallback for one that
+# cannot be reached, and a write a few seconds per node would fill etcd at
+# 1,000 nodes (and wake an idle agent for nothing).
+STATUS_PROGRESS_S = 30.0
 # Transitions kept for etcd while it cannot be reached; older ones are dropped.
 _MAX_QUEUED_EVENTS = 50
 
@@ -167,6 +171,8 @@ class Agent:
         self._store_timeout_s = min(1.0, config.lease_ttl_s / 4)
         self._peer_watch: Any = None
         self._last_status_meaning: tuple | None = None
+        self._last_status_step = -1  # the step the status record last carried
+        self._last_status_at = -math.inf  # and when it was written
         self._last_tick: tuple[reactor.Tick, float] | None = None  # and when it was measured
         metrics.count_workers_with(self._worker_states)
         self.notifier = notifier or SystemdNotifier(environ={})
@@ -394,8 +400,7 @@ class Agent:
     def _writes_pending(self) -> bool:
         """Whether intents, events or a changed status still wait for etcd."""
         return bool(self._intents or self._events) or (
-            self.rdzv.lease_id is not None
-            and self._status_meaning() != self._last_status_meaning)
+            self.rdzv.lease_id is not None and self._status_due())
 
     # ---------------------------------------------------------- commands
 
@@ -628,12 +633,22 @@ class Agent:
         return rows
 
     def _status_meaning(self) -> tuple:
-        """What, changed, makes the status worth a write."""
-        with self._workers_lock:
-            last_step = max((w.step for w in self.workers.values()), default=-1)
+        """What, changed, makes the status worth a write at once."""
         view = self.view
         return (self.lifecycle.state.value, view.round_number, view.last_failure,
-                view.exited_ok, last_step // STATUS_STEP_BUCKET)
+                view.exited_ok)
+
+    def _last_step(self) -> int:
+        with self._workers_lock:
+            return max((w.step for w in self.workers.values()), default=-1)
+
+    def _status_due(self) -> bool:
+        """Whether the status record is worth a write now: its meaning changed,
+        or the step did and the record is :data:`STATUS_PROGRESS_S` old."""
+        if self._status_meaning() != self._last_status_meaning:
+            return True
+        return (self._last_step() != self._last_status_step
+                and self.clock.monotonic() - self._last_status_at >= STATUS_PROGRESS_S)
 
     def _status_record(self, rows: list[dict]) -> bytes:
         view = self.view
@@ -662,17 +677,21 @@ class Agent:
         lease = self.rdzv.lease_id
         if lease is None:
             return
-        meaning = self._status_meaning()
         queued = list(self._events)
         ops = list(queued)
-        if meaning != self._last_status_meaning:
+        status = None
+        if self._status_due():
+            meaning, rows = self._status_meaning(), self._worker_rows()
+            status = (meaning, max((r["last_step"] for r in rows), default=-1))
             ops.append(Put(self.rdzv.keys.status_of(self.config.node_id),
-                           self._status_record(self._worker_rows()), lease=lease))
+                           self._status_record(rows), lease=lease))
         if not ops:
             return
         self.store.txn([], ops, timeout_s=self._store_timeout_s)
         del self._events[:len(queued)]
-        self._last_status_meaning = meaning
+        if status is not None:
+            self._last_status_meaning, self._last_status_step = status
+            self._last_status_at = self.clock.monotonic()
 
     def shutdown(self) -> None:
         self.flush()  # the final state, if etcd can be reached

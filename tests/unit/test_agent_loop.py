@@ -4,11 +4,12 @@ a fake clock. Each test: a scenario, a fault, what the agent must do."""
 
 from __future__ import annotations
 
+import json
 import queue
 import random
 
 from agent.config import AgentConfig
-from agent.daemon import STEADY_TICK_S, TICK_S, Agent, RoundChanged
+from agent.daemon import STATUS_PROGRESS_S, STEADY_TICK_S, TICK_S, Agent, RoundChanged
 from agent.lifecycle import AgentState as S
 from agent.metrics import NO_METRICS
 from elastic.errors import StoreUnavailableError
@@ -76,15 +77,21 @@ class OneNode:
         return self.rdzv.latest_round
 
 
-def test_status_is_rewritten_when_its_meaning_changes_not_for_every_heartbeat():
+def test_status_is_rewritten_at_once_for_a_change_of_meaning_and_for_progress_alone_every_30_s():
     node = OneNode()
     node.run(5)
     assert node.agent.lifecycle.state is S.RUNNING
     settled = node.status_writes
-    node.run(40)  # 80 more steps, heartbeats every 0.25 s: nothing that changes the meaning
-    assert node.status_writes == settled, "status rewritten without a change of meaning"
-    node.run(15)  # past step 100: the step bucket changes once
+    node.run(STATUS_PROGRESS_S - 6)  # steps and heartbeats only: the record's step may lag
+    assert node.status_writes == settled, "status rewritten for progress alone within 30 s"
+    node.run(8)  # 30 s since it was written, with a newer step: rewritten once
     assert node.status_writes == settled + 1
+    crashed = next(w for w in node.supervisor.current if w.alive)
+    node.workers.end(crashed, 1, node.clock.monotonic())
+    node.run(0.5)  # a failure changes the meaning: written at the next pass
+    assert node.status_writes >= settled + 2
+    record = json.loads(node.store.get(node.rdzv.keys.status_of("a")).value)
+    assert "exited with 1" in record["last_failure"]
 
 
 def test_a_crash_stops_the_workers_at_once_even_while_etcd_refuses_the_restart_request():
