@@ -26,7 +26,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import grpc
 
@@ -106,19 +106,20 @@ def _parsing(behavior: Callable, parse: Callable[[bytes], Any], method: str) -> 
     return parsed
 
 
-def _field(method: str, name: str, value: Any, ok: bool, expected: str) -> None:
-    if not ok:
-        raise InvalidRequestError(f"{method}: field {name!r} is {cap_text(repr(value), 64)}, "
-                                  f"expected {expected}")
+def _refuse(method: str, name: str, value: Any, expected: str) -> NoReturn:
+    raise InvalidRequestError(f"{method}: field {name!r} is {cap_text(repr(value), 64)}, "
+                              f"expected {expected}")
 
 
+# The checks run for every heartbeat: the refusal's text is made only for a refusal.
 def _int(method: str, name: str, value: int, low: int, high: int) -> None:
-    _field(method, name, value, low <= value <= high, f"an integer {low}..{high}")
+    if not low <= value <= high:
+        _refuse(method, name, value, f"an integer {low}..{high}")
 
 
 def _seconds(method: str, name: str, value: float, high: float) -> None:
-    _field(method, name, value, math.isfinite(value) and 0 <= value <= high,
-           f"a number of seconds 0..{high:g}")
+    if not (math.isfinite(value) and 0 <= value <= high):
+        _refuse(method, name, value, f"a number of seconds 0..{high:g}")
 
 
 def check_heartbeat(request: agent_pb2.WorkerChannelHeartbeatRequest) -> None:

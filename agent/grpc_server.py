@@ -32,8 +32,8 @@ Why ``grpc.aio`` with the servicers left synchronous: a synchronous
 ``grpc.server`` polls its completion queue on a thread of its own that wakes
 five times a second even when nobody calls (grpc's interrupt check), and
 those wake-ups were about a quarter of an idle agent's CPU. The aio servers
-share one event-loop thread (``agent-grpc-loop``) that sleeps until something
-arrives; each server's unary handlers still run on its own thread pool, so
+run on the process's one event loop (:func:`elastic.loop_thread.acquire_shared`,
+shared with the etcd store's streams), which sleeps until something arrives; each server's unary handlers still run on its own thread pool, so
 they may block as before, dispatched by :class:`_RunOnPool`, not by grpc.aio
 (which frees a cancelled RPC's call while its handler still runs: SIGSEGV at
 the handler's next ``context.peer()``). The health service's Watch
@@ -77,7 +77,7 @@ from agent.grpc_input import (
 from agent.heartbeat_socket import HeartbeatSocket, datagram_path
 from agent.tls import AgentTLS, verified_client
 from elastic import aio_fork
-from elastic.loop_thread import LoopThread
+from elastic.loop_thread import LoopThread, acquire_shared, release_shared
 from elastic.errors import (
     ConfigError,
     ElasticError,
@@ -388,16 +388,42 @@ class _RunOnPool(grpc.aio.ServerInterceptor):
     is killed, then logs its error with ``context.peer()``). Here a
     cancellation waits for a handler that has started; one still queued never
     runs. The RPC then ends cancelled as before.
+
+    It also knows its server's calls in progress (:meth:`calls_ended`): the
+    loop is shared, so a stopping server waits for its own, not for every task.
     """
 
     def __init__(self, pool: futures.Executor):
         self._pool = pool
+        self._calls: set[asyncio.Task] = set()  # on the loop thread only
+
+    async def calls_ended(self) -> None:
+        """Return once every call of this server has ended (on the loop)."""
+        pending = self._calls - {asyncio.current_task()}
+        if pending:
+            await asyncio.wait(pending)
+
+    def _counted(self, behavior: Callable) -> Callable:
+        async def counted(request, context: grpc.aio.ServicerContext):
+            task = asyncio.current_task()
+            self._calls.add(task)
+            try:
+                return await behavior(request, context)
+            finally:
+                self._calls.discard(task)
+        return counted
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None or inspect.iscoroutinefunction(
-                handler.unary_unary):
-            return handler  # coroutines run on the loop; no synchronous streams here
+        if handler is None:
+            return None
+        if handler.unary_stream is not None and inspect.iscoroutinefunction(
+                handler.unary_stream):
+            return handler._replace(unary_stream=self._counted(handler.unary_stream))
+        if handler.unary_unary is None:
+            return handler  # no other kind is served here
+        if inspect.iscoroutinefunction(handler.unary_unary):
+            return handler._replace(unary_unary=self._counted(handler.unary_unary))
         behavior, pool = handler.unary_unary, self._pool
 
         async def held(request, context: grpc.aio.ServicerContext):
@@ -417,24 +443,23 @@ class _RunOnPool(grpc.aio.ServerInterceptor):
                 if not done.cancelled():
                     done.exception()  # the RPC is over: what the handler raised is moot
                 raise
-        return handler._replace(unary_unary=held)
+        return handler._replace(unary_unary=self._counted(held))
 
 
-def _interceptors(pool: futures.Executor) -> list[grpc.aio.ServerInterceptor]:
+def _interceptors(dispatch: _RunOnPool) -> list[grpc.aio.ServerInterceptor]:
     # Every server parses its requests itself, on its pool: bytes that are not
     # the method's message are INVALID_ARGUMENT, not gRPC's INTERNAL
     # (agent.grpc_input). _RunOnPool comes first: it wraps what ParseRequests made.
-    return [_RunOnPool(pool), ParseRequests()]
+    return [dispatch, ParseRequests()]
 
 
-async def _stop_servers(servers: list[grpc.aio.Server], grace_s: float | None) -> None:
+async def _stop_servers(servers: list[grpc.aio.Server], dispatches: list[_RunOnPool],
+                        grace_s: float | None) -> None:
     await asyncio.gather(*(server.stop(grace_s) for server in servers))
     # A synchronous handler still running on a pool keeps its RPC's task (and
-    # call) until it returns (_RunOnPool): wait for those here, so that the
-    # loop closes with nothing pending. The caller bounds the wait.
-    pending = asyncio.all_tasks() - {asyncio.current_task()}
-    if pending:
-        await asyncio.wait(pending)
+    # call) until it returns (_RunOnPool): wait for those here, so that no
+    # call outlives its server on the loop. The caller bounds the wait.
+    await asyncio.gather(*(dispatch.calls_ended() for dispatch in dispatches))
 
 
 def _split_listen(listen: str) -> tuple[str, int]:
@@ -642,6 +667,7 @@ class AgentServer:
         hb_path = datagram_path(self._socket_path)
         self._datagrams = HeartbeatSocket(hb_path, heartbeats) if hb_path else None
         self._executors: list[futures.ThreadPoolExecutor] = []
+        self._dispatches: list[_RunOnPool] = []  # one per executor: its server's calls
         self._bound_port: int | None = None
         self._probe_port: int | None = None
         self._started = False
@@ -690,11 +716,12 @@ class AgentServer:
                 futures.ThreadPoolExecutor(self._max_workers, thread_name_prefix=name)
                 for name in names
             ]
-            loop = LoopThread("agent-grpc-loop")
+            self._dispatches = [_RunOnPool(executor) for executor in self._executors]
+            loop = acquire_shared()
             try:
                 tcp, unix, probe, port, probe_port = loop.run(self._build_and_start(), None)
             except BaseException:
-                loop.close()
+                release_shared(loop)
                 self._shutdown_executors()
                 raise
             self._restrict_socket()
@@ -722,13 +749,13 @@ class AgentServer:
         running."""
         tcp = aio_fork.track(grpc.aio.server(migration_thread_pool=self._executors[0],
                                              options=_SERVER_OPTIONS,
-                                             interceptors=_interceptors(self._executors[0])))
+                                             interceptors=_interceptors(self._dispatches[0])))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, tcp)
         access = Access.MUTUAL_TLS if self._tls is not None else Access.OPEN
         agent_pb2_grpc.add_AgentServicer_to_server(_AgentServicer(self._control, access), tcp)
         unix = aio_fork.track(grpc.aio.server(migration_thread_pool=self._executors[1],
                                               options=SERVER_OPTIONS,
-                                              interceptors=_interceptors(self._executors[1])))
+                                              interceptors=_interceptors(self._dispatches[1])))
         agent_pb2_grpc.add_WorkerChannelServicer_to_server(
             _WorkerChannelServicer(self._heartbeats), unix
         )
@@ -736,7 +763,7 @@ class AgentServer:
         if self._probe_listen:
             probe = aio_fork.track(grpc.aio.server(
                 migration_thread_pool=self._executors[2], options=_SERVER_OPTIONS,
-                interceptors=_interceptors(self._executors[2])))
+                interceptors=_interceptors(self._dispatches[2])))
             health_pb2_grpc.add_HealthServicer_to_server(self._health, probe)
             agent_pb2_grpc.add_AgentServicer_to_server(
                 _AgentServicer(self._control, Access.READ_ONLY), probe)
@@ -748,7 +775,7 @@ class AgentServer:
             if self._datagrams is not None:
                 self._datagrams.start()
         except BaseException:
-            await _stop_servers(servers, None)
+            await _stop_servers(servers, self._dispatches, None)
             if self._datagrams is not None:
                 self._datagrams.stop()
             raise
@@ -821,10 +848,10 @@ class AgentServer:
             self._datagrams.stop()
         servers = [s for s in (tcp, unix, probe) if s is not None]
         try:
-            loop.run(_stop_servers(servers, grace_s), grace_s + 1.0)
+            loop.run(_stop_servers(servers, self._dispatches, grace_s), grace_s + 1.0)
         except TimeoutError:
             logger.warning("The agent's gRPC servers did not stop within %.1f s.", grace_s + 1.0)
-        loop.close()
+        release_shared(loop)
         self._shutdown_executors()
         try:
             if stat.S_ISSOCK(os.lstat(self._socket_path).st_mode):

@@ -50,6 +50,9 @@ logger = logging.getLogger(__name__)
 MAX_DATAGRAM_BYTES = MAX_HEARTBEAT_DATAGRAM_BYTES
 # sun_path is 108 bytes on Linux, including the terminating NUL.
 _MAX_UNIX_PATH_BYTES = 107
+# As plain ints: the enum's operators cost more than the rest of the check.
+_MSG_TRUNC = int(socket.MSG_TRUNC)
+_MSG_DONTWAIT = int(socket.MSG_DONTWAIT)
 
 
 def datagram_path(worker_socket: str) -> str | None:
@@ -135,13 +138,13 @@ class HeartbeatSocket:
             answer = self._answer(data, flags, sender)
             if answer is not None and sender:
                 try:
-                    sock.sendto(answer, socket.MSG_DONTWAIT, sender)
+                    sock.sendto(answer, _MSG_DONTWAIT, sender)
                 except OSError as exc:  # the worker is gone, or does not read its answers
                     logger.debug("Could not answer a heartbeat datagram: %s.", exc)
 
     def _answer(self, data: bytes, flags: int, sender) -> bytes | None:
         """The serialised answer to one datagram; None (and a warning) for one refused."""
-        if flags & socket.MSG_TRUNC or len(data) > MAX_DATAGRAM_BYTES:
+        if flags & _MSG_TRUNC or len(data) > MAX_DATAGRAM_BYTES:
             logger.warning("Refused a heartbeat datagram over %d bytes on %s.",
                            MAX_DATAGRAM_BYTES, self.path)
             return None

@@ -1,12 +1,17 @@
 """An asyncio event loop on a daemon thread of its own, driven from other threads.
 
-The agent's grpc.aio servers and each etcd store's streams run on one each;
-everything else in the process stays synchronous and hands them work here.
+Everything grpc.aio in a process (the agent's servers, every etcd store's
+streams) shares one: :func:`acquire_shared`. Everything else in the process
+stays synchronous and hands it work here. Why one: grpc.aio's poller thread
+wakes every loop it serves for every event of any of them (they all watch
+one socket), so each further loop costs a wake-up per gRPC message in the
+process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from typing import Awaitable, Callable, TypeVar
 
@@ -49,3 +54,48 @@ class LoopThread:
         self._thread.join(timeout_s)
         if not self._thread.is_alive():
             self._loop.close()
+
+
+_shared_lock = threading.Lock()
+_shared: LoopThread | None = None
+_shared_users = 0
+
+
+def acquire_shared() -> LoopThread:
+    """The process's loop for grpc.aio, started by the first caller. Pair
+    each call with :func:`release_shared`; never close it yourself."""
+    global _shared, _shared_users
+    with _shared_lock:
+        if _shared is None:
+            _shared = LoopThread("elastic-aio")
+        _shared_users += 1
+        return _shared
+
+
+def release_shared(loop: LoopThread, timeout_s: float = 2.0) -> None:
+    """One user of ``loop`` fewer; the last one stops it (waiting at most
+    ``timeout_s``). A loop that is no longer the shared one is left alone."""
+    global _shared, _shared_users
+    with _shared_lock:
+        if loop is not _shared:
+            return
+        _shared_users -= 1
+        if _shared_users > 0:
+            return
+        _shared = None
+    loop.close(timeout_s)
+
+
+def shared_users() -> int:
+    """How many users hold the shared loop now (0: it is not running)."""
+    with _shared_lock:
+        return _shared_users
+
+
+def _forget_in_child() -> None:
+    # A forked child has the loop object but not its thread: it starts its own.
+    global _shared, _shared_users
+    _shared, _shared_users = None, 0
+
+
+os.register_at_fork(after_in_child=_forget_in_child)

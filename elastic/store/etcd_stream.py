@@ -17,9 +17,10 @@ nothing until a message comes: the event loop sleeps in its selector,
 grpc's poller in the completion queue, and a reader thread in a blocking
 ``SimpleQueue.get``.
 
-One event-loop thread (``etcd-streams``) and one aio channel per store,
-started with the first stream and ended by :meth:`EtcdStreams.close`. The
-loop runs only this module's short coroutines, never a caller's code, so a
+One aio channel per store, on the process's shared event loop
+(:func:`elastic.loop_thread.acquire_shared`), taken with the first stream
+and given back by :meth:`EtcdStreams.close`. The loop runs only short
+coroutines (these and the agent's servers'), never a caller's code, so a
 thread that waits for it (to open a stream) waits microseconds.
 """
 
@@ -35,7 +36,7 @@ import grpc
 import grpc.aio
 
 from elastic import aio_fork
-from elastic.loop_thread import LoopThread
+from elastic.loop_thread import LoopThread, acquire_shared, release_shared
 from elastic.store.etcdpb import rpc_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ class BidiStream:
 
 
 class EtcdStreams:
-    """The event-loop thread and aio channel that carry one store's streams.
+    """The aio channel, on the shared event loop, that carries one store's streams.
 
     ``open_channel`` makes the channel; it is called on the loop thread, once.
     """
@@ -170,7 +171,7 @@ class EtcdStreams:
             if self._closed:
                 raise ValueError("the store's etcd streams are closed")
             if self._loop is None:
-                self._loop = LoopThread("etcd-streams")
+                self._loop = acquire_shared()
             return self._loop
 
     def run_soon(self, fn: Callable, *args) -> bool:
@@ -183,8 +184,8 @@ class EtcdStreams:
             self._open.discard(stream)
 
     def close(self, timeout_s: float = 2.0) -> None:
-        """Cancel every stream, close the channel and end the thread, waiting
-        at most about ``timeout_s``. Idempotent."""
+        """Cancel every stream, close the channel and give the loop back,
+        waiting at most about ``timeout_s``. Idempotent."""
         with self._lock:
             self._closed = True
             loop, self._loop = self._loop, None
@@ -205,7 +206,7 @@ class EtcdStreams:
             loop.run(shut(), timeout_s)
         except Exception as exc:  # closing goes on whatever the channel says
             logger.debug("Closing the etcd streams' channel: %r", exc)
-        loop.close(timeout_s)
+        release_shared(loop, timeout_s)
         with self._lock:
             left, self._open = list(self._open), set()
         for stream in left:  # never got to end on the loop: end their readers here

@@ -6,7 +6,7 @@ They ride a ``grpc.aio`` channel so that an idle store costs no wake-ups
 * with a watch and a lease open, no thread of the store wakes while nothing
   happens, and gRPC's synchronous spin thread is not there at all;
 * a stream closed here ends its reader with CANCELLED, and closing the store
-  ends the streams' thread;
+  gives back its use of the process's shared event loop;
 * a child forked after a store was closed and dropped can collect it (grpc's
   aio shutdown would otherwise wait there for a thread the child does not have).
 """
@@ -22,8 +22,10 @@ import uuid
 import grpc
 import pytest
 
+from elastic.loop_thread import shared_users
 from elastic.store.etcd import EtcdStore
 from tests.contract.test_store_contract import EventSink
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -56,8 +58,8 @@ def test_an_idle_watch_and_lease_wake_no_thread(etcd_endpoint):
 
         ours = [t for t in threading.enumerate() if t not in before]
         names = sorted(t.name for t in ours)
-        assert {"etcd-watch", "etcd-keepalive", "etcd-keepalive-reader",
-                "etcd-streams"} <= set(names), names
+        assert {"etcd-watch", "etcd-keepalive", "etcd-keepalive-reader"} <= set(names), names
+        assert "elastic-aio" in {t.name for t in threading.enumerate()}
         assert not any("channel_spin" in name for name in names), names
 
         at_start = {t: wakes(t) for t in ours}
@@ -88,21 +90,15 @@ def _drain(stream) -> grpc.StatusCode | None:
     return None
 
 
-def test_closing_the_store_ends_the_streams_thread_and_refuses_new_streams(etcd_endpoint):
-    before = set(threading.enumerate())
+def test_closing_the_store_gives_the_shared_loop_back_and_refuses_new_streams(etcd_endpoint):
+    held = shared_users()
     store = EtcdStore(etcd_endpoint)
     store.watch(f"/etcd-streams/{uuid.uuid4().hex[:12]}", lambda events: None)
-    deadline = time.monotonic() + 5.0
-    while not (streams_thread := [t for t in threading.enumerate()
-                                  if t not in before and t.name == "etcd-streams"]):
-        assert time.monotonic() < deadline, "the watch opened no stream"
-        time.sleep(0.01)
-    assert len(streams_thread) == 1
+    wait_until(lambda: shared_users() == held + 1, 5.0, "the watch to open its stream")
     store.close()
-    assert not streams_thread[0].is_alive()
+    assert shared_users() == held
     with pytest.raises(ValueError):
         store.streams.watch(metadata=None)
-
 
 
 def test_a_child_forked_after_a_store_was_dropped_can_collect_it(etcd_endpoint):
