@@ -33,8 +33,9 @@ Why ``grpc.aio`` with the servicers left synchronous: a synchronous
 five times a second even when nobody calls (grpc's interrupt check), and
 those wake-ups were about a quarter of an idle agent's CPU. The aio servers
 run on the process's one event loop (:func:`elastic.loop_thread.acquire_shared`,
-shared with the etcd store's streams), which sleeps until something arrives; each server's unary handlers still run on its own thread pool, so
-they may block as before, dispatched by :class:`_RunOnPool`, not by grpc.aio
+shared with the etcd store's streams), which sleeps until something arrives;
+each server's unary handlers still run on its own thread pool, so they may
+block as before, dispatched by :class:`_RunOnPool`, not by grpc.aio
 (which frees a cancelled RPC's call while its handler still runs: SIGSEGV at
 the handler's next ``context.peer()``). The health service's Watch
 streams, which peers hold open for as long as they watch, are coroutines on
@@ -77,7 +78,6 @@ from agent.grpc_input import (
 from agent.heartbeat_socket import HeartbeatSocket, datagram_path
 from agent.tls import AgentTLS, verified_client
 from elastic import aio_fork
-from elastic.loop_thread import LoopThread, acquire_shared, release_shared
 from elastic.errors import (
     ConfigError,
     ElasticError,
@@ -88,6 +88,7 @@ from elastic.errors import (
     StoreTimeoutError,
     StoreUnavailableError,
 )
+from elastic.loop_thread import LoopThread, acquire_shared, release_shared
 from elastic.rendezvous.api import cap_text
 from elastic.v1 import agent_pb2, agent_pb2_grpc
 
