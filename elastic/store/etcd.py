@@ -190,7 +190,7 @@ class EtcdStore(Store):
         self.tls = scheme == "https" or (scheme is None and self.security.has_tls_files)
         url_scheme = "https" if self.tls else "http"
         self.endpoints = tuple(f"{url_scheme}://{host_port(h, p)}" for h, p in hostports)
-        self._where = ",".join(self.endpoints)
+        self.where = ",".join(self.endpoints)  # how messages name this etcd
         self.request_timeout_s = float(request_timeout_s)
         self._channel = self._open_channel(hostports)
         self._kv = rpc_pb2_grpc.KVStub(self._channel)
@@ -200,7 +200,7 @@ class EtcdStore(Store):
                                                               _STREAM_CHANNEL_OPTIONS))
         self._auth: TokenAuth | None = None
         if self.security.user is not None:
-            self._auth = TokenAuth(self._channel, self.security, self._where, self._translate)
+            self._auth = TokenAuth(self._channel, self.security, self.where, self.translate)
         self._lock = threading.Lock()
         self._closing = False  # close() has begun: no new sessions or watches
         self._closed = False  # the channel is closed
@@ -210,7 +210,7 @@ class EtcdStore(Store):
         self._connect(connect_timeout_s)
 
     def __repr__(self) -> str:
-        return f"EtcdStore({self._where})"
+        return f"EtcdStore({self.where})"
 
     def _open_channel(self, hostports: list[tuple[str, int]], api=grpc, extra_options=()):
         """A channel to the members: ``api`` is ``grpc`` or ``grpc.aio``;
@@ -224,7 +224,7 @@ class EtcdStore(Store):
             options += (("grpc.ssl_target_name_override", hostports[0][0]),)
         if self.security.cacert is None and api is grpc:
             logger.info("Checking the certificate of etcd at %s against the system's CA "
-                        "roots (no --etcd-cacert given).", self._where)
+                        "roots (no --etcd-cacert given).", self.where)
         return api.secure_channel(target, channel_credentials(self.security), options=options)
 
     def _connect(self, timeout_s: float) -> None:
@@ -237,7 +237,7 @@ class EtcdStore(Store):
         except BaseException:
             self._channel.close()
             raise
-        logger.debug("Connected to etcd at %s (%s).", self._where,
+        logger.debug("Connected to etcd at %s (%s).", self.where,
                      self.security.describe() if self.tls or self._auth else "plain text")
 
     def _check_reachable(self, timeout_s: float) -> None:
@@ -259,9 +259,9 @@ class EtcdStore(Store):
                     return  # etcd answered; it wants a user for this (some versions do)
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise StoreError(
-                        f"{self._where} did not answer like etcd: {rpc_error_text(exc)}"
+                        f"{self.where} did not answer like etcd: {rpc_error_text(exc)}"
                     ) from exc
-                why = explain_connect_failure(details, where=self._where, tls=self.tls,
+                why = explain_connect_failure(details, where=self.where, tls=self.tls,
                                               security=self.security)
                 if why is not None:
                     raise StoreAuthError(why) from exc
@@ -273,7 +273,7 @@ class EtcdStore(Store):
                         last += "; etcd hangs up on plain text: if it serves TLS, use https:// "
                         last += "endpoints"
                     raise StoreUnavailableError(
-                        f"cannot reach etcd at {self._where} within {timeout_s:.1f} s; "
+                        f"cannot reach etcd at {self.where} within {timeout_s:.1f} s; "
                         f"is the server running and the address right?{last}"
                     ) from exc
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
@@ -283,51 +283,59 @@ class EtcdStore(Store):
     def _timeout(self, timeout_s: float | None) -> float:
         return self.request_timeout_s if timeout_s is None else float(timeout_s)
 
-    def _closed_error(self) -> StoreError:
-        return StoreError(f"the store for etcd at {self._where} is closed")
+    def closed_error(self) -> StoreError:
+        """What a call on this store raises once it is closed."""
+        return StoreError(f"the store for etcd at {self.where} is closed")
 
-    def _revoke_deadline(self) -> float:
+    def revoke_deadline(self) -> float:
         """When best-effort lease revokes on close give up: 2 s from now, or
         the request timeout if that is shorter."""
         return time.monotonic() + min(2.0, self.request_timeout_s)
 
-    def _token(self) -> str | None:
+    def current_token(self) -> str | None:
         """The auth token that calls and new streams carry now (None: none)."""
         return self._auth.token if self._auth is not None else None
 
-    def _metadata(self, token: str | None):
+    @property
+    def uses_auth(self) -> bool:
+        """Whether calls carry a user's token (``--etcd-user``)."""
+        return self._auth is not None
+
+    def metadata_for(self, token: str | None):
+        """The call metadata that carries ``token`` (None: none)."""
         return TokenAuth.metadata_for(token)
 
-    def _refresh_token(self, failed_token: str | None, timeout_s: float) -> None:
+    def refresh_token(self, failed_token: str | None, timeout_s: float) -> None:
         """Re-authenticate after etcd refused ``failed_token`` (shared by
         concurrent callers). Raises StoreAuthError or another store error."""
         if self._auth is None:
-            raise auth_required_error(self._where)
+            raise auth_required_error(self.where)
         self._auth.refresh(failed_token, timeout_s)
 
-    def _translate(self, exc: grpc.RpcError, what: str, timeout_s: float,
-                   key: str | None = None) -> StoreError:
+    def translate(self, exc: grpc.RpcError, what: str, timeout_s: float,
+                  key: str | None = None) -> StoreError:
+        """The store error that a failed call (``what``, on ``key``) raises."""
         code = exc.code()
         details = exc.details() or ""
         if code == grpc.StatusCode.UNAVAILABLE:
-            why = explain_connect_failure(details, where=self._where, tls=self.tls,
+            why = explain_connect_failure(details, where=self.where, tls=self.tls,
                                           security=self.security)
             return StoreUnavailableError(
-                f"etcd at {self._where} is unavailable ({what}): {why or details}"
+                f"etcd at {self.where} is unavailable ({what}): {why or details}"
             )
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return StoreTimeoutError(
-                f"etcd at {self._where} did not complete {what} within {timeout_s:.1f} s"
+                f"etcd at {self.where} did not complete {what} within {timeout_s:.1f} s"
             )
         if code == grpc.StatusCode.PERMISSION_DENIED:
-            return permission_error(self._where, what, key, self.security)
+            return permission_error(self.where, what, key, self.security)
         if is_token_error(exc):
             if self._auth is None:
-                return auth_required_error(self._where)
-            return StoreAuthError(f"etcd at {self._where} refused the token of user "
+                return auth_required_error(self.where)
+            return StoreAuthError(f"etcd at {self.where} refused the token of user "
                                   f"{self._auth.user} for {what} even after authenticating "
                                   f"again: {details}")
-        return StoreError(f"etcd at {self._where} failed {what}: {rpc_error_text(exc)}")
+        return StoreError(f"etcd at {self.where} failed {what}: {rpc_error_text(exc)}")
 
     def _call(
         self,
@@ -344,15 +352,15 @@ class EtcdStore(Store):
         A call refused for its auth token is repeated once with a fresh token,
         retry or not: etcd checks the token before it applies anything."""
         if self._closed:
-            raise self._closed_error()
+            raise self.closed_error()
         if count:
             self.ops.add(kind)
         timeout = self._timeout(timeout_s)
         deadline = time.monotonic() + timeout
         renewed = False
         while True:
-            token = self._token()
-            metadata = self._metadata(token)
+            token = self.current_token()
+            metadata = self.metadata_for(token)
             try:
                 if not retry:
                     return method(request, timeout=max(deadline - time.monotonic(), 0.0),
@@ -366,12 +374,12 @@ class EtcdStore(Store):
             except grpc.RpcError as exc:
                 if not renewed and self._auth is not None and is_token_error(exc):
                     renewed = True
-                    self._refresh_token(token, max(deadline - time.monotonic(), 0.001))
+                    self.refresh_token(token, max(deadline - time.monotonic(), 0.001))
                     continue
-                raise self._translate(exc, kind, timeout, request_key(request)) from exc
+                raise self.translate(exc, kind, timeout, request_key(request)) from exc
             except ValueError as exc:  # gRPC's answer once the channel is closed
                 if self._closed:
-                    raise self._closed_error() from exc
+                    raise self.closed_error() from exc
                 raise
 
     # -- key-value ------------------------------------------------------------
@@ -444,7 +452,7 @@ class EtcdStore(Store):
                           rpc_pb2.LeaseGrantRequest(TTL=max(1, math.ceil(ttl_s))),
                           timeout_s=None, retry=False)
         if resp.error:
-            raise StoreError(f"etcd at {self._where} refused a lease of {ttl_s} s: {resp.error}")
+            raise StoreError(f"etcd at {self.where} refused a lease of {ttl_s} s: {resp.error}")
         session = EtcdSession(self, resp.ID, float(resp.TTL), granted_at=requested_at)
         with self._lock:
             closing = self._closing
@@ -452,7 +460,7 @@ class EtcdStore(Store):
                 self._sessions.add(session)
         if closing:
             session.close()
-            raise self._closed_error()
+            raise self.closed_error()
         self._keeper.add(session)
         return session
 
@@ -479,7 +487,7 @@ class EtcdStore(Store):
             if not closing:
                 self._sessions.add(session)
         if closing:
-            raise self._closed_error()
+            raise self.closed_error()
         self._keeper.add(session)
         return session
 
@@ -533,9 +541,19 @@ class EtcdStore(Store):
         w.start()  # raises once close() has begun
         return w
 
-    def _forget(self, session: EtcdSession) -> None:
+    def release_session(self, session: EtcdSession, revoke_deadline: float) -> None:
+        """Stop keeping ``session``'s lease alive and revoke it by
+        ``revoke_deadline`` (monotonic; best effort: a failure, an expired
+        lease among them, is logged). For :meth:`EtcdSession.end`."""
+        self._keeper.remove(session)
         with self._lock:
             self._sessions.discard(session)
+        left = revoke_deadline - time.monotonic()
+        if left > 0:
+            try:
+                self._revoke(session.lease_id, left)
+            except StoreError as exc:
+                logger.debug("Revoking etcd lease %x failed: %s", session.lease_id, exc)
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -549,9 +567,9 @@ class EtcdStore(Store):
             self._closing = True
             sessions, self._sessions = list(self._sessions), set()
         self._watcher.stop()
-        revoke_deadline = self._revoke_deadline()
+        revoke_deadline = self.revoke_deadline()
         for s in sessions:
-            s._close(revoke_deadline=revoke_deadline)
+            s.end(revoke_deadline)
         self._keeper.stop()
         self.streams.close()
         with self._lock:

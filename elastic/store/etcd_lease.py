@@ -63,23 +63,16 @@ class EtcdSession(Session):
     def close(self) -> None:
         """Stop the keep-alive and revoke the lease (best effort, at most
         about 2 s); sets ``lost``. Idempotent; errors are logged, not raised."""
-        self._close(revoke_deadline=self._store._revoke_deadline())
+        self.end(self._store.revoke_deadline())
 
-    def _close(self, *, revoke_deadline: float) -> None:
-        # The store closes all its sessions within one revoke_deadline.
+    def end(self, revoke_deadline: float) -> None:
+        """:meth:`close`, revoking by ``revoke_deadline`` (monotonic): the
+        store ends all its sessions within one."""
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
-        self._store._keeper.remove(self)
-        self._store._forget(self)
-        left = revoke_deadline - time.monotonic()
-        if left > 0:
-            try:
-                self._store._revoke(self.lease_id, left)
-            except StoreError as exc:
-                # NOT_FOUND (already expired) lands here too: nothing to do.
-                logger.debug("Revoking etcd lease %x failed: %s", self.lease_id, exc)
+        self._store.release_session(self, revoke_deadline)
         self.lost.set()
 
 
@@ -87,8 +80,8 @@ class _KeepAliveStream:
     """One LeaseKeepAlive call (see :mod:`.etcd_stream`); a thread reads its answers."""
 
     def __init__(self, loop: KeepAliveLoop):
-        self.token = loop.store._token()
-        self.call = loop.store.streams.lease_keep_alive(loop.store._metadata(self.token))
+        self.token = loop.store.current_token()
+        self.call = loop.store.streams.lease_keep_alive(loop.store.metadata_for(self.token))
         self.broken = False
         self.answered = False
         self.reader = threading.Thread(
@@ -195,7 +188,7 @@ class KeepAliveLoop:
                 return True
             logger.log(logging.WARNING if self._failures == 0 else logging.DEBUG,
                        "etcd at %s left a lease keep-alive unanswered for %.1f s; "
-                       "reopening the keep-alive stream.", self.store._where, now - oldest)
+                       "reopening the keep-alive stream.", self.store.where, now - oldest)
             self._stream_failed()
         if now < self._reopen_at:
             return False
@@ -254,19 +247,19 @@ class KeepAliveLoop:
                         stream.answered = True
                         if self._failures:
                             logger.info("Lease keep-alive to etcd at %s works again.",
-                                        self.store._where)
+                                        self.store.where)
                         self._failures = 0
                     self._on_answer(resp)
             error = "the stream ended"
         except grpc.RpcError as exc:
             error = rpc_error_text(exc)
-            if is_token_error(exc) and self.store._auth is not None and not stream.broken:
+            if is_token_error(exc) and self.store.uses_auth and not stream.broken:
                 self._renew_token(stream)
         with self._cond:
             if stream is self._stream and not self._stopping:
                 if self._failures == 0:
                     logger.warning("Lease keep-alive stream to etcd at %s failed (%s); "
-                                   "reconnecting.", self.store._where, error)
+                                   "reconnecting.", self.store.where, error)
                 self._stream_failed()
                 self._cond.notify()
 
@@ -275,7 +268,7 @@ class KeepAliveLoop:
         the loop's lock) for the stream that replaces it. A failure is logged;
         the reopened stream fails the same way and tries again."""
         try:
-            self.store._refresh_token(stream.token, self.store.request_timeout_s)
+            self.store.refresh_token(stream.token, self.store.request_timeout_s)
         except StoreAuthError as exc:
             logger.error("Lease keep-alive cannot authenticate at etcd: %s", exc)
         except StoreError as exc:

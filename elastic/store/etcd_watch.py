@@ -156,8 +156,8 @@ class _WatchStream:
     """One Watch call (see :mod:`.etcd_stream`); the mux's thread reads its answers."""
 
     def __init__(self, store: EtcdStore, *, renewed: bool):
-        self.token = store._token()
-        self.call = store.streams.watch(store._metadata(self.token))
+        self.token = store.current_token()
+        self.call = store.streams.watch(store.metadata_for(self.token))
         # Creations sent and not yet answered, in the order sent (see the module doc).
         self.pending: collections.deque[EtcdWatch] = collections.deque()
         self.by_id: dict[int, EtcdWatch] = {}  # etcd's watch ids on this stream
@@ -216,7 +216,7 @@ class WatchMux:
         """Start carrying ``w``. Raises StoreError once the store is closing."""
         with self._cond:
             if self._stopping:
-                raise self.store._closed_error()
+                raise self.store.closed_error()
             if w.live or w.ended:
                 return
             w.live = True
@@ -290,15 +290,15 @@ class WatchMux:
         except Exception as exc:
             if self._stopping:  # e.g. a token renewal cut short by close()
                 logger.debug("The watch thread for etcd at %s ended while closing: %r",
-                             self.store._where, exc)
+                             self.store.where, exc)
                 return
             # A bug here must not stop every watch of the store in silence:
             # end them, and let the next watch start a fresh thread.
             logger.exception("The watch thread for etcd at %s failed; ending its watches.",
-                             self.store._where)
+                             self.store.where)
             with self._cond:
                 self._close_stream()
-            why = f"the watch thread for etcd at {self.store._where} failed: {exc!r}"
+            why = f"the watch thread for etcd at {self.store.where} failed: {exc!r}"
             self._end_all(lambda w: StoreError(why), exc)
             with self._cond:
                 self._thread = None
@@ -369,11 +369,11 @@ class WatchMux:
                 if self._failures == 1:
                     logger.warning("Watch stream to etcd at %s broke (%s); re-creating its %d "
                                    "watches, each from the revision after its last event.",
-                                   self.store._where, end.why, n)
+                                   self.store.where, end.why, n)
                 self._reopen_at = time.monotonic() + reconnect_delay(self._failures)
             else:
                 logger.debug("Reopening the watch stream to etcd at %s (%s).",
-                             self.store._where, end.why)
+                             self.store.where, end.why)
             if n:
                 self.store.ops.add("watch_reconnect", n)
 
@@ -382,7 +382,7 @@ class WatchMux:
         a stale token: the next stream's (None when getting one failed for
         good); for anything else every watch ends, as each would alone."""
         try:
-            if is_token_error(exc) and self.store._auth is not None and not stream.renewed:
+            if is_token_error(exc) and self.store.uses_auth and not stream.renewed:
                 end = self._renew_token(stream, "the watch stream")
                 if end is None:
                     self._fresh_token = True
@@ -392,7 +392,7 @@ class WatchMux:
             message = str(refused)
             self._end_all(lambda w: StoreAuthError(message), exc)
             return None
-        self._end_all(lambda w: self.store._translate(exc, f"watch on {w.what}", 0.0,
+        self._end_all(lambda w: self.store.translate(exc, f"watch on {w.what}", 0.0,
                                                       key_text(w.key)), exc)
         return None
 
@@ -405,14 +405,14 @@ class WatchMux:
             StoreAuthError: etcd refused the user and password.
         """
         try:
-            self.store._refresh_token(stream.token, self.store.request_timeout_s)
+            self.store.refresh_token(stream.token, self.store.request_timeout_s)
         except StoreAuthError:
             raise
         except ValueError:  # the channel is closed: the store is closing
             return _StreamEnd("the store is closing")
         except StoreError as exc:
             logger.info("Watch on %s: authenticating again at etcd %s failed (%s); retrying.",
-                        whose, self.store._where, exc)
+                        whose, self.store.where, exc)
             return _StreamEnd(f"authenticating again failed: {exc}")
         return None
 
@@ -441,7 +441,7 @@ class WatchMux:
         with self._cond:
             if not stream.pending:
                 logger.warning("etcd at %s answered a watch creation that was never sent "
-                               "(watch id %d); ignoring it.", self.store._where, resp.watch_id)
+                               "(watch id %d); ignoring it.", self.store.where, resp.watch_id)
                 return None
             w = stream.pending.popleft()
             refused = resp.canceled
@@ -462,7 +462,7 @@ class WatchMux:
                     if self._failures:
                         logger.info("Watch stream to etcd at %s works again: %d watches resumed "
                                     "from revision %d or later, each where it left off.",
-                                    self.store._where, len(self._watches),
+                                    self.store.where, len(self._watches),
                                     min(x.next_revision for x in self._watches))
                     self._failures = 0
         if refused:
@@ -485,7 +485,7 @@ class WatchMux:
             return
         logger.info("etcd at %s stopped the events of the watch on %s when it refused another "
                     "watch on the same stream; creating it again from revision %d.",
-                    self.store._where, stalled.what, stalled.next_revision)
+                    self.store.where, stalled.what, stalled.next_revision)
         stream.cancel_watch(refused_id)
         self._send_create(stream, stalled)
 
@@ -497,7 +497,7 @@ class WatchMux:
             err = StoreError(f"etcd cancelled the watch on {w.what}: {reason}")
             return self._refused_for_good(stream, w, err, refused_id)
         store = self.store
-        if store._auth is not None and not w.token_retried:
+        if store.uses_auth and not w.token_retried:
             try:
                 end = self._renew_token(stream, w.what)
             except StoreAuthError as exc:
@@ -506,10 +506,10 @@ class WatchMux:
                 return end
             w.token_retried = True
             return _StreamEnd(f"etcd refused its auth token ({reason})", failure=False)
-        if "user name is empty" in reason and store._auth is None:
-            err = auth_required_error(store._where)
+        if "user name is empty" in reason and not store.uses_auth:
+            err = auth_required_error(store.where)
         else:
-            err = permission_error(store._where, "watch", w.key, store.security)
+            err = permission_error(store.where, "watch", w.key, store.security)
         return self._refused_for_good(stream, w, err, refused_id)
 
     def _refused_for_good(self, stream: _WatchStream, w: EtcdWatch, err: StoreError,
@@ -545,7 +545,7 @@ class WatchMux:
                 return  # cancelled meanwhile: nobody is listening
             self._running = w
         try:
-            logger.warning("Watch on %s at etcd %s ended: %s", w.what, self.store._where, err)
+            logger.warning("Watch on %s at etcd %s ended: %s", w.what, self.store.where, err)
             if w._on_error is not None:
                 w._on_error(err)
         except Exception:

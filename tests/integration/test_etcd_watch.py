@@ -119,8 +119,10 @@ def test_after_an_etcd_restart_every_watch_resumes_with_no_event_lost_or_repeate
 def test_a_callback_may_close_its_store(etcd_endpoint, prefix):
     store = EtcdStore(etcd_endpoint)
     closed = threading.Event()
+    callback_threads = []
 
     def on_events(events) -> None:
+        callback_threads.append(threading.current_thread())  # the store's watch thread
         store.close()
         closed.set()
 
@@ -128,7 +130,7 @@ def test_a_callback_may_close_its_store(etcd_endpoint, prefix):
         store.watch(prefix, on_events, prefix=True)
         store.put(prefix + "k", b"")
         assert closed.wait(WAIT_S), "close() from a callback hung"
-        thread = store._watcher._thread
+        [thread] = callback_threads
         thread.join(WAIT_S)
         assert not thread.is_alive()
     finally:
