@@ -1,0 +1,15 @@
+"""The one home of what we take from torch's and grpc's internals.
+
+Every use of a private name of torch or grpc (a leading underscore, or a
+module or class not in their public API) lives in a module of this package,
+never elsewhere. Each shim says which versions it was tested on (the torch
+matrix, ``make test-torch TORCH=X.Y.Z``, runs ``tests/unit/test_compat.py`` in
+each version's venv) and what it falls back to, on public API only, where the
+internal is missing or changed shape.
+
+Modules:
+
+* :mod:`elastic._compat.torch_checkpoint`: DCP's ``_traverse.set_element``,
+  ``FileSystemReader._slice_file``, torch's storage-type table, and our own
+  staging copy (torch's ``DefaultStager`` changed lifecycle across releases).
+"""
