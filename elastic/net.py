@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
+
+from elastic._compat import grpc_waits
 
 GRPC_FORK_SUPPORT_ENV = "GRPC_ENABLE_FORK_SUPPORT"
 # How long one slice of a blocking gRPC wait may last in a long-running daemon.
@@ -16,8 +17,6 @@ GRPC_CONNECT_TIMEOUT_S = 5.0
 # tries: a peer or an agent that restarts is reached again within a second.
 GRPC_INITIAL_RECONNECT_BACKOFF_S = 0.1
 GRPC_MAX_RECONNECT_BACKOFF_S = 1.0
-
-logger = logging.getLogger(__name__)
 
 
 def no_grpc_fork_handlers() -> None:
@@ -37,26 +36,18 @@ def relax_grpc_blocking_waits(slice_s: float = GRPC_WAIT_SLICE_S) -> bool:
     """Let threads blocked in gRPC (a stream waiting for its next message, a
     call waiting for its answer) sleep ``slice_s`` at a time instead of 0.1 s.
 
-    grpc-python cuts every blocking wait into slices of its module constant
-    ``grpc._common.MAXIMUM_WAIT_TIMEOUT`` (0.1 s), so that a main thread
-    blocked in a call still runs Python's signal handlers promptly. Each of a
-    daemon's idle streams then wakes ten times a second for nothing: most of
-    an idle agent's CPU. A longer slice delays a signal handler only while the
-    main thread is inside a blocking gRPC call (ours are short and carry
-    deadlines) and by at most ``slice_s``. Process-wide; call it once, early,
-    in a daemon (not in a library). Returns False, and changes nothing, when
-    the installed grpc no longer has that constant (tests/unit/test_net.py
-    fails then, so an upgrade does not silently bring the wakeups back).
+    grpc-python cuts every blocking wait into slices of 0.1 s, so that a main
+    thread blocked in a call still runs Python's signal handlers promptly.
+    Each of a daemon's idle streams then wakes ten times a second for nothing:
+    most of an idle agent's CPU. A longer slice delays a signal handler only
+    while the main thread is inside a blocking gRPC call (ours are short and
+    carry deadlines) and by at most ``slice_s``. Process-wide; call it once,
+    early, in a daemon (not in a library). Returns False, and changes nothing,
+    when the installed grpc no longer lets us (see
+    :mod:`elastic._compat.grpc_waits`; tests/unit/test_net.py fails then, so an
+    upgrade does not silently bring the wakeups back).
     """
-    try:
-        from grpc import _common as grpc_common
-    except ImportError:
-        grpc_common = None
-    if not isinstance(getattr(grpc_common, "MAXIMUM_WAIT_TIMEOUT", None), float):
-        logger.debug("grpc has no MAXIMUM_WAIT_TIMEOUT; its blocking waits stay as they are")
-        return False
-    grpc_common.MAXIMUM_WAIT_TIMEOUT = slice_s
-    return True
+    return grpc_waits.set_blocking_wait_slice_s(slice_s)
 
 
 def fast_reconnect_options() -> list[tuple[str, int]]:

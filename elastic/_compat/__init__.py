@@ -12,4 +12,8 @@ Modules:
 * :mod:`elastic._compat.torch_checkpoint`: DCP's ``_traverse.set_element``,
   ``FileSystemReader._slice_file``, torch's storage-type table, and our own
   staging copy (torch's ``DefaultStager`` changed lifecycle across releases).
+* :mod:`elastic._compat.grpc_waits`: the slice of grpc-python's blocking
+  waits, ``grpc._common.MAXIMUM_WAIT_TIMEOUT`` (``elastic.net``).
+* :mod:`elastic._compat.runpy_main`: ``runpy._run_module_as_main``, how
+  ``python -m`` runs a module (``elastic.worker.bootstrap``).
 """

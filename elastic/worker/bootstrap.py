@@ -67,6 +67,7 @@ import traceback
 import types
 
 from elastic import errorfile
+from elastic._compat import runpy_main
 from elastic.worker import priority, template
 from elastic.worker.template import TEMPLATE_FD_ENV
 
@@ -335,8 +336,8 @@ def _run(assignment: dict) -> None:
     if assignment.get("no_python"):
         _exec_program(script, sys.argv[1:])
     if script is None:
-        # What ``python -m`` itself calls: __main__ stays the module, argv[0] its file.
-        runpy._run_module_as_main(assignment["module"], alter_argv=True)
+        # As ``python -m`` does: __main__ stays the module, argv[0] its file.
+        runpy_main.run_module_as_main(assignment["module"])
         return
     if not os.path.exists(script):
         print(f"{sys.executable}: can't open file {os.path.abspath(script)!r}: "

@@ -1,0 +1,125 @@
+"""elastic._compat: each shim over a torch, grpc or runpy internal, on the installed versions.
+
+Every torch venv of the matrix (``make test-torch TORCH=X.Y.Z``) runs this file. Each shim
+has a test that takes its internal path on the installed version (and fails if that path is
+gone, so an upgrade is noticed) and one that forces its public fallback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import types
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# --- grpc: the slice of grpc-python's blocking waits (elastic._compat.grpc_waits) ----------
+
+def _slices_of_a_wait_that_ends_after(seconds: float) -> int:
+    """How many slices grpc's own blocking wait takes for an event set after ``seconds``."""
+    from grpc import _common
+
+    done = threading.Event()
+    slices = []
+    timer = threading.Timer(seconds, done.set)
+    timer.start()
+    try:
+        _common.wait(done.wait, done.is_set, spin_cb=lambda: slices.append(1))
+    finally:
+        timer.cancel()
+    return len(slices)
+
+
+def test_grpc_wait_slice_is_set_where_grpc_reads_it():
+    from elastic._compat import grpc_waits
+
+    saved = grpc_waits.blocking_wait_slice_s()
+    assert saved is not None, "grpc lost _common.MAXIMUM_WAIT_TIMEOUT: see grpc_waits"
+    try:
+        assert grpc_waits.set_blocking_wait_slice_s(30.0)
+        assert grpc_waits.blocking_wait_slice_s() == 30.0
+        # One slice covers the whole wait: the event ends it, not the slice's end.
+        # grpc's own 0.1 s slices would take several for the same 0.4 s.
+        assert _slices_of_a_wait_that_ends_after(0.4) == 1
+    finally:
+        grpc_waits.set_blocking_wait_slice_s(saved)
+    assert _slices_of_a_wait_that_ends_after(0.4) >= 2
+
+
+def test_grpc_wait_slice_without_the_constant_changes_nothing_and_says_so(monkeypatch, caplog):
+    import grpc
+
+    from elastic._compat import grpc_waits
+    from elastic.net import relax_grpc_blocking_waits
+
+    real = grpc._common
+    saved = real.MAXIMUM_WAIT_TIMEOUT
+    # A grpc whose _common lacks the constant; grpc's own modules keep the real one,
+    # so calls still running in this process are not disturbed.
+    monkeypatch.setattr(grpc, "_common", types.ModuleType("grpc._common"))
+    with caplog.at_level(logging.DEBUG, logger=grpc_waits.__name__):
+        assert grpc_waits.blocking_wait_slice_s() is None
+        assert not grpc_waits.set_blocking_wait_slice_s(1.0)
+        assert not relax_grpc_blocking_waits(1.0)
+    assert real.MAXIMUM_WAIT_TIMEOUT == saved
+    assert "MAXIMUM_WAIT_TIMEOUT" in caplog.text
+
+
+# --- runpy: a module run as ``python -m`` runs it (elastic._compat.runpy_main) -----------
+
+_PROBE = '''
+import json, pickle, sys
+
+class Thing:
+    pass
+
+# Pickling finds Thing through sys.modules["__main__"], as multiprocessing's spawn does.
+pickle.loads(pickle.dumps(Thing()))
+with open(sys.argv[1], "w") as f:
+    json.dump({"name": __name__, "argv": sys.argv,
+               "main_is_me": sys.modules["__main__"].__dict__ is globals()}, f)
+sys.exit(7)
+'''
+
+_RUNNER = '''
+import runpy, sys
+sys.path.insert(0, {dir!r})
+from elastic._compat import runpy_main
+if {fallback!r}:
+    del runpy._run_module_as_main
+assert runpy_main.has_internal() is not {fallback!r}
+sys.argv = [{module!r}, *sys.argv[1:]]
+runpy_main.run_module_as_main({module!r})
+'''
+
+
+def _run_module(tmp_path, module: str, fallback: bool, *args: str) -> subprocess.CompletedProcess:
+    code = _RUNNER.format(dir=str(tmp_path), module=module, fallback=fallback)
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+
+
+@pytest.mark.parametrize("path", ["internal", "fallback"])
+def test_a_module_runs_as_python_dash_m_runs_it(tmp_path, path):
+    from elastic._compat import runpy_main
+
+    if path == "internal":
+        assert runpy_main.has_internal(), "runpy lost _run_module_as_main: see runpy_main"
+    (tmp_path / "probe_mod.py").write_text(_PROBE)
+    out = tmp_path / "out.json"
+    done = _run_module(tmp_path, "probe_mod", path == "fallback", str(out), "--flag")
+    assert done.returncode == 7, done.stderr
+    seen = json.loads(out.read_text())
+    assert seen == {"name": "__main__", "argv": [str(tmp_path / "probe_mod.py"), str(out),
+                                                 "--flag"], "main_is_me": True}
+
+    missing = _run_module(tmp_path, "no_such_mod", path == "fallback")
+    assert missing.returncode == 1
+    assert missing.stderr.strip() == f"{sys.executable}: No module named no_such_mod"
