@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-oldest sim bench protos clean
+.PHONY: setup demo test test-oldest test-torch sim bench protos clean
 
 setup: $(STAMP)
 
@@ -57,6 +57,53 @@ test-oldest: $(OLDEST_STAMP)
 	$(OLDEST_PY) -m pip list --disable-pip-version-check 2>/dev/null | grep -iE '^(grpcio|protobuf) '
 	$(OLDEST_PY) -m pytest -q -p no:cacheprovider $(OLDEST_TESTS) \
 		--ignore=tests/unit/test_protos_fresh.py
+
+# The torch matrix: `make test-torch TORCH=2.11.0` runs TORCH_TESTS in a venv of its own,
+# $(VENV)/torch-X.Y.Z, with torch==X.Y.Z from PyPI (a CUDA build: it runs on CPU) and the
+# package installed beside it, torch held at that version by a constraints file. That file is
+# also pip's PIP_CONSTRAINT, in place of any the machine's pip configuration names (a cap
+# on torch would refuse other versions). TORCH_WHEELS=dir adds a directory of downloaded
+# wheels to pip's --find-links. The venv is built once (its stamp); a later run only tests.
+# README.md's "Torch versions" table holds the results.
+TORCH ?=
+TORCH_WHEELS ?=
+TORCH_VENV := $(VENV)/torch-$(TORCH)
+TORCH_PY := $(TORCH_VENV)/bin/python
+TORCH_STAMP := $(TORCH_VENV)/.installed
+TORCH_PIP = PIP_CONSTRAINT=$(abspath $(TORCH_VENV))/constraints.txt $(TORCH_PY) -m pip install \
+	--quiet --disable-pip-version-check $(if $(TORCH_WHEELS),--find-links $(abspath $(TORCH_WHEELS)))
+# The worker side, where torch's API matters: our compat shims; the checkpointer (unit tiers,
+# sync and async saves several in a row, restore, resharding across world sizes, a crash at
+# each phase, damaged and lying checkpoints); elastic.data; the worker runtime's heartbeats;
+# bootstrap (python -m, warm workers forked from a template, rank 0 hosting the store); the
+# torchrun rendezvous handler and torch Store over etcd, and real torchrun launchers; and one
+# elasticd job whose workers are SIGKILLed twice, ending bitwise equal to a clean run.
+TORCH_TESTS ?= tests/unit/test_compat.py $(wildcard tests/unit/test_checkpoint_*.py) \
+	tests/unit/test_data.py tests/unit/test_health.py tests/unit/test_torchrun_store.py \
+	tests/integration/test_checkpoint.py tests/integration/test_checkpoint_items.py \
+	tests/integration/test_checkpoint_group.py tests/integration/test_lying_checkpoint.py \
+	tests/integration/test_supervisor.py::test_module_entrypoint_runs_like_python_dash_m \
+	tests/integration/test_warm_template.py tests/integration/test_worker_store.py \
+	tests/integration/test_torchrun_handler.py tests/integration/test_torchrun_launch.py \
+	"tests/integration/test_oracle.py::test_run_with_killed_workers_ends_bitwise_equal_to_an_uninterrupted_run[ddp]"
+# Bounds on a broken version: stop at the first failure (TORCH_PYTEST_ARGS= runs them all),
+# and end the whole run after TORCH_TEST_LIMIT_S.
+TORCH_PYTEST_ARGS ?= -x
+TORCH_TEST_LIMIT_S ?= 1800
+
+$(TORCH_STAMP): pyproject.toml
+	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=X.Y.Z [TORCH_WHEELS=dir]" >&2; exit 2; }
+	test -x $(TORCH_PY) || $(PYTHON) -m venv $(TORCH_VENV)
+	echo "torch==$(TORCH)" > $(TORCH_VENV)/constraints.txt
+	$(TORCH_PIP) torch==$(TORCH)
+	$(TORCH_PIP) -e '.[embedded,dev]'
+	$(TORCH_PY) -c "import torch; v = torch.__version__.split('+')[0]; \
+		assert v == '$(TORCH)', v; print('torch', torch.__version__)"
+	touch $@
+
+test-torch: $(TORCH_STAMP)
+	timeout $(TORCH_TEST_LIMIT_S) $(TORCH_PY) -m pytest -q -p no:cacheprovider \
+		$(TORCH_PYTEST_ARGS) $(TORCH_TESTS)
 
 # More fault schedules than `make test` runs (10,000): `make sim SEEDS=100000 FIRST=10000`.
 # A failing seed prints the command that replays it with every agent's log.
