@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from elastic.errors import ConfigError
 from elastic.worker.channel import HEARTBEAT_SOCKET_ENV, WorkerChannelClient
 
 log = logging.getLogger(__name__)
@@ -100,19 +101,17 @@ _hold_after_s = 0.0
 def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
     """Join the process group described by the environment and start heartbeats.
 
-    ``backend`` defaults to nccl when CUDA is available (each process then uses
-    the GPU of its LOCAL_RANK), gloo otherwise. Safe to call twice. Raises
+    ``backend`` defaults to nccl when CUDA is available, gloo otherwise. With
+    any backend that uses NCCL (``"nccl"``, ``"cpu:gloo,cuda:nccl"``) each
+    process is bound to the GPU of its LOCAL_RANK (:func:`_join_process_group`).
+    Safe to call twice. Raises ConfigError when LOCAL_RANK has no GPU, and
     whatever ``init_process_group`` raises when the group cannot form within
     ``timeout_s``.
     """
     global _heartbeat, _hold_after_s
     if not dist.is_initialized():
-        if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
-        dist.init_process_group(backend=backend, init_method="env://",
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        _join_process_group(backend, timeout_s, _env_int("LOCAL_RANK", 0), torch.cuda,
+                            dist.init_process_group)
     socket_path = os.environ.get("ELASTIC_AGENT_SOCKET")
     if socket_path and _heartbeat is None:
         hang_timeout = float(os.environ.get("ELASTIC_HANG_TIMEOUT_S", "300") or 300)
@@ -122,6 +121,43 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
                                 os.environ.get(HEARTBEAT_SOCKET_ENV) or None)
         _hold_after_s = float(os.environ.get("ELASTIC_LEASE_TTL_S", "0") or 0)
         atexit.register(shutdown)
+
+
+def uses_nccl(backend: str) -> bool:
+    """Whether ``backend``, in torch's syntax (``"nccl"``, ``"cuda:nccl"``,
+    ``"cpu:gloo,cuda:nccl"``; any case), runs NCCL for some device."""
+    return any(part.rpartition(":")[2].strip().lower() == "nccl" for part in backend.split(","))
+
+
+def _join_process_group(backend: str | None, timeout_s: float, local_rank: int, cuda,
+                        init_process_group) -> None:
+    """``init_process_group`` for ``backend`` (None: nccl when ``cuda`` has a
+    GPU, else gloo), bound to GPU ``local_rank`` when the backend uses NCCL and
+    CUDA is available: ``set_device`` first (so NCCL, the caching allocator
+    and every later ``.cuda()`` use it, not GPU 0), and ``device_id`` (torch
+    then forms the NCCL communicator at once, so a bad GPU or network fails
+    here, and splits subgroups from it). ``cuda`` is ``torch.cuda`` or a
+    facade with its ``is_available``, ``device_count`` and ``set_device``.
+
+    Raises ConfigError when ``local_rank`` names no visible GPU (more workers
+    than GPUs, or a ``CUDA_VISIBLE_DEVICES`` per worker), and whatever
+    ``init_process_group`` raises. NCCL without CUDA is left to torch to refuse.
+    """
+    if backend is None:
+        backend = "nccl" if cuda.is_available() else "gloo"
+    device = None
+    if uses_nccl(backend) and cuda.is_available():
+        visible = cuda.device_count()
+        if local_rank >= visible:
+            raise ConfigError(
+                f"LOCAL_RANK {local_rank} has no GPU of its own: this process sees {visible} "
+                f"GPUs (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}) "
+                f"and NCCL needs one per worker; run at most {visible} workers on this node "
+                "(--nproc-per-node gpu) or give each node its own GPUs")
+        cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    init_process_group(backend=backend, init_method="env://",
+                       timeout=datetime.timedelta(seconds=timeout_s), device_id=device)
 
 
 def step(n: int | None = None) -> int:
