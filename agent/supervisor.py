@@ -27,7 +27,7 @@ template, and for a new one after it died or was replaced: replacements
 spawned then would only serve a failure within the template's import, and
 would import torch ``nproc`` more times beside the round's start. A template
 that finds forking unsafe (a preloaded module left a thread running, or
-initialized CUDA) says so, is logged once, and every warm worker is spawned
+used the CUDA driver) says so, is logged once, and every warm worker is spawned
 from then on. A template with other startup variables than the next warm set
 needs is retired: no more forks, killed once its last fork has ended (its
 death kills its forks: PDEATHSIG). If a template dies, its forks die with it;
@@ -74,7 +74,7 @@ from elastic.errors import ConfigError, WorkerSpawnError
 from elastic.joblog import JobLogger
 # Neither imports torch (nor anything heavy): the agent stays light.
 from elastic.worker.bootstrap import PARENT_PID_ENV, PRELOAD_ENV, STATUS_FD_ENV
-from elastic.worker.template import TEMPLATE_FD_ENV
+from elastic.worker.template import TEMPLATE_ENV, TEMPLATE_FD_ENV
 
 log = logging.getLogger(__name__)
 
@@ -647,7 +647,9 @@ class WorkerSupervisor:
         """Start a template process (caller holds self._lock, on the spawner thread:
         its PDEATHSIG follows that thread). Raises WorkerSpawnError."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        child_env = dict(env)
+        # TEMPLATE_ENV keeps torch.cuda.is_available() in the preload off the CUDA
+        # driver, whose use would make every fork unable to use CUDA.
+        child_env = {**env, **TEMPLATE_ENV}
         child_env[TEMPLATE_FD_ENV] = str(theirs.fileno())
         child_env[PARENT_PID_ENV] = str(os.getpid())
         try:

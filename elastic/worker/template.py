@@ -29,10 +29,19 @@ and know about fork (OpenBLAS, which numpy loads: it stops its pool in a
 by one probe fork before the check: a thread still running after a fork's
 prepare handlers is one its library does not expect to lose, and the
 template then says ``unsafe`` and the agent spawns every worker as before.
-CUDA must not be initialized in the template either (a forked child cannot
-use the parent's CUDA context); the template never touches CUDA, and says
-``unsafe`` if a preloaded module did. Forked workers initialize CUDA
-themselves, after the fork, exactly as a freshly spawned worker does.
+CUDA must not be touched in the template either: torch refuses CUDA in a
+child forked after its parent asked the CUDA driver anything, even a bare
+``torch.cuda.is_available()``, which does not set
+``torch.cuda.is_initialized()`` (:mod:`elastic._compat.torch_cuda`). So the
+agent starts the template with :data:`TEMPLATE_ENV`
+(``PYTORCH_NVML_BASED_CUDA_CHECK=1``: ``is_available()`` in a preloaded
+module counts GPUs through NVML and leaves the driver alone), and the probe
+fork asks torch, in the child, whether it would refuse CUDA there: if it
+would (a preloaded module used the driver), or if CUDA is initialized, the
+template says ``unsafe`` and the agent spawns every warm worker, exactly as
+for a stray thread. Forked workers initialize CUDA themselves, after the
+fork, exactly as a freshly spawned worker does; their environment is the
+assignment's, so the NVML setting does not follow them.
 
 Priority: the fork runs on the main thread, which never left normal CPU and
 I/O priority (only the preload thread was lowered, and it has ended), so
@@ -50,7 +59,7 @@ reseeds itself in a forked child, and numpy's global RNG is reseeded here
 from the OS, as a fresh process would have it. torch's default generator has
 a fixed seed in every process anyway.
 
-Never touches CUDA; imports nothing heavy itself.
+Never touches CUDA; imports nothing heavy itself (torch only as the preload left it).
 """
 
 from __future__ import annotations
@@ -65,9 +74,14 @@ import sys
 import threading
 import time
 
+from elastic._compat import torch_cuda
 from elastic.worker import priority
 
 TEMPLATE_FD_ENV = "ELASTIC_BOOTSTRAP_TEMPLATE_FD"
+# Added to the template's environment by the agent (before the preload runs).
+TEMPLATE_ENV = {torch_cuda.NVML_CHECK_ENV: "1"}
+# The probe child's exit status when torch would refuse CUDA in it.
+_BAD_FORK_EXIT = 17
 _PR_SET_PDEATHSIG = 1
 MAX_MESSAGE_BYTES = 4096  # one datagram of the protocol, either way
 _THREAD_EXIT_WAIT_S = 1.0
@@ -82,8 +96,19 @@ def _send(sock: socket.socket, message: dict) -> None:
         os._exit(0)  # the agent is gone: the children go with us (PDEATHSIG)
 
 
-def unsafe_reason() -> str | None:
-    """Why forking this process now would be unsafe, or None when it is safe."""
+def unsafe_reason(torch_module=None, fork_poisoned: bool = False) -> str | None:
+    """Why forking this process now would be unsafe, or None when it is safe.
+
+    ``torch_module``: torch as imported here (default ``sys.modules.get("torch")``);
+    ``fork_poisoned``: what :func:`_probe_fork` found."""
+    torch = sys.modules.get("torch") if torch_module is None else torch_module
+    if fork_poisoned:
+        return ("a preloaded module used the CUDA driver (any CUDA call, or torch.cuda."
+                "device_count()/is_available() where NVML fails): a forked worker could not "
+                "use CUDA; touch CUDA only after elastic.init(), not at import")
+    cuda = getattr(torch, "cuda", None)
+    if cuda is not None and cuda.is_initialized():
+        return "a preloaded module initialized CUDA"
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
@@ -103,22 +128,21 @@ def unsafe_reason() -> str | None:
         return "not on the main thread"
     if priority.is_idle(threading.get_native_id()):
         return "the main thread runs at idle priority"
-    torch = sys.modules.get("torch")
-    cuda = getattr(torch, "cuda", None)
-    if cuda is not None and cuda.is_initialized():
-        return "a preloaded module initialized CUDA"
     return None
 
 
-def _probe_fork() -> None:
+def _probe_fork() -> bool:
     """Fork once and reap the child at once, so pthread_atfork handlers stop the
-    thread pools of libraries that expect fork (OpenBLAS) before the check."""
+    thread pools of libraries that expect fork (OpenBLAS) before the check.
+    Returns whether torch, asked in the child, would refuse CUDA there."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-        os._exit(0)
-    os.waitpid(pid, 0)
+        bad = torch_cuda.in_bad_fork(sys.modules.get("torch"))
+        os._exit(_BAD_FORK_EXIT if bad else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == _BAD_FORK_EXIT
 
 
 def serve(fd: int, preloading: threading.Thread) -> None:
@@ -133,10 +157,10 @@ def serve(fd: int, preloading: threading.Thread) -> None:
     sock = socket.socket(fileno=fd)
     sock.set_inheritable(False)
     preloading.join()
-    _probe_fork()
-    reason = unsafe_reason()
+    fork_poisoned = _probe_fork()
+    reason = unsafe_reason(fork_poisoned=fork_poisoned)
     deadline = time.monotonic() + _THREAD_EXIT_WAIT_S
-    while reason is not None and time.monotonic() < deadline:
+    while reason is not None and not fork_poisoned and time.monotonic() < deadline:
         # join() returns before the kernel has removed the ended thread from
         # /proc/self/task: give it (and pools stopped by the probe) a moment.
         time.sleep(0.005)

@@ -201,3 +201,86 @@ def test_a_template_whose_preload_starts_a_thread_falls_back_to_spawning(
     assert [e.exit_code for e in exits.seen] == [0] * 4
     assert caplog.text.count("is unsafe here") == 1
     assert sup.warm_enabled and sup.warm_template() is None
+
+
+# torch's CUDA fork guard, as torch/csrc/cuda/Module.cpp has it, in a stand-in
+# that needs no GPU: asking the driver for its devices (_cuda_getDeviceCount,
+# which torch.cuda.is_available() calls unless PYTORCH_NVML_BASED_CUDA_CHECK=1)
+# registers an at-fork handler that marks every later child "in bad fork",
+# where torch refuses CUDA. Neither sets torch.cuda.is_initialized().
+FAKE_TORCH = """
+import os, sys, types
+_bad_fork = [False]
+_poisoned = []
+def _poison_fork():
+    if not _poisoned:
+        _poisoned.append(True)
+        os.register_at_fork(after_in_child=lambda: _bad_fork.__setitem__(0, True))
+def _get_device_count():
+    _poison_fork()
+    return 8
+C = types.SimpleNamespace(_cuda_getDeviceCount=_get_device_count,
+                          _cuda_isInBadFork=lambda: _bad_fork[0])
+def is_available():
+    if os.getenv("PYTORCH_NVML_BASED_CUDA_CHECK") == "1":
+        return True  # NVML counted the GPUs; the CUDA driver was not asked
+    return C._cuda_getDeviceCount() > 0
+torch = types.ModuleType("torch")
+torch._C = C
+torch.cuda = types.SimpleNamespace(is_available=is_available, is_initialized=lambda: False)
+sys.modules["torch"] = torch
+"""
+
+# What a worker's first CUDA call finds: torch refuses CUDA in a bad fork.
+CUDA_WORKER = """
+    import os, sys
+    torch = sys.modules.get("torch")  # the preloaded stand-in, in a warm worker
+    if torch is not None and torch._C._cuda_isInBadFork():
+        print("RuntimeError: Cannot re-initialize CUDA in forked subprocess")
+        sys.exit(3)
+    print("ran", os.getppid())
+    """
+
+
+@pytest.fixture
+def cuda_preload(tmp_path, monkeypatch):
+    """ELASTIC_PRELOAD is the torch stand-in, then ``cudapre``, a module the test writes."""
+    (tmp_path / "faketorch.py").write_text(FAKE_TORCH)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{REPO}")
+    monkeypatch.setenv("ELASTIC_PRELOAD", "faketorch,cudapre")
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    return tmp_path / "cudapre.py"
+
+
+def test_a_preload_that_asks_is_available_does_not_poison_the_forks(
+        supervise, cuda_preload):
+    # torch.cuda.is_available() at import is common (libraries pick a device):
+    # the template asks NVML, so its forks can still use CUDA.
+    cuda_preload.write_text("import torch\nassert torch.cuda.is_available()\n")
+    sup, exits = supervise(CUDA_WORKER, nproc=2, prestart=True)
+    template, warm = _forked_pool(sup, 2)
+    sup.start_round(1, round_envs(2))
+    assert [w.pid for w in sup.workers()] == [w.pid for w in warm]
+    got = [e for e in exits.wait(4) if e.round == 1]
+    assert [e.exit_code for e in got] == [0, 0], [e.log_path for e in got]
+
+
+def test_a_preload_that_uses_the_cuda_driver_makes_the_template_fall_back_to_spawning(
+        supervise, cuda_preload, caplog):
+    # What torch.cuda.device_count() does where NVML fails, and any CUDA call:
+    # the driver was asked, every fork would fail at its first CUDA call.
+    cuda_preload.write_text("import torch\nassert torch._C._cuda_getDeviceCount() == 8\n")
+    caplog.set_level(logging.INFO, logger="agent.supervisor")
+    sup, exits = supervise(CUDA_WORKER, nproc=2, prestart=True)
+    sup.warm_up()
+    wait_until(lambda: "is unsafe here" in caplog.text, 20, "the template's verdict")
+    assert "used the CUDA driver" in caplog.text
+    assert sup.warm_template() is None
+    for number in (1, 2):
+        wait_until(lambda: len(sup.warm_workers()) == 2, 10, "a spawned warm set")
+        warm = [w.pid for w in sup.warm_workers()]
+        assert [parent(p) for p in warm] == [os.getpid()] * 2  # spawned by the agent
+        sup.start_round(number, round_envs(2))
+        exits.wait(2 * number)
+        sup.stop()
+    assert [e.exit_code for e in exits.seen] == [0] * 4
