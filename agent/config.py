@@ -25,6 +25,7 @@ look like, and each option parses its own, exactly as it parses a flag: YAML
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import shlex
@@ -39,6 +40,7 @@ import yaml
 from agent import torchrun_cli
 from agent.console import ConsoleFilter, Streams, parse_local_ranks, parse_streams
 from agent.devices import SYSTEM_DEVICES, HostDevices, parse_nproc_per_node, resolve_nproc
+from agent.gpu_health import GPU_CHECK_MODES, GpuExpectation, expected_gpus
 from agent.netaddr import SYSTEM_NETWORK, HostNetwork, choose_advertise_addr
 from elastic import __version__
 from elastic.errors import EXIT_CODES_HELP, ConfigError
@@ -288,6 +290,12 @@ OPTIONS = [
            "at most one operator restart (elasticctl restart, RequestRestart over gRPC) of the "
            "job per this many seconds (0: no limit)", "SECONDS"),
     Option("role", _text, "default", "the workers' ROLE_NAME", "NAME"),
+    Option("gpu-check", _choice(*GPU_CHECK_MODES), "warn",
+           "before a round's workers start, check this node's GPUs through NVML: all expected "
+           "present, no uncorrectable ECC error, no page retirement or row remap pending, no "
+           "process of the last round holding memory (waited for up to 10 s). warn: log and "
+           "record a failed check, start anyway; enforce: this node leaves the job (exit 6); "
+           "off: no check", "off|warn|enforce"),
     Option("redirects", parse_streams, Streams(),
            "keep worker output off the console (it still goes to the rank logs): 0 none, "
            "1 stdout, 2 stderr, 3 both, or per local rank, e.g. 0:3,1:2", "SPEC", short="-r"),
@@ -345,6 +353,11 @@ class AgentConfig:
     no_python: bool = False
     role: str = "default"
     console: ConsoleFilter = ConsoleFilter()
+    # --gpu-check, and the GPUs it expects here (agent.gpu_health). "off" here,
+    # "warn" from load(): agents built in-process (tests, the simulator) check
+    # nothing unless they ask.
+    gpu_check: str = "off"
+    gpu_expectation: GpuExpectation = GpuExpectation()
 
     def rendezvous(self) -> RendezvousConfig:
         return RendezvousConfig(
@@ -542,10 +555,17 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
                                  server_name=v["tls_server_name"], serving=True)
     node_id = v["node_id"] or f"{socket.gethostname()}-{os.getpid()}"
     validate_id("node id", node_id)
-    nproc, why = resolve_nproc(v["nproc_per_node"], environ, devices)
+    # Counted once: both the workers (auto) and the GPU check's expectation ask.
+    physical_gpus = functools.cache(devices.physical_gpus)
+    nproc, why = resolve_nproc(v["nproc_per_node"], environ,
+                               HostDevices(physical_gpus, devices.cpu_count))
     if isinstance(v["nproc_per_node"], str):
         JobLogger(log, rdzv.job_id, node_id).info("%d workers per node (--nproc-per-node %s).",
                                                   nproc, why)
+    gpus = expected_gpus(v["nproc_per_node"], nproc, environ, physical_gpus)
+    if v["gpu_check"] != "off":
+        JobLogger(log, rdzv.job_id, node_id).info("GPU check (--gpu-check %s): %s.",
+                                                  v["gpu_check"], gpus.why)
 
     script, as_module, no_python, script_args = _script(args, environ, file_values)
     if line.given("--run-path"):
@@ -598,4 +618,5 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         etcd_security=etcd_security, tls=tls, probe_listen=v["probe_listen"],
         operator_restart_interval_s=v["operator_restart_interval"], no_python=no_python,
         role=v["role"],
-        console=ConsoleFilter(redirected=v["redirects"], local_ranks=v["local_ranks_filter"]))
+        console=ConsoleFilter(redirected=v["redirects"], local_ranks=v["local_ranks_filter"]),
+        gpu_check=v["gpu_check"], gpu_expectation=gpus)

@@ -30,12 +30,14 @@ import threading
 from typing import Any, Protocol
 
 from agent import config as agent_config
-from agent import grpc_input, localfiles, reactor
+from agent import gpu_health, grpc_input, localfiles, reactor
 from agent.assign import startup_env, worker_envs
+from agent.gpu_health import NO_GPU_READER, GpuAction, GpuObservation, GpuReader, NvmlReading
 from agent.grpc_server import AgentServer
 from agent.health import WorkerHealth, hung_workers, last_sign_of_life, next_hang_verdict_at
 from agent.lifecycle import AgentState, Lifecycle, Transition
 from agent.metrics import NO_METRICS, AgentMetrics, NoMetrics
+from agent.nvml import NvmlReader
 from agent.peers import GrpcPeerMesh
 from agent.reactor import AgentView, Settings
 from agent.sdnotify import SystemdNotifier
@@ -46,9 +48,11 @@ from elastic.clock import SYSTEM_CLOCK, Clock
 from elastic.errors import (
     EXIT_INTERNAL,
     EXIT_JOB_FAILED,
+    EXIT_NODE_UNFIT,
     EXIT_OK,
     ElasticError,
     FencedError,
+    GpuError,
     InvalidRequestError,
     JobEndedError,
     MalformedRecordError,
@@ -100,6 +104,7 @@ class Supervisor(Protocol):
     def stop(self, timeout_s: float | None = None) -> list[WorkerExit]: ...
     def shutdown(self) -> None: ...
     def workers(self) -> list: ...
+    def warm_workers(self) -> list: ...
 
 
 class Server(Protocol):
@@ -139,8 +144,10 @@ class Agent:
                  rendezvous: RendezvousNode, supervisor: Supervisor, server: Server,
                  peers: PeerMesh, *, inbox: queue.Queue, socket_path: str = "",
                  heartbeat_socket: str = "", clock: Clock = SYSTEM_CLOCK,
-                 notifier: SystemdNotifier | None = None, metrics: NoMetrics = NO_METRICS):
+                 notifier: SystemdNotifier | None = None, metrics: NoMetrics = NO_METRICS,
+                 gpus: GpuReader = NO_GPU_READER):
         self.config = config
+        self.gpus = gpus  # read before a round's workers start (--gpu-check)
         self.metrics = metrics  # before the lifecycle, which feeds it
         self.store = store
         self.rdzv = rendezvous
@@ -154,7 +161,8 @@ class Agent:
         self.settings = Settings(node_id=config.node_id, nproc=config.nproc_per_node,
                                  lease_ttl_s=config.lease_ttl_s,
                                  join_timeout_s=config.join_timeout_s, job_id=config.job_id,
-                                 drain_exit_code=config.drain_exit_code)
+                                 drain_exit_code=config.drain_exit_code,
+                                 gpu_check=config.gpu_check)
         self.view = AgentView(waiting_since=clock.monotonic())
         self.log = JobLogger(logging.getLogger("elasticd"), config.job_id, config.node_id,
                              lambda: self.view.round_number)
@@ -225,7 +233,8 @@ class Agent:
             console=config.console)
         agent = cls(config, store, rendezvous, supervisor, server, peers, inbox=inbox,
                     socket_path=socket_path, heartbeat_socket=server.heartbeat_socket or "",
-                    clock=clock, notifier=notifier, metrics=metrics)
+                    clock=clock, notifier=notifier, metrics=metrics,
+                    gpus=NvmlReader() if config.gpu_check != "off" else NO_GPU_READER)
         handlers.agent = agent
         return agent
 
@@ -253,9 +262,10 @@ class Agent:
         self.inbox.put(RoundChanged())
 
     def running_round(self) -> int:
-        """The round whose workers run here now (0: none); any thread."""
+        """The round whose workers run here now (0: none); any thread. Not
+        while STARTING: the GPU check comes before the workers."""
         view = self.view
-        return view.round_number if view.state in (S.STARTING, S.RUNNING, S.DONE) else 0
+        return view.round_number if view.state in (S.RUNNING, S.DONE) else 0
 
     @property
     def exit_code(self) -> int:
@@ -424,6 +434,8 @@ class Agent:
             self._announce_drain(command.reason)
         elif isinstance(command, reactor.Leave):
             self._leave(command.reason)
+        elif isinstance(command, reactor.CheckGpus):
+            self._check_gpus(command)
         elif isinstance(command, reactor.Note):
             self.log.warning("%s", command.message)
         elif isinstance(command, reactor.Fail):
@@ -445,6 +457,36 @@ class Agent:
                             for i, env in enumerate(envs)}
         self.supervisor.start_round(r.number, envs)
         self.server.set_serving(True)
+
+    def _check_gpus(self, command: reactor.CheckGpus) -> None:
+        """Read the GPUs (NVML is not read when none is expected) and what is
+        left of the last round's workers, judge them (agent.gpu_health.decide)
+        and post the answer to the loop. A verdict is recorded as an event
+        (elasticctl events and status) unless it says to wait, or passes a
+        node that expects no GPU."""
+        expected = self.config.gpu_expectation
+        reading = NvmlReading(unavailable="not read: no GPUs expected")
+        if expected.selectors:
+            try:
+                reading = self.gpus.read()
+            except GpuError as exc:
+                reading = NvmlReading(unavailable=str(exc))
+        last = self.supervisor.workers()
+        observed = GpuObservation(
+            reading, leftovers=tuple(w.pid for w in last if w.alive),
+            last_round_pids=frozenset(w.pid for w in last),
+            warm_pids=frozenset(w.pid for w in self.supervisor.warm_workers()))
+        decision = gpu_health.decide(observed, expected, self.config.gpu_check, command.since,
+                                     self.clock.monotonic())
+        if decision.action is not GpuAction.WAIT and (
+                decision.action is not GpuAction.PASS or expected.selectors):
+            if decision.action is GpuAction.PASS:
+                self.log.info("GPU check passed: %s", decision.reason)
+            self._events.append(events.event_op(
+                self.rdzv.keys, self.clock, self.config.node_id, command.round,
+                gpu_health.EVENT_KINDS[decision.action], decision.reason))
+            del self._events[:-_MAX_QUEUED_EVENTS]
+        self.inbox.put(reactor.GpuChecked(command.round, decision))
 
     def _watch_peer(self, node_id: str | None, addr: str) -> None:
         if self._peer_watch is not None:
@@ -469,6 +511,7 @@ class Agent:
         from choosing this node meanwhile; revoking the lease shows everyone
         it is gone."""
         keys = self.rdzv.keys
+        self.flush()  # why it leaves (events, status), while its lease lasts
         self.rdzv.stop()
         try:
             self.store.delete(keys.drain_request(self.config.node_id),
@@ -700,6 +743,7 @@ class Agent:
         self.rdzv.stop()
         self.server.stop()
         self.metrics.close()
+        self.gpus.close()
 
     def _worker_states(self) -> list[str]:
         """The state of each worker of the round running here (any thread)."""
@@ -800,6 +844,8 @@ def main(argv: list[str] | None = None) -> int:
             if agent.lifecycle.state is S.FAILED and agent.view.exit_code is None:
                 print(f"elasticd: job {config.job_id} failed: {agent.outcome_reason}",
                       file=sys.stderr)
+            elif code == EXIT_NODE_UNFIT:
+                print(f"elasticd: {agent.outcome_reason}", file=sys.stderr)
             return code
     except JobEndedError as exc:
         logs.configured(None)  # the held lines first, in order

@@ -41,6 +41,14 @@ peer was NOT_SERVING, the time the lease went unconfirmed. Time to recover
 first step of every worker of a later round (``Tick.workers_stepped``);
 restarts in between (a crash loop) do not reset it, and a node left out of
 the next round (standby) observes nothing.
+
+The GPU check before a round (``--gpu-check``, :mod:`agent.gpu_health`) is
+counted by its verdict (``elasticd_gpu_checks{result}``: ``pass``, ``warn``,
+``leave``; a wait is not a verdict) and by each problem it found
+(``elasticd_gpu_check_problems{problem}``, the labels of
+:data:`agent.gpu_health.PROBLEMS`); ``elasticd_gpu_check_seconds`` is how long
+the verdict took from the start of the round here (mostly: waiting for the
+driver to free the memory of the last round's workers).
 """
 
 from __future__ import annotations
@@ -54,6 +62,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 
 from agent import reactor
+from agent.gpu_health import PROBLEMS as GPU_PROBLEMS
+from agent.gpu_health import GpuAction
 from agent.lifecycle import AgentState
 from elastic.errors import ConfigError
 
@@ -71,6 +81,8 @@ _LABELS = ("job_id", "node_id")
 _DETECT_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 _RECOVER_BUCKETS_S = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 _RENDEZVOUS_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
+_GPU_CHECK_BUCKETS_S = (0.01, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0)
+GPU_CHECK_RESULTS = tuple(a.value for a in GpuAction if a is not GpuAction.WAIT)
 _CHECKPOINT_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
                          1800.0)
 
@@ -188,6 +200,17 @@ class AgentMetrics(NoMetrics):
         self._store_errors = Counter(
             "elasticd_etcd_errors", "etcd errors met by the agent's loop, by operation.",
             _LABELS + ("op",), registry=r)
+        self._gpu_checks = Counter(
+            "elasticd_gpu_checks", "GPU checks before a round, by verdict (pass, warn, leave).",
+            _LABELS + ("result",), registry=r)
+        self._gpu_problems = Counter(
+            "elasticd_gpu_check_problems", "Problems found by the GPU checks, by kind.",
+            _LABELS + ("problem",), registry=r)
+        self._gpu_check_seconds = Histogram(
+            "elasticd_gpu_check_seconds",
+            "From the start of a round on this node to the GPU check's verdict (mostly the "
+            "wait for the last round's processes to release GPU memory).",
+            _LABELS, buckets=_GPU_CHECK_BUCKETS_S, registry=r).labels(*ids)
         self._states_source: Callable[[], Iterable[str]] = tuple
         r.register(_WorkersCollector("elasticd_workers",
                                      "This node's workers of the running round, by state.",
@@ -197,6 +220,10 @@ class AgentMetrics(NoMetrics):
             self._restarts.labels(*ids, reason)
         for op in STORE_OPS:
             self._store_errors.labels(*ids, op)
+        for result in GPU_CHECK_RESULTS:
+            self._gpu_checks.labels(*ids, result)
+        for problem in GPU_PROBLEMS:
+            self._gpu_problems.labels(*ids, problem)
         for state in AgentState:
             self._state.labels(*ids, state.value).set(0)
         self._joining_since: float | None = None
@@ -214,6 +241,11 @@ class AgentMetrics(NoMetrics):
         for command in commands:
             if isinstance(command, reactor.StartWorkers):
                 self._rounds_started.inc()
+        if isinstance(event, reactor.GpuChecked) and event.decision.action is not GpuAction.WAIT:
+            self._gpu_checks.labels(*ids, event.decision.action.value).inc()
+            for problem in event.decision.problems:
+                self._gpu_problems.labels(*ids, problem).inc()
+            self._gpu_check_seconds.observe(event.decision.waited_s)
         self._round.set(after.round_number)
         self._world_size.set(after.round.world_size if after.round is not None else 0)
         stopped = any(isinstance(c, reactor.StopWorkers) for c in commands)

@@ -32,6 +32,14 @@ The rules:
   leave out members whose lease expired tells them it reaches etcd, which
   stops them too (:meth:`elastic.rendezvous.node.RendezvousNode`'s fence).
 * A node never included in a round within the join timeout gives up.
+* With ``--gpu-check warn`` or ``enforce`` (``Settings.gpu_check``), a round
+  that includes this node first has its GPUs checked (:class:`CheckGpus`,
+  answered with :class:`GpuChecked`, judged by
+  :func:`agent.gpu_health.decide`): the node stays STARTING, asking again
+  when the check says WAIT, then starts its workers (PASS, or WARN with a
+  note), or leaves the job (LEAVE): it announces a drain (its peers' failures
+  are the leave's doing, not failures), leaves the rendezvous and ends FAILED
+  with exit code 6 (:data:`elastic.errors.EXIT_NODE_UNFIT`).
 """
 
 from __future__ import annotations
@@ -41,8 +49,9 @@ import signal
 from dataclasses import dataclass
 from typing import Union
 
+from agent.gpu_health import GpuAction, GpuDecision
 from agent.lifecycle import AgentState
-from elastic.errors import ElasticError, RendezvousTimeoutError
+from elastic.errors import EXIT_NODE_UNFIT, ElasticError, RendezvousTimeoutError
 from elastic.rendezvous.api import ReportKind, Round
 from elastic.store.api import KEEPALIVE_TTL_FRACTION
 
@@ -125,8 +134,16 @@ class Tick:
     next_hang_at: float | None = None
 
 
+@dataclass(frozen=True)
+class GpuChecked:
+    """The answer to :class:`CheckGpus` for ``round``."""
+
+    round: int
+    decision: GpuDecision
+
+
 Event = Union[RoundCommitted, WorkerExited, PeerHealth, LeaseState, DrainRequested, Signalled,
-              Tick]
+              Tick, GpuChecked]
 
 
 # ---------------------------------------------------------------- commands
@@ -200,6 +217,17 @@ class Leave:
 
 
 @dataclass(frozen=True)
+class CheckGpus:
+    """Read this node's GPUs before the workers of ``round`` start, and judge
+    them as of ``since`` (monotonic: when this node's part of the round
+    began, right after the last round's workers were stopped); answered with
+    a :class:`GpuChecked`."""
+
+    round: int
+    since: float
+
+
+@dataclass(frozen=True)
 class Note:
     """Something the operator should read in the log; changes nothing."""
 
@@ -214,7 +242,7 @@ class Fail:
 
 
 Command = Union[Transition, StartWorkers, StopWorkers, RequestRestart, Report, WatchPeer,
-                CheckPeersStore, AnnounceDrain, Leave, Note, Fail]
+                CheckPeersStore, AnnounceDrain, Leave, CheckGpus, Note, Fail]
 
 
 # -------------------------------------------------------------------- state
@@ -227,6 +255,7 @@ class Settings:
     join_timeout_s: float
     job_id: str = ""
     drain_exit_code: int = 0  # the exit code after a SIGTERM drain
+    gpu_check: str = "off"  # --gpu-check: off, warn or enforce (agent.gpu_health)
 
 
 @dataclass(frozen=True)
@@ -250,6 +279,8 @@ class AgentView:
     last_failure: str = ""
     outcome_reason: str = ""
     exit_code: int | None = None  # set by a signal: the drain's code, or 128 + its number
+    gpu_recheck_at: float | None = None  # STARTING: when to read the GPUs again (WAIT)
+    gpu_wait_noted: bool = False  # the wait for the GPUs was logged in this round
 
     @property
     def round_number(self) -> int:
@@ -293,6 +324,8 @@ def react(view: AgentView, event: Event, now: float, settings: Settings) -> Resu
         return dataclasses.replace(view, exit_code=code), commands
     if isinstance(event, Tick):
         return _on_tick(view, event, now, settings)
+    if isinstance(event, GpuChecked):
+        return _on_gpus(view, event, settings)
     raise TypeError(f"not an agent event: {event!r}")
 
 
@@ -332,21 +365,61 @@ def _on_round(view: AgentView, event: RoundCommitted, now: float, settings: Sett
                                        r.number))
             view = dataclasses.replace(view, state=S.STANDBY)
         return view, commands
-    restart_count = view.rounds_started
-    view = dataclasses.replace(view, state=S.RUNNING, round=r, started_at=now,
+    view = dataclasses.replace(view, state=S.STARTING, round=r, started_at=now,
                                rounds_started=view.rounds_started + 1, exited_ok=frozenset(),
                                peer_unhealthy=None, suspected=frozenset(),
-                               peers_asked_at=None, store_down_noted=False)
+                               peers_asked_at=None, store_down_noted=False,
+                               gpu_recheck_at=None, gpu_wait_noted=False)
+    starting = f"node rank {me.node_rank} of {len(r.members)}, world size {r.world_size}"
+    if settings.gpu_check != "off":
+        return view, commands + [Transition(S.STARTING, f"{starting}; checking the GPUs first",
+                                            r.number), CheckGpus(r.number, now)]
+    view, start = _start_workers(view, settings)
+    return view, commands + [Transition(S.STARTING, starting, r.number)] + start
+
+
+def _start_workers(view: AgentView, settings: Settings) -> Result:
+    """Start the workers of ``view.round`` (this node is a member) and run."""
+    r = view.round
+    me = r.member(settings.node_id)
     peer = ring_peer(r, settings.node_id)
-    commands += [
-        Transition(S.STARTING, f"node rank {me.node_rank} of {len(r.members)}, "
-                               f"world size {r.world_size}", r.number),
-        StartWorkers(r, restart_count),
+    return dataclasses.replace(view, state=S.RUNNING, gpu_recheck_at=None), [
+        StartWorkers(r, view.rounds_started - 1),
         Report(ReportKind.STARTED, r.number),
         WatchPeer(*peer) if peer else WatchPeer(None),
         Transition(S.RUNNING, f"{me.nproc} workers started", r.number),
     ]
+
+
+def _on_gpus(view: AgentView, event: GpuChecked, settings: Settings) -> Result:
+    if view.state is not S.STARTING or event.round != view.round_number:
+        return view, []  # the answer for a round this node no longer starts
+    d = event.decision
+    if d.action is GpuAction.WAIT:
+        note = [] if view.gpu_wait_noted else [Note(f"GPU check: {d.reason}")]
+        recheck_at = d.wake_at if d.wake_at is not None else view.started_at
+        return dataclasses.replace(view, gpu_recheck_at=recheck_at, gpu_wait_noted=True), note
+    if d.action is GpuAction.LEAVE:
+        return _leave_unfit(view, d.reason, settings)
+    view, commands = _start_workers(view, settings)
+    if d.action is GpuAction.WARN:
+        commands.insert(0, Note(f"GPU check failed (--gpu-check warn, starting the workers "
+                                f"anyway): {d.reason}"))
     return view, commands
+
+
+def _leave_unfit(view: AgentView, reason: str, settings: Settings) -> Result:
+    """This node's GPUs are not fit for the round: leave the job, as a drain
+    does (so the others re-form at once and count no failure), and end
+    FAILED with EXIT_NODE_UNFIT."""
+    number = view.round_number
+    why = f"GPU check failed: {reason}"
+    view = dataclasses.replace(view, state=S.FAILED, last_failure=why, gpu_recheck_at=None,
+                               outcome_reason=f"node {settings.node_id} left the job: {why}",
+                               exit_code=EXIT_NODE_UNFIT)
+    return view, [Transition(S.DRAINING, why, number), AnnounceDrain(why), WatchPeer(None),
+                  Leave(why), Transition(S.FAILED, "left the job: this node is not fit for "
+                                                   f"round {number}", number)]
 
 
 def _fail_round(view: AgentView, reason: str) -> Result:
@@ -428,6 +501,10 @@ def _on_tick(view: AgentView, tick: Tick, now: float, settings: Settings) -> Res
             view.peers_asked_at is not None or view.store_down_noted or view.cut_off):
         view = dataclasses.replace(view, peers_asked_at=None, store_down_noted=False,
                                    cut_off="", cut_off_since=None)
+    if view.state is S.STARTING and view.gpu_recheck_at is not None \
+            and now >= view.gpu_recheck_at:
+        view = dataclasses.replace(view, gpu_recheck_at=None)
+        commands.append(CheckGpus(view.round_number, view.started_at))
     if view.state is S.JOINING and view.rounds_started == 0 \
             and now - view.waiting_since > settings.join_timeout_s:
         why = f" ({tick.registration_problem})" if tick.registration_problem else ""

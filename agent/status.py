@@ -4,7 +4,9 @@
 ``render`` turns it into the table an operator reads. Each agent's state comes
 from the agent itself over gRPC when it answers (live), else from the
 ``status/<node>`` record it last published in etcd; an agent that refused
-the TLS handshake is named under ``problems`` with what to change.
+the TLS handshake is named under ``problems`` with what to change. The last
+GPU check of each node (``--gpu-check``) comes from its events: ``render``
+shows those that did not pass, including a node's that left the job for it.
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from agent.gpu_health import EVENT_KINDS as GPU_EVENT_KINDS
+from agent.gpu_health import GpuAction
 from elastic.checkpoint.etcd_log import decode_latest
 from elastic.errors import MalformedRecordError
+from elastic.events import Event
 from elastic.rendezvous.api import (
     MAX_NPROC,
     NodeInfo,
@@ -118,6 +123,36 @@ def _number(key: str, obj: dict, name: str, low: float = 0.0) -> float:
     return number
 
 
+# What each GPU check event kind says, in status.
+_GPU_RESULTS = {GPU_EVENT_KINDS[GpuAction.PASS]: "passed",
+                GPU_EVENT_KINDS[GpuAction.WARN]: "warned",
+                GPU_EVENT_KINDS[GpuAction.LEAVE]: "failed"}
+
+
+def _gpu_checks(keys: JobKeys, kvs: list, current: Round | None,
+                shown: set[str]) -> list[dict]:
+    """The last GPU check of each node, from its events: the nodes in
+    ``shown`` (registered or members), and a node gone after a failed check
+    in the current round or the one before (it left the job for it).
+    Unreadable events are skipped (``elasticctl events`` names them)."""
+    latest: dict[str, Event] = {}
+    for kv in kvs:
+        if not kv.key.startswith(keys.events):
+            continue
+        try:
+            event = Event.from_json(kv.key, kv.value)
+        except MalformedRecordError:
+            continue
+        if event.kind in _GPU_RESULTS and (event.node_id not in latest
+                                           or event.time >= latest[event.node_id].time):
+            latest[event.node_id] = event
+    recent = current.number - 1 if current else 0
+    return [{"node_id": e.node_id, "round": e.round, "time": e.time,
+             "result": _GPU_RESULTS[e.kind], "message": e.message}
+            for node_id, e in sorted(latest.items())
+            if node_id in shown or (_GPU_RESULTS[e.kind] == "failed" and e.round >= recent)]
+
+
 def collect(store: Store, job_id: str, query_agents: bool = True,
             agent_timeout_s: float = 1.0, *, tls: AgentTLS | None = None) -> dict:
     """Read the job's keys once (one consistent revision) and summarise them,
@@ -208,6 +243,7 @@ def collect(store: Store, job_id: str, query_agents: bool = True,
             "failures": len(current.failures),
         },
         "nodes": nodes,
+        "gpu_checks": _gpu_checks(keys, kvs, current, set(registered) | set(members)),
         "checkpoint": checkpoint,
         "problems": problems,
     }
@@ -298,6 +334,10 @@ def render(status: dict, now: float | None = None) -> str:
                           "RESTARTS", "LAST FAILURE"], rows))
     else:
         out.append("no nodes registered")
+    for g in status.get("gpu_checks", []):
+        if g["result"] != "passed":
+            out.append(f"GPU check: node {g['node_id']} {g['result']} in round {g['round']}, "
+                       f"{_ago(g['time'], now)}: {g['message']}")
     for p in status["problems"]:
         out.append(f"problem: {p}")
     return "\n".join(out)

@@ -16,6 +16,9 @@ Exit codes (documented for operators and scripts):
       refused our certificate, user, password or a permission)
 4     rendezvous failed (timed out, fenced off, duplicate node id)
 5     an agent asked over gRPC could not be reached
+6     this node left the job unfit to train: its GPUs failed the check
+      before a round (``--gpu-check enforce``), or a worker of its last
+      round outlived SIGKILL (the replacement cannot start)
 70    internal error (a bug: please report it with the log)
 ====  ===========================================================
 """
@@ -28,12 +31,14 @@ EXIT_BAD_INPUT = 2
 EXIT_STORE = 3
 EXIT_RENDEZVOUS = 4
 EXIT_AGENT_UNREACHABLE = 5
+EXIT_NODE_UNFIT = 6
 EXIT_INTERNAL = 70
 
 
 EXIT_CODES_HELP = ("Exit codes: 0 success, "
                    "1 the job failed, 2 bad input, 3 etcd unreachable, 4 rendezvous failed, "
-                   "5 agent unreachable, 70 internal error (a bug: report it with the log).")
+                   "5 agent unreachable, 6 this node left the job unfit (GPU check), "
+                   "70 internal error (a bug: report it with the log).")
 
 
 class ElasticError(Exception):
@@ -134,6 +139,19 @@ class WorkerSpawnError(ElasticError):
     descriptors, unwritable log directory). The cause is chained."""
 
     exit_code = EXIT_JOB_FAILED
+
+
+class GpuError(ElasticError):
+    """NVML (the NVIDIA management library, through ``pynvml``) failed a query
+    or did not answer within its deadline. The NVML error is chained. Caught
+    by the GPU check, which turns it into a reason (:mod:`agent.gpu_health`);
+    never the end of the agent."""
+
+
+class GpuUnavailableError(GpuError):
+    """NVML cannot be used on this host: ``pynvml`` (the ``nvidia-ml-py``
+    package) is not installed, ``libnvidia-ml.so`` is not found, or the
+    NVIDIA driver is not loaded. A host without GPUs says so too."""
 
 
 class RendezvousError(ElasticError):

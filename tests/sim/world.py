@@ -527,3 +527,6 @@ class FakeSupervisor:
 
     def workers(self) -> list[WorkerStatus]:
         return [WorkerStatus(w.local_rank, w.rank, w.pid, w.alive) for w in self.current]
+
+    def warm_workers(self) -> list:
+        return []
