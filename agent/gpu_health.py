@@ -147,6 +147,10 @@ class NoGpuReader:
 NO_GPU_READER = NoGpuReader()
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 # ------------------------------------------------------------- expectation
 
 @dataclass(frozen=True)
@@ -204,12 +208,12 @@ def expected_gpus(spec: int | str, nproc: int, environ: Mapping[str, str],
     if spec in ("gpu", "auto"):
         selectors = named[:nproc] if named else tuple(str(i) for i in range(nproc))
         where = f", {shown}" if named else ""
-        return GpuExpectation(selectors, True,
-                              f"{len(selectors)} GPUs expected (--nproc-per-node {spec}{where})")
+        return GpuExpectation(selectors, True, f"{_plural(len(selectors), 'GPU')} expected "
+                                               f"(--nproc-per-node {spec}{where})")
     if named:
         selectors = named[:nproc]
-        return GpuExpectation(selectors, True,
-                              f"{len(selectors)} GPUs expected ({shown}, {nproc} workers)")
+        return GpuExpectation(selectors, True, f"{_plural(len(selectors), 'GPU')} expected "
+                                               f"({shown}, {_plural(nproc, 'worker')})")
     return GpuExpectation(tuple(str(i) for i in range(nproc)), False,
                           f"GPUs 0-{nproc - 1} if present (--nproc-per-node {nproc}, "
                           "no CUDA_VISIBLE_DEVICES)" if nproc > 1 else
@@ -255,10 +259,6 @@ class GpuDecision:
     problems: tuple[str, ...] = ()  # labels from PROBLEMS, in that order, each once
     wake_at: float | None = None  # WAIT: when to read again
     waited_s: float = 0.0  # from ``since`` to this decision
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def _mib(n: int | None) -> str:

@@ -228,7 +228,8 @@ def read_gpu_health(gpus: int | None = None, *, wait_s: float = 0.0,
                  else max(1, len(reading.gpus)))
         selectors = (named[:count] if named is not None
                      else tuple(str(i) for i in range(count)))
-        expected = GpuExpectation(selectors, True, f"{len(selectors)} GPUs expected" + (
+        expected = GpuExpectation(selectors, True, f"{len(selectors)} GPU" + (
+            "s" if len(selectors) != 1 else "") + " expected" + (
             f" (CUDA_VISIBLE_DEVICES={cvd!r})" if named is not None else ""))
         now = time.monotonic()
         verdict = decide(GpuObservation(reading, warm_pids=ignored), expected, "enforce",
