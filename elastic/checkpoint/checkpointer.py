@@ -12,10 +12,12 @@ Why ``dcp.save`` in a thread of our own instead of ``dcp.async_save``: the
 verification and the commit must follow the write in the same background
 task, with collectives of their own, and a failure anywhere must surface
 once, from :meth:`Checkpointer.wait` or the next :meth:`Checkpointer.save`.
-Staging uses DCP's ``DefaultStager`` (what ``async_save`` uses), in that
-same background thread: ``save()`` copies only what forward and backward may
-change (buffers, non-tensor values) and returns; parameters and optimizer
-state are copied in the background, and a step pre-hook on every optimizer
+Staging is our own (:mod:`elastic.checkpoint.staging`: buffers kept between
+saves, public torch API only), in that same background thread: ``save()``
+copies only what forward and backward may change (buffers, non-tensor values)
+and returns; parameters and optimizer state are copied in the background,
+after everything the training stream had queued when ``save()`` was called,
+and a step pre-hook on every optimizer
 makes ``optimizer.step()`` wait for that copy. Each such tensor's ``_version``
 (in-place modification counter) is recorded at ``save()`` and checked after
 the copy, so an in-place change by anything else fails the save instead of
@@ -44,13 +46,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
 from elastic.checkpoint import layout, state
 from elastic.checkpoint.api import CommitEntry, CommitLog
 from elastic.checkpoint.agent_log import default_commit_log
 from elastic.checkpoint.dcp_io import ChecksummingWriter, LoadPlanner, VerifyingReader
+from elastic.checkpoint.staging import CudaOps, Stager
 from elastic.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -83,8 +85,9 @@ class Checkpointer:
 
     Construct it on every rank, after the process group is initialized and in
     the same order relative to other ``new_group`` calls: it creates a gloo
-    group of its own (unless ``process_group`` is given) so checkpoint
-    collectives never interleave with training collectives. Without an
+    group of its own (over the ranks of ``process_group`` when given, else of
+    the world) so checkpoint collectives never interleave with training
+    collectives. Without an
     initialized process group it runs as a single rank.
 
     ``model`` is a module or a list of chunks (pipeline stages); ``optimizer``
@@ -114,6 +117,11 @@ class Checkpointer:
     :class:`CheckpointError`; the previous checkpoint stays the latest.
     Buffers (e.g. BatchNorm statistics) are copied before ``save()`` returns.
 
+    ``device`` is the CUDA device this rank trains on (default: the one the
+    model's parameters are on; None without CUDA): the checkpoint thread
+    works on it, never on device 0 by default. ``cuda_ops`` replaces the CUDA
+    calls of the staging copy (tests inject a recording fake).
+
     Raises :class:`ConfigError` for a missing root or bad arguments, and
     :class:`CheckpointError` when torch's object collectives cannot work
     (they need numpy). Not thread-safe: call it from the training thread.
@@ -123,7 +131,8 @@ class Checkpointer:
                  optimizer: Any = None, scheduler: Any = None, keep: int = 3,
                  commit_log: CommitLog | None = None, process_group: Any = None,
                  on_saving: Callable[[float], None] | None = None,
-                 verify_checksums: bool = True, timeout_s: float = 1800.0):
+                 verify_checksums: bool = True, timeout_s: float = 1800.0,
+                 device: torch.device | int | None = None, cuda_ops: CudaOps | None = None):
         root = root or os.environ.get(ENV_CHECKPOINT_DIR)
         if not root:
             raise ConfigError(f"no checkpoint directory: pass root= or set {ENV_CHECKPOINT_DIR}")
@@ -149,11 +158,12 @@ class Checkpointer:
         except ValueError as exc:
             raise ConfigError(f"ELASTIC_ROUND must be an integer: {exc}") from exc
         self._group = _Group.create(process_group, timeout_s)
-        self._stager = DefaultStager(StagingOptions(
-            use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
-            use_async_staging=False, use_non_blocking_copy=False))
+        self.device = _cuda_index(device) if device is not None else _training_device(
+            self._chunks)
+        self._stager = Stager(self.device, cuda_ops)
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="elastic-checkpoint")
+            max_workers=1, thread_name_prefix="elastic-checkpoint",
+            initializer=self._stager.bind)
         self._inflight: concurrent.futures.Future | None = None
         self._staging: threading.Event | None = None  # set once the async copy is done
         self._hooks = [opt.register_step_pre_hook(self._before_step)
@@ -287,9 +297,10 @@ class Checkpointer:
         """Take the state to save. ``copy`` (async): copy now to CPU what forward and
         backward may change (buffers, non-tensors), and leave parameters and optimizer
         state, with their in-place counters, for :meth:`_finish_staging` in the
-        background (DefaultStager keeps its buffers for the next save, so this is one
-        copy of the shard, allocated once). Otherwise the live tensors, which stay
-        still because the caller blocks until the save is done."""
+        background, ordered after what the caller's CUDA stream has queued so far (the
+        stager keeps its buffers for the next save, so this is one copy of the shard,
+        allocated once). Otherwise the live tensors, which stay still because the
+        caller blocks until the save is done."""
         tensors = state.collect(self._chunks)
         nbytes = state.local_nbytes(tensors.state_dict)
         self._announce(_SAVE_FIXED_S + nbytes / _SAVE_BYTES_PER_S)
@@ -302,8 +313,10 @@ class Checkpointer:
                              nbytes=nbytes, started_at=started)
             if copy:
                 later, now = _split(tensors.state_dict, self._parameter_pointers())
+                queued = self._stager.mark()
                 staged.pending = _Pending(
-                    later=later, now=self._stager.stage(now),
+                    later=later, queued=queued,
+                    now=self._stager.stage(now, after=queued, prefix=("now",)),
                     order={group: list(values) if isinstance(values, dict) else None
                            for group, values in tensors.state_dict.items()},
                     versions=[(f"{group}.{key}", tensor, tensor._version)
@@ -339,7 +352,7 @@ class Checkpointer:
                 return
             staged.pending = None  # no reference to live tensors beyond this call
             failpoint("ckpt.stage")
-            copied = self._stager.stage(pending.later)
+            copied = self._stager.stage(pending.later, after=pending.queued, prefix=("later",))
             changed = [name for name, tensor, version in pending.versions
                        if tensor._version != version]
             if changed:
@@ -745,6 +758,13 @@ class Checkpointer:
         """Routine news at INFO from rank 0 only: one line per event, not one per rank."""
         return logging.INFO if self._group.rank == 0 else logging.DEBUG
 
+    @property
+    def process_group(self) -> Any:
+        """The group this checkpointer's collectives and DCP's run on: a gloo group
+        of its own over the ranks of the one given (or of the world); None when
+        it runs as a single rank."""
+        return self._group.pg
+
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")
@@ -755,6 +775,7 @@ class _Pending:
     """An async save's copy still to make in the background."""
 
     later: dict[str, dict[str, Any]]  # live parameters and optimizer state, by group
+    queued: Any                       # a CUDA event after the caller's queued work, or None
     now: dict[str, Any]               # the rest, copied in save()
     order: dict[str, list[str] | None]  # the state dict's keys per group (None: not a dict)
     versions: list[tuple[str, Any, int]]  # (name, live tensor, _version at save())
@@ -773,6 +794,26 @@ class _Staged:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _cuda_index(device: torch.device | int) -> int | None:
+    """A CUDA device's index (the current one for a bare ``cuda``); None for another type."""
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _training_device(chunks: Sequence[state.Chunk]) -> int | None:
+    """The CUDA device the model's parameters are on (the first one found), so the
+    checkpoint thread works on it rather than on device 0; None when none is on CUDA."""
+    for chunk in chunks:
+        for parameter in chunk.model.parameters():
+            if _local(parameter).is_cuda:
+                return _local(parameter).device.index
+    return None
 
 
 def _split(state_dict: dict[str, Any], parameters: set[int]
@@ -894,15 +935,18 @@ def _length(frame: torch.Tensor) -> int:
 
 
 class _Group:
-    """The checkpoint process group and the object collectives run over it."""
+    """The checkpoint process group and the object collectives run over it.
+
+    Always a gloo group of the checkpointer's own, also when the caller gives
+    one: the collectives run from the background thread while the training
+    thread runs its own, and two threads' collectives on one group pair up
+    wrongly (on NCCL they also need a device). Frames are CPU tensors.
+    """
 
     def __init__(self, pg: Any, rank: int, size: int):
         self.pg = pg
         self.rank = rank
         self.size = size
-        # Frames are CPU tensors: on a caller's group of another backend (NCCL),
-        # torch's object collectives, which move them to the device.
-        self._framed = pg is not None and dist.get_backend(pg) == "gloo"
 
     @classmethod
     def create(cls, process_group: Any, timeout_s: float) -> "_Group":
@@ -915,9 +959,14 @@ class _Group:
             # torch's object collectives, which DCP uses, call tensor.numpy() on receipt.
             raise CheckpointError("distributed checkpoints need numpy: torch's object "
                                   "collectives, which DCP uses, fail without it")
-        pg = process_group
-        if pg is None:
-            pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if process_group is None:
+            pg = dist.new_group(backend="gloo", timeout=timeout)
+        else:
+            # Only the group's members call this (each rank may be in another subgroup).
+            pg = dist.new_group(ranks=dist.get_process_group_ranks(process_group),
+                                backend="gloo", timeout=timeout,
+                                use_local_synchronization=True)
         return cls(pg, dist.get_rank(pg), dist.get_world_size(pg))
 
     def all_gather(self, obj: Any, what: str) -> list[Any]:
@@ -925,13 +974,6 @@ class _Group:
         group fails (a peer died, or the collective timed out)."""
         if self.pg is None:
             return [obj]
-        if not self._framed:
-            gathered: list[Any] = [None] * self.size
-            try:
-                dist.all_gather_object(gathered, obj, group=self.pg)
-            except RuntimeError as exc:
-                raise self._lost(what, exc) from exc
-            return gathered
         data = pickle.dumps(obj)
         try:
             frames = [torch.empty(_FRAME, dtype=torch.uint8) for _ in range(self.size)]
@@ -955,13 +997,6 @@ class _Group:
         CheckpointError when the group fails."""
         if self.pg is None:
             return obj
-        if not self._framed:
-            box = [obj]
-            try:
-                dist.broadcast_object_list(box, group=self.pg, group_src=0)
-            except RuntimeError as exc:
-                raise self._lost(what, exc) from exc
-            return box[0]
         data = pickle.dumps(obj) if self.rank == 0 else b""
         try:
             frame = _frame(data)

@@ -65,12 +65,12 @@ from typing import Any, Iterator, Mapping, NamedTuple
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
+from elastic._compat import torch_checkpoint as compat
 from elastic.checkpoint import layout
 from elastic.errors import CheckpointCorruptError, CheckpointError
 
@@ -297,7 +297,9 @@ class _VerifyingView(io.RawIOBase):
         verified."""
         try:
             self.seek(0)
-            archive = torch._C.PyTorchFileReader(self)
+            archive = compat.zip_archive(self)
+            if archive is None:
+                return None
             call = _TensorUnpickler(io.BytesIO(archive.get_record("data.pkl"))).load()
             if not (type(call) is _RebuildTensor and type(call.storage) is _StorageRef
                     and not call.backward_hooks and not call.metadata):
@@ -454,7 +456,9 @@ class VerifyingReader(dcp.FileSystemReader):
     on to every rank. :attr:`items_checked` counts the items checked, and
     :attr:`items_reread` those whose reads forced a second read of the item,
     :attr:`tensors_in_place` the tensors read straight into the state dict's
-    tensors (the rest are loaded and copied, as DCP does).
+    tensors (the rest are loaded and copied, as DCP does), and
+    :attr:`tensors_on_device` those of them on a CUDA device (read into
+    page-locked memory and copied asynchronously).
     """
 
     def __init__(self, path: str, files: Mapping[str, layout.FileDigest], *,
@@ -472,6 +476,7 @@ class VerifyingReader(dcp.FileSystemReader):
         self._open: dict[int, list[_VerifyingView]] = {}
         self._sliced = 0
         self.tensors_in_place = 0
+        self.tensors_on_device = 0  # of those, the ones read into CUDA memory
 
     def fail(self, problem: layout.Problem) -> CheckpointCorruptError:
         self.problems.append(problem)
@@ -499,7 +504,7 @@ class VerifyingReader(dcp.FileSystemReader):
             raise FileNotFoundError("this checkpoint has no per-rank DCP metadata")
         return super().read_metadata(*args, **kwargs)
 
-    def _slice_file(self, file: Any, sinfo: Any) -> Any:
+    def _slice_file(self, file: Any, sinfo: Any) -> Any:  # compat.SLICE_FILE_HOOK
         self._sliced += 1
         path = os.path.join(self.directory, sinfo.relative_path)
         if not self.checksums:
@@ -569,7 +574,10 @@ class VerifyingReader(dcp.FileSystemReader):
                     target = planner.resolve_tensor(item).detach()
                     if _load_tensor(piece, item, target):
                         self.tensors_in_place += 1
+                        self.tensors_on_device += target.is_cuda
                     planner.commit_tensor(item, target)
+        if self.tensors_on_device:
+            torch.cuda.synchronize()  # the copies of _fill_device, before DCP moves on
         future: Future = Future()
         future.set_result(None)
         return future
@@ -596,12 +604,12 @@ def _load_tensor(piece: Any, item: Any, target: torch.Tensor) -> bool:
     lies, and its bytes go straight from the file into the target's memory,
     through the view's CRC-32 (:meth:`_VerifyingView.fill`); the target's
     in-place counter is bumped as ``copy_`` would. Anything that cannot be put
-    in place so (a target that is not contiguous CPU memory of the same dtype,
-    a part of the saved tensor that is not one block, a file written with
+    in place so (a target that is not contiguous CPU or CUDA memory of the same
+    dtype, a part of the saved tensor that is not one block, a file written with
     another byte order, an item that is not one plain tensor, an item read
     without a verifying view) goes DCP's way.
     """
-    if (isinstance(piece, _VerifyingView) and target.device.type == "cpu"
+    if (isinstance(piece, _VerifyingView) and target.device.type in ("cpu", "cuda")
             and target.is_contiguous()):
         saved = piece.describe()
         if saved is not None and saved.byte_order == sys.byteorder:
@@ -611,7 +619,9 @@ def _load_tensor(piece: Any, item: Any, target: torch.Tensor) -> bool:
             # A meta tensor is not checked against its storage's size: this is.
             if (part.is_contiguous() and part.dtype == target.dtype
                     and part.shape == target.shape and 0 <= start <= saved.nbytes - nbytes):
-                if nbytes:
+                if nbytes and target.is_cuda:
+                    _fill_device(piece, saved.offset + start, nbytes, target)
+                elif nbytes:
                     piece.fill(saved.offset + start,
                                (ctypes.c_char * nbytes).from_address(target.data_ptr()))
                     torch.autograd.graph.increment_version(target)
@@ -623,6 +633,17 @@ def _load_tensor(piece: Any, item: Any, target: torch.Tensor) -> bool:
                               f"its place in the state dict {tuple(target.size())}")
     target.copy_(tensor)
     return False
+
+
+def _fill_device(piece: "_VerifyingView", start: int, nbytes: int, target: torch.Tensor) -> None:
+    """Read an item's bytes into page-locked memory, through the CRC-32, and copy them
+    to the CUDA ``target`` asynchronously on its current stream (torch's pinned
+    allocator keeps the buffer until the copy is done); the reader synchronizes
+    once at the end of the load."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    piece.fill(start, (ctypes.c_char * nbytes).from_address(host.data_ptr()))
+    with torch.no_grad():
+        target.reshape(-1).view(torch.uint8).copy_(host, non_blocking=True)
 
 
 # --- what torch.save wrote ------------------------------------------------------------------
@@ -663,10 +684,7 @@ class _StorageType(NamedTuple):
 def _storage_types() -> dict[str, _StorageType]:
     """``torch.FloatStorage`` and its kin by name (what ``torch.save`` pickles as a
     storage's type), for the dtypes a plain tensor may have."""
-    try:
-        names = torch.storage._dtype_to_storage_type_map()
-    except AttributeError:  # another torch: every item goes torch.load's way
-        return {}
+    names = compat.storage_type_names()  # empty on another torch: torch.load's way
     # Quantized tensors (QInt8Storage...) are rebuilt by another function.
     return {name: _StorageType(dtype) for dtype, name in names.items()
             if not name.startswith("Q")}
@@ -718,9 +736,28 @@ class LoadPlanner(DefaultLoadPlanner):
             return super().load_bytes(read_item, value)  # another torch: its own way
         obj = load_object(value)
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
+            _set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
+
+
+def _set_element(root: Any, path: Any, value: Any) -> None:
+    """Put ``value`` at ``path`` (dict keys and list indices) in a nested state dict,
+    making the dicts and lists on the way (a flattened key's place in the original)."""
+    container = root
+    for key, following in zip(path, path[1:]):
+        empty: Any = {} if isinstance(following, str) else []
+        if isinstance(container, list):
+            container.extend([None] * (key + 1 - len(container)))
+            if container[key] is None:
+                container[key] = empty
+            container = container[key]
+        else:
+            container = container.setdefault(key, empty)
+    last = path[-1]
+    if isinstance(container, list):
+        container.extend([None] * (last + 1 - len(container)))
+    container[last] = value
 
 
 class _NeedsTorchLoad(Exception):
@@ -760,7 +797,7 @@ def load_object(value: io.BytesIO) -> Any:
     """
     if os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() not in _TRUE:
         try:
-            archive = torch._C.PyTorchFileReader(value)
+            archive = compat.zip_archive(value)
             records = archive.get_all_records()
             pickled = (archive.get_record("data.pkl")
                        if "data.pkl" in records and "constants.pkl" not in records else None)

@@ -11,8 +11,8 @@ so every key is a fully qualified parameter name whatever wraps the model
   saves and loads exactly the FQNs its chunks own.
 
 Everything else is this rank's own state, serialized with ``torch.save`` into
-``rank-<r>.pt``: RNG states (torch CPU; CUDA for the current device when CUDA
-is in use; python ``random``; numpy's global generator when numpy is
+``rank-<r>.pt``: RNG states (torch CPU; every CUDA device's when CUDA is in
+use; python ``random``; numpy's global generator when numpy is
 importable), LR scheduler states, the step, the caller's data position and
 extras. On restore at the same world size each rank gets its own file back,
 which makes the resumed run bitwise identical to an uninterrupted one. At
@@ -153,9 +153,10 @@ def capture_local(*, step: int, rank: int, world_size: int, schedulers: Sequence
                   data_state: Any, extras: Any) -> bytes:
     """This rank's non-tensor state, serialized now (so later mutation by the
     training loop cannot leak into a save still being written)."""
-    cuda_rng = None
+    cuda_rng = cuda_rngs = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        cuda_rng = torch.cuda.get_rng_state()  # current device: one GPU per worker
+        cuda_rng = torch.cuda.get_rng_state()  # the current device's, for older readers
+        cuda_rngs = torch.cuda.get_rng_state_all()  # reads generators, makes no context
     record = {
         "format": LOCAL_FORMAT,
         "step": step,
@@ -165,6 +166,7 @@ def capture_local(*, step: int, rank: int, world_size: int, schedulers: Sequence
         "rng": {
             "torch": torch.get_rng_state(),
             "cuda": cuda_rng,
+            "cuda_all": cuda_rngs,
             "python": random.getstate(),
             "numpy": numpy.random.get_state() if numpy is not None else None,
         },
@@ -192,8 +194,12 @@ def load_local(data: bytes) -> dict[str, Any]:
 def restore_rng(rng: dict[str, Any]) -> None:
     """Put back exactly the saved RNG states (same world size, same rank)."""
     torch.set_rng_state(rng["torch"])
-    if rng.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
+    if torch.cuda.is_available():
+        every = rng.get("cuda_all")
+        if every is not None and len(every) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(every)
+        elif rng.get("cuda") is not None:
+            torch.cuda.set_rng_state(rng["cuda"])
     random.setstate(rng["python"])
     if numpy is not None and rng.get("numpy") is not None:
         numpy.random.set_state(rng["numpy"])

@@ -57,3 +57,57 @@ def test_object_collectives_deliver_small_and_large_payloads(tmp_path):
         assert got["broadcast big"] == big[0]
         assert got["after"] == [0, 1], rank
     assert all(os.path.getsize(out) > 3 * _FRAME for out in outs)
+
+
+def _rank_with_callers_group(rank: int, store: str, out: str) -> None:
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from elastic.checkpoint.checkpointer import _Group
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    callers = dist.new_group([0, 1], backend="gloo")
+    group = _Group.create(callers, 60.0)
+    # The training thread keeps using its group while the checkpoint's collectives run
+    # in another thread: on one shared group the two pair up wrongly.
+    sums = []
+
+    def train():
+        for step in range(200):
+            value = torch.tensor([float(step + rank)])
+            dist.all_reduce(value, group=callers)
+            sums.append(value.item())
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    gathered = [group.all_gather(("rank", rank, round_), "testing") for round_ in range(50)]
+    trainer.join(60)
+    results = {"own group": group.pg is not callers,
+               "same ranks": dist.get_process_group_ranks(group.pg)
+               == dist.get_process_group_ranks(callers),
+               "backend": dist.get_backend(group.pg),
+               "sums right": sums == [2.0 * step + 1 for step in range(200)],
+               "gathered right": gathered == [[("rank", 0, r), ("rank", 1, r)]
+                                              for r in range(50)]}
+    dist.destroy_process_group()
+    with open(out, "w") as f:
+        json.dump(results, f)
+
+
+def test_a_callers_group_is_not_shared_with_the_background_collectives(tmp_path):
+    context = multiprocessing.get_context("spawn")
+    store = str(tmp_path / "store")
+    outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
+    procs = [context.Process(target=_rank_with_callers_group, args=(r, store, outs[r]))
+             for r in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(90)
+        assert proc.exitcode == 0
+    for out in outs:
+        with open(out) as f:
+            assert json.load(f) == {"own group": True, "same ranks": True, "backend": "gloo",
+                                    "sums right": True, "gathered right": True}

@@ -123,3 +123,60 @@ def test_a_module_runs_as_python_dash_m_runs_it(tmp_path, path):
     missing = _run_module(tmp_path, "no_such_mod", path == "fallback")
     assert missing.returncode == 1
     assert missing.stderr.strip() == f"{sys.executable}: No module named no_such_mod"
+
+
+# --- elastic._compat.torch_checkpoint ---------------------------------------------------------
+
+
+def test_dcp_file_reader_cuts_items_where_the_verifying_reader_hooks_in():
+    from elastic._compat import torch_checkpoint
+
+    assert torch_checkpoint.file_reader_slices()
+
+
+def test_torch_save_zips_are_read_and_storage_types_named_without_torch_load():
+    import io
+
+    import torch
+
+    from elastic._compat import torch_checkpoint
+
+    buffer = io.BytesIO()
+    torch.save(torch.arange(4, dtype=torch.float32), buffer)
+    buffer.seek(0)
+    archive = torch_checkpoint.zip_archive(buffer)
+    assert archive is not None and "data.pkl" in archive.get_all_records()
+    assert torch_checkpoint.storage_type_names()[torch.float32] == "FloatStorage"
+
+
+def test_without_the_internals_the_shims_say_so(monkeypatch):
+    import io
+
+    import torch
+
+    from elastic._compat import torch_checkpoint
+
+    monkeypatch.setattr(torch._C, "PyTorchFileReader", None, raising=False)
+    monkeypatch.setattr(torch.storage, "_dtype_to_storage_type_map", None, raising=False)
+    torch_checkpoint.storage_type_names.cache_clear()
+    try:
+        assert torch_checkpoint.zip_archive(io.BytesIO(b"")) is None
+        assert torch_checkpoint.storage_type_names() == {}
+    finally:
+        torch_checkpoint.storage_type_names.cache_clear()
+
+
+def test_without_the_internals_a_restore_reads_items_the_slow_way(tmp_path, monkeypatch):
+    """The callers' fallbacks (torch.load for every item); the restore is still bitwise."""
+    import torch
+
+    from elastic.checkpoint import dcp_io
+    from elastic.checkpoint.checkpointer import Checkpointer
+
+    model = torch.nn.Linear(3, 2)
+    Checkpointer(str(tmp_path), model=model).save(0, async_=False)
+    monkeypatch.setattr(dcp_io.compat, "zip_archive", lambda stream: None)
+    restored = torch.nn.Linear(3, 2)
+    checkpointer = Checkpointer(str(tmp_path), model=restored)
+    assert checkpointer.restore() == 1
+    assert torch.equal(restored.weight, model.weight) and torch.equal(restored.bias, model.bias)
