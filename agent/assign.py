@@ -8,8 +8,18 @@ node's rank), ``ROLE_RANK``, ``ROLE_NAME`` (``--role``), ``WORLD_SIZE``,
 ``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_RUN_ID`` (the job id),
 ``TORCHELASTIC_USE_AGENT_STORE`` (``False``: the workers' group rendezvous at
 ``MASTER_ADDR:MASTER_PORT``, with no store of the agent's), and, read when the
-interpreter or torch starts (:func:`startup_env`), ``OMP_NUM_THREADS=1`` and
-``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` unless the agent's environment sets them.
+interpreter or torch starts (:func:`startup_env`), ``OMP_NUM_THREADS=1``
+unless the agent's environment sets it.
+
+Not set, unlike torchrun: ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (torchrun: 1
+unless set). torch's default, 3 (``SkipCleanUp``: ProcessGroupNCCL.hpp's
+``ErrorHandlingMode``, read in 2.6.0 and 2.13.0), ends a worker whose
+collective failed or timed out at once; 1 (``TearDown``) first aborts its
+NCCL communicators, and ``ncclCommAbort`` can hang (torch's reason for 3),
+most of all when a peer is gone, which is every failure elasticd restarts
+from: the worker would then wait for the agent's SIGKILL. Skipping the
+clean-up loses nothing, since the process ends. A value in the agent's
+environment still reaches the workers (they inherit it).
 ``TORCHELASTIC_ERROR_FILE`` is set by the supervisor, per rank and round
 (:func:`agent.supervisor.rank_files`); ``CUDA_VISIBLE_DEVICES`` is inherited.
 
@@ -31,8 +41,6 @@ from typing import Mapping
 from agent.netaddr import SYSTEM_NETWORK, HostNetwork, socket_ifname_env
 from elastic.rendezvous.api import Round
 from elastic.worker.channel import HEARTBEAT_SOCKET_ENV
-
-NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
 def worker_envs(round_: Round, node_id: str, *, job_id: str, restart_count: int,
@@ -90,8 +98,7 @@ def startup_env(nproc: int, environ: Mapping[str, str], advertise_addr: str | No
     interpreter or torch starts (so warm workers must be started with them).
 
     ``environ`` is the agent's environment: a variable set there is never
-    overridden. ``OMP_NUM_THREADS=1`` with several workers per node;
-    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``.
+    overridden. ``OMP_NUM_THREADS=1`` with several workers per node.
     ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` name the interface that
     carries ``advertise_addr`` (see :func:`agent.netaddr.socket_ifname_env`:
     none, and a warning, when no interface does); none without
@@ -102,10 +109,6 @@ def startup_env(nproc: int, environ: Mapping[str, str], advertise_addr: str | No
         # As torchrun: several workers on one node each using every core would
         # oversubscribe it.
         env["OMP_NUM_THREADS"] = "1"
-    if NCCL_ASYNC_ERROR_HANDLING not in environ:
-        # As torchrun: a failed NCCL collective aborts the worker instead of
-        # hanging it, so the agent sees an exit and restarts the group.
-        env[NCCL_ASYNC_ERROR_HANDLING] = "1"
     if advertise_addr:
         env.update(socket_ifname_env(advertise_addr, environ, net=net))
     return env

@@ -242,8 +242,13 @@ OPTIONS = [
            "serve Prometheus metrics over HTTP on this port, on the --listen host (0: off)",
            "PORT"),
     Option("stop-grace", non_negative(float), 5.0,
-           "after SIGTERM, wait this long before SIGKILL of a worker (torchrun: 30)", "SECONDS",
+           "after SIGTERM, wait this long before SIGKILL of a worker (torchrun: 30): for a "
+           "drain, a signal, the job's end, a scale-up; time for a final checkpoint", "SECONDS",
            torchrun=("--shutdown-timeout",)),
+    Option("failure-stop-grace", non_negative(float), 3.0,
+           "the same after a failure (a worker died or hung, a node was lost, a restart): "
+           "survivors stuck in a collective never act on SIGTERM; at most --stop-grace",
+           "SECONDS"),
     Option("prestart", _flag, True,
            "keep warm workers (torch imported) ready for fast restarts; --no-prestart to turn off",
            is_flag=True),
@@ -353,6 +358,8 @@ class AgentConfig:
     no_python: bool = False
     role: str = "default"
     console: ConsoleFilter = ConsoleFilter()
+    # --failure-stop-grace, capped by stop_grace_s where it is used.
+    failure_stop_grace_s: float = 3.0
     # --gpu-check, and the GPUs it expects here (agent.gpu_health). "off" here,
     # "warn" from load(): agents built in-process (tests, the simulator) check
     # nothing unless they ask.
@@ -610,6 +617,7 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         advertise_addr=advertise.addr,
         state_dir=node_dir, log_dir=log_dir, log_format=v["log_format"],
         metrics_port=v["metrics_port"], stop_grace_s=v["stop_grace"],
+        failure_stop_grace_s=v["failure_stop_grace"],
         # Warm workers keep an interpreter ready; a program executed directly has no use for one.
         drain_exit_code=v["drain_exit_code"], prestart=v["prestart"] and not no_python,
         warm_sets=v["warm_sets"], connect_timeout_s=v["connect_timeout"],

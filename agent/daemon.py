@@ -421,7 +421,8 @@ class Agent:
             self._start_workers(command.round, command.restart_count)
         elif isinstance(command, reactor.StopWorkers):
             self.server.set_serving(False)
-            self.supervisor.stop(timeout_s=0.0 if command.fast else None)
+            self.supervisor.stop(timeout_s=command.grace_s(self.config.stop_grace_s,
+                                                          self.config.failure_stop_grace_s))
         elif isinstance(command, (reactor.RequestRestart, reactor.Report)):
             self._intents.append(command)
         elif isinstance(command, reactor.WatchPeer):

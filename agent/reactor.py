@@ -16,6 +16,15 @@ The rules:
   workers unhealthy (NOT_SERVING) for longer than a lease TTL fails the
   round: stop this node's workers first, then ask for a restart (counted
   against the budget). A stop never waits on etcd.
+* How long a stop gives workers between SIGTERM and SIGKILL
+  (:class:`StopGrace`): the drain's grace (``--stop-grace``, time for a final
+  checkpoint) when this node drains, is signalled, or the job ends with
+  success, and for a round that only adds members (a scale-up); the failure's
+  (``--failure-stop-grace``, short) after a failure here or anywhere in the
+  round (a new round that lost a member or counts a failure, any other
+  restart, the job failing): survivors blocked in a collective whose peer is
+  gone never run their SIGTERM handler, so waiting longer only delays the
+  restart. None at all when this node is cut off from etcd.
 * When every worker of this node exited 0 the node is DONE: it reports that
   to the leader and waits (the exit barrier) for the job's outcome; its
   workers are not stopped and nothing is declared until every member is done.
@@ -45,6 +54,7 @@ The rules:
 from __future__ import annotations
 
 import dataclasses
+import enum
 import signal
 from dataclasses import dataclass
 from typing import Union
@@ -161,10 +171,31 @@ class StartWorkers:
     restart_count: int
 
 
+class StopGrace(enum.Enum):
+    """How long stopped workers get between SIGTERM and SIGKILL."""
+
+    DRAIN = "drain"  # --stop-grace: a planned stop, time for a final checkpoint
+    FAILURE = "failure"  # --failure-stop-grace: a failure; survivors may be stuck in a collective
+    NONE = "none"  # SIGKILL at once: the lease may expire before any grace ends
+
+
 @dataclass(frozen=True)
 class StopWorkers:
     reason: str
-    fast: bool = False  # SIGKILL at once: the lease may expire before a grace period ends
+    grace: StopGrace = StopGrace.DRAIN
+
+    @property
+    def fast(self) -> bool:
+        return self.grace is StopGrace.NONE
+
+    def grace_s(self, stop_grace_s: float, failure_stop_grace_s: float) -> float:
+        """Seconds between SIGTERM and SIGKILL, from ``--stop-grace`` and
+        ``--failure-stop-grace``: a failure never waits longer than a drain."""
+        if self.grace is StopGrace.NONE:
+            return 0.0
+        if self.grace is StopGrace.FAILURE:
+            return min(failure_stop_grace_s, stop_grace_s)
+        return stop_grace_s
 
 
 @dataclass(frozen=True)
@@ -329,12 +360,24 @@ def react(view: AgentView, event: Event, now: float, settings: Settings) -> Resu
     raise TypeError(f"not an agent event: {event!r}")
 
 
-def _stop(view: AgentView, reason: str, *, fast: bool = False) -> Result:
+def _stop(view: AgentView, reason: str, grace: StopGrace) -> Result:
     """Stop this node's workers and wait for the next round."""
     number = view.round_number
     return (dataclasses.replace(view, state=S.JOINING, peer_unhealthy=None),
             [Transition(S.STOPPING, reason, number), WatchPeer(None),
-             StopWorkers(reason, fast=fast), Transition(S.JOINING, "workers stopped", number)])
+             StopWorkers(reason, grace), Transition(S.JOINING, "workers stopped", number)])
+
+
+def _replacement_grace(old: Round | None, new: Round) -> StopGrace:
+    """The drain's grace only for a planned scale-up: a round that keeps every
+    member, adds some and counts no new failure (a script that saves a
+    checkpoint on SIGTERM gets its time). Anything else (a member lost,
+    drained, restarted or left out; a restart after a failure or asked by an
+    operator) may leave survivors stuck in a collective: the failure's grace."""
+    if old is None or set(new.failures) - set(old.failures) \
+            or not set(old.node_ids) < set(new.node_ids):
+        return StopGrace.FAILURE
+    return StopGrace.DRAIN
 
 
 def _on_round(view: AgentView, event: RoundCommitted, now: float, settings: Settings) -> Result:
@@ -344,8 +387,9 @@ def _on_round(view: AgentView, event: RoundCommitted, now: float, settings: Sett
     if r.outcome:
         commands: list[Command] = []
         if view.state in (S.RUNNING, S.STARTING, S.DONE):
+            grace = StopGrace.DRAIN if r.outcome == "succeeded" else StopGrace.FAILURE
             commands += [Transition(S.STOPPING, f"job {r.outcome}", r.number), WatchPeer(None),
-                         StopWorkers(f"job {r.outcome}")]
+                         StopWorkers(f"job {r.outcome}", grace)]
         final = S.SUCCEEDED if r.outcome == "succeeded" else S.FAILED
         commands.append(Transition(final, f"job {r.outcome}: {r.reason}", r.number))
         return dataclasses.replace(view, state=final, outcome_reason=r.reason), commands
@@ -354,7 +398,7 @@ def _on_round(view: AgentView, event: RoundCommitted, now: float, settings: Sett
     commands = []
     if view.state in (S.RUNNING, S.STARTING, S.DONE):
         view, commands = _stop(view, f"round {r.number} replaces round {view.round_number}: "
-                                     f"{r.reason}")
+                                     f"{r.reason}", _replacement_grace(view.round, r))
     me = r.member(settings.node_id)
     if me is None:
         if event.drain_requested:
@@ -426,7 +470,8 @@ def _fail_round(view: AgentView, reason: str) -> Result:
     """A local failure: stop this node's workers at once, then ask for a new
     round (counted against the budget); the request is retried until it lands."""
     number = view.round_number
-    view, commands = _stop(dataclasses.replace(view, last_failure=reason), reason)
+    view, commands = _stop(dataclasses.replace(view, last_failure=reason), reason,
+                           StopGrace.FAILURE)
     return view, [Note(f"{reason}; requesting a restart")] + commands + [
         RequestRestart(number, reason, failure=True)]
 
@@ -595,7 +640,7 @@ def _stop_cut_off(view: AgentView, cut_off_s: float) -> Result:
     reason = (f"cut off from etcd for {cut_off_s:.1f} s while {view.cut_off}: stopping "
               "the workers before this node's lease can expire")
     view, commands = _stop(dataclasses.replace(view, cut_off="", cut_off_since=None), reason,
-                           fast=True)
+                           StopGrace.NONE)
     # Not a failure of the job: when this node is back, its peers and it need
     # a new round (unless its lease expired, which makes one anyway).
     return view, commands + [RequestRestart(number, reason, failure=False)]
@@ -607,5 +652,5 @@ def _drain(view: AgentView, reason: str) -> Result:
     number = view.round_number
     view = dataclasses.replace(view, state=S.SUCCEEDED, outcome_reason=f"drained: {reason}")
     return view, [Transition(S.DRAINING, reason, number), AnnounceDrain(reason), WatchPeer(None),
-                  StopWorkers(reason), Leave(reason),
+                  StopWorkers(reason, StopGrace.DRAIN), Leave(reason),
                   Transition(S.SUCCEEDED, "left the job after draining", number)]

@@ -188,3 +188,11 @@ def test_no_usable_address_is_bad_input_that_names_the_flag(tmp_path):
                      str(script)], {}, net=net)
 
     assert exit_code_for(info.value) == EXIT_BAD_INPUT
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_the_failure_stop_grace_is_read_like_every_option(tmp_path, source):
+    assert load_with(tmp_path, source, "failure-stop-grace", "0.5").failure_stop_grace_s == 0.5
+    assert load_with(tmp_path, source, "stop-grace", "90").failure_stop_grace_s == 3.0
+    with pytest.raises(ConfigError, match="failure-stop-grace"):
+        load_with(tmp_path, source, "failure-stop-grace", "-1")

@@ -15,8 +15,6 @@ from agent.netaddr import HostNetwork, choose_advertise_addr
 from elastic.errors import ConfigError
 
 ETCD = "http://etcd1.example:2379"
-# startup_env's torchrun default, beside the interface variables these tests are about.
-NCCL_ERRORS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
 
 
 class FakeHost:
@@ -137,7 +135,7 @@ def test_the_interface_carrying_the_address_is_named_for_gloo_and_nccl():
 
     # NCCL matches by prefix unless told "=": "ens5" alone would take "ens50" too.
     assert env == {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "ens5",
-                   "NCCL_SOCKET_IFNAME": "=ens5", **NCCL_ERRORS}
+                   "NCCL_SOCKET_IFNAME": "=ens5"}
 
 
 def test_variables_the_user_set_are_kept():
@@ -147,8 +145,8 @@ def test_variables_the_user_set_are_kept():
     neither = startup_env(1, {"GLOO_SOCKET_IFNAME": "bond0", "NCCL_SOCKET_IFNAME": "ib0"},
                           "10.0.0.5", net=unreachable_net())
 
-    assert only_nccl == {"NCCL_SOCKET_IFNAME": "=ens5", **NCCL_ERRORS}
-    assert neither == NCCL_ERRORS
+    assert only_nccl == {"NCCL_SOCKET_IFNAME": "=ens5"}
+    assert neither == {}
 
 
 def test_no_interface_carrying_the_address_sets_nothing_and_says_what_to_set(caplog):
@@ -156,7 +154,7 @@ def test_no_interface_carrying_the_address_sets_nothing_and_says_what_to_set(cap
 
     env = startup_env(1, {"NCCL_SOCKET_IFNAME": "ib0"}, "198.51.100.7", net=host.net)
 
-    assert env == NCCL_ERRORS
+    assert env == {}
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1
     assert "198.51.100.7" in warnings[0] and "set GLOO_SOCKET_IFNAME in" in warnings[0]
@@ -169,11 +167,11 @@ def test_a_loopback_address_uses_lo(advertise):
 
     env = startup_env(1, {}, advertise, net=host.net)
 
-    assert env == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "=lo", **NCCL_ERRORS}
+    assert env == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "=lo"}
 
 
 def test_without_an_advertised_address_only_threads_are_set():
-    assert startup_env(2, {}, net=unreachable_net()) == {"OMP_NUM_THREADS": "1", **NCCL_ERRORS}
+    assert startup_env(2, {}, net=unreachable_net()) == {"OMP_NUM_THREADS": "1"}
 
 
 # ------------------------------------------------------------ this machine, for real

@@ -24,6 +24,7 @@ from agent.reactor import (
     Settings,
     Signalled,
     StartWorkers,
+    StopGrace,
     StopWorkers,
     Tick,
     Transition,
@@ -108,7 +109,7 @@ class TestRounds:
                                                                    outcome="failed")), 10.0,
                                SETTINGS)
         assert view.state is S.FAILED
-        assert StopWorkers("job failed") in commands
+        assert StopWorkers("job failed", StopGrace.FAILURE) in commands
 
 
 class TestWorkerExits:
@@ -340,3 +341,67 @@ class TestNextTick:
                      SETTINGS) != react(view, Tick(lease_unconfirmed_s=unconfirmed), now,
                                         SETTINGS)
 
+
+
+class TestStopGrace:
+    """Which grace each stop gives the workers: the drain's for planned stops,
+    the failure's where survivors may be stuck in a collective (issue 23, defect 5)."""
+
+    @staticmethod
+    def grace(commands):
+        return next(c for c in commands if isinstance(c, StopWorkers)).grace
+
+    def test_a_local_failure_and_a_hang_stop_with_the_failure_grace(self):
+        _, crashed = react(running(3), WorkerExited(3, 1, 1, 99, 1), 10.0, SETTINGS)
+        _, hung = react(running(3), Tick(hung=("rank 1",)), 200.0, SETTINGS)
+        assert self.grace(crashed) is StopGrace.FAILURE
+        assert self.grace(hung) is StopGrace.FAILURE
+
+    @pytest.mark.parametrize("members,failures,grace", [
+        (("a", "b"), (50.0,), StopGrace.FAILURE),  # a failure elsewhere in the round
+        (("a",), (), StopGrace.FAILURE),  # b lost, drained or left out
+        (("a", "b"), (), StopGrace.FAILURE),  # b restarted, or an operator's restart
+        (("a", "c"), (), StopGrace.FAILURE),  # b gone, c joined
+        (("a", "b", "c"), (50.0,), StopGrace.FAILURE),  # a failure, and c joined
+        (("a", "b", "c"), (), StopGrace.DRAIN),  # a scale-up only
+    ])
+    def test_a_new_round_stops_with_the_failure_grace_unless_it_only_adds_members(
+            self, members, failures, grace):
+        new = dataclasses.replace(round_of(4, *members), failures=failures)
+        _, commands = react(running(3), RoundCommitted(new), 10.0, SETTINGS)
+        assert self.grace(commands) is grace
+
+    def test_a_failure_that_ages_out_of_the_window_is_not_taken_for_a_new_one(self):
+        old = dataclasses.replace(round_of(3, "a", "b"), failures=(40.0, 50.0))
+        view = dataclasses.replace(running(3), round=old)
+        new = dataclasses.replace(round_of(4, "a", "b", "c"), failures=(50.0,))
+        assert self.grace(react(view, RoundCommitted(new), 10.0, SETTINGS)[1]) \
+            is StopGrace.DRAIN
+        new = dataclasses.replace(new, failures=(50.0, 60.0))
+        assert self.grace(react(view, RoundCommitted(new), 10.0, SETTINGS)[1]) \
+            is StopGrace.FAILURE
+
+    def test_drains_and_signals_give_the_drain_grace(self):
+        for event in (DrainRequested("maintenance"), Signalled(15), Signalled(2)):
+            assert self.grace(react(running(3), event, 10.0, SETTINGS)[1]) is StopGrace.DRAIN
+
+    def test_the_job_s_end_gives_the_drain_grace_for_success_the_failure_grace_for_failure(self):
+        for outcome, grace in (("succeeded", StopGrace.DRAIN), ("failed", StopGrace.FAILURE)):
+            _, commands = react(running(3), RoundCommitted(round_of(4, "a", "b",
+                                                                   outcome=outcome)),
+                                10.0, SETTINGS)
+            assert self.grace(commands) is grace
+
+    def test_cut_off_from_etcd_gives_none(self):
+        _, commands = react(running(3), LeaseState(2.8, (("b:1", 0.4),), 1), 10.0, SETTINGS)
+        assert self.grace(commands) is StopGrace.NONE
+
+
+@pytest.mark.parametrize("grace,seconds", [(StopGrace.DRAIN, 90.0), (StopGrace.FAILURE, 3.0),
+                                           (StopGrace.NONE, 0.0)])
+def test_each_grace_in_seconds(grace, seconds):
+    assert StopWorkers("why", grace).grace_s(90.0, 3.0) == seconds
+
+
+def test_a_failure_never_waits_longer_than_a_drain():
+    assert StopWorkers("why", StopGrace.FAILURE).grace_s(1.0, 3.0) == 1.0
