@@ -27,7 +27,8 @@ import queue
 import signal
 import sys
 import threading
-from typing import Any, Protocol
+import time
+from typing import Any, Callable, Protocol
 
 from agent import config as agent_config
 from agent import gpu_health, grpc_input, localfiles, reactor
@@ -53,6 +54,7 @@ from elastic.errors import (
     ElasticError,
     FencedError,
     GpuError,
+    NodeUnfitError,
     InvalidRequestError,
     JobEndedError,
     MalformedRecordError,
@@ -145,9 +147,10 @@ class Agent:
                  peers: PeerMesh, *, inbox: queue.Queue, socket_path: str = "",
                  heartbeat_socket: str = "", clock: Clock = SYSTEM_CLOCK,
                  notifier: SystemdNotifier | None = None, metrics: NoMetrics = NO_METRICS,
-                 gpus: GpuReader = NO_GPU_READER):
+                 gpus: GpuReader = NO_GPU_READER, sleep: Callable[[float], None] = time.sleep):
         self.config = config
         self.gpus = gpus  # read before a round's workers start (--gpu-check)
+        self._sleep = sleep  # only between GPU reads before joining (--gpu-check enforce)
         self.metrics = metrics  # before the lifecycle, which feeds it
         self.store = store
         self.rdzv = rendezvous
@@ -254,7 +257,10 @@ class Agent:
         return self.exit_code
 
     def start(self, *, threaded: bool = True) -> None:
-        """Join the rendezvous (``threaded=False``: the caller pumps it)."""
+        """Join the rendezvous (``threaded=False``: the caller pumps it).
+        Raises NodeUnfitError, before joining, when this node's GPUs fail
+        ``--gpu-check enforce``."""
+        self._check_gpus_before_joining()
         self.rdzv.start(thread=threaded)
         self.supervisor.warm_up()
         self.lifecycle.to(S.JOINING, "registered with the rendezvous" if self.rdzv.registered
@@ -459,6 +465,30 @@ class Agent:
         self.supervisor.start_round(r.number, envs)
         self.server.set_serving(True)
 
+    def _read_gpus(self) -> NvmlReading:
+        try:
+            return self.gpus.read()
+        except GpuError as exc:
+            return NvmlReading(unavailable=str(exc))
+
+    def _check_gpus_before_joining(self) -> None:
+        """With ``--gpu-check enforce``, a node whose GPUs are unfit does not
+        join at all: joining only to leave before the first round would
+        restart the others' workers twice (each time systemd or Kubernetes
+        starts the agent again). Waits, as before a round, for processes to
+        let go of the GPUs (those of this node's previous agent, killed with
+        it). Raises NodeUnfitError."""
+        expected = self.config.gpu_expectation
+        if self.config.gpu_check != "enforce" or not expected.selectors:
+            return
+        decision = gpu_health.decide_when_settled(
+            lambda: GpuObservation(self._read_gpus()), expected, "enforce", self._sleep)
+        if decision.action is GpuAction.LEAVE:
+            raise NodeUnfitError(f"job {self.config.job_id}: node {self.config.node_id} does not "
+                                 f"join: GPU check failed (--gpu-check enforce): "
+                                 f"{decision.reason}")
+        self.log.info("GPU check passed before joining: %s", decision.reason)
+
     def _check_gpus(self, command: reactor.CheckGpus) -> None:
         """Read the GPUs (NVML is not read when none is expected) and what is
         left of the last round's workers, judge them (agent.gpu_health.decide)
@@ -466,12 +496,8 @@ class Agent:
         (elasticctl events and status) unless it says to wait, or passes a
         node that expects no GPU."""
         expected = self.config.gpu_expectation
-        reading = NvmlReading(unavailable="not read: no GPUs expected")
-        if expected.selectors:
-            try:
-                reading = self.gpus.read()
-            except GpuError as exc:
-                reading = NvmlReading(unavailable=str(exc))
+        reading = (self._read_gpus() if expected.selectors
+                   else NvmlReading(unavailable="not read: no GPUs expected"))
         last = self.supervisor.workers()
         observed = GpuObservation(
             reading, leftovers=tuple(w.pid for w in last if w.alive),

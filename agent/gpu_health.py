@@ -48,6 +48,10 @@ The rules, in order:
   round that is still alive, which always makes the node leave: its
   replacement cannot be started while it lives, and it may hold its GPU.
 * No problem: PASS.
+
+:func:`decide_when_settled` applies the same rules to reads it makes itself,
+waiting between them: what an agent with ``enforce`` does once before it
+joins, and a check script.
 """
 
 from __future__ import annotations
@@ -344,10 +348,10 @@ def decide(obs: GpuObservation, expected: GpuExpectation, mode: str, since: floa
     lasting = [p for p in problems if p not in _TRANSIENT]
     if any(p in _TRANSIENT for p in problems) and now < deadline \
             and not (mode == "enforce" and lasting):
-        return GpuDecision(GpuAction.WAIT, f"waiting up to {release_wait_s:g} s for the last "
-                                           f"round to let go of the GPUs: {text}",
+        return GpuDecision(GpuAction.WAIT, f"waiting up to {release_wait_s:g} s for the GPUs to "
+                                           f"be let go: {text}",
                            problems, wake_at=min(now + POLL_S, deadline), waited_s=waited_s)
-    waited = (f" ({waited_s:.1f} s after the last round's stop)"
+    waited = (f" (still after waiting {waited_s:.1f} s)"
               if now >= deadline and any(p in _TRANSIENT for p in problems) else "")
     if problems:
         if mode == "enforce" or "survived_kill" in problems:
@@ -359,11 +363,28 @@ def decide(obs: GpuObservation, expected: GpuExpectation, mode: str, since: floa
         why = obs.nvml.unavailable or "NVML sees none of them"
         return GpuDecision(GpuAction.PASS, f"no GPUs expected: {expected.why}; {why}",
                            waited_s=waited_s)
-    released = f", released {waited_s:.1f} s after the stop" if waited_s >= POLL_S else ""
+    released = f", let go after {waited_s:.1f} s" if waited_s >= POLL_S else ""
     return GpuDecision(GpuAction.PASS,
                        f"{_plural(checked, 'GPU')} fit ({expected.why}): no uncorrectable ECC "
                        "error, no pending page retirement or row remap, no process holding "
                        f"memory{released}", waited_s=waited_s)
+
+
+def decide_when_settled(observe: Callable[[], GpuObservation], expected: GpuExpectation,
+                        mode: str, sleep: Callable[[float], None],
+                        release_wait_s: float = RELEASE_WAIT_S) -> GpuDecision:
+    """:func:`decide` on ``observe()`` until the verdict is not WAIT, calling
+    ``sleep`` between reads: for a caller with nothing else to do meanwhile
+    (an agent before it joins, a check script). Time is counted on the reads'
+    own schedule (0, POLL_S, ..., ``release_wait_s``), so no clock is read
+    here; ``sleep`` may return at once in tests."""
+    now = 0.0
+    while True:
+        decision = decide(observe(), expected, mode, 0.0, now, release_wait_s)
+        if decision.action is not GpuAction.WAIT or decision.wake_at is None:
+            return decision
+        sleep(decision.wake_at - now)
+        now = decision.wake_at
 
 
 # The event kinds a check's result is recorded under (elasticctl events, status).

@@ -154,6 +154,14 @@ class GpuUnavailableError(GpuError):
     NVIDIA driver is not loaded. A host without GPUs says so too."""
 
 
+class NodeUnfitError(ElasticError):
+    """This node cannot take part in the job as it is: its GPUs failed
+    ``--gpu-check enforce`` before it joined (the message says how). It does
+    not join, so the others never restart for it. Exit code 6."""
+
+    exit_code = EXIT_NODE_UNFIT
+
+
 class RendezvousError(ElasticError):
     """The rendezvous could not produce a round for this node."""
 

@@ -33,7 +33,7 @@ from agent.reactor import (
     react,
 )
 from agent.supervisor import WorkerStatus
-from elastic.errors import EXIT_NODE_UNFIT, GpuUnavailableError
+from elastic.errors import EXIT_NODE_UNFIT, GpuUnavailableError, NodeUnfitError, exit_code_for
 from elastic.events import read_events
 from elastic.rendezvous.api import Member, NodeInfo, ReportKind, Round
 from elastic.rendezvous.node import RendezvousNode
@@ -181,9 +181,10 @@ class GpuNode:
         self.supervisor = SurvivingSupervisor(self.workers, "a", self.clock.monotonic)
         self.metrics = AgentMetrics("j", "a", registry=CollectorRegistry())
         self.reader = reader
+        self.sleeps: list[float] = []
         self.agent = Agent(config, self.store, self.rdzv, self.supervisor, server,
                            FakeMesh(network, "a"), inbox=inbox, clock=self.clock,
-                           metrics=self.metrics, gpus=reader)
+                           metrics=self.metrics, gpus=reader, sleep=self.sleeps.append)
         server.agent = self.agent
         self.workers.agents["a"] = self.agent
         self.workers.on_exit["a"] = inbox.put
@@ -247,13 +248,15 @@ class TestAgent:
         assert n.agent.lifecycle.state is S.RUNNING
         assert not first & {w.pid for w in n.running()}
         kind, message = n.gpu_events()[-1]
-        assert kind == "gpu_ok" and "released" in message
+        assert kind == "gpu_ok" and "let go after" in message
         assert n.metric("elasticd_gpu_check_seconds_count") == 2
 
     @pytest.mark.parametrize("mode, state, kind", [("enforce", S.FAILED, "gpu_failed"),
                                                    ("warn", S.RUNNING, "gpu_warning")])
-    def test_uncorrectable_ecc_errors(self, mode, state, kind):
-        n = GpuNode(FakeGpuReader([node(2, g1={"ecc_uncorrected_volatile": 3})]), mode=mode)
+    def test_uncorrectable_ecc_errors_found_before_a_round(self, mode, state, kind):
+        # enforce reads once before joining (fit then), warn only before the round
+        bad = node(2, g1={"ecc_uncorrected_volatile": 3})
+        n = GpuNode(FakeGpuReader([node(2), bad] if mode == "enforce" else [bad]), mode=mode)
         n.run(3)
         assert n.agent.lifecycle.state is state
         [(recorded, message)] = n.gpu_events()
@@ -261,7 +264,7 @@ class TestAgent:
         assert n.metric("elasticd_gpu_check_problems_total", problem="ecc") == 1
 
     def test_enforce_leaves_the_job_with_its_reason_visible_in_status_and_events(self):
-        n = GpuNode(FakeGpuReader([node(1)]))
+        n = GpuNode(FakeGpuReader([node(2), node(1)]))  # a GPU lost after joining
         n.run(3)
         assert n.agent.lifecycle.state is S.FAILED
         assert n.agent.exit_code == EXIT_NODE_UNFIT
@@ -278,10 +281,33 @@ class TestAgent:
         assert n.metric("elasticd_gpu_checks_total", result="leave") == 1
 
     def test_no_nvml_with_gpus_expected_keeps_the_node_out(self):
-        n = GpuNode(FakeGpuReader([GpuUnavailableError("pynvml is not installed")]))
+        n = GpuNode(FakeGpuReader([GpuUnavailableError("pynvml is not installed")]), mode="warn")
         n.run(3)
-        assert n.agent.lifecycle.state is S.FAILED
-        assert "NVML cannot be read: pynvml is not installed" in n.agent.view.last_failure
+        assert n.agent.lifecycle.state is S.RUNNING
+        [(kind, message)] = n.gpu_events()
+        assert kind == "gpu_warning"
+        assert message.endswith("NVML cannot be read: pynvml is not installed")
+
+    def test_enforce_does_not_join_with_unfit_gpus(self):
+        with pytest.raises(NodeUnfitError) as refused:
+            GpuNode(FakeGpuReader([GpuUnavailableError("pynvml is not installed")]))
+        assert str(refused.value) == (
+            "job j: node a does not join: GPU check failed (--gpu-check enforce): 2 GPUs "
+            "expected, but NVML cannot be read: pynvml is not installed")
+        assert exit_code_for(refused.value) == EXIT_NODE_UNFIT
+
+    def test_enforce_joins_once_the_previous_agents_workers_let_go_of_the_gpus(self):
+        reader = FakeGpuReader([node(2, g0=held_by(4242))] * 3 + [node(2)])
+        n = GpuNode(reader)
+        assert n.sleeps == [0.5, 0.5, 0.5]  # read four times, 0.5 s apart
+        n.run(3)
+        assert n.agent.lifecycle.state is S.RUNNING
+
+    def test_enforce_does_not_join_while_the_gpus_stay_held(self):
+        reader = FakeGpuReader([node(2, g0=held_by(4242))])
+        with pytest.raises(NodeUnfitError, match=r"pid 4242 holds 20000 MiB \(still after waiting 10.0 s\)$"):
+            GpuNode(reader)
+        assert reader.reads == int(RELEASE_WAIT_S / 0.5) + 1
 
     def test_no_gpus_expected_reads_no_nvml_and_records_nothing(self):
         reader = FakeGpuReader([GpuUnavailableError("no NVML")])

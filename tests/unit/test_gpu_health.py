@@ -122,12 +122,12 @@ class TestMemoryOfTheLastRound:
         assert d.action is GpuAction.WAIT
         assert d.problems == ("memory_held",)
         assert d.wake_at == pytest.approx(T0 + POLL_S)
-        assert d.reason == (f"waiting up to {RELEASE_WAIT_S:g} s for the last round to let go "
-                            "of the GPUs: GPU 0 (GPU-00000000-0000-0000-0000-000000000000): "
+        assert d.reason == (f"waiting up to {RELEASE_WAIT_S:g} s for the GPUs to be let go: "
+                            "GPU 0 (GPU-00000000-0000-0000-0000-000000000000): "
                             "pid 4242 (a worker of the last round) holds 30000 MiB")
         d = judge(node(2), now=T0 + 1.5)
         assert d.action is GpuAction.PASS
-        assert d.reason.endswith("released 1.5 s after the stop")
+        assert d.reason.endswith("let go after 1.5 s")
         assert d.waited_s == pytest.approx(1.5)
 
     def test_the_last_read_before_the_deadline_is_at_the_deadline(self):
@@ -141,7 +141,7 @@ class TestMemoryOfTheLastRound:
         assert d.action is action
         assert d.problems == ("memory_held",)
         assert d.reason == ("GPU 1 (GPU-00000001-0000-0000-0000-000000000000): pid 99 holds "
-                            f"512 MiB ({RELEASE_WAIT_S:.1f} s after the last round's stop)")
+                            f"512 MiB (still after waiting {RELEASE_WAIT_S:.1f} s)")
 
     def test_enforce_does_not_wait_when_a_lasting_problem_is_known(self):
         d = judge(node(2, g0={"ecc_uncorrected_volatile": 1, **held(5)}), mode="enforce")
