@@ -148,3 +148,33 @@ def resolve_nproc(spec: int | str, environ: Mapping[str, str],
                               "give a number of workers, or cpu")
     cpus = devices.cpu_count() or 1
     return cpus, f"{spec}: {cpus} CPUs" + (", no GPU" if spec == "auto" else "")
+
+
+def visible_gpus(physical: int, cuda_visible_devices: str | None) -> list[str]:
+    """The GPUs a CUDA process sees under this ``CUDA_VISIBLE_DEVICES`` (None:
+    unset), as entries that name them in that variable, in CUDA's order
+    (:func:`visible_cuda_devices` says which count)."""
+    count = visible_cuda_devices(physical, cuda_visible_devices)
+    if cuda_visible_devices is None:
+        return [str(i) for i in range(count)]
+    return [e.strip() for e in cuda_visible_devices.split(",")][:count]
+
+
+def colocated_node_gpus(node: int, nproc: int, visible: list[str]) -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` for the ``node``-th (from 0) of several agents
+    that share one host (a demo, a benchmark), each running ``nproc`` workers,
+    one GPU each: its own ``nproc`` of the ``visible`` GPUs, so that no two
+    agents' ranks land on one GPU (NCCL refuses a GPU twice in a group). None
+    when the host has no GPU: the workers run on the CPU (gloo), and so they do
+    under an empty ``CUDA_VISIBLE_DEVICES``. Raises ConfigError when there are
+    GPUs but fewer than node ``node`` needs."""
+    if not visible:
+        return None
+    needed = (node + 1) * nproc
+    if needed > len(visible):
+        raise ConfigError(
+            f"agent {node + 1} of this host needs GPUs {node * nproc}-{needed - 1} "
+            f"({nproc} per agent, one per worker), but {len(visible)} are visible "
+            f"({', '.join(visible)}): run with at least {needed} GPUs, or on the CPU "
+            "with CUDA_VISIBLE_DEVICES=\"\"")
+    return ",".join(visible[node * nproc:needed])

@@ -94,6 +94,7 @@ from bench.recovery import (  # noqa: E402
     tagged,
     wait_for,
 )
+from agent.devices import physical_gpus, visible_gpus  # noqa: E402
 from elastic.rendezvous.api import DEFAULT_LEASE_TTL_S  # noqa: E402
 from elastic.store.server import EtcdServer  # noqa: E402
 
@@ -292,7 +293,7 @@ class GoodputRun(Run):
                          0.05)
             except BenchError:
                 pass  # a restarted job may find b's old lease still leading
-            self.elasticd(names[1], [*common, "--node-id", NODES[1]])
+            self.elasticd(names[1], [*common, "--node-id", NODES[1]], node=1)
         else:
             port = free_port()
             common = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
@@ -301,7 +302,7 @@ class GoodputRun(Run):
             env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
             self.torchrun(names[0], [*common, "--rdzv-conf", "is_host=1"], env)
             time.sleep(0.5)
-            self.torchrun(names[1], [*common, "--rdzv-conf", "is_host=0"], env)
+            self.torchrun(names[1], [*common, "--rdzv-conf", "is_host=0"], env, node=1)
 
     def nodes(self) -> list:
         """The current launchers, node a's first."""
@@ -584,6 +585,9 @@ class Bench:
         self.env = {**os.environ, TAG_ENV: self.tag, "PYTHONPATH": pythonpath,
                     "GLOO_SOCKET_IFNAME": "lo"}
         self.env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+        # Each node's CUDA_VISIBLE_DEVICES is cut from these (recovery.py's Run.launch):
+        # on a GPU host the two nodes need 2 GPUs each.
+        self.visible_gpus = visible_gpus(physical_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES"))
         self.launcher = ""
 
     def log(self, msg: str) -> None:

@@ -76,6 +76,12 @@ Every process a run starts carries a tag in its environment; each run ends by st
 its launchers (SIGTERM, then SIGKILL of every tagged process and process group), and the
 benchmark checks at the end (environment tag scan and ``pgrep -f`` on its scratch
 directory) that none is left. All traffic stays on 127.0.0.1.
+
+On a GPU host the script's workers use NCCL, one GPU per worker, and the "nodes" of a
+run share the host: each launcher gets its own GPUs through ``CUDA_VISIBLE_DEVICES``
+(node a the first ``nproc`` visible, node b the next), so no GPU serves two ranks of a
+group, which NCCL refuses. The two-node rows need 4 GPUs (2 for the others); with
+fewer a run stops with an error that says so. ``CUDA_VISIBLE_DEVICES=""`` runs on the CPU.
 """
 
 from __future__ import annotations
@@ -100,6 +106,8 @@ import uuid
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from agent.devices import colocated_node_gpus, physical_gpus, visible_gpus  # noqa: E402
+from elastic.errors import ConfigError  # noqa: E402
 from elastic.store.server import EtcdServer  # noqa: E402
 from elastic.worker.bootstrap import PRELOAD_THREAD_NAME  # noqa: E402
 
@@ -345,6 +353,26 @@ def wait_for(what: str, cond, timeout_s: float, interval_s: float = 0.02,
         time.sleep(interval_s)
 
 
+def launcher_env(name: str, env: dict[str, str], argv: list[str], node: int,
+                 gpus: list[str]) -> dict[str, str]:
+    """``env`` for launcher ``name``, the ``node``-th of its run on this host, with
+    ``CUDA_VISIBLE_DEVICES`` set to its own share of ``gpus`` (one per worker of
+    its ``--nproc-per-node``) when there are any. Raises BenchError when too few."""
+    try:
+        share = colocated_node_gpus(node, _nproc(argv), gpus)
+    except ConfigError as exc:
+        raise BenchError(f"{name}: {exc}") from exc
+    return env if share is None else {**env, "CUDA_VISIBLE_DEVICES": share}
+
+
+def _nproc(argv: list[str]) -> int:
+    """The ``--nproc-per-node`` of a launcher's command line (1 if absent)."""
+    for i, arg in enumerate(argv[:-1]):
+        if arg in ("--nproc-per-node", "--nproc_per_node"):
+            return int(argv[i + 1])
+    return 1
+
+
 def _job_id() -> str:
     return f"bench-{uuid.uuid4().hex[:12]}"
 
@@ -371,9 +399,12 @@ class Run:
         self.etcd: EtcdServer | None = None
         self.stray = 0
 
-    def launch(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None
-               ) -> Launcher:
-        env = {**self.bench.env, **(extra_env or {})}
+    def launch(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None,
+               node: int = 0) -> Launcher:
+        """Start launcher ``name``, the ``node``-th (from 0) of its run on this host:
+        on a GPU host it gets GPUs of its own (see the module docstring)."""
+        env = launcher_env(name, {**self.bench.env, **(extra_env or {})}, argv, node,
+                           self.bench.visible_gpus)
         ln = Launcher(name, argv, env, os.path.join(self.dir, f"{name}.log"))
         self.launchers.append(ln)
         return ln
@@ -384,16 +415,17 @@ class Run:
         return [script, "--steps", "100000", "--step-time", str(self.bench.args.step_time),
                 "--progress-file", self.progress.path]
 
-    def elasticd(self, name: str, opts: list[str], script: str = SCRIPT) -> Launcher:
+    def elasticd(self, name: str, opts: list[str], script: str = SCRIPT, node: int = 0
+                 ) -> Launcher:
         argv = [self.bench.python, "-m", "agent.daemon", *opts, "--advertise-addr", "127.0.0.1",
                 "--listen", "127.0.0.1:0", "--log-dir", os.path.join(self.dir, f"{name}-logs"),
                 *self.script_args(script)]
-        return self.launch(name, argv)
+        return self.launch(name, argv, node=node)
 
     def torchrun(self, name: str, opts: list[str], extra_env: dict[str, str] | None = None,
-                 script: str = SCRIPT) -> Launcher:
+                 script: str = SCRIPT, node: int = 0) -> Launcher:
         argv = [self.bench.torchrun, *opts, *self.script_args(script)]
-        return self.launch(name, argv, extra_env)
+        return self.launch(name, argv, extra_env, node=node)
 
     def check_alive(self, what: str) -> None:
         for ln in self.launchers:
@@ -619,7 +651,7 @@ def frozen_run(bench: "Bench", launcher: str, lease_ttl: float, bound_s: float,
             # a first, so that a leads and b's worker is rank 1 (as in the brief).
             wait_for("node a to lead", lambda: a.find(r"node a round \d+: elected leader"), 30, 0.05,
                      run=run)
-            b = run.elasticd("b", [*common, "--node-id", "b"])
+            b = run.elasticd("b", [*common, "--node-id", "b"], node=1)
         else:
             port = free_port()
             common = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
@@ -628,7 +660,7 @@ def frozen_run(bench: "Bench", launcher: str, lease_ttl: float, bound_s: float,
             env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
             a = run.torchrun("a", [*common, "--rdzv-conf", "is_host=1"], env)
             time.sleep(0.5)
-            b = run.torchrun("b", [*common, "--rdzv-conf", "is_host=0"], env)
+            b = run.torchrun("b", [*common, "--rdzv-conf", "is_host=0"], env, node=1)
         # elasticd's node a may first train alone (world 1) until b arrives.
         _steady(run, 2, 2, f"{launcher} nodes to train together", args.start_timeout,
                 first_start=False)
@@ -765,6 +797,8 @@ class Bench:
         self.env = {**os.environ, TAG_ENV: self.tag, "PYTHONPATH": pythonpath,
                     "GLOO_SOCKET_IFNAME": "lo"}
         self.env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+        # What each launcher's CUDA_VISIBLE_DEVICES is cut from (none: the CPU).
+        self.visible_gpus = visible_gpus(physical_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES"))
         self.results: dict = {"crash": [], "frozen": [], "footprint": []}
 
     def log(self, msg: str) -> None:

@@ -15,6 +15,14 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
     runtime.init(backend=backend, timeout_s=timeout_s)
 
 
+def device():
+    """The ``torch.device`` this rank trains on: its LOCAL_RANK's GPU when its
+    group uses NCCL, else the CPU (see :func:`elastic.worker.runtime.device`)."""
+    from elastic.worker import runtime
+
+    return runtime.device()
+
+
 def step(n: int | None = None) -> int:
     """Report a completed training step (see :func:`elastic.worker.runtime.step`)."""
     from elastic.worker import runtime

@@ -2,7 +2,8 @@
 
 Run with ``make demo``. It starts an embedded etcd, then two ``elasticd``
 agents ("nodes" a and b) with two DDP workers each (world size 4) training
-``examples/ddp.py`` with a checkpoint every 10 steps. Midway it SIGKILLs one
+``examples/ddp.py`` with a checkpoint every 10 steps; on a GPU host each
+agent gets two GPUs of its own (four in all, or a clear error first). Midway it SIGKILLs one
 worker; the output shows the agent detecting it, the leader forming a new
 round, both agents restarting their (warm) workers, and training resuming from
 the last committed checkpoint and going on to the end. ``elasticctl status`` and
@@ -24,12 +25,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from agent import status as status_view  # noqa: E402
+from agent.devices import colocated_node_gpus, physical_gpus, visible_gpus  # noqa: E402
+from elastic.errors import ConfigError  # noqa: E402
 from elastic.store import open_store  # noqa: E402
 from elastic.store.server import EtcdServer  # noqa: E402
 from tests.integration.procs import wait_progress  # noqa: E402
 
 JOB = "demo"
 STEPS = 200
+NODES = ("a", "b")
+NPROC = 2  # workers per agent
 
 
 def say(text: str) -> None:
@@ -95,6 +100,36 @@ def elasticctl(endpoint: str, *args: str) -> None:
                     "--job-id", JOB], cwd=REPO, check=False)
 
 
+def agent_launches(endpoint: str, workdir: str, progress: str, environ: dict[str, str],
+                   physical_gpus: int) -> list[tuple[str, list[str], dict[str, str]]]:
+    """(node, argv, environment) of each agent of the demo.
+
+    On a GPU host each agent gets its own ``NPROC`` GPUs (``CUDA_VISIBLE_DEVICES``
+    from those ``environ`` shows, ``physical_gpus`` of them without it): its
+    workers then pick NCCL, one GPU per LOCAL_RANK, and no GPU is in the group
+    twice, which NCCL refuses. Without GPUs (or with ``CUDA_VISIBLE_DEVICES=""``)
+    the environment is left alone and the workers use gloo on the CPU. Raises
+    ConfigError when there are GPUs but fewer than ``len(NODES) * NPROC``.
+    """
+    visible = visible_gpus(physical_gpus, environ.get("CUDA_VISIBLE_DEVICES"))
+    launches = []
+    for index, node in enumerate(NODES):
+        env = dict(environ)
+        gpus = colocated_node_gpus(index, NPROC, visible)
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
+        argv = [sys.executable, "-m", "agent.daemon", "--etcd", endpoint,
+                "--job-id", JOB, "--node-id", node, "--nnodes", "2",
+                "--nproc-per-node", str(NPROC), "--advertise-addr", "127.0.0.1",
+                "--listen", "127.0.0.1:0", "--lease-ttl", "3", "--hang-timeout", "30",
+                "--log-dir", os.path.join(workdir, "logs", node),
+                "--checkpoint-dir", os.path.join(workdir, "checkpoints"),
+                "examples/ddp.py", "--steps", str(STEPS), "--step-time", "0.05",
+                "--ckpt-every", "10", "--progress-file", progress]
+        launches.append((node, argv, env))
+    return launches
+
+
 def main() -> int:
     workdir = tempfile.mkdtemp(prefix="elastic-demo-")
     progress = os.path.join(workdir, "progress.jsonl")
@@ -104,17 +139,15 @@ def main() -> int:
         etcd.start()
         say(f"embedded etcd at {etcd.endpoint}; starting two agents, 2 workers each")
         try:
-            for node in ("a", "b"):
-                agents[node] = subprocess.Popen(
-                    [sys.executable, "-m", "agent.daemon", "--etcd", etcd.endpoint,
-                     "--job-id", JOB, "--node-id", node, "--nnodes", "2",
-                     "--nproc-per-node", "2", "--advertise-addr", "127.0.0.1",
-                     "--listen", "127.0.0.1:0", "--lease-ttl", "3", "--hang-timeout", "30",
-                     "--log-dir", os.path.join(workdir, "logs", node),
-                     "--checkpoint-dir", os.path.join(workdir, "checkpoints"),
-                     "examples/ddp.py", "--steps", str(STEPS), "--step-time", "0.05",
-                     "--ckpt-every", "10", "--progress-file", progress],
-                    cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            try:
+                launches = agent_launches(etcd.endpoint, workdir, progress, dict(os.environ),
+                                          physical_gpus())
+            except ConfigError as exc:
+                print(f"demo: {exc}", file=sys.stderr)
+                return 2
+            for node, argv, env in launches:
+                agents[node] = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                                stderr=subprocess.STDOUT, text=True)
                 relay(node, agents[node], output)
 
             say("waiting until training runs and both agents have warm workers ready")

@@ -13,6 +13,10 @@ number of stages. ``torch.distributed.pipelining`` runs each step as a
 ``ScheduleGPipe`` over ``--microbatches`` micro-batches, and every stage has
 its own optimizer.
 
+Each stage runs on its rank's device (:func:`elastic.device`): the GPU of
+its LOCAL_RANK where ``elastic.init()`` chose NCCL (a CUDA host), the CPU
+with gloo; activations travel between stages over the same backend.
+
 Pure pipeline parallelism has a single data-parallel replica: every stage
 works on the same global batch, so the :class:`elastic.data.ElasticSampler`
 is built for one rank of one (its world is the data-parallel world, not the
@@ -142,8 +146,10 @@ class Trainer:
         if self.world > args.depth:
             raise SystemExit(f"{self.world} stages need --depth >= {self.world}, "
                              f"got {args.depth}")
-        self.module, self.fqns = build_stage(args, self.rank, self.world)
-        self.stage = PipelineStage(self.module, self.rank, self.world, torch.device("cpu"))
+        self.device = elastic.device()
+        module, self.fqns = build_stage(args, self.rank, self.world)
+        self.module = module.to(self.device)
+        self.stage = PipelineStage(self.module, self.rank, self.world, self.device)
         self.schedule = ScheduleGPipe(self.stage, args.microbatches,
                                       loss_fn=nn.functional.mse_loss)
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=args.lr)
@@ -171,7 +177,7 @@ class Trainer:
     def train_step(self, indices: list[int]) -> float | None:
         """One optimizer step on the global batch ``indices``; the mean micro-batch
         loss on the last stage, None elsewhere."""
-        x, y = self.dataset.batch(indices)
+        x, y = (t.to(self.device) for t in self.dataset.batch(indices))
         losses: list[torch.Tensor] = []
         self.optimizer.zero_grad()
         if self.stage.is_first and self.stage.is_last:
@@ -196,7 +202,9 @@ class Trainer:
             self.ckpt.close()
 
     def owned_parameters(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().clone() for name, p in self.module.named_parameters()}
+        """This stage's parameters by FQN, copied to the CPU (for the digest)."""
+        return {name: p.detach().to("cpu", copy=True)
+                for name, p in self.module.named_parameters()}
 
 
 def full_model_digest(fqns: list[str], params: dict[str, torch.Tensor]) -> str:

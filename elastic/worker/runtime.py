@@ -92,6 +92,7 @@ class _Heartbeat:
 
 
 _heartbeat: _Heartbeat | None = None
+_device: torch.device | None = None  # the GPU init() bound this process to
 _step = -1
 # The agent's lease TTL (set by elasticd): a worker whose agent has not vouched
 # for its round that long waits before its next step.
@@ -108,10 +109,10 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
     whatever ``init_process_group`` raises when the group cannot form within
     ``timeout_s``.
     """
-    global _heartbeat, _hold_after_s
+    global _heartbeat, _hold_after_s, _device
     if not dist.is_initialized():
-        _join_process_group(backend, timeout_s, _env_int("LOCAL_RANK", 0), torch.cuda,
-                            dist.init_process_group)
+        _device = _join_process_group(backend, timeout_s, _env_int("LOCAL_RANK", 0), torch.cuda,
+                                      dist.init_process_group)
     socket_path = os.environ.get("ELASTIC_AGENT_SOCKET")
     if socket_path and _heartbeat is None:
         hang_timeout = float(os.environ.get("ELASTIC_HANG_TIMEOUT_S", "300") or 300)
@@ -130,7 +131,7 @@ def uses_nccl(backend: str) -> bool:
 
 
 def _join_process_group(backend: str | None, timeout_s: float, local_rank: int, cuda,
-                        init_process_group) -> None:
+                        init_process_group) -> torch.device | None:
     """``init_process_group`` for ``backend`` (None: nccl when ``cuda`` has a
     GPU, else gloo), bound to GPU ``local_rank`` when the backend uses NCCL and
     CUDA is available: ``set_device`` first (so NCCL, the caching allocator
@@ -142,6 +143,7 @@ def _join_process_group(backend: str | None, timeout_s: float, local_rank: int, 
     Raises ConfigError when ``local_rank`` names no visible GPU (more workers
     than GPUs, or a ``CUDA_VISIBLE_DEVICES`` per worker), and whatever
     ``init_process_group`` raises. NCCL without CUDA is left to torch to refuse.
+    Returns the GPU bound, or None.
     """
     if backend is None:
         backend = "nccl" if cuda.is_available() else "gloo"
@@ -158,6 +160,27 @@ def _join_process_group(backend: str | None, timeout_s: float, local_rank: int, 
         device = torch.device("cuda", local_rank)
     init_process_group(backend=backend, init_method="env://",
                        timeout=datetime.timedelta(seconds=timeout_s), device_id=device)
+    return device
+
+
+def _device_for(backend: str, cuda) -> torch.device:
+    """The device of a process whose group runs ``backend``: the current CUDA
+    device when the backend uses NCCL and CUDA is available, else the CPU."""
+    if uses_nccl(backend) and cuda.is_available():
+        return torch.device("cuda", cuda.current_device())
+    return torch.device("cpu")
+
+
+def device() -> torch.device:
+    """Where this rank's model and batches belong: the GPU :func:`init` bound
+    it to (its LOCAL_RANK's) when its group uses NCCL, else the CPU. After a
+    process group formed elsewhere, the current CUDA device under NCCL. Raises
+    RuntimeError before any process group exists."""
+    if _device is not None:
+        return _device
+    if not dist.is_initialized():
+        raise RuntimeError("elastic.device() needs a process group: call elastic.init() first")
+    return _device_for(str(dist.get_backend()), torch.cuda)
 
 
 def step(n: int | None = None) -> int:

@@ -90,3 +90,25 @@ def test_a_local_rank_past_the_visible_gpus_is_a_clear_error():
                                           ("mpi", False), ("", False)])
 def test_uses_nccl_reads_torch_s_backend_syntax(backend, uses):
     assert runtime.uses_nccl(backend) is uses
+
+
+class CurrentCuda(FakeCuda):
+    def current_device(self) -> int:
+        return self.current[-1] if self.current else 0
+
+
+@pytest.mark.parametrize("backend,gpus,expected", [
+    ("nccl", 8, torch.device("cuda", 5)), ("cpu:gloo,cuda:nccl", 8, torch.device("cuda", 5)),
+    ("gloo", 8, torch.device("cpu")), ("gloo", 0, torch.device("cpu")),
+])
+def test_the_device_of_a_rank_follows_its_group_s_backend(backend, gpus, expected):
+    cuda = CurrentCuda(gpus)
+    if gpus:
+        cuda.set_device(5)
+    assert runtime._device_for(backend, cuda) == expected
+
+
+def test_join_returns_the_gpu_it_bound():
+    cuda, init = FakeCuda(4), RecordingInit()
+    assert runtime._join_process_group("nccl", 1.0, 2, cuda, init) == torch.device("cuda", 2)
+    assert runtime._join_process_group("gloo", 1.0, 2, cuda, init) is None
