@@ -11,7 +11,16 @@ Two decisions the agent takes once, at start-up:
 * :func:`socket_ifname_env`: ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME``
   for the workers. Without them gloo picks the interface its host name
   resolves to, which in such a container is ``lo``, and then tries to reach
-  the peers at 127.0.0.1.
+  the peers at 127.0.0.1. NCCL gets exactly the interface that carries the
+  advertised address (``=eth0``), also on a host with several: NCCL takes
+  the first interface of its list *in the kernel's order* for its bootstrap
+  (and InfiniBand's out-of-band exchange), so a list could move them to an
+  interface the peers do not reach, and whether the others reach the peers
+  (one subnet, or rails of matching interfaces) only the operator knows. The
+  bandwidth of several NICs comes through NCCL_IB_HCA (InfiniBand, RoCE) or
+  a network plugin, which this variable does not limit; for sockets the
+  operator sets ``NCCL_SOCKET_IFNAME`` as a list (``=eth0,eth1``), which is
+  passed on unchanged, and the agent's log says so where there are others.
 
 What the host says about its network (its name, resolution, routes,
 interfaces) comes in through :class:`HostNetwork`, so both decisions are
@@ -131,6 +140,7 @@ class HostNetwork:
     resolve: Callable[[str], list[str]] = resolve
     route_source: Callable[[str, int], "str | None"] = route_source
     interface_of: Callable[[str], "str | None"] = interface_of
+    interfaces: Callable[[], list[tuple[str, str]]] = interface_addresses
 
 
 SYSTEM_NETWORK = HostNetwork()
@@ -215,10 +225,42 @@ def socket_ifname_env(advertise_addr: str, environ: Mapping[str, str], *,
         return {}
     log.info("Workers' gloo and NCCL will use network interface %s, which carries the "
              "advertised address %s.", ifname, advertise_addr)
+    others = _other_interfaces(ifname, net)
+    if NCCL_IFNAME in wanted and others:
+        log.info("NCCL's sockets are kept to %s although this host also has %s: NCCL "
+                 "bootstraps on the first interface of its list in the kernel's order, which "
+                 "the peers may not reach; with InfiniBand/RoCE the data goes through "
+                 "NCCL_IB_HCA's devices anyway. To spread NCCL's socket traffic over several "
+                 "interfaces that all reach the peers, set %s in elasticd's environment, e.g. "
+                 "%s=%s.", ifname, ", ".join(others), NCCL_IFNAME, NCCL_IFNAME,
+                 "=" + ",".join([ifname, *others]))
     # NCCL matches its variable as a prefix ("eth0" would take "eth0.100" too);
-    # a leading "=" asks for exactly this interface. Gloo always matches exactly.
+    # a leading "=" asks for exactly the interfaces listed. Gloo matches exactly.
     values = {GLOO_IFNAME: ifname, NCCL_IFNAME: "=" + ifname}
     return {var: values[var] for var in wanted}
+
+
+# Interfaces no peer reaches this host through: loopback, container bridges and
+# their veth ends, tunnels of the host's own.
+_NOT_FOR_PEERS = ("lo", "docker", "veth", "br-", "virbr", "cni", "flannel", "cali",
+                  "tunl", "kube-ipvs")
+
+
+def _other_interfaces(ifname: str, net: HostNetwork) -> list[str]:
+    """This host's interfaces with an address, other than ``ifname``, that
+    could carry traffic to the peers, in the kernel's order."""
+    try:
+        pairs = net.interfaces()
+    except OSError:
+        return []
+    names: list[str] = []
+    for name, addr in pairs:
+        ip = _ip(addr)
+        if name == ifname or name in names or name.startswith(_NOT_FOR_PEERS) \
+                or ip is None or ip.is_loopback or ip.is_link_local:
+            continue
+        names.append(name)
+    return names
 
 
 def _interface_carrying(addr: str, net: HostNetwork) -> str | None:

@@ -25,14 +25,16 @@ class FakeHost:
 
     def __init__(self, fqdn: str = "node1.example", hosts: dict[str, list[str]] | None = None,
                  routes: dict[str, str] | None = None,
-                 interfaces: dict[str, str] | None = None):
+                 interfaces: dict[str, str] | None = None,
+                 others: list[tuple[str, str]] | None = None):
         self.hosts = {"etcd1.example": ["10.0.0.9"], **(hosts or {})}
         self.routes = routes or {}
         self.interfaces = interfaces or {}
         self.asked: list[tuple[str, int]] = []
+        listed = [(name, addr) for addr, name in self.interfaces.items()] + (others or [])
         self.net = HostNetwork(fqdn=lambda: fqdn, resolve=self.resolve,
                                route_source=self.route_source,
-                               interface_of=self.interfaces.get)
+                               interface_of=self.interfaces.get, interfaces=lambda: listed)
 
     def resolve(self, host: str) -> list[str]:
         try:
@@ -49,7 +51,8 @@ def unreachable_net() -> HostNetwork:
     """A host that fails the test if it is asked anything."""
     def ask(*_args):
         raise AssertionError("the host network was asked")
-    return HostNetwork(fqdn=ask, resolve=ask, route_source=ask, interface_of=ask)
+    return HostNetwork(fqdn=ask, resolve=ask, route_source=ask, interface_of=ask,
+                       interfaces=ask)
 
 
 # ------------------------------------------------------------ the advertised address
@@ -136,6 +139,42 @@ def test_the_interface_carrying_the_address_is_named_for_gloo_and_nccl():
     # NCCL matches by prefix unless told "=": "ens5" alone would take "ens50" too.
     assert env == {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "ens5",
                    "NCCL_SOCKET_IFNAME": "=ens5"}
+
+
+SEVERAL_NICS = [("lo", "127.0.0.1"), ("ens6", "10.1.0.5"), ("docker0", "172.17.0.1"),
+                ("veth1a2b", "169.254.3.1"), ("ens6", "fe80::1"), ("ib0", "192.168.7.5")]
+
+
+def test_nccl_keeps_to_the_advertised_interface_on_a_host_with_several(caplog):
+    # NCCL bootstraps on the first of its list in the kernel's order, not the list's:
+    # a list could move it to an interface the peers cannot reach.
+    host = FakeHost(interfaces={"10.0.0.5": "ens5"}, others=SEVERAL_NICS)
+    caplog.set_level("INFO", logger="agent.netaddr")
+
+    env = startup_env(1, {}, "10.0.0.5", net=host.net)
+
+    assert env == {"GLOO_SOCKET_IFNAME": "ens5", "NCCL_SOCKET_IFNAME": "=ens5"}
+    told = [r.getMessage() for r in caplog.records if "NCCL's sockets" in r.getMessage()]
+    assert len(told) == 1
+    assert "also has ens6, ib0:" in told[0]  # not lo, docker0, a veth, a link-local address
+    assert "NCCL_SOCKET_IFNAME==ens5,ens6,ib0" in told[0]
+
+
+def test_the_operator_s_list_of_interfaces_is_passed_on_unchanged(caplog):
+    host = FakeHost(interfaces={"10.0.0.5": "ens5"}, others=SEVERAL_NICS)
+    caplog.set_level("INFO", logger="agent.netaddr")
+
+    env = startup_env(1, {"NCCL_SOCKET_IFNAME": "=ens5,ens6"}, "10.0.0.5", net=host.net)
+
+    assert env == {"GLOO_SOCKET_IFNAME": "ens5"}  # the workers inherit the operator's list
+    assert "NCCL's sockets" not in caplog.text
+
+
+def test_one_interface_says_nothing_more(caplog):
+    host = FakeHost(interfaces={"10.0.0.5": "ens5"}, others=[("lo", "127.0.0.1")])
+    caplog.set_level("INFO", logger="agent.netaddr")
+    assert startup_env(1, {}, "10.0.0.5", net=host.net)["NCCL_SOCKET_IFNAME"] == "=ens5"
+    assert "NCCL's sockets" not in caplog.text
 
 
 def test_variables_the_user_set_are_kept():
