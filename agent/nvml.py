@@ -124,16 +124,19 @@ def _text(value: Any) -> str:
 
 
 def _optional(nvml: Any, fn: Callable[[], Any]) -> Any:
-    """``fn()``, or None when this GPU or driver does not support the query."""
+    """``fn()``, or None when this GPU or driver does not support the query
+    (or, in a container, does not let this user make it)."""
     try:
         return fn()
-    except (nvml.NVMLError_NotSupported, nvml.NVMLError_FunctionNotFound):
+    except (nvml.NVMLError_NotSupported, nvml.NVMLError_FunctionNotFound,
+            nvml.NVMLError_NoPermission):
         return None
 
 
 def _processes(nvml: Any, handle: Any) -> tuple[GpuProcess, ...]:
     # Drivers before 510 lack the _v3 call that the plain name uses.
-    for name in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetComputeRunningProcesses_v2"):
+    for name in ("nvmlDeviceGetComputeRunningProcesses",
+                 "nvmlDeviceGetComputeRunningProcesses_v2"):
         try:
             procs = getattr(nvml, name)(handle)
         except nvml.NVMLError_FunctionNotFound:

@@ -305,7 +305,8 @@ class TestAgent:
 
     def test_enforce_does_not_join_while_the_gpus_stay_held(self):
         reader = FakeGpuReader([node(2, g0=held_by(4242))])
-        with pytest.raises(NodeUnfitError, match=r"pid 4242 holds 20000 MiB \(still after waiting 10.0 s\)$"):
+        with pytest.raises(NodeUnfitError,
+                           match=r"pid 4242 holds 20000 MiB \(still after waiting 10.0 s\)$"):
             GpuNode(reader)
         assert reader.reads == int(RELEASE_WAIT_S / 0.5) + 1
 

@@ -29,6 +29,7 @@ FunctionNotFound = _error("NVMLError_FunctionNotFound")
 LibraryNotFound = _error("NVMLError_LibraryNotFound")
 GpuIsLost = _error("NVMLError_GpuIsLost")
 Unknown = _error("NVMLError_Unknown")
+NoPermission = _error("NVMLError_NoPermission")
 
 
 def fake_pynvml(gpus, *, init_error=None, block=None):
@@ -36,7 +37,8 @@ def fake_pynvml(gpus, *, init_error=None, block=None):
     instance is raised for that query)."""
     m = types.ModuleType("pynvml")
     m.NVMLError = NVMLError
-    for cls in (NotSupported, FunctionNotFound, LibraryNotFound, GpuIsLost, Unknown):
+    for cls in (NotSupported, FunctionNotFound, LibraryNotFound, GpuIsLost, Unknown,
+                NoPermission):
         setattr(m, cls.__name__, cls)
     m.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, m.NVML_VOLATILE_ECC, m.NVML_AGGREGATE_ECC = 1, 0, 1
     m.NVML_FEATURE_ENABLED = 1
@@ -101,7 +103,7 @@ def test_reads_every_gpu_with_what_it_supports(with_pynvml):
     with_pynvml(fake_pynvml([
         {"used": 5 << 20, "procs": [proc(42, 5 << 20), proc(43, None)],
          "ecc_volatile": 2, "ecc_aggregate": 7},
-        {"ecc_volatile": NotSupported(), "ecc_aggregate": NotSupported(), "retired": 1,
+        {"ecc_volatile": NotSupported(), "ecc_aggregate": NoPermission(), "retired": 1,
          "remap": NotSupported(), "mig_mode": (1, 1), "migs": ["MIG-a", Unknown()]},
     ]))
     reading = NvmlReader().read()
