@@ -71,7 +71,7 @@ def render(path: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
-@pytest.fixture(scope="module", params=["base", "overlays/example"])
+@pytest.fixture(scope="module", params=["base", "overlays/example", "overlays/gpu-rdma"])
 def rendered(request) -> tuple[str, list[dict[str, Any]]]:
     if KUBECTL is None:
         pytest.skip("kubectl is not installed: cannot render the kustomizations")
@@ -287,9 +287,14 @@ def test_the_volumes_the_agent_writes_to_are_mounted(rendered):
     assert mounts["/dev/shm"]["emptyDir"]["medium"] == "Memory"
 
 
+# The one capability a manifest may add, and where: RDMA's locked memory (the overlay's
+# kustomization.yaml says when it takes effect).
+ADDED_CAPABILITIES = {"overlays/gpu-rdma": {"Job/train": ["IPC_LOCK"]}}
+
+
 @needs_kubectl
 def test_every_pod_runs_non_root_without_privileges(rendered):
-    _, objs = rendered
+    which, objs = rendered
     for name, template in pod_templates(objs):
         pod = template["spec"]
         sc = pod["securityContext"]
@@ -301,7 +306,8 @@ def test_every_pod_runs_non_root_without_privileges(rendered):
             csc = c["securityContext"]
             assert csc["allowPrivilegeEscalation"] is False, name
             assert csc["capabilities"]["drop"] == ["ALL"], name
-            assert not csc["capabilities"].get("add"), name
+            assert csc["capabilities"].get("add", []) == \
+                ADDED_CAPABILITIES.get(which, {}).get(name, []), name
             assert csc["readOnlyRootFilesystem"] is True, name
         assert not pod.get("hostNetwork") and not pod.get("hostPID"), name
     for sa in (o for o in objs if o["kind"] == "ServiceAccount"):
@@ -396,6 +402,47 @@ def test_the_overlay_requests_one_gpu_per_worker_and_sets_storage(overlay):
     assert namespaces == {one(overlay, "Namespace")["metadata"]["name"]}
     assert env["ELASTIC_JOB_ID"] != "example"
     assert not agent_container(job)["image"].startswith("registry.example.com/elasticd-train:")
+
+
+@needs_kubectl
+def test_the_rdma_overlay_gives_the_hcas_locked_memory_and_the_example_s_gpus():
+    objs = render(K8S / "overlays" / "gpu-rdma")
+    job = job_of(objs)
+    c = agent_container(job)
+    # The example's GPUs and /dev/shm in memory, plus the HCAs (extended resources:
+    # requests equal limits).
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert c["resources"]["requests"]["rdma/rdma_shared_device_a"] == \
+        c["resources"]["limits"]["rdma/rdma_shared_device_a"] == 1
+    volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["shm"]["emptyDir"]["medium"] == "Memory"
+    assert {"name": "NCCL_IB_HCA", "value": "mlx5"} in c["env"]
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    # IPC_LOCK is outside the restricted and baseline Pod Security Standards.
+    labels = one(objs, "Namespace")["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+
+
+@needs_kubectl
+def test_the_rdma_overlay_raises_locked_memory_then_runs_the_image_s_entrypoint(tmp_path):
+    c = agent_container(job_of(render(K8S / "overlays" / "gpu-rdma")))
+    assert c["command"] == ["/bin/sh", "-c"] and len(c["args"]) == 1
+    # What the shell gets: the kubelet turns $$ into $ and expands $(VAR) (none here).
+    script = c["args"][0].replace("$$", "$")
+    assert not re.search(r"(?<!\$)\$\(", c["args"][0]), "a $( ) the kubelet would expand"
+    assert script.rstrip().splitlines()[-1] == "exec /usr/bin/tini -- elasticd"
+    shell = shutil.which("sh")
+    checked = subprocess.run([shell, "-n", "-c", script], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    # Run it with the entrypoint replaced: a limited soft limit is raised to the hard
+    # one, and a limited hard one is said in the log.
+    dry = script.replace("exec /usr/bin/tini -- elasticd", "ulimit -S -l")
+    out = subprocess.run([shell, "-c", f"ulimit -S -l 64 2>/dev/null; {dry}"],
+                         capture_output=True, text=True, timeout=10)
+    hard = subprocess.run([shell, "-c", "ulimit -H -l"], capture_output=True,
+                          text=True).stdout.strip()
+    assert out.stdout.strip() == hard
+    assert ("locked memory is limited" in out.stderr) == (hard != "unlimited")
 
 
 @needs_kubectl
