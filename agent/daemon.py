@@ -28,7 +28,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 from agent import config as agent_config
 from agent import gpu_health, grpc_input, localfiles, reactor
@@ -499,10 +499,12 @@ class Agent:
         reading = (self._read_gpus() if expected.selectors
                    else NvmlReading(unavailable="not read: no GPUs expected"))
         last = self.supervisor.workers()
+        ours = frozenset(w.pid for w in last)
+        warm = frozenset(w.pid for w in self.supervisor.warm_workers())
         observed = GpuObservation(
-            reading, leftovers=tuple(w.pid for w in last if w.alive),
-            last_round_pids=frozenset(w.pid for w in last),
-            warm_pids=frozenset(w.pid for w in self.supervisor.warm_workers()))
+            reading, leftovers=tuple(w.pid for w in last if w.alive), last_round_pids=ours,
+            warm_pids=warm, foreign_pids=_live_pids_among(
+                (p.pid for g in reading.gpus for p in g.processes), exclude=ours | warm))
         decision = gpu_health.decide(observed, expected, self.config.gpu_check, command.since,
                                      self.clock.monotonic())
         if decision.action is not GpuAction.WAIT and (
@@ -777,6 +779,15 @@ class Agent:
         if self.running_round() == 0:
             return []
         return [row["state"] for row in self._worker_rows()]
+
+
+def _live_pids_among(pids: Iterable[int], exclude: frozenset[int]) -> frozenset[int]:
+    """Those of ``pids`` (NVML's, for GPU memory holders) that are live processes
+    here and not in ``exclude``. In a container without the host's pid
+    namespace NVML gives host pids, which are not found here: those count as
+    possibly ours, and the check waits for them as for the last round's."""
+    return frozenset(pid for pid in pids
+                     if pid not in exclude and os.path.exists(f"/proc/{pid}"))
 
 
 def _exit_event(e: WorkerExit) -> reactor.WorkerExited:

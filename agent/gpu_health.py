@@ -74,7 +74,7 @@ POLL_S = 0.5
 
 # The problems, as bounded labels (metrics), in the order reasons list them.
 PROBLEMS = ("no_nvml", "missing", "read_error", "ecc", "retired_pages_pending",
-            "row_remap", "memory_held", "survived_kill")
+            "row_remap", "memory_foreign", "memory_held", "survived_kill")
 _TRANSIENT = frozenset({"memory_held", "survived_kill"})
 
 _MIB = 1 << 20
@@ -248,12 +248,15 @@ class GpuObservation:
     """What the agent saw before a round: the NVML reading; the pids of the
     last round's workers on this node (``last_round_pids``) and those of them
     still alive after their stop (``leftovers``); its warm workers, whose
-    memory is this node's own and no leftover."""
+    memory is this node's own and no leftover; and ``foreign_pids``, processes
+    that hold GPU memory, live, and are none of this agent's: another
+    program's, which no wait releases (reported at once, as ``memory_foreign``)."""
 
     nvml: NvmlReading
     leftovers: tuple[int, ...] = ()
     last_round_pids: frozenset[int] = frozenset()
     warm_pids: frozenset[int] = frozenset()
+    foreign_pids: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -294,11 +297,15 @@ def _gpu_findings(gpu: GpuReading, obs: GpuObservation) -> list[tuple[str, str]]
         found.append(("row_remap",
                       f"{gpu.label()}: memory rows wait to be remapped (needs a GPU reset)"))
     holders = [p for p in gpu.processes if p.pid not in obs.warm_pids]
-    if holders:
-        held = ", ".join(f"{_pid_words(p.pid, obs)} holds {_mib(p.used_bytes)}"
-                         for p in holders[:4])
-        more = f" and {len(holders) - 4} more" if len(holders) > 4 else ""
-        found.append(("memory_held", f"{gpu.label()}: {held}{more}"))
+    foreign = [p for p in holders if p.pid in obs.foreign_pids]
+    releasing = [p for p in holders if p.pid not in obs.foreign_pids]
+    for problem, processes, whose in (("memory_foreign", foreign, " (not this agent's)"),
+                                      ("memory_held", releasing, "")):
+        if processes:
+            held = ", ".join(f"{_pid_words(p.pid, obs)}{whose} holds {_mib(p.used_bytes)}"
+                             for p in processes[:4])
+            more = f" and {len(processes) - 4} more" if len(processes) > 4 else ""
+            found.append((problem, f"{gpu.label()}: {held}{more}"))
     return found
 
 

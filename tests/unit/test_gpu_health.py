@@ -152,6 +152,23 @@ class TestMemoryOfTheLastRound:
         d = judge(node(2, g0={"ecc_uncorrected_volatile": 1, **held(5)}), mode="warn")
         assert d.action is GpuAction.WAIT
 
+    @pytest.mark.parametrize("mode, action", [("enforce", GpuAction.LEAVE),
+                                              ("warn", GpuAction.WARN)])
+    def test_another_programs_memory_is_reported_at_once_without_waiting(self, mode, action):
+        d = judge(node(2, g0=held(777, 2200)), mode=mode, now=T0,
+                  foreign_pids=frozenset({777}))
+        assert d.action is action and d.waited_s == 0
+        assert d.problems == ("memory_foreign",)
+        assert d.reason == ("GPU 0 (GPU-00000000-0000-0000-0000-000000000000): pid 777 (not "
+                            "this agent's) holds 2200 MiB")
+
+    def test_a_dead_workers_memory_is_still_waited_for_beside_another_programs(self):
+        d = judge(node(2, g0={"processes": (GpuProcess(777, 1 << 30), GpuProcess(4242, 1 << 30))}),
+                  mode="warn", now=T0, foreign_pids=frozenset({777}),
+                  last_round_pids=frozenset({4242}))
+        assert d.action is GpuAction.WAIT
+        assert d.problems == ("memory_foreign", "memory_held")
+
     def test_an_unknown_amount_of_memory(self):
         d = judge(node(2, g0={"processes": (GpuProcess(8, None),)}), now=T0 + RELEASE_WAIT_S)
         assert "pid 8 holds an unknown amount" in d.reason
