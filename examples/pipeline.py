@@ -243,8 +243,8 @@ def main() -> None:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     start = trainer.restore()
     if rank == 0:
-        print(f"pipeline: {world} stages, restart {restart}, starting at step {start}",
-              flush=True)
+        print(f"pipeline: {world} stages on {trainer.device.type}, restart {restart}, "
+              f"starting at step {start}", flush=True)
 
     step, loss = start, None
     while step < args.steps:
