@@ -234,6 +234,8 @@ def check_async_save_restore(scratch: str) -> dict:
     got = {"model": _digest(fresh.state_dict()), "rand": torch.rand(8, device="cuda").tolist()}
     restorer.close()
 
+    in_place = _tensors_read_into_the_device(root, fresh, fresh_optimizer)
+
     # The reference, plain DCP on the same state: blocking time of a sync and an async save.
     state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
     plain_root = os.path.join(scratch, "plain")
@@ -245,8 +247,10 @@ def check_async_save_restore(scratch: str) -> dict:
     plain_async_blocked_s = time.perf_counter() - started
     future.result()
     torch.use_deterministic_algorithms(False)
-    ok = start == 10 and got == expected
+    ok = start == 10 and got == expected and in_place["on_device"] == in_place["tensors"]
     return {"ok": ok, "figures": {
+        "restore_tensors_read_straight_into_gpu": f"{in_place['on_device']} of "
+                                                  f"{in_place['tensors']}",
         "state_gib": round(nbytes / 2**30, 2), "saves": len(blocked), "resumed_at": start,
         "bitwise_equal_with_cuda_rng": got == expected,
         "save_blocked_s_median": round(sorted(blocked)[len(blocked) // 2], 4),
@@ -255,6 +259,26 @@ def check_async_save_restore(scratch: str) -> dict:
         "restore_s": round(restore_s, 3),
         "plain_dcp_save_s": round(plain_sync_s, 3),
         "plain_dcp_async_save_blocked_s": round(plain_async_blocked_s, 4)}}
+
+
+def _tensors_read_into_the_device(root: str, model, optimizer) -> dict:
+    """The latest checkpoint under ``root`` loaded again through the verifying reader
+    into the model's CUDA tensors: how many went straight from the file into device
+    memory (through pinned memory) rather than through ``torch.load``."""
+    import torch.distributed.checkpoint as dcp
+
+    from elastic.checkpoint import layout, state
+    from elastic.checkpoint.dcp_io import LoadPlanner, VerifyingReader
+
+    name = layout.restore_candidates(layout.list_checkpoints(root), None)[0]
+    manifests, _ = layout.read_manifests(os.path.join(root, name))
+    files = {n: digest for m in manifests for n, digest in m.files.items()}
+    reader = VerifyingReader(os.path.join(root, name), files)
+    tensors = state.collect(state.make_chunks(model, optimizer))
+    dcp.load(tensors.state_dict, storage_reader=reader, planner=LoadPlanner(), no_dist=True)
+    count = sum(1 for group in tensors.state_dict.values() for value in group.values()
+                if hasattr(value, "is_cuda") and value.is_cuda)
+    return {"tensors": count, "on_device": reader.tensors_on_device}
 
 
 # --- 3. FSDP2: GPU world 1 -> CPU world 2 -> GPU world 1 --------------------------------------------
