@@ -12,7 +12,8 @@ the exit status is 1 when any failed.
    template's probe fork (``template._probe_fork``, which asks torch in the child
    through ``elastic._compat.torch_cuda``) and a forked child that uses CUDA. With
    the template's environment (``PYTORCH_NVML_BASED_CUDA_CHECK=1``) the fork stays
-   usable; without it torch poisons fork and the probe must say so.
+   usable (NVML leaves a thread, which the template's thread check still refuses);
+   without it torch poisons fork and the probe must say so.
 2. ``device-binding``: ``elastic.init("cpu:gloo,cuda:nccl")`` in a world of one binds
    cuda:LOCAL_RANK (``device_id`` too) and collectives run on CUDA and CPU tensors;
    a LOCAL_RANK with no GPU is a ConfigError.
@@ -114,8 +115,11 @@ def main() -> int:
     for mode in ("nvml", "driver"):
         r = _run(f"fork-guard/{mode}", [sys.executable, "-c", FORK_GUARD, mode])
         if mode == "nvml":
+            # NVML's initialisation leaves a thread of its own ("cuda0000..." on torch
+            # 2.11, H200): the template then falls back to spawning for that thread,
+            # as it must; what matters here is that the fork is not poisoned.
             r["ok"] = r.get("poisoned_after_is_available") is False \
-                and r.get("forked_child_cuda_exit") == 0 and r.get("reason") is None
+                and r.get("forked_child_cuda_exit") == 0
         else:
             r["ok"] = r.get("poisoned_after_is_available") is True \
                 and r.get("forked_child_cuda_exit") != 0 and bool(r.get("reason"))

@@ -39,9 +39,12 @@ module counts GPUs through NVML and leaves the driver alone), and the probe
 fork asks torch, in the child, whether it would refuse CUDA there: if it
 would (a preloaded module used the driver), or if CUDA is initialized, the
 template says ``unsafe`` and the agent spawns every warm worker, exactly as
-for a stray thread. Forked workers initialize CUDA themselves, after the
-fork, exactly as a freshly spawned worker does; their environment is the
-assignment's, so the NVML setting does not follow them.
+for a stray thread. (NVML's initialisation leaves a thread of its own, seen
+on an H200 with torch 2.11, so a preload that calls ``is_available()`` still
+ends in spawning, for that thread, but never in forks that cannot use CUDA.)
+Forked workers initialize CUDA themselves, after the fork, exactly as a
+freshly spawned worker does; their environment is the assignment's, so the
+NVML setting does not follow them.
 
 Priority: the fork runs on the main thread, which never left normal CPU and
 I/O priority (only the preload thread was lowered, and it has ended), so
