@@ -23,7 +23,10 @@ Markdown section for ``docs/gpu.md``; with ``--out DIR`` also writes
    --standalone``: seconds from the kill to the replacement's first step, and
    until NVML no longer lists the dead worker; the GPU's memory back at its
    baseline once the job is stopped.
-5. ``hang``: a worker stuck in a CUDA kernel (``torch.cuda._sleep``) holding 4 GiB,
+5. ``placement``: ``tools/gpu_check_placement.py``: the template's fork guard with
+   and without its NVML setting, ``elastic.init("cpu:gloo,cuda:nccl")`` binding
+   the rank's GPU, ``examples/pipeline.py`` on the GPU.
+6. ``hang``: a worker stuck in a CUDA kernel (``torch.cuda._sleep``) holding 4 GiB,
    under ``elasticd --hang-timeout 3``: seconds until the agent notices, until
    the memory is free again, and until the restarted worker's first step.
 """
@@ -462,6 +465,17 @@ def check_hang(scratch: str) -> dict:
     return {"ok": ok, "figures": figures}
 
 
+def check_placement(scratch: str) -> dict:
+    done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "gpu_check_placement.py")],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    checks = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    figures = {c["check"]: "pass" if c.get("ok") else {k: v for k, v in c.items()
+                                                       if k not in ("check", "ok")}
+               for c in checks}
+    return {"ok": done.returncode == 0 and bool(checks) and all(c.get("ok") for c in checks),
+            "figures": figures or {"stderr": done.stderr[-1500:]}}
+
+
 # --- the run --------------------------------------------------------------------------------------
 
 
@@ -470,6 +484,7 @@ CHECKS: dict[str, Callable[[str], dict]] = {
     "async-save-restore": check_async_save_restore,
     "fsdp2-reshard": check_fsdp2_reshard,
     "sigkill-first-step": check_sigkill_first_step,
+    "placement": check_placement,
     "hang": check_hang,
 }
 

@@ -9,9 +9,13 @@ internal is missing or changed shape.
 
 Modules:
 
-* :mod:`elastic._compat.torch_checkpoint`: DCP's ``_traverse.set_element``,
-  ``FileSystemReader._slice_file``, torch's storage-type table, and our own
-  staging copy (torch's ``DefaultStager`` changed lifecycle across releases).
+* :mod:`elastic._compat.torch_checkpoint`: the reader of ``torch.save``'s zip
+  files, torch's storage-type table and DCP's ``FileSystemReader._slice_file``
+  (``elastic.checkpoint.dcp_io``). The staging copy is our own, on public API
+  (``elastic.checkpoint.staging``): torch's ``DefaultStager`` changed its
+  lifecycle across releases and is missing before 2.9.
+* :mod:`elastic._compat.torch_cuda`: whether a forked child could still use CUDA
+  (``torch._C._cuda_isInBadFork``, for the template's fork check).
 * :mod:`elastic._compat.grpc_waits`: the slice of grpc-python's blocking
   waits, ``grpc._common.MAXIMUM_WAIT_TIMEOUT`` (``elastic.net``).
 * :mod:`elastic._compat.runpy_main`: ``runpy._run_module_as_main``, how
