@@ -299,6 +299,16 @@ class TestSuspectsAndStartDeadline:
         assert d.action is Action.WAIT
         assert d.wake_at == pytest.approx(110.0)
 
+    def test_a_suspect_still_holds_its_place_against_a_joiner(self):
+        # max 2, full: a joiner waits as a standby. Suspecting b must not free
+        # b's place for c (the lease, not the suspicion, says who is gone).
+        obs = Observed(round_of(4, "a", "b"), nodes("a", "b", "c"),
+                       {"a": 0.0, "b": 0.0, "c": 50.0}, started=dict.fromkeys("ab", 4),
+                       suspects={"b": 100.0})
+        d = decide(obs, 101.0, cfg(max_nodes=2))
+        assert d.action is Action.WAIT
+        assert "1 standby" in d.reason
+
     def test_too_few_without_the_suspect_waits_until_the_suspicion_ends(self):
         obs = Observed(round_of(4, "a", "b"), nodes("a", "b"), started=dict.fromkeys("ab", 4),
                        suspects={"b": 100.0},

@@ -97,6 +97,19 @@ class TestRounds:
         assert view.state is S.SUCCEEDED and view.outcome_reason == "drained: drain requested"
         assert Leave("drain requested") in commands
 
+    def test_a_done_node_given_a_new_round_that_is_not_final_starts_its_workers_again(self):
+        # A member failed after this node's workers had all exited 0: the job is
+        # not over, the new round needs this node's workers again (after a stop
+        # that sweeps any left of the old round).
+        done = dataclasses.replace(running(3), state=S.DONE, exited_ok=frozenset({0, 1}))
+        view, commands = react(done, RoundCommitted(round_of(4, "a", "c")), 10.0, SETTINGS)
+        assert view.state is S.RUNNING and view.round.number == 4
+        assert view.exited_ok == frozenset() and view.rounds_started == 2
+        assert transitions(commands) == [S.STOPPING, S.JOINING, S.STARTING, S.RUNNING]
+        assert kinds(commands).index("StopWorkers") < kinds(commands).index("StartWorkers")
+        assert StartWorkers(round_of(4, "a", "c"), 1) in commands
+        assert Report(ReportKind.STARTED, 4) in commands
+
     def test_job_success_ends_the_agent_and_sweeps_the_workers(self):
         done = dataclasses.replace(running(3), state=S.DONE)
         view, commands = react(done, RoundCommitted(round_of(4, "a", "b", outcome="succeeded")),
@@ -147,6 +160,25 @@ class TestTicks:
         view, commands = react(view, Tick(), 14.1, SETTINGS)
         assert view.state is S.JOINING
         assert any(isinstance(c, RequestRestart) and "NOT_SERVING" in c.reason for c in commands)
+
+    def test_a_peer_repeating_not_serving_does_not_restart_the_clock(self):
+        # The health watch reports NOT_SERVING at every poll: the TTL counts
+        # from the first report, not the latest.
+        view = running(3)
+        for now in (10.0, 11.0, 12.0, 13.0, 14.0):
+            view, commands = react(view, PeerHealth("b", "NOT_SERVING"), now, SETTINGS)
+            assert commands == []
+        assert view.peer_unhealthy == ("b", 10.0)
+        view, commands = react(view, Tick(), 14.1, SETTINGS)
+        assert view.state is S.JOINING
+        assert any(isinstance(c, RequestRestart) and "NOT_SERVING" in c.reason for c in commands)
+
+    def test_a_peer_serving_again_restarts_the_clock(self):
+        view, _ = react(running(3), PeerHealth("b", "NOT_SERVING"), 10.0, SETTINGS)
+        view, _ = react(view, PeerHealth("b", "SERVING"), 12.0, SETTINGS)
+        view, _ = react(view, PeerHealth("b", "NOT_SERVING"), 13.0, SETTINGS)
+        assert react(view, Tick(), 16.0, SETTINGS)[1] == []
+        assert react(view, Tick(), 17.1, SETTINGS)[0].state is S.JOINING
 
     def test_an_unreachable_peer_is_reported_once_as_a_suspect(self):
         view, commands = react(running(3), PeerHealth("b", "UNREACHABLE"), 10.0, SETTINGS)
