@@ -83,9 +83,10 @@ class Cluster:
                                        lease_ttl_s=3.0, scale_up_wait_s=scale_up_wait_s)
         self.nodes = {i: self.add(i) for i in ids}
 
-    def add(self, node_id):
-        node = RendezvousNode(self.store, self.config, NodeInfo(node_id=node_id, host="h"),
-                              clock=self.clock, port_picker=lambda _h: 1)
+    def add(self, node_id, fence=None):
+        node = RendezvousNode(self.store, self.config,
+                              NodeInfo(node_id=node_id, host="h", addr=f"{node_id}:1"),
+                              clock=self.clock, port_picker=lambda _h: 1, fence=fence)
         return node.start(thread=False)
 
     def settle(self, passes=4):
@@ -179,6 +180,72 @@ def test_a_joiner_waits_for_a_checkpoint_committed_after_it_registered():
     c.store.put(c.nodes["a"].keys.checkpoint_latest, b"step 19")
     c.settle()
     assert c.round().node_ids == ("a", "b")
+
+
+class Fence:
+    """The leader's fence (RendezvousNode's ``fence``): records whom it told,
+    and answers that their workers stopped only once ``stopped`` is set."""
+
+    def __init__(self):
+        self.told: list[tuple[str, ...]] = []
+        self.stopped = False
+
+    def __call__(self, addrs):
+        self.told.append(addrs)
+        return self.stopped
+
+
+def fenced_cluster():
+    """Members a (the leader, with the fence) and b, b's lease lost and b silent."""
+    fence = Fence()
+    c = Cluster(min_nodes=1, max_nodes=2)
+    c.nodes = {"a": c.add("a", fence=fence)}
+    c.settle()
+    c.nodes["b"] = c.add("b")
+    c.settle()
+    assert c.nodes["a"].is_leader and c.round().node_ids == ("a", "b")
+    first = c.round().number
+    lost = c.nodes.pop("b")
+    c.store.revoke_lease(lost.lease_id)
+    c.settle()
+    return c, fence, first
+
+
+def test_a_leader_leaving_out_a_lost_member_waits_until_its_workers_stopped():
+    c, fence, first = fenced_cluster()
+    for _ in range(4):
+        c.clock.advance(1.0)  # past _FENCE_RETRY_S: asked again, still running
+        c.settle()
+    assert c.round().number == first  # no round without b while b's workers may run
+    assert fence.told and set(fence.told) == {("b:1",)}
+    fence.stopped = True
+    c.clock.advance(1.0)
+    c.settle()
+    assert c.round().number == first + 1 and c.round().node_ids == ("a",)
+
+
+def test_a_leader_goes_on_three_ttls_after_it_began_fencing_a_member_that_never_stops(caplog):
+    c, fence, first = fenced_cluster()
+    ttl = c.config.lease_ttl_s
+    with caplog.at_level(logging.WARNING):
+        c.clock.advance(3 * ttl - 0.5)
+        c.settle()
+        assert c.round().number == first
+        c.clock.advance(1.0)
+        c.settle()
+    assert c.round().number == first + 1 and c.round().node_ids == ("a",)
+    assert "lost members at b:1 still report running workers" in caplog.text
+
+
+def test_a_leader_forms_a_round_that_loses_nobody_without_fencing():
+    c, fence, first = fenced_cluster()
+    fence.stopped = True
+    c.clock.advance(1.0)
+    c.settle()
+    told = len(fence.told)
+    c.nodes["a"].request_restart("operator", c.round().number, failure=False)
+    c.settle()
+    assert c.round().number == first + 2 and len(fence.told) == told
 
 
 # -- Hostile records (see also tests/integration/test_hostile_input.py) ---------
