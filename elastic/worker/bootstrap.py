@@ -304,6 +304,12 @@ def _meet_at_the_rendezvous_store() -> object | None:
     taken, as under torchrun, whose agent hosts that port. Cold workers host
     and wait for nothing: importing torch, or waiting for a rank 0 that may
     not use torch, would only delay a script that may not need it.
+
+    The store hosted here listens on ``MASTER_ADDR`` (the advertised address)
+    only, not on every interface as torch's own would
+    (:func:`_listen_on_master_addr`). A cold worker's script hosts its store
+    itself, through torch, on every interface: the warm workers (the default,
+    ``--prestart``) are the ones kept to one address.
     """
     env = os.environ
     if "torch.distributed" not in sys.modules or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -322,13 +328,49 @@ def _meet_at_the_rendezvous_store() -> object | None:
                 time.sleep(0.002)
         return None
     try:
+        listener = _listen_on_master_addr(host, port)
+    except OSError as exc:  # the script's own rendezvous will fail the same way, and say so
+        print(f"elastic.worker.bootstrap: not hosting the rendezvous store early: cannot "
+              f"listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+        return None
+    try:
         from torch.distributed import TCPStore
 
-        return TCPStore(host, port, None, True, wait_for_workers=False, multi_tenant=True)
+        # The store serves on this very descriptor (it does not duplicate it):
+        # it is the store's from here on, kept open as long as the store is.
+        store = TCPStore(host, port, None, True, wait_for_workers=False, multi_tenant=True,
+                         master_listen_fd=listener.fileno())
+        listener.detach()
+        return store
     except Exception as exc:  # the script's own rendezvous will fail the same way, and say so
+        listener.close()
         print(f"elastic.worker.bootstrap: not hosting the rendezvous store early: {exc}",
               file=sys.stderr)
         return None
+
+
+def _listen_on_master_addr(host: str, port: int) -> socket.socket:
+    """A listening TCP socket bound to ``host`` (MASTER_ADDR, the advertised
+    address) and ``port`` only.
+
+    The store has no authentication: anyone who reaches its port can read and
+    write the group's keys. torch's TCPStore server binds every interface
+    (``*:port``) and takes no address to bind; its ``master_listen_fd`` takes
+    a socket already listening, which is how the store is kept to the one
+    address the other ranks are told to use. Raises OSError when ``host``
+    does not resolve to an address of this machine.
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(2048)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
 
 
 def _run(assignment: dict) -> None:

@@ -41,10 +41,28 @@ SCRIPT = """
     """
 
 
-def _first_round(tmp_path, *, nproc: int, warm: bool, join: bool) -> tuple[dict[str, str], int]:
-    """Run SCRIPT as round 1 on ``nproc`` workers (global ranks 0..nproc-1) with a fresh
+LISTENERS_SCRIPT = """
+    import os
+    from torch.distributed.rendezvous import rendezvous
+    store, _, _ = next(rendezvous("env://", rank=0, world_size=1))
+    port = int(os.environ["MASTER_PORT"])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                local, state = row.split()[1], row.split()[3]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    found.append(local.rsplit(":", 1)[0])
+    with open(os.path.join(os.environ["OUT"], os.environ["RANK"]), "w") as f:
+        f.write(",".join(found))
+    """
+
+
+def _first_round(tmp_path, *, nproc: int, warm: bool, join: bool,
+                 script: str = SCRIPT) -> tuple[dict[str, str], int]:
+    """Run ``script`` as round 1 on ``nproc`` workers (global ranks 0..nproc-1) with a fresh
     MASTER_PORT; returns what each rank wrote, and the port."""
-    (tmp_path / "script.py").write_text(textwrap.dedent(SCRIPT))
+    (tmp_path / "script.py").write_text(textwrap.dedent(script))
     out = tmp_path / f"out-{warm}"
     out.mkdir()
     port = free_port()
@@ -89,3 +107,10 @@ def test_cold_workers_leave_master_port_to_the_script(tmp_path):
     # that may not need it.
     seen, _ = _first_round(tmp_path, nproc=1, warm=False, join=False)
     assert seen == {"0": "refused"}
+
+
+def test_warm_rank_0_store_listens_on_master_addr_only(tmp_path):
+    # The store has no authentication: torch's own server would listen on every
+    # interface (*:MASTER_PORT) while the ranks are told MASTER_ADDR.
+    seen, _ = _first_round(tmp_path, nproc=1, warm=True, join=True, script=LISTENERS_SCRIPT)
+    assert seen == {"0": "0100007F"}  # 127.0.0.1 (little-endian hex), nothing else
