@@ -11,7 +11,16 @@ steps of ``DT`` simulated seconds, and checks after every step:
 * when the job ends in success, every member's workers exited 0 on their own
   (none was stopped or killed); a failure says why;
 * after the last fault, the job ends within the horizon (no deadlock, no
-  livelock) and every agent exits.
+  livelock) and every agent exits;
+* no round forms once the failures it counts exceed the restart budget, and
+  a job failed for its budget counts one failure more than the budget.
+
+Profiles (``run(seed, profile=...)``) draw different clusters and schedules:
+``mixed`` (every kind of fault, see :func:`tests.sim.faults.make_schedule`),
+``budget`` (more failures than a small restart budget allows: the job-failure
+path) and ``partition`` (nodes or whole rounds cut off from etcd, with
+standbys that keep it, and no leader's fence: the cut-off nodes' stop rule
+alone must keep a zombie group from training).
 
 The same seed gives the same run, bit for bit: replay a failure with
 ``python -m tests.sim --seed N -v``.
@@ -34,7 +43,12 @@ from elastic.rendezvous.api import NodeInfo, Round
 from elastic.rendezvous.node import SESSION_CHECK_S, RendezvousNode
 from tests.fakes.clock import FakeClock
 from tests.fakes.memory_store import MemoryStore
-from tests.sim.faults import Fault, make_schedule
+from tests.sim.faults import (
+    Fault,
+    make_budget_schedule,
+    make_partition_schedule,
+    make_schedule,
+)
 from tests.sim.world import FakeMesh, FakeServer, FakeSupervisor, Network, NodeStore, Workers
 
 DT = 0.25
@@ -42,6 +56,7 @@ HORIZON_S = 240.0
 JOB = "sim"
 # systemd's Restart=on-failure with RestartPreventExitStatus=0 1 2 4.
 NO_RESTART_CODES = (0, 1, 2, 4)
+PROFILES = ("mixed", "budget", "partition")
 
 
 class _Later:
@@ -99,24 +114,41 @@ class Result:
 
 
 class Cluster:
-    def __init__(self, seed: int, *, verbose: bool = False):
+    def __init__(self, seed: int, *, verbose: bool = False, profile: str = "mixed"):
+        if profile not in PROFILES:
+            raise ValueError(f"no simulator profile {profile!r} (one of {', '.join(PROFILES)})")
         self.seed = seed
+        self.profile = profile
         self.rng = random.Random(seed)
         self.verbose = verbose
         self.clock = FakeClock()
         self.store = MemoryStore(clock=self.clock, synchronous=True)
         self.keys = JobKeys(JOB)
         self.network = Network()
-        n = self.rng.choice((2, 3, 3, 4))
-        # Sometimes fewer places than nodes: the rest wait as standbys.
-        self.max_nodes = self.rng.choice((n, n, n - 1)) if n > 2 else n
-        self.min_nodes = self.rng.randint(1, self.max_nodes)
-        self.workers = Workers(self.network, step_s=0.5, total_steps=self.rng.randint(16, 30),
+        self.max_restarts = 8
+        if profile == "partition":
+            # Standbys that keep etcd when a whole round is cut off from it.
+            n = self.rng.choice((3, 4))
+            self.max_nodes = self.rng.randint(1, n - 1)
+            self.min_nodes = 1
+        else:
+            n = self.rng.choice((2, 3, 3, 4))
+            # Sometimes fewer places than nodes: the rest wait as standbys.
+            self.max_nodes = self.rng.choice((n, n, n - 1)) if n > 2 else n
+            self.min_nodes = self.rng.randint(1, self.max_nodes)
+        low, high = (40, 60) if profile == "budget" else (16, 30)
+        self.workers = Workers(self.network, step_s=0.5, total_steps=self.rng.randint(low, high),
                                ckpt_every=4, init_timeout_s=30.0, crash_delay_s=0.5, form_s=0.5,
                                rng=random.Random(self.rng.random()),
                                latest_step=self._latest_checkpoint)
         self.nodes: dict[str, Node] = {f"n{i}": Node(f"n{i}") for i in range(n)}
-        self.schedule = make_schedule(self.rng, sorted(self.nodes), self.min_nodes)
+        if profile == "budget":
+            self.max_restarts = self.rng.randint(1, 3)
+            self.schedule = make_budget_schedule(self.rng, sorted(self.nodes), self.max_restarts)
+        elif profile == "partition":
+            self.schedule = make_partition_schedule(self.rng, sorted(self.nodes))
+        else:
+            self.schedule = make_schedule(self.rng, sorted(self.nodes), self.min_nodes)
         for name in self.nodes:
             self.workers.finish_delay[name] = self.rng.choice((0.0, 0.0, 1.0, 5.0))
         self.result = Result(seed, schedule=list(self.schedule))
@@ -134,7 +166,7 @@ class Cluster:
     def config(self, node_id: str) -> AgentConfig:
         return AgentConfig(
             job_id=JOB, etcd="sim", standalone=False, min_nodes=self.min_nodes,
-            max_nodes=self.max_nodes, nproc_per_node=2, node_id=node_id, max_restarts=8,
+            max_nodes=self.max_nodes, nproc_per_node=2, node_id=node_id, max_restarts=self.max_restarts,
             restart_window_s=3600.0, checkpoint_dir=None, hang_timeout_s=4.0, lease_ttl_s=3.0,
             settle_s=0.5, join_timeout_s=600.0, start_timeout_s=12.0,
             exit_barrier_timeout_s=20.0, scale_up_wait_s=0.0, listen="sim:0",
@@ -161,7 +193,8 @@ class Cluster:
                               takeover=lambda old: old.host == info.host and old.addr != addr
                               and not mesh.answers(old.addr),
                               port_picker=lambda _host: 1,
-                              fence=lambda addrs: mesh.fence(addrs, node.node_id),
+                              fence=None if self.profile == "partition"
+                              else lambda addrs: mesh.fence(addrs, node.node_id),
                               running_round=lambda: agent_of.running_round())
         supervisor = FakeSupervisor(self.workers, node.node_id, self.now)
         agent = Agent(config, conn, rdzv, supervisor, server, mesh, inbox=inbox,
@@ -403,11 +436,25 @@ class Cluster:
             v.append(f"the round key holds garbage: {exc}")
             return
         self.result.rounds = r.number
+        self.check_budget(r)
         if r.outcome:
             self.final = r
             self.result.outcome, self.result.reason = r.outcome, r.reason
             self.result.ended_at = self.now() - 1000
             self.check_outcome(r)
+
+    def check_budget(self, r: Round) -> None:
+        """Failures are counted within the whole run (the window is an hour)."""
+        spent = len(r.failures) > self.max_restarts
+        if spent and r.outcome != "failed":
+            self.result.violations.append(
+                f"round {r.number} ({r.outcome or 'no outcome'}) counts {len(r.failures)} "
+                f"failures, over the budget of {self.max_restarts}")
+        elif r.outcome == "failed" and "restart budget spent" in r.reason \
+                and len(r.failures) != self.max_restarts + 1:
+            self.result.violations.append(
+                f"the job failed for its budget ({self.max_restarts}) counting "
+                f"{len(r.failures)} failures")
 
     def check_outcome(self, final: Round) -> None:
         v = self.result.violations
@@ -443,12 +490,13 @@ class Cluster:
                      f"{[(p.node_id, p.agent.lifecycle.state.value) for p in self.live_procs()]}")
 
 
-def run(seed: int, *, verbose: bool = False) -> Result:
-    """Run one schedule. Quiet unless ``verbose`` (then the agents log too)."""
+def run(seed: int, *, verbose: bool = False, profile: str = "mixed") -> Result:
+    """Run one schedule of ``profile`` (one of PROFILES). Quiet unless
+    ``verbose`` (then the agents log too)."""
     if not verbose:
         logging.disable(logging.CRITICAL)
     try:
-        return Cluster(seed, verbose=verbose).run()
+        return Cluster(seed, verbose=verbose, profile=profile).run()
     finally:
         if not verbose:
             logging.disable(logging.NOTSET)

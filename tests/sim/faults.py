@@ -66,3 +66,32 @@ def make_schedule(rng: random.Random, nodes: list[str], min_nodes: int) -> list[
             duration = round(rng.choice((0.5, 1.0, 2.0, 6.0)), 2)
         faults.append(Fault(at, kind, node, duration))
     return faults
+
+
+def make_budget_schedule(rng: random.Random, nodes: list[str], max_restarts: int
+                         ) -> list[Fault]:
+    """More failures than the restart budget allows, a few seconds apart (so
+    most strike a running round, each then counted once): a crash or a hang
+    of a worker, on any node. Spending the budget must fail the job, with
+    every agent exiting and none restarted by systemd for it."""
+    faults = []
+    at = round(rng.uniform(2.0, 5.0), 2)
+    for _ in range(max_restarts + rng.randint(1, 3)):
+        kind = rng.choices(("crash_worker", "hang_worker"), (3, 1))[0]
+        faults.append(Fault(at, kind, rng.choice(nodes)))
+        at = round(at + rng.uniform(3.0, 7.0), 2)
+    return faults
+
+
+def make_partition_schedule(rng: random.Random, nodes: list[str]) -> list[Fault]:
+    """One partition that leaves a node, or the whole round, without etcd but
+    not without the others, often long enough for their leases to expire.
+    The profile runs without the leader's fence, so only the cut-off nodes'
+    own stop rule keeps a zombie group from training beside the round that
+    forms without them. One at a time: when every node loses etcd (a round
+    and its standbys cut off together), the nodes take etcd for down and
+    train on, and only the fence stops them once a node is back."""
+    kind = rng.choices(("cut_round", "cut_store"), (3, 1))[0]
+    node = "*" if kind == "cut_round" else rng.choice(nodes)
+    return [Fault(round(rng.uniform(2.0, 20.0), 2), kind, node,
+                  round(rng.uniform(1.0, 10.0), 2))]
