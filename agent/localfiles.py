@@ -16,8 +16,11 @@ How, against another local user who can write somewhere on the way:
 
 * the state directory itself is created (with its missing parents) when
   absent, and refused with a ConfigError when it is a symbolic link, not a
-  directory, or owned by another user (root's is accepted: a Kubernetes
-  emptyDir is root's, and root can do anything anyway);
+  directory, owned by another user (root's is accepted: root can do anything
+  anyway), or writable by its group or by others (sticky or not: another
+  user could plant ``<job>`` or ``round-N`` there and make the agent fail at
+  each start; a Kubernetes emptyDir, 0777, is such a directory: give a
+  subdirectory of it, which the agent creates 0700);
 * every directory below it is created with mode 0700 through its parent's
   file descriptor and opened with ``O_NOFOLLOW | O_DIRECTORY``, so no
   symbolic link planted on the way is ever followed; one owned by another
@@ -32,8 +35,10 @@ the shared ``/tmp`` that another user created first is refused, never used),
 named by a hash of job and node; the log says so.
 
 An explicit ``--log-dir`` is the operator's choice: its missing directories
-are created with mode 0700, and it is not otherwise checked (it may be a link
-to a larger disk); the round directories and logs below it are made as above.
+are created with mode 0700, and it may be a link (to a larger disk), but the
+directory itself must be this user's (or root's) and writable by nobody else,
+as the state directory; the round directories and logs below it are made as
+above.
 """
 
 from __future__ import annotations
@@ -98,6 +103,7 @@ def prepare(state_dir: str, log_dir: str, job_id: str, node_id: str,
         os.close(fd)
     if os.path.abspath(log_dir) != default_logs:
         ensure_dir(log_dir, "--log-dir")
+        check_log_dir(log_dir)
     return NodeFiles(node_dir=node_dir, log_dir=os.path.abspath(log_dir),
                      socket_path=socket_path(node_dir, job_id, node_id, environ))
 
@@ -158,9 +164,10 @@ def open_checked_base(path: str) -> int:
     except OSError as exc:
         raise _refusal(path, "the state directory (--state-dir)", exc) from exc
     try:
-        # root's is trusted too (root can do anything anyway): a Kubernetes
-        # emptyDir or a directory an administrator made is root's.
+        # root's is trusted too (root can do anything anyway): a directory an
+        # administrator made is root's.
         _check_owner(fd, path, "the state directory (--state-dir)", allow_root=True)
+        _check_not_shared(fd, path, "the state directory", "--state-dir")
     except BaseException:
         os.close(fd)
         raise
@@ -222,6 +229,36 @@ def ensure_dir(path: str, what: str) -> None:
                               f"{exc.strerror or exc}") from exc
 
 
+def check_log_dir(path: str) -> None:
+    """Refuse an explicit ``--log-dir`` (links followed) that another user owns
+    or may write in: they could plant a ``round-N`` there and make the agent
+    fail at each start. Raises PrivateDirError naming --log-dir."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise PrivateDirError(f"cannot open the log directory {path} (--log-dir): "
+                              f"{exc.strerror}") from exc
+    try:
+        _check_owner(fd, path, "the log directory (--log-dir)", allow_root=True,
+                     option="--log-dir")
+        _check_not_shared(fd, path, "the log directory", "--log-dir")
+    finally:
+        os.close(fd)
+
+
+def _check_not_shared(fd: int, path: str, what: str, option: str) -> None:
+    """PrivateDirError when the directory open as ``fd`` is writable by its
+    group or by others."""
+    mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    if mode & 0o022:
+        who = " and ".join(w for w, bit in (("its group", 0o020), ("others", 0o002))
+                           if mode & bit)
+        raise PrivateDirError(
+            f"{what} {path} ({option}) is writable by {who} (mode {mode:o}): another user "
+            f"could plant files there that make the agent fail; choose another {option} (a "
+            f"new directory is created 0700), or make it private (chmod go-w {path})")
+
+
 def open_log(path: str):
     """Open a rank's log for appending (created 0600), never through a symbolic link."""
     return open(path, "a", encoding="utf-8", errors="replace", opener=_no_follow_0600)
@@ -231,14 +268,16 @@ def _no_follow_0600(path: str, flags: int) -> int:
     return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
 
 
-def _check_owner(fd: int, path: str, what: str, allow_root: bool = False) -> int:
+def _check_owner(fd: int, path: str, what: str, allow_root: bool = False,
+                 option: str = "--state-dir") -> int:
     """The permission bits of the directory open as ``fd``; PrivateDirError
-    when it is not this user's (nor root's, with ``allow_root``)."""
+    when it is not this user's (nor root's, with ``allow_root``), naming
+    ``option`` as the one to change."""
     info = os.fstat(fd)
     if info.st_uid != os.geteuid() and not (allow_root and info.st_uid == 0):
         raise PrivateDirError(f"{what} {path} belongs to uid {info.st_uid}, not to this user "
                               f"(uid {os.geteuid()}): refusing to keep the workers' socket "
-                              "and logs there; remove it or choose another --state-dir")
+                              f"and logs there; remove it or choose another {option}")
     return stat.S_IMODE(info.st_mode)
 
 

@@ -94,10 +94,11 @@ def test_a_directory_of_another_user_is_refused(tmp_path, whose, monkeypatch):
 
 @as_root
 def test_a_state_directory_of_root_is_accepted_for_another_user(tmp_path, monkeypatch):
-    # A Kubernetes emptyDir (root's, 0777) for an agent that runs as uid 10001.
+    # A directory an administrator made for an agent that runs as uid 10001
+    # (a Kubernetes emptyDir is 0777: job.yaml gives a subdirectory of it).
     state = tmp_path / "state"
-    state.mkdir(mode=0o777)
-    os.chmod(state, 0o777)
+    state.mkdir(mode=0o755)
+    os.chmod(state, 0o755)
     monkeypatch.setattr(localfiles.os, "geteuid", lambda: OTHER_UID)
     real_mkdir = os.mkdir
 
@@ -110,6 +111,38 @@ def test_a_state_directory_of_root_is_accepted_for_another_user(tmp_path, monkey
     files = localfiles.prepare(str(node_dir), str(node_dir / "logs"), "job", "n1", {})
     assert os.stat(node_dir).st_uid == OTHER_UID and _mode(node_dir) == 0o700
     assert files.socket_path == str(node_dir / "agent.sock")
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o1777, 0o770, 0o2775, 0o757])
+@pytest.mark.parametrize("which", ["state", "logs"])
+def test_a_directory_others_may_write_in_is_refused_naming_the_option(tmp_path, mode, which):
+    # Another user could plant <job> or round-N there and fail the agent at each start.
+    node_dir = tmp_path / "state" / "job" / "n1"
+    logs = tmp_path / "logs"
+    (tmp_path / which).mkdir()
+    os.chmod(tmp_path / which, mode)
+    option = "--state-dir" if which == "state" else "--log-dir"
+    with pytest.raises(ConfigError, match=f"{tmp_path / which} \\({option}\\) is writable by "
+                                          f".*choose another {option}"):
+        localfiles.prepare(str(node_dir), str(logs), "job", "n1", {})
+
+
+@as_root
+def test_a_log_dir_of_another_user_is_refused_naming_the_option(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir(mode=0o700)
+    os.chown(logs, OTHER_UID, OTHER_UID)
+    node_dir = tmp_path / "state" / "job" / "n1"
+    with pytest.raises(ConfigError, match=f"belongs to uid {OTHER_UID}.*another --log-dir"):
+        localfiles.prepare(str(node_dir), str(logs), "job", "n1", {})
+
+
+def test_an_explicit_log_dir_may_be_a_link_to_a_private_directory(tmp_path):
+    (tmp_path / "disk").mkdir(mode=0o700)
+    (tmp_path / "logs").symlink_to(tmp_path / "disk")
+    node_dir = tmp_path / "state" / "job" / "n1"
+    files = localfiles.prepare(str(node_dir), str(tmp_path / "logs"), "job", "n1", {})
+    assert files.log_dir == str(tmp_path / "logs")
 
 
 def test_an_explicit_log_dir_is_created_private(tmp_path):
