@@ -33,6 +33,7 @@ from elastic.net import free_port
 from elastic.rendezvous.api import MAX_REASON_CHARS, Member, Round
 from elastic.v1 import agent_pb2, agent_pb2_grpc
 from elastic.worker.channel import WorkerChannelClient
+from tests.waiting import LOADED_SLACK_S
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -223,7 +224,8 @@ def test_a_handler_that_outlives_its_callers_deadline_does_not_crash_the_agent(s
 
 def test_stopping_with_a_handler_in_flight_waits_for_it_without_crashing(sock_dir, sink):
     # Stopping cancels the RPCs in flight; the handler still running must not
-    # find its call freed (as above), and stop() waits for it (within grace + 1 s).
+    # find its call freed (as above), and stop() waits for it (within grace + 1 s;
+    # on a loaded machine the timer that releases it may fire after that).
     control = _BlockingControl()
     srv = AgentServer("127.0.0.1:0", os.path.join(sock_dir, "worker.sock"), control, sink,
                       max_workers=4)
@@ -236,8 +238,8 @@ def test_stopping_with_a_handler_in_flight_waits_for_it_without_crashing(sock_di
         began = time.monotonic()
         srv.stop(grace_s=0.1)
         took = time.monotonic() - began
-        assert control.finished.is_set()  # the handler's error log and abort ran, and returned
-        assert 0.3 < took < 1.1
+        assert control.finished.wait(LOADED_SLACK_S)  # its error log and abort ran, and returned
+        assert 0.3 < took < 0.1 + 1.0 + LOADED_SLACK_S  # waited past the grace, within its cap
         with pytest.raises(grpc.RpcError):
             call.result(timeout=5)
 
@@ -301,7 +303,7 @@ def test_health_watcher_reports_changes_and_reconnects(sock_dir, control, sink):
     finally:
         started = time.monotonic()
         watcher.stop()
-        assert time.monotonic() - started < 1.5
+        assert time.monotonic() - started < 0.5 + LOADED_SLACK_S
         assert not watcher._thread.is_alive()
         first.stop(grace_s=0)
         if second is not None:
@@ -344,7 +346,7 @@ def test_an_agent_watched_by_peers_stops_serving_and_its_process_exits(sock_dir)
         proc.stdin.flush()
         started = time.monotonic()
         assert proc.wait(timeout=10) == 0
-        assert time.monotonic() - started < 3.0
+        assert time.monotonic() - started < 3.0 + LOADED_SLACK_S
         assert [_wait_for(q) for q in seen] == ["NOT_SERVING"] * 3  # a graceful stop
         assert [_wait_for(q) for q in seen] == ["UNREACHABLE"] * 3
     finally:
@@ -364,7 +366,7 @@ def test_unreachable_peer_is_reported_within_the_timeout():
     started = time.monotonic()
     assert peers.check_health(addr, timeout_s=0.5) == "UNREACHABLE"
     assert peers.query_status(addr, timeout_s=0.5) is None
-    assert time.monotonic() - started < 1.5
+    assert time.monotonic() - started < 2 * 0.5 + LOADED_SLACK_S
     with pytest.raises(ElasticError, match="UNAVAILABLE"):
         peers.request_drain(addr, "r", timeout_s=0.5)
     peers.close_channels()
@@ -378,7 +380,7 @@ def test_health_watcher_of_unreachable_peer_says_so_and_stops_quickly():
     finally:
         started = time.monotonic()
         watcher.stop()
-        assert time.monotonic() - started < 1.5
+        assert time.monotonic() - started < 0.5 + LOADED_SLACK_S
         peers.close_channels()
     assert seen.empty()  # UNREACHABLE once, not once per retry
 
@@ -436,7 +438,7 @@ def test_heartbeat_to_a_missing_socket_returns_false_quickly(sock_dir):
         started = time.monotonic()
         assert client.heartbeat(0, 0, os.getpid(), 1, -1) is False
         assert client.heartbeat(0, 0, os.getpid(), 1, -1) is False
-        assert time.monotonic() - started < 1.5
+        assert time.monotonic() - started < 2 * 0.5 + LOADED_SLACK_S
     finally:
         client.close()
     assert client.heartbeat(0, 0, os.getpid(), 1, -1) is False  # closed: still no exception
@@ -582,7 +584,7 @@ def test_heartbeat_datagrams_reach_a_restarted_agent_at_the_same_path(sock_dir, 
         assert client.heartbeat(0, 0, 1, 1, 1) is False
         started = time.monotonic()
         first.stop(grace_s=0)
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < 2.0 + LOADED_SLACK_S
         assert not os.path.exists(first.heartbeat_socket)
         assert client.heartbeat(0, 0, 1, 1, 2) is False  # no agent: no answer, no exception
         second = AgentServer("127.0.0.1:0", path, control, sink)
