@@ -23,7 +23,9 @@ ELASTIC_TLS_CA, ELASTIC_TLS_CERT, ELASTIC_TLS_KEY; ``--tls-server-name``,
 ELASTIC_TLS_SERVER_NAME, when the agents' certificates carry one shared
 name). An agent that refuses the handshake is named under "problem:" with
 the reason, and its status is the one it last published in etcd. Drain and
-restart go through etcd: etcd's credentials authorise them.
+restart go through etcd: etcd's credentials authorise them. ``status`` and
+``checkpoints`` name a record they cannot read under "problem:" (in
+``--json``, ``problems``) and show the rest: exit 0, not a failed command.
 
 ``status --watch`` shows the status again every ``--interval`` seconds: on a
 terminal it redraws the screen, like watch(1); on a pipe it prints frame after
@@ -307,20 +309,36 @@ def watch_status(store: Store, args, out: TextIO, *,
 
 
 def _checkpoints(store: Store, args) -> str:
+    """The latest committed checkpoint and the checkpoint history. A latest
+    record that cannot be read is named under ``problems`` ("problem:" lines),
+    as ``status`` does, with the history still shown: it is a finding about
+    the job, not a failure of the command (exit 0)."""
     keys = JobKeys(args.job_id)
     kv = store.get(keys.checkpoint_latest)
-    latest = decode_latest(kv.key, kv.value).to_dict() if kv else None
+    latest, problems = None, []
+    if kv is not None:
+        try:
+            latest = decode_latest(kv.key, kv.value).to_dict()
+        except MalformedRecordError as exc:
+            problems.append(f"{exc}; the job's next checkpoint commit replaces it")
     history = [e for e in events.read_events(store, keys) if e.kind == "checkpoint"]
     if args.json:
-        return json.dumps({"latest": latest, "history": [asdict(e) for e in history]}, indent=2)
-    if latest is None:
-        return f"job {args.job_id}: no checkpoint committed yet"
-    head = (f"job {args.job_id}: latest checkpoint step {latest['step']} ({latest['path']}), "
-            f"round {latest['round']}, world size {latest['world_size']}, committed "
-            f"{_when(latest['time'])}")
+        return json.dumps({"latest": latest, "history": [asdict(e) for e in history],
+                           "problems": problems}, indent=2)
+    if latest is not None:
+        head = (f"job {args.job_id}: latest checkpoint step {latest['step']} "
+                f"({latest['path']}), round {latest['round']}, world size "
+                f"{latest['world_size']}, committed {_when(latest['time'])}")
+    elif problems:
+        head = f"job {args.job_id}: the record of the latest checkpoint is unreadable"
+    else:
+        head = f"job {args.job_id}: no checkpoint committed yet"
     rows = [[_when(e.time), e.node_id, str(e.round), e.message] for e in history]
-    return head + ("\n\n" + status_view.table(["TIME", "NODE", "ROUND", "COMMIT"], rows)
-                   if rows else "")
+    out = [head]
+    if rows and (latest is not None or problems):
+        out += ["", status_view.table(["TIME", "NODE", "ROUND", "COMMIT"], rows)]
+    out += [f"problem: {p}" for p in problems]
+    return "\n".join(out)
 
 
 def _restart(store: Store, args) -> str:

@@ -6,6 +6,7 @@ the exit codes in ``--help``; and the demo's rank -> node mapping."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import threading
@@ -318,3 +319,58 @@ def test_the_demo_waits_for_a_whole_warm_set_on_every_node():
 
     assert warm_nodes(output, 2) == {"b"}
     assert warm_nodes(output + [f"a: {line.format(n='a', p=3, k=2)}"], 2) == {"a", "b"}
+
+
+# -- checkpoints ----------------------------------------------------------------------
+
+
+def checkpoints(store, keys, *argv):
+    args = ctl._parser().parse_args(["checkpoints", "--etcd", "mem", "--job-id", keys.job_id,
+                                     *argv])
+    return ctl._checkpoints(store, args)
+
+
+@pytest.mark.parametrize("garbage", [b"\xff\xfe", b'{"step": "nine"}', b"[]"])
+def test_a_malformed_latest_checkpoint_is_a_problem_shown_with_the_history(garbage):
+    # Not "rendezvous failed" (exit 4): the command reads the job and says
+    # what it found, as status does.
+    clock = FakeClock(wall_s=WALL)
+    store, keys = MemoryStore(clock=clock), fresh_keys()
+    store.txn([], [event_op(keys, clock, "a", 1, "checkpoint",
+                            "checkpoint of step 8 committed (step-000000000008)")])
+    store.put(keys.checkpoint_latest, garbage)
+    text = checkpoints(store, keys)
+    assert text.splitlines()[0] == (f"job {keys.job_id}: the record of the latest checkpoint "
+                                    "is unreadable")
+    assert "checkpoint of step 8 committed" in text
+    assert text.splitlines()[-1].startswith(
+        f"problem: malformed record at key '{keys.checkpoint_latest}'")
+    assert text.endswith("the job's next checkpoint commit replaces it")
+    data = json.loads(checkpoints(store, keys, "--json"))
+    assert data["latest"] is None and len(data["history"]) == 1
+    (problem,) = data["problems"]
+    assert problem.startswith(f"malformed record at key '{keys.checkpoint_latest}'")
+
+
+def test_checkpoints_without_a_commit_and_with_one():
+    clock = FakeClock(wall_s=WALL)
+    store, keys = MemoryStore(clock=clock), fresh_keys()
+    assert checkpoints(store, keys) == f"job {keys.job_id}: no checkpoint committed yet"
+    assert json.loads(checkpoints(store, keys, "--json")) == {"latest": None, "history": [],
+                                                             "problems": []}
+    store.put(keys.checkpoint_latest, json.dumps({
+        "step": 9, "round": 1, "world_size": 2, "path": "step-000000000009",
+        "time": WALL}).encode())
+    assert checkpoints(store, keys) == (
+        f"job {keys.job_id}: latest checkpoint step 9 (step-000000000009), round 1, world "
+        f"size 2, committed {STAMP}")
+
+
+def test_elasticctl_checkpoints_exits_0_on_a_malformed_record(monkeypatch, capsys):
+    store, keys = MemoryStore(clock=FakeClock(wall_s=WALL)), fresh_keys()
+    store.put(keys.checkpoint_latest, b"garbage")
+    monkeypatch.setattr(ctl, "open_store", lambda *a, **kw: contextlib.nullcontext(store))
+    code = ctl.main(["checkpoints", "--etcd", "mem", "--job-id", keys.job_id])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "problem: malformed record" in out and err == ""
