@@ -31,7 +31,7 @@ import time
 from typing import Any, Callable, Iterable, Protocol
 
 from agent import config as agent_config
-from agent import gpu_health, grpc_input, localfiles, reactor
+from agent import gpu_health, grpc_input, hardening, localfiles, reactor
 from agent.assign import startup_env, worker_envs
 from agent.gpu_health import NO_GPU_READER, GpuAction, GpuObservation, GpuReader, NvmlReading
 from agent.grpc_server import AgentServer
@@ -849,12 +849,21 @@ def main(argv: list[str] | None = None) -> int:
     logs = _LogSetup()
     log = logging.getLogger("elasticd")
     server = None
+    # First thing: /proc/<pid>/environ keeps the password whatever os.environ
+    # says later, readable by the workers (same user) until this.
+    hidden = PASSWORD_ENV in os.environ and hardening.make_non_dumpable()
     try:
         config = agent_config.load(argv)
         relax_grpc_blocking_waits()
         # Read into config.etcd_security: the workers (user code) inherit our
         # environment and must not get the etcd password.
         os.environ.pop(PASSWORD_ENV, None)
+        if config.etcd_security.password is not None:
+            if hidden or hardening.make_non_dumpable():
+                JobLogger(log, config.job_id, config.node_id).info(
+                    "The etcd password is held in memory: the agent is non-dumpable, so no "
+                    "process of this user (the workers included) can read it from /proc/%d.",
+                    os.getpid())
         logs.configured(config)
         endpoint = config.etcd
         if config.standalone:

@@ -9,14 +9,18 @@ another user, and becoming one, needs it.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
+import uuid
 
 import pytest
 
 from tests.integration.procs import REPO, AgentProcess
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120),
               pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
@@ -68,3 +72,104 @@ def test_a_state_dir_others_may_write_in_is_refused(etcd_endpoint, tmp_path, sha
     assert agent.wait_exit(30) == 2, agent.text
     assert "(--state-dir) is writable by its group and others" in agent.text
     assert "choose another --state-dir" in agent.text
+
+
+ETCD_PASSWORD = "s3cret-" + uuid.uuid4().hex  # unique: searched for
+AUTH_ARGS = ("--auth-token", "simple", "--bcrypt-cost", "4")
+
+PEEK_SCRIPT = """
+import os, sys, time
+# A worker is user code of the agent's user: it tries the agent's environment.
+try:
+    with open(f"/proc/{os.getppid()}/environ", "rb") as f:
+        seen = f.read()
+except OSError as exc:
+    seen = f"refused: {exc.strerror}".encode()
+with open(sys.argv[1], "wb") as f:
+    f.write(seen)
+time.sleep(60)
+"""
+
+
+@pytest.fixture
+def etcd_with_a_user(tmp_path):
+    """An etcd with authentication on and one user, ``trainer``, for job ``attack-env``."""
+    from elastic.store.server import EtcdServer
+
+    server = EtcdServer(data_dir=str(tmp_path / "etcd"), log_path=str(tmp_path / "etcd.log"),
+                        unsafe_no_fsync=True, extra_args=AUTH_ARGS).start()
+    try:
+        server.add_user("trainer", ETCD_PASSWORD, prefixes=["/elastic/v1/attack-env/"])
+        server.enable_auth("r00t-" + uuid.uuid4().hex)
+        yield server
+    finally:
+        server.stop()
+
+
+@functools.cache
+def python_of_other_user() -> tuple[str, dict[str, str]]:
+    """A Python that uid 65534 may execute, with this one's packages: this one, or
+    (a virtual environment of an interpreter under /root, 0700) the system's of
+    the same version with the environment's site-packages on PYTHONPATH. The
+    workers are started with the agent's sys.executable, so it must be one."""
+    check = ["-c", "import os, sys, grpc, agent.daemon; "
+                   "sys.exit(not os.access(os.path.realpath(sys.executable), os.X_OK))"]
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    site = os.path.join(sys.prefix, "lib", version, "site-packages")
+    for python, env in ((sys.executable, {}),
+                        *((f"{bin_dir}/{version}", {"PYTHONPATH": f"{REPO}:{site}"})
+                          for bin_dir in ("/usr/bin", "/usr/local/bin"))):
+        if os.path.isfile(python) and as_other_user("env", *(f"{k}={v}" for k, v in env.items()), python,
+                                    *check, cwd=REPO).returncode == 0:
+            return python, env
+    pytest.skip("no Python with this one's packages that uid 65534 may execute")
+
+
+def elasticd_as_other_user(args: list[str], env: dict[str, str], log_path: str
+                           ) -> subprocess.Popen:
+    """``elasticd ARGS`` run as uid 65534; its output goes to ``log_path``."""
+    python, python_env = python_of_other_user()
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            ["setpriv", f"--reuid={OTHER}", f"--regid={OTHER}", "--clear-groups",
+             python, "-m", "agent.daemon", *args],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, **python_env, **env})
+
+
+def test_the_etcd_password_cannot_be_read_from_the_agents_environ(etcd_with_a_user, tmp_path,
+                                                                   shared_dir):
+    # The attack: a worker (user code, the agent's uid) read the password from
+    # /proc/<agent pid>/environ, which os.environ.pop does not clear.
+    private = os.path.join(shared_dir, "agent")
+    made = as_other_user("mkdir", "-m", "0700", private)
+    assert made.returncode == 0, made.stderr
+    script, seen = os.path.join(shared_dir, "peek.py"), os.path.join(private, "seen")
+    with open(script, "w") as f:
+        f.write(PEEK_SCRIPT)
+    os.chmod(script, 0o644)
+    log_path = str(tmp_path / "agent.log")
+    agent = elasticd_as_other_user(
+        ["--etcd", etcd_with_a_user.endpoint, "--etcd-user", "trainer",
+         "--job-id", "attack-env", "--node-id", "n1", "--nnodes", "1",
+         "--nproc-per-node", "1", "--no-prestart", "--advertise-addr", "127.0.0.1",
+         "--listen", "127.0.0.1:0", "--state-dir", os.path.join(private, "state"),
+         script, seen],
+        {"ELASTIC_ETCD_PASSWORD": ETCD_PASSWORD}, log_path)
+    try:
+        wait_until(lambda: os.path.exists(seen) and os.path.getsize(seen) > 0, timeout_s=60,
+                   what="the worker's peek",
+                   context=lambda: open(log_path, errors="replace").read()[-3000:])
+        # Another process of the same user, not a child: refused too.
+        peek = as_other_user("cat", f"/proc/{agent.pid}/environ")
+        with open(seen, "rb") as f:
+            by_worker = f.read()
+    finally:
+        agent.kill()
+        agent.wait()
+    assert ETCD_PASSWORD.encode() not in by_worker, "a worker read the etcd password"
+    assert by_worker == b"refused: Permission denied"
+    assert ETCD_PASSWORD not in peek.stdout and peek.returncode != 0, peek
+    assert "Permission denied" in peek.stderr
+    with open(log_path, errors="replace") as f:
+        assert "the agent is non-dumpable" in f.read()
