@@ -498,7 +498,7 @@ class Checkpointer:
         """
         name = layout.step_dir_name(staged.step)
         final = os.path.join(self.root, name)
-        previous = self._commit_log.latest()
+        previous = self._latest_before_commit(final, staged.step)
         manifests, _ = layout.read_manifests(tmp)  # verified: every rank's files are there
         if os.path.lexists(final):
             self._make_way(final, staged.step, previous, tmp)
@@ -528,6 +528,24 @@ class Checkpointer:
         if previous is not None and previous.path != name:
             self._repair_marker(previous)
         self._retain(entry)
+
+    def _latest_before_commit(self, final: str, step: int) -> CommitEntry | None:
+        """Rank 0, before its commit: the commit log's latest entry, or None when
+        it cannot be read (garbage in ``checkpoint/latest``) and no directory of
+        this step is in the way. The fenced commit replaces the unreadable
+        record, so it does not fail every save until someone mends it. With a
+        directory in the way the error stands: whether it may be moved aside
+        depends on that entry (see :meth:`_make_way`). A log that cannot be
+        reached at all fails the commit that follows instead."""
+        try:
+            return self._commit_log.latest()
+        except ElasticError as exc:
+            if os.path.lexists(final):
+                raise
+            log.warning("Rank 0: the latest entry of the commit log cannot be read (%s); the "
+                        "commit of checkpoint step %d in round %d replaces it.",
+                        exc, step, self._round)
+            return None
 
     def _make_way(self, final: str, step: int, latest: CommitEntry | None, tmp: str) -> None:
         """Rank 0: move aside the directory of this step that is in the way, when it

@@ -120,3 +120,29 @@ def test_the_checkpointer_reports_its_failed_save_through_the_agent(node, socket
                              "checkpoint step 9 into ")
     assert "[Errno 28 ENOSPC]" in failed
     assert failed.endswith("the latest committed checkpoint stays step 4")
+
+
+def test_a_save_replaces_a_malformed_latest_record_instead_of_failing(node, socket_path,
+                                                                      monkeypatch, tmp_path,
+                                                                      caplog):
+    # Garbage in checkpoint/latest used to fail every save (rank 0 reads the
+    # latest entry before its commit) until someone mended the key by hand.
+    from torch import nn
+
+    from elastic.checkpoint.checkpointer import Checkpointer
+
+    monkeypatch.setenv("ELASTIC_ROUND", str(node.round().number))
+    node.store.put(node.rdzv.keys.checkpoint_latest, b"garbage")
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), model=nn.Linear(2, 2),
+                        commit_log=AgentCommitLog(socket_path), on_saving=lambda seconds: None)
+    try:
+        with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.checkpointer"):
+            ckpt.save(4)
+            ckpt.wait()
+        assert AgentCommitLog(socket_path).latest().step == 4
+        assert "cannot be read" in caplog.text and "malformed record" in caplog.text
+        ckpt.save(8)  # and the next save finds a readable record
+        ckpt.wait()
+        assert AgentCommitLog(socket_path).latest().step == 8
+    finally:
+        ckpt.close()
