@@ -1,5 +1,7 @@
 """The node agent (elasticd) and the operator's CLI (elasticctl). Never imports torch."""
 
-from elastic.net import no_grpc_fork_handlers
+from elastic.net import no_grpc_fork_handlers, quiet_grpc_logs
 
-no_grpc_fork_handlers()  # before any module of the agent starts gRPC
+# Before any module of the agent starts gRPC.
+no_grpc_fork_handlers()
+quiet_grpc_logs()

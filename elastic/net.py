@@ -8,6 +8,7 @@ import socket
 from elastic._compat import grpc_waits
 
 GRPC_FORK_SUPPORT_ENV = "GRPC_ENABLE_FORK_SUPPORT"
+GRPC_VERBOSITY_ENV = "GRPC_VERBOSITY"
 # How long one slice of a blocking gRPC wait may last in a long-running daemon.
 GRPC_WAIT_SLICE_S = 1.0
 # How long one connection attempt (TCP, TLS handshake, the server's HTTP/2
@@ -30,6 +31,19 @@ def no_grpc_fork_handlers() -> None:
     issue 43055; seen as an agent that "exited -6" in the chaos campaign).
     """
     os.environ.setdefault(GRPC_FORK_SUPPORT_ENV, "false")
+
+
+def quiet_grpc_logs() -> None:
+    """Keep gRPC's own informational lines off stderr for this process (and
+    its children), unless the environment already chose (``GRPC_VERBOSITY``).
+    Call it before gRPC starts.
+
+    gRPC logs a refused TLS handshake itself ("Handshake failed with error
+    SSL_ERROR_SSL: ... CERTIFICATE_VERIFY_FAILED"), at INFO, in its own format,
+    before our error says the same in an operator's words (which certificate,
+    what to change); its errors still show.
+    """
+    os.environ.setdefault(GRPC_VERBOSITY_ENV, "ERROR")
 
 
 def relax_grpc_blocking_waits(slice_s: float = GRPC_WAIT_SLICE_S) -> bool:

@@ -174,3 +174,49 @@ def test_a_channel_reaches_a_server_that_came_back_within_the_longest_backoff():
     # the next try after 6 s down comes 2 to 4 s after the server is back.
     took = _seconds_to_reach_a_server_that_came_back(fast_reconnect_options(), 6.0)
     assert took < GRPC_MAX_RECONNECT_BACKOFF_S + 0.5, took
+
+
+# A client with a certificate of another CA, refused at the handshake, in a
+# process of its own (gRPC reads GRPC_VERBOSITY once, when it starts).
+_REFUSED_HANDSHAKE = """
+import sys, tempfile
+import agent  # what elasticctl and elasticd import first
+import grpc
+from concurrent import futures
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from tests.tls_certs import make_certs
+
+c = make_certs(tempfile.mkdtemp())
+read = lambda path: open(path, "rb").read()
+server = grpc.server(futures.ThreadPoolExecutor(2))
+health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials(
+    [(read(c.agent.key), read(c.agent.cert))], read(c.ca), True))
+server.start()
+creds = grpc.ssl_channel_credentials(read(c.other_ca), read(c.stranger.key), read(c.stranger.cert))
+with grpc.secure_channel(f"127.0.0.1:{port}", creds) as channel:
+    try:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    except grpc.RpcError as exc:
+        print("our error:", exc.code().name, file=sys.stderr)
+server.stop(None)
+"""
+
+
+def _stderr_of_a_refused_handshake(**env: str) -> str:
+    import os
+    import subprocess
+    import sys
+
+    environ = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    out = subprocess.run([sys.executable, "-c", _REFUSED_HANDSHAKE], capture_output=True,
+                         text=True, timeout=60, env={**environ, **env},
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert "our error: UNAVAILABLE" in out.stderr, out.stderr
+    return out.stderr
+
+
+def test_grpc_s_own_handshake_line_stays_off_the_agent_s_stderr():
+    assert "Handshake failed" not in _stderr_of_a_refused_handshake()
+    # An operator who asks for gRPC's lines gets them (and the test sees them).
+    assert "Handshake failed" in _stderr_of_a_refused_handshake(GRPC_VERBOSITY="INFO")
