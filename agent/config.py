@@ -143,6 +143,18 @@ def _join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+def _names(name: str, raw: Any) -> tuple[str, ...]:
+    """A list of names: comma-separated text (a flag, a variable) or a YAML
+    list of strings; empty entries dropped."""
+    if isinstance(raw, list) and all(isinstance(item, str) for item in raw):
+        items = raw
+    elif isinstance(raw, str):
+        items = raw.split(",")
+    else:
+        raise ConfigError(f"--{name} {raw!r}: expected names separated by commas")
+    return tuple(item.strip() for item in items if item.strip())
+
+
 def _readable_file(name: str, raw: Any) -> str:
     """A path to a file this process can read, made absolute; ConfigError naming
     the option otherwise (checked at start, not when the file is first needed)."""
@@ -284,6 +296,10 @@ OPTIONS = [
            "PEM bundle of the CA(s) that sign the agents' and the operators' certificates: "
            "--listen takes only clients with such a certificate, and only they may drain "
            "or restart", "FILE"),
+    Option("tls-allowed-cn", _names, (),
+           "only client certificates with one of these common names (CN), comma-separated, "
+           "may drain or restart (others of --tls-ca: PERMISSION_DENIED naming their CN); "
+           "default: any certificate --tls-ca signed", "CN[,CN...]"),
     Option("tls-server-name", _text, None,
            "the name checked in the peers' certificates instead of their address (one name "
            "every agent's certificate carries)", "NAME"),
@@ -559,7 +575,8 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
                           f"{PASSWORD_ENV} are for --etcd; --standalone starts a private "
                           "plain-text etcd")
     tls = agent_tls_from_options(cert=v["tls_cert"], key=v["tls_key"], ca=v["tls_ca"],
-                                 server_name=v["tls_server_name"], serving=True)
+                                 server_name=v["tls_server_name"], serving=True,
+                                 allowed_cns=v["tls_allowed_cn"])
     node_id = v["node_id"] or f"{socket.gethostname()}-{os.getpid()}"
     validate_id("node id", node_id)
     # Counted once: both the workers (auto) and the GPU check's expectation ask.

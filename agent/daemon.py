@@ -42,6 +42,7 @@ from agent.nvml import NvmlReader
 from agent.peers import GrpcPeerMesh
 from agent.reactor import AgentView, Settings
 from agent.sdnotify import SystemdNotifier
+from agent.tls import etcd_bypass_warning
 from agent.supervisor import Entrypoint, WorkerExit, WorkerSupervisor
 from elastic import __version__, errorfile, events
 from elastic.checkpoint.etcd_log import EtcdCommitLog
@@ -865,6 +866,11 @@ def main(argv: list[str] | None = None) -> int:
                     "process of this user (the workers included) can read it from /proc/%d.",
                     os.getpid())
         logs.configured(config)
+        bypass = etcd_bypass_warning(config.tls, config.etcd,
+                                     etcd_tls_client=config.etcd_security.cert is not None,
+                                     etcd_user=config.etcd_security.user is not None)
+        if bypass is not None:
+            JobLogger(log, config.job_id, config.node_id).warning("%s", bypass)
         endpoint = config.etcd
         if config.standalone:
             from elastic.store.server import EtcdServer

@@ -76,7 +76,7 @@ from agent.grpc_input import (
     check_restore_report,
 )
 from agent.heartbeat_socket import HeartbeatSocket, datagram_path
-from agent.tls import AgentTLS, verified_client
+from agent.tls import AgentTLS, verified_client, verified_common_name
 from elastic import aio_fork
 from elastic.errors import (
     ConfigError,
@@ -234,10 +234,14 @@ class Access(enum.Enum):
     """Nobody: the plain-text probe endpoint of an agent that uses TLS."""
 
 
-def control_refusal(access: Access, client: str | None, method: str) -> str | None:
+def control_refusal(access: Access, client: str | None, method: str, *,
+                    common_name: str | None = None, allowed_cns: tuple[str, ...] = ()
+                    ) -> str | None:
     """Why ``method`` (a control verb) is refused on an endpoint of ``access``
     to a caller whose verified certificate names ``client`` (None: no verified
-    certificate); None when it is allowed. One line, for the caller."""
+    certificate) and carries ``common_name``; None when it is allowed. With
+    ``allowed_cns`` (--tls-allowed-cn), only those CNs may. One line, for the
+    caller."""
     if access is Access.OPEN:
         return None
     if access is Access.READ_ONLY:
@@ -247,13 +251,20 @@ def control_refusal(access: Access, client: str | None, method: str) -> str | No
     if client is None:
         return (f"{method} needs a client certificate signed by the agent's --tls-ca (mutual "
                 "TLS); none was verified on this connection")
+    if allowed_cns and common_name not in allowed_cns:
+        who = (f"the certificate CN {cap_text(repr(common_name), 80)}" if common_name
+               is not None else f"a certificate without a common name ({client})")
+        return (f"{method} is refused to {who}: only --tls-allowed-cn "
+                f"{','.join(allowed_cns)} may drain or restart")
     return None
 
 
 class _AgentServicer(agent_pb2_grpc.AgentServicer):
-    def __init__(self, control: AgentControl, access: Access = Access.OPEN):
+    def __init__(self, control: AgentControl, access: Access = Access.OPEN,
+                 allowed_cns: tuple[str, ...] = ()):
         self._control = control
         self._access = access
+        self._allowed_cns = allowed_cns  # for Drain and RequestRestart
 
     def _caller(self, context: grpc.ServicerContext) -> tuple[str, str | None]:
         """(the caller for a log line, the name its verified certificate carries)."""
@@ -264,7 +275,9 @@ class _AgentServicer(agent_pb2_grpc.AgentServicer):
         """The caller for a log line; aborts with PERMISSION_DENIED when
         ``method`` is refused to it."""
         caller, client = self._caller(context)
-        refusal = control_refusal(self._access, client, method)
+        refusal = control_refusal(self._access, client, method,
+                                  common_name=verified_common_name(context),
+                                  allowed_cns=self._allowed_cns)
         if refusal is not None:
             logger.warning("The agent refused %s from %s: %s.", method, caller, refusal)
             context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
@@ -753,7 +766,9 @@ class AgentServer:
                                              interceptors=_interceptors(self._dispatches[0])))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, tcp)
         access = Access.MUTUAL_TLS if self._tls is not None else Access.OPEN
-        agent_pb2_grpc.add_AgentServicer_to_server(_AgentServicer(self._control, access), tcp)
+        agent_pb2_grpc.add_AgentServicer_to_server(
+            _AgentServicer(self._control, access,
+                           self._tls.allowed_cns if self._tls is not None else ()), tcp)
         unix = aio_fork.track(grpc.aio.server(migration_thread_pool=self._executors[1],
                                               options=SERVER_OPTIONS,
                                               interceptors=_interceptors(self._dispatches[1])))

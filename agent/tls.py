@@ -56,7 +56,10 @@ class AgentTLS:
     given together. ``ca``: PEM bundle of the CAs that sign the agents' and the
     operators' certificates (without it a client checks agents against the
     system's roots). ``server_name``: the name checked in an agent's
-    certificate instead of the host part of its address.
+    certificate instead of the host part of its address. ``allowed_cns``
+    (elasticd's ``--tls-allowed-cn``): the common names (CN) of the client
+    certificates that may drain or restart; empty: any certificate ``ca``
+    signed.
 
     Raises (constructor):
         ConfigError: a certificate without its key or the other way round, no
@@ -67,6 +70,7 @@ class AgentTLS:
     key: str | None = None
     ca: str | None = None
     server_name: str | None = None
+    allowed_cns: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.cert is None) != (self.key is None):
@@ -81,6 +85,10 @@ class AgentTLS:
         if self.server_name is not None and (not self.server_name or any(
                 c.isspace() for c in self.server_name) or len(self.server_name) > 253):
             raise ConfigError(f"--tls-server-name {self.server_name!r}: expected a host name")
+        for cn in self.allowed_cns:
+            if not cn or cn != cn.strip() or not cn.isprintable() or len(cn) > 64:
+                raise ConfigError(f"--tls-allowed-cn {cn!r}: expected a certificate's common "
+                                  "name (printable, at most 64 characters)")
 
     @property
     def can_serve(self) -> bool:
@@ -94,6 +102,8 @@ class AgentTLS:
             parts.append(f"certificate {self.cert}")
         if self.server_name:
             parts.append(f"server name {self.server_name}")
+        if self.allowed_cns:
+            parts.append(f"control for CN {', '.join(self.allowed_cns)} only")
         return ", ".join(parts)
 
     def read_files(self) -> tuple[bytes | None, bytes | None, bytes | None]:
@@ -135,7 +145,8 @@ def _channel_credentials(tls: AgentTLS) -> "grpc.ChannelCredentials":
 
 def agent_tls_from_options(*, cert: str | None = None, key: str | None = None,
                            ca: str | None = None, server_name: str | None = None,
-                           serving: bool = False) -> AgentTLS | None:
+                           serving: bool = False, allowed_cns: tuple[str, ...] = ()
+                           ) -> AgentTLS | None:
     """The :class:`AgentTLS` for what the user gave (paths made absolute, files
     read once to fail now), or None when nothing was given (plain text).
 
@@ -143,13 +154,17 @@ def agent_tls_from_options(*, cert: str | None = None, key: str | None = None,
 
     Raises:
         ConfigError: what :class:`AgentTLS` refuses, a file that cannot be
-            read or is not PEM, or (``serving``) a missing file of the three.
+            read or is not PEM, (``serving``) a missing file of the three, or
+            ``allowed_cns`` without them.
     """
     if cert is None and key is None and ca is None and server_name is None:
+        if allowed_cns:
+            raise ConfigError("--tls-allowed-cn needs mutual TLS: give --tls-cert, --tls-key "
+                              "and --tls-ca too")
         return None
     absolute = (lambda p: os.path.abspath(p) if p else None)
     tls = AgentTLS(cert=absolute(cert), key=absolute(key), ca=absolute(ca),
-                   server_name=server_name or None)
+                   server_name=server_name or None, allowed_cns=tuple(allowed_cns))
     if serving and not tls.can_serve:
         missing = [flag for flag, path in (("--tls-cert", tls.cert), ("--tls-key", tls.key),
                                            ("--tls-ca", tls.ca)) if path is None]
@@ -168,6 +183,16 @@ def verified_client(context: "grpc.ServicerContext") -> str | None:
         return None
     names = context.peer_identities() or auth.get("x509_subject") or [b"a certificate"]
     return b",".join(names).decode("utf-8", errors="replace")
+
+
+def verified_common_name(context: "grpc.ServicerContext") -> str | None:
+    """The common name (CN) in the client certificate the TLS handshake
+    verified; None without one (no verified certificate, or no CN in it)."""
+    auth = context.auth_context()
+    if auth.get("transport_security_type") != [b"ssl"] or not auth.get("x509_pem_cert"):
+        return None
+    names = auth.get("x509_common_name") or []
+    return names[0].decode("utf-8", errors="replace") if names else None
 
 
 def handshake_problem(details: str, tls: AgentTLS | None) -> str | None:
@@ -198,3 +223,29 @@ def handshake_problem(details: str, tls: AgentTLS | None) -> str | None:
         return ("the agent closed the connection at once: if the agents run with TLS, pass "
                 "--tls-ca, --tls-cert and --tls-key")
     return None
+
+
+def etcd_bypass_warning(tls: AgentTLS | None, etcd: str | None, *, etcd_tls_client: bool,
+                        etcd_user: bool) -> str | None:
+    """The warning for an agent whose control is behind mutual TLS while its
+    etcd is open: plain ``http://`` without a user or a client certificate.
+    Control also travels through etcd (``requests/drain/<node>``, restart
+    requests, the round), so whoever reaches such an etcd drains nodes and
+    restarts the job without any certificate. None when there is nothing to
+    say: no TLS on ``--listen`` (already warned about), an etcd over https
+    with a client certificate or a user, or an ``unix://`` one (the
+    standalone etcd's private socket). One line."""
+    if tls is None or not etcd or etcd_user or etcd_tls_client:
+        return None
+    endpoints = [e.strip() for e in etcd.split(",") if e.strip()]
+    open_ones = [e for e in endpoints if not e.startswith(("unix://", "unixs://"))]
+    if not open_ones:
+        return None
+    plain = all(e.startswith("http://") or "://" not in e for e in open_ones)
+    how = "plain text without authentication" if plain else "without authentication"
+    return (f"Control on --listen takes mutual TLS, but etcd at {', '.join(open_ones)} is "
+            f"{how}: anyone who reaches it can drain this node or restart the job by writing "
+            "its requests/ keys, with no certificate. Give etcd a user whose role holds only "
+            "/elastic/v1/<job>/ (--etcd-user with --etcd-password-file), or client "
+            "certificates (https:// with --etcd-cert and --etcd-key, etcd's "
+            "--client-cert-auth).")

@@ -1,6 +1,6 @@
 """Test certificates, made with trustme when a test runs: a job CA, an agent
-certificate naming 127.0.0.1, an operator's client certificate, and the same
-from a second, unrelated CA."""
+certificate naming 127.0.0.1, operators' client certificates (two with a
+common name), and the same from a second, unrelated CA."""
 
 from __future__ import annotations
 
@@ -24,6 +24,10 @@ class Certs:
     other_ca: str  # an unrelated CA
     stranger: Pair  # a certificate naming 127.0.0.1, signed by ``other_ca``
     named: Pair  # names only "elasticd.test" (for --tls-server-name), signed by ``ca``
+    # Client certificates signed by ``ca`` with common names "ops-alice" and
+    # "ops-mallory" (for --tls-allowed-cn).
+    alice: Pair | None = None
+    mallory: Pair | None = None
 
 
 def _write(cert: trustme.LeafCert, directory: str, name: str) -> Pair:
@@ -47,4 +51,8 @@ def make_certs(directory: str) -> Certs:
         other_ca=os.path.join(directory, "other-ca.pem"),
         stranger=_write(other.issue_cert("127.0.0.1", "localhost"), directory, "stranger"),
         named=_write(ca.issue_cert("elasticd.test"), directory, "named"),
+        alice=_write(ca.issue_cert("alice@example.test", common_name="ops-alice"), directory,
+                     "alice"),
+        mallory=_write(ca.issue_cert("mallory@example.test", common_name="ops-mallory"),
+                       directory, "mallory"),
     )

@@ -46,11 +46,11 @@ def shared_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _agent(etcd_endpoint, tmp_path, job: str, *extra: str) -> AgentProcess:
+def _agent(etcd_endpoint, tmp_path, job: str, *extra: str, env=None) -> AgentProcess:
     (tmp_path / "progress").mkdir(exist_ok=True)
     return AgentProcess(etcd_endpoint, job, "n1", "1", [
         "--progress-dir", str(tmp_path / "progress"), "--work-s", "30"],
-        nproc=1, script=SCRIPT, extra=("--no-prestart", *extra))
+        nproc=1, script=SCRIPT, extra=("--no-prestart", *extra), env=env)
 
 
 def test_a_log_dir_made_in_advance_by_another_user_is_refused(etcd_endpoint, tmp_path,
@@ -173,3 +173,62 @@ def test_the_etcd_password_cannot_be_read_from_the_agents_environ(etcd_with_a_us
     assert "Permission denied" in peek.stderr
     with open(log_path, errors="replace") as f:
         assert "the agent is non-dumpable" in f.read()
+
+
+def _tls_agent(endpoint, tmp_path, job: str, certs, *extra: str, env=None) -> AgentProcess:
+    return _agent(endpoint, tmp_path, job, "--tls-cert", certs.agent.cert, "--tls-key",
+                  certs.agent.key, "--tls-ca", certs.ca, "--tls-allowed-cn", "ops-alice",
+                  *extra, env=env)
+
+
+def test_mutual_tls_over_an_open_etcd_is_warned_and_control_takes_only_allowed_cns(
+        etcd_endpoint, etcd_store, tmp_path):
+    # The bypass: control also travels through etcd (requests/drain/<node>), so
+    # with etcd open to all, mutual TLS on --listen guarded nothing, silently.
+    from agent import peers
+    from agent.tls import AgentTLS
+    from elastic.errors import NotAuthorisedError
+    from elastic.keyspace import JobKeys
+    from elastic.rendezvous.api import NodeInfo
+    from tests.tls_certs import make_certs
+
+    certs = make_certs(str(tmp_path))
+    agent = _tls_agent(etcd_endpoint, tmp_path, "attack-open-etcd", certs)
+    try:
+        agent.wait_output("registered", 30)
+        assert (f"Control on --listen takes mutual TLS, but etcd at {etcd_endpoint} is plain "
+                "text without authentication") in agent.text
+        kv = etcd_store.get(JobKeys("attack-open-etcd").node("n1"))
+        addr = NodeInfo.from_json(kv.key, kv.value).addr
+        # Any certificate of the CA could drain or restart: now only the CNs listed.
+        mallory = AgentTLS(cert=certs.mallory.cert, key=certs.mallory.key, ca=certs.ca)
+        with pytest.raises(NotAuthorisedError, match="refused to the certificate CN "
+                                                     "'ops-mallory'"):
+            peers.request_drain(addr, "not yours", tls=mallory)
+        agent.wait_output("refused Drain from", 10)  # the audit line
+        assert agent.proc.poll() is None
+    finally:
+        agent.stop()
+        peers.close_channels()
+
+
+def test_an_etcd_with_a_user_closes_the_bypass_and_is_not_warned_about(etcd_with_a_user,
+                                                                         tmp_path):
+    from tests.tls_certs import make_certs
+
+    certs = make_certs(str(tmp_path))
+    endpoint = etcd_with_a_user.endpoint
+    agent = _tls_agent(endpoint, tmp_path, "attack-env", certs, "--etcd-user", "trainer",
+                       env={"ELASTIC_ETCD_PASSWORD": ETCD_PASSWORD})
+    try:
+        agent.wait_output("registered", 30)
+        # elasticctl with no credentials: what drained the node through an open etcd.
+        ctl = subprocess.run([sys.executable, "-m", "agent.ctl", "drain", "--etcd", endpoint,
+                              "--job-id", "attack-env", "n1"], cwd=REPO, capture_output=True,
+                             text=True, timeout=60)
+        assert ctl.returncode != 0, ctl.stdout
+        assert "etcd" in ctl.stderr and ("user" in ctl.stderr or "auth" in ctl.stderr), ctl.stderr
+        assert "Control on --listen takes mutual TLS" not in agent.text
+        assert agent.proc.poll() is None and "DRAINING" not in agent.text
+    finally:
+        agent.stop()

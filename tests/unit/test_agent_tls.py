@@ -16,7 +16,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from agent import config as agent_config
 from agent import peers
 from agent.grpc_server import Access, AgentServer, control_refusal, grpc_code_for
-from agent.tls import AgentTLS, agent_tls_from_options, handshake_problem
+from agent.tls import (
+    AgentTLS,
+    agent_tls_from_options,
+    etcd_bypass_warning,
+    handshake_problem,
+)
 from elastic.errors import (
     AgentAuthError,
     ConfigError,
@@ -171,6 +176,55 @@ def test_control_refusal_by_endpoint_and_caller():
     assert "read-only probe endpoint" in probe and "\n" not in probe
 
 
+def test_control_refusal_with_an_allow_list_of_common_names():
+    allowed = ("ops-alice", "ops-bob")
+    assert control_refusal(Access.MUTUAL_TLS, "alice", "Drain", common_name="ops-alice",
+                           allowed_cns=allowed) is None
+    refused = control_refusal(Access.MUTUAL_TLS, "mallory", "RequestRestart",
+                              common_name="ops-mallory", allowed_cns=allowed)
+    assert refused == ("RequestRestart is refused to the certificate CN 'ops-mallory': only "
+                       "--tls-allowed-cn ops-alice,ops-bob may drain or restart")
+    nameless = control_refusal(Access.MUTUAL_TLS, "x@example.test", "Drain",
+                               allowed_cns=allowed)
+    assert "a certificate without a common name (x@example.test)" in nameless
+    # Without a list, any certificate of the CA.
+    assert control_refusal(Access.MUTUAL_TLS, "m", "Drain", common_name="ops-mallory") is None
+
+
+def test_allowed_common_names_are_an_option_that_needs_mutual_tls(certs, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    base = ["--etcd", "http://127.0.0.1:2379", "--job-id", "j", "--nnodes", "1", str(script)]
+    tls = ["--tls-cert", certs.agent.cert, "--tls-key", certs.agent.key, "--tls-ca", certs.ca]
+    config = agent_config.load(["--tls-allowed-cn", "ops-alice, ops-bob", *tls, *base],
+                               environ={})
+    assert config.tls.allowed_cns == ("ops-alice", "ops-bob")
+    from_env = agent_config.load([*tls, *base], environ={"ELASTIC_TLS_ALLOWED_CN": "ops-carol"})
+    assert from_env.tls.allowed_cns == ("ops-carol",)
+    with pytest.raises(ConfigError, match="--tls-allowed-cn needs mutual TLS"):
+        agent_config.load(["--tls-allowed-cn", "ops-alice", *base], environ={})
+
+
+def test_mutual_tls_over_an_open_etcd_is_warned_about():
+    tls = AgentTLS(cert="/a.pem", key="/a-key.pem", ca="/ca.pem")
+    warning = etcd_bypass_warning(tls, "http://10.0.0.1:2379,http://10.0.0.2:2379",
+                                  etcd_tls_client=False, etcd_user=False)
+    assert warning.startswith("Control on --listen takes mutual TLS, but etcd at "
+                              "http://10.0.0.1:2379, http://10.0.0.2:2379 is plain text "
+                              "without authentication: anyone who reaches it can drain")
+    assert "--etcd-user" in warning and "--etcd-cert" in warning
+    assert "without authentication" in etcd_bypass_warning(
+        tls, "https://e:2379", etcd_tls_client=False, etcd_user=False)
+    for quiet in (dict(tls=None, etcd="http://e:2379", etcd_tls_client=False, etcd_user=False),
+                  dict(tls=tls, etcd="http://e:2379", etcd_tls_client=False, etcd_user=True),
+                  dict(tls=tls, etcd="https://e:2379", etcd_tls_client=True, etcd_user=False),
+                  dict(tls=tls, etcd="unix:///run/x/etcd.sock", etcd_tls_client=False,
+                       etcd_user=False),
+                  dict(tls=tls, etcd=None, etcd_tls_client=False, etcd_user=False)):
+        tls_, etcd = quiet.pop("tls"), quiet.pop("etcd")
+        assert etcd_bypass_warning(tls_, etcd, **quiet) is None
+
+
 def test_handshake_problems_in_an_operators_words():
     tls = AgentTLS(ca="/ca.pem")
     verify = ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Tls "
@@ -206,6 +260,23 @@ def test_a_client_with_a_certificate_of_the_ca_may_use_control(certs, start_serv
     assert peers.store_health(server.address, asker_has_store=True, tls=tls).reachable
     assert control.calls == [("drain", "maintenance"), ("request_restart", "operator asked"),
                              ("store_health", True)]
+
+
+def test_only_allowed_common_names_may_drain_or_restart(certs, start_server, caplog):
+    control = Control()
+    server = start_server(AgentTLS(cert=certs.agent.cert, key=certs.agent.key, ca=certs.ca,
+                                   allowed_cns=("ops-alice",)), control=control)
+    mallory = client_tls(certs, pair=certs.mallory)
+    for ask in (peers.request_drain, peers.request_restart):
+        with pytest.raises(NotAuthorisedError, match="refused to the certificate CN "
+                                                     "'ops-mallory': only --tls-allowed-cn "
+                                                     "ops-alice may drain or restart"):
+            ask(server.address, "x", tls=mallory)
+    # Reading is not control: any certificate of the CA.
+    assert peers.query_status(server.address, timeout_s=5, tls=mallory).node_id == "node-a"
+    alice = client_tls(certs, pair=certs.alice)
+    assert peers.request_drain(server.address, "maintenance", tls=alice)[0]
+    assert control.calls == [("drain", "maintenance")]
 
 
 def test_a_client_without_a_certificate_is_refused_at_the_handshake(certs, start_server):
