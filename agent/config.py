@@ -197,8 +197,8 @@ OPTIONS = [
     Option("etcd", _text, None, "etcd endpoints, comma-separated (http://host:2379,...)", "URLS",
            torchrun=("--rdzv-endpoint",)),
     Option("standalone", _flag, False,
-           "start a private etcd on a free loopback port (default for a job of one node "
-           "without an etcd; job id: a random one)", is_flag=True),
+           "start a private etcd on a Unix socket only this user can reach (default for a "
+           "job of one node without an etcd; job id: a random one)", is_flag=True),
     Option("job-id", _text, None, "the job's id: every agent of a job uses the same", "ID",
            torchrun=("--rdzv-id",)),
     Option("nnodes", _text, None,

@@ -875,10 +875,12 @@ def main(argv: list[str] | None = None) -> int:
         if config.standalone:
             from elastic.store.server import EtcdServer
 
-            server = EtcdServer().start()
+            # On Unix sockets in a 0700 directory: no other local user can
+            # reach it (on loopback anyone could drain or restart the job).
+            server = EtcdServer(private=True).start()
             endpoint = server.endpoint
-            JobLogger(log, config.job_id, config.node_id).info("started a private etcd at %s",
-                                                               endpoint)
+            JobLogger(log, config.job_id, config.node_id).info(
+                "started a private etcd at %s (a socket only this user can reach)", endpoint)
         # Before the workers' environment is copied from ours: they must not
         # talk to systemd in the agent's name.
         notifier = SystemdNotifier()

@@ -63,7 +63,7 @@ __all__ = [
     "security_from_options",
 ]
 
-_ETCD_SCHEMES = ("http", "https")
+_ETCD_SCHEMES = ("http", "https", "unix")
 
 
 class StoreFactory(Protocol):
@@ -83,7 +83,7 @@ def register_backend(scheme: str, factory: StoreFactory) -> None:
     earlier registration of the same scheme.
 
     Raises:
-        ValueError: the scheme is empty or is one of etcd's (http, https).
+        ValueError: the scheme is empty or is one of etcd's (http, https, unix).
     """
     scheme = scheme.lower()
     if not scheme or scheme in _ETCD_SCHEMES:
@@ -101,8 +101,8 @@ def open_store(
 ) -> Store:
     """Open the store at ``endpoints``.
 
-    ``http://`` and ``https://`` URLs and bare ``host:port`` lists (comma
-    separated) open etcd, with ``security`` (TLS files, user and password;
+    ``http://`` and ``https://`` URLs, bare ``host:port`` lists (comma
+    separated) and one ``unix:///path`` (an etcd's Unix socket) open etcd, with ``security`` (TLS files, user and password;
     see :class:`EtcdSecurity`); another ``scheme://`` opens the backend
     registered for it.
 

@@ -97,6 +97,7 @@ from elastic.store.etcd_endpoints import (
     host_port,
     parse_endpoint_urls,
     parse_endpoints,
+    unix_socket_path,
 )
 from elastic.store.etcd_lease import EtcdSession, KeepAliveLoop
 from elastic.store.etcd_stream import EtcdStreams
@@ -183,13 +184,19 @@ class EtcdStore(Store):
                 f"request {request_timeout_s} s)"
             )
         self.security = security if security is not None else EtcdSecurity()
-        scheme, hostports = parse_endpoint_urls(endpoints)
-        if scheme == "http" and self.security.has_tls_files:
+        # A unix:// endpoint: an etcd on this host behind its socket's
+        # directory (the standalone one), plain text.
+        socket_path = unix_socket_path(endpoints)
+        self._unix_target = None if socket_path is None else f"unix:{socket_path}"
+        scheme, hostports = (("unix", []) if socket_path is not None
+                             else parse_endpoint_urls(endpoints))
+        if scheme in ("http", "unix") and self.security.has_tls_files:
             raise ConfigError("--etcd-cacert and --etcd-cert need https:// etcd endpoints; "
                               f"got {endpoints!r}")
         self.tls = scheme == "https" or (scheme is None and self.security.has_tls_files)
         url_scheme = "https" if self.tls else "http"
-        self.endpoints = tuple(f"{url_scheme}://{host_port(h, p)}" for h, p in hostports)
+        self.endpoints = ((f"unix://{socket_path}",) if socket_path is not None else
+                          tuple(f"{url_scheme}://{host_port(h, p)}" for h, p in hostports))
         self.where = ",".join(self.endpoints)  # how messages name this etcd
         self.request_timeout_s = float(request_timeout_s)
         self._channel = self._open_channel(hostports)
@@ -215,7 +222,7 @@ class EtcdStore(Store):
     def _open_channel(self, hostports: list[tuple[str, int]], api=grpc, extra_options=()):
         """A channel to the members: ``api`` is ``grpc`` or ``grpc.aio``;
         ``extra_options`` are added to the common ones."""
-        target = grpc_target(hostports)
+        target = self._unix_target or grpc_target(hostports)
         options = _CHANNEL_OPTIONS + tuple(extra_options)
         if not self.tls:
             return api.insecure_channel(target, options=options)

@@ -72,6 +72,29 @@ def _parse_endpoint(text: str) -> tuple[str | None, tuple[str, int]]:
     return scheme, (host, port if port is not None else DEFAULT_PORT)
 
 
+def unix_socket_path(endpoints: str | Sequence[str]) -> str | None:
+    """The socket's absolute path when ``endpoints`` is one ``unix://PATH``
+    endpoint (the standalone etcd's private socket, see
+    :class:`elastic.store.server.EtcdServer`); None when no endpoint is one.
+
+    Raises:
+        ConfigError: a ``unix://`` endpoint beside others, or with a path
+            that is not absolute.
+    """
+    items = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+    parts = [p.strip() for item in items for p in str(item).split(",") if p.strip()]
+    unix = [p for p in parts if p.lower().startswith("unix://")]
+    if not unix:
+        return None
+    if len(parts) > 1:
+        raise ConfigError(f"etcd endpoints {','.join(parts)!r}: a unix:// endpoint is one "
+                          "etcd on this host; give it alone")
+    path = unix[0][len("unix://"):]
+    if not path.startswith("/") or "\0" in path:
+        raise ConfigError(f"bad etcd endpoint {unix[0]!r}: expected unix:///absolute/path")
+    return path
+
+
 def host_port(host: str, port: int) -> str:
     """``host:port``, with an IPv6 host in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

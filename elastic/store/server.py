@@ -10,6 +10,12 @@ Typical use::
     with EtcdServer() as server:
         store = open_store(server.endpoint)
 
+``EtcdServer(private=True)`` (``elasticd --standalone``) serves on Unix
+sockets in its own 0700 temporary directory instead of loopback ports, so
+only this user (and root) can reach it: on loopback, any local user could
+write the job's keys (``requests/drain/<node>``) or talk raft to the peer
+port. Its :attr:`~EtcdServer.endpoint` is ``unix:///tmp/elastic-etcd-.../client:2379``.
+
 For chaos tests, ``pause()``/``resume()`` freeze and thaw the server
 (SIGSTOP/SIGCONT), and ``restart()`` stops it and starts it again on the same
 ports with the same data, as a crashed-and-recovered member would come back.
@@ -55,6 +61,11 @@ _PORT_RETRIES = 3
 _STOP_GRACE_S = 5.0
 _LOG_TAIL_LINES = 20
 _PR_SET_PDEATHSIG = 1
+# A private etcd's sockets, in its 0700 directory: "host:port" names, as etcd's
+# unix:// URLs need.
+_PRIVATE_CLIENT = "client:2379"
+_PRIVATE_PEER = "peer:2380"
+_MAX_SOCKET_PATH_BYTES = 107
 
 
 def find_etcd_binary(explicit: str | None = None) -> str:
@@ -188,9 +199,14 @@ class EtcdServer:
         unsafe_no_fsync: bool = False,
         tls: ServerTLS | None = None,
         extra_args: Sequence[str] = (),
+        private: bool = False,
     ):
         """``tls``: serve clients over TLS (see :class:`ServerTLS`).
-        ``extra_args``: more etcd flags, e.g. ``("--auth-token-ttl", "2")``."""
+        ``extra_args``: more etcd flags, e.g. ``("--auth-token-ttl", "2")``.
+        ``private``: client and peer on Unix sockets in a 0700 directory of
+        this user (see the module docstring); no ports, no TLS."""
+        if private and (tls is not None or client_port is not None or peer_port is not None):
+            raise ValueError("a private etcd serves on Unix sockets: no TLS, no ports")
         self._binary = binary
         self._host = host
         self._given_data_dir = data_dir
@@ -201,6 +217,7 @@ class EtcdServer:
         self._unsafe_no_fsync = unsafe_no_fsync
         self._tls = tls
         self._extra_args = tuple(extra_args)
+        self._private = private
         self._root_password: str | None = None  # set by enable_auth
         self._workdir: str | None = None  # owned temp dir: data and/or log
         self._proc: subprocess.Popen | None = None
@@ -215,6 +232,10 @@ class EtcdServer:
         Raises:
             RuntimeError: the server has never been started.
         """
+        if self._private:
+            if self._workdir is None:
+                raise RuntimeError("the etcd server has not been started")
+            return f"unix://{self._socket_path(_PRIVATE_CLIENT)}"
         if self._client_port is None:
             raise RuntimeError("the etcd server has not been started")
         scheme = "https" if self._tls is not None else "http"
@@ -271,9 +292,14 @@ class EtcdServer:
         if self._workdir is None:
             self._workdir = tempfile.mkdtemp(prefix="elastic-etcd-")
         deadline = time.monotonic() + timeout_s
+        if self._private:
+            self._check_private_dir()
         for attempt in range(1, _PORT_RETRIES + 1):
-            missing = self._client_port is None or self._peer_port is None
-            if not self._fixed_ports and (attempt > 1 or missing):
+            missing = not self._private and (self._client_port is None
+                                             or self._peer_port is None)
+            if self._private:
+                pass  # sockets, not ports
+            elif not self._fixed_ports and (attempt > 1 or missing):
                 self._client_port, self._peer_port = _free_ports(self._host, 2)
             elif missing:
                 client, peer = _free_ports(self._host, 2)
@@ -286,7 +312,8 @@ class EtcdServer:
                             self.endpoint, self._proc.pid, self.data_dir)
                 return self
             self._terminate()
-            port_race = outcome == "exited" and "address already in use" in self._log_tail()
+            port_race = (outcome == "exited" and not self._private
+                         and "address already in use" in self._log_tail())
             if not (port_race and not self._fixed_ports and attempt < _PORT_RETRIES):
                 break
             logger.info("etcd ports %d/%d were taken; retrying with new ones.",
@@ -347,6 +374,8 @@ class EtcdServer:
         The caller closes it."""
         import grpc
 
+        if self._private:
+            return grpc.insecure_channel(f"unix:{self._socket_path(_PRIVATE_CLIENT)}")
         target = f"{self._host}:{self._client_port}"
         tls = self._tls
         if tls is None:
@@ -416,10 +445,32 @@ class EtcdServer:
 
     # -- internals -------------------------------------------------------------
 
+    def _socket_path(self, name: str) -> str:
+        return os.path.join(self._workdir, name)
+
+    def _check_private_dir(self) -> None:
+        """The sockets' directory is this user's, 0700, and their paths fit in a
+        Unix socket address; StoreUnavailableError otherwise."""
+        info = os.lstat(self._workdir)
+        if info.st_uid != os.geteuid() or info.st_mode & 0o077 or os.path.islink(self._workdir):
+            raise StoreUnavailableError(f"the private etcd's directory {self._workdir} is not "
+                                        "this user's alone (mode 0700)")
+        longest = max(len(os.fsencode(self._socket_path(n)))
+                      for n in (_PRIVATE_CLIENT, _PRIVATE_PEER))
+        if longest > _MAX_SOCKET_PATH_BYTES:
+            raise StoreUnavailableError(
+                f"the private etcd's sockets under {self._workdir} would be longer than the "
+                f"{_MAX_SOCKET_PATH_BYTES} bytes of a Unix socket address: set TMPDIR to a "
+                "shorter directory")
+
     def _command(self, binary: str) -> list[str]:
         scheme = "https" if self._tls is not None else "http"
         client_url = f"{scheme}://{self._host}:{self._client_port}"
         peer_url = f"http://{self._host}:{self._peer_port}"
+        if self._private:
+            # etcd wants host:port even for unix://; the "host" is the socket's
+            # path relative to its working directory (the private one).
+            client_url, peer_url = f"unix://{_PRIVATE_CLIENT}", f"unix://{_PRIVATE_PEER}"
         name = "elastic-etcd"
         cmd = [
             binary,
@@ -459,6 +510,7 @@ class EtcdServer:
                 start_new_session=True,  # own process group: signals reach only etcd
                 preexec_fn=_parent_death_guard(),
                 close_fds=True,
+                cwd=self._workdir if self._private else None,
             )
         self._paused = False
 

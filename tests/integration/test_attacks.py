@@ -232,3 +232,52 @@ def test_an_etcd_with_a_user_closes_the_bypass_and_is_not_warned_about(etcd_with
         assert agent.proc.poll() is None and "DRAINING" not in agent.text
     finally:
         agent.stop()
+
+
+WRITE_DRAIN = """
+import sys, grpc
+from elastic.store.etcdpb import rpc_pb2, rpc_pb2_grpc
+endpoint, key = sys.argv[1], sys.argv[2]
+target = ("unix:" + endpoint[len("unix://"):] if endpoint.startswith("unix://")
+          else endpoint.split("://", 1)[1])
+with grpc.insecure_channel(target) as channel:
+    try:
+        rpc_pb2_grpc.KVStub(channel).Put(
+            rpc_pb2.PutRequest(key=key.encode(), value=b'{"by": "mallory"}'), timeout=5)
+        print("wrote")
+    except grpc.RpcError as exc:
+        print("refused:", exc.code().name, exc.details())
+"""
+
+
+def test_another_user_cannot_reach_the_standalone_etcd(tmp_path, shared_dir):
+    # The attack: the standalone etcd listened on a loopback port with no
+    # authentication; another local user wrote requests/drain/<node> and the
+    # leader drained the node.
+    import re
+
+    from elastic.keyspace import JobKeys
+
+    (tmp_path / "progress").mkdir()
+    agent = AgentProcess(None, "attack-standalone", "n1", "1", [
+        "--progress-dir", str(tmp_path / "progress"), "--work-s", "30"],
+        nproc=1, script=SCRIPT, extra=("--no-prestart",))
+    try:
+        agent.wait_output("registered", 30)
+        endpoint = re.search(r"started a private etcd at (\S+)", agent.text).group(1)
+        script = os.path.join(shared_dir, "write_drain.py")
+        with open(script, "w") as f:
+            f.write(WRITE_DRAIN)
+        os.chmod(script, 0o644)
+        python, env = python_of_other_user()
+        attack = as_other_user("env", *(f"{k}={v}" for k, v in env.items()), python, script,
+                               endpoint, JobKeys("attack-standalone").drain_request("n1"),
+                               cwd=REPO)
+        assert attack.returncode == 0, attack.stderr
+        assert attack.stdout.startswith("refused: UNAVAILABLE"), attack.stdout
+        assert "Permission denied" in attack.stdout, attack.stdout
+        assert endpoint.startswith("unix:///")
+        assert os.stat(os.path.dirname(endpoint[len("unix://"):])).st_mode & 0o777 == 0o700
+        assert agent.proc.poll() is None and "DRAINING" not in agent.text
+    finally:
+        agent.stop()

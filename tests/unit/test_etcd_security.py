@@ -324,3 +324,15 @@ def test_the_key_of_a_request_for_messages():
 ])
 def test_what_a_failed_tls_connection_means(details, security, expected):
     assert explain_connect_failure(details, where="E", tls=True, security=security) == expected
+
+
+def test_a_unix_endpoint_is_one_etcd_behind_its_socket():
+    from elastic.store.etcd_endpoints import unix_socket_path
+
+    assert unix_socket_path("unix:///tmp/elastic-etcd-x/client:2379") == \
+        "/tmp/elastic-etcd-x/client:2379"
+    assert unix_socket_path("http://127.0.0.1:2379") is None
+    with pytest.raises(ConfigError, match="give it alone"):
+        unix_socket_path("unix:///a/b,http://127.0.0.1:2379")
+    with pytest.raises(ConfigError, match="unix:///absolute/path"):
+        unix_socket_path("unix://relative:2379")
