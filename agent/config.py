@@ -130,12 +130,21 @@ def default_state_dir(environ: Mapping[str, str]) -> str:
 
 
 def _host_port(name: str, raw: Any) -> str:
+    """``HOST:PORT``, or ``:PORT`` for the advertised address (filled in by :func:`load`)."""
     text = str(raw)
     host, sep, port = text.rpartition(":")
-    if (not sep or not host or not (port.isascii() and port.isdigit()) or len(port) > 5
+    if (not sep or not (port.isascii() and port.isdigit()) or len(port) > 5
             or int(port) > 65535):
-        raise ConfigError(f"--{name} {raw!r}: expected HOST:PORT, e.g. 0.0.0.0:29401")
+        raise ConfigError(f"--{name} {raw!r}: expected HOST:PORT, e.g. 10.0.0.11:29401, or "
+                          ":PORT for the advertised address")
     return text
+
+
+def _on_advertised(listen: str | None, advertised: str) -> str | None:
+    """``:PORT`` becomes the advertised address with that port."""
+    if listen is not None and listen.startswith(":"):
+        return _join_host_port(advertised, int(listen[1:]))
+    return listen
 
 
 def _join_host_port(host: str, port: int) -> str:
@@ -235,7 +244,8 @@ OPTIONS = [
            "SECONDS"),
     Option("listen", _host_port, None,
            "address of the agent's gRPC server (default: the advertised address, a free port; "
-           "0.0.0.0:PORT for every interface)", "HOST:PORT"),
+           ":PORT: the advertised address, that port; 0.0.0.0:PORT for every interface)",
+           "HOST:PORT"),
     Option("advertise-addr", _text, None,
            "address peers and workers reach this node at (default: the host name if it "
            "resolves to an address that is not loopback, else this host's source address on "
@@ -306,7 +316,7 @@ OPTIONS = [
     Option("probe-listen", _host_port, None,
            "also serve health and status, read-only and in plain text, on this address (for "
            "Kubernetes gRPC probes, which cannot use TLS); drain and restart are refused "
-           "there", "HOST:PORT"),
+           "there (:PORT: the advertised address)", "HOST:PORT"),
     Option("operator-restart-interval", non_negative(float), DEFAULT_OPERATOR_RESTART_INTERVAL_S,
            "at most one operator restart (elasticctl restart, RequestRestart over gRPC) of the "
            "job per this many seconds (0: no limit)", "SECONDS"),
@@ -630,7 +640,7 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         join_timeout_s=v["join_timeout"], start_timeout_s=v["start_timeout"],
         exit_barrier_timeout_s=v["exit_barrier_timeout"],
         scale_up_wait_s=v["scale_up_wait"],
-        listen=v["listen"] or _join_host_port(advertise.addr, 0),
+        listen=_on_advertised(v["listen"] or ":0", advertise.addr),
         advertise_addr=advertise.addr,
         state_dir=node_dir, log_dir=log_dir, log_format=v["log_format"],
         metrics_port=v["metrics_port"], stop_grace_s=v["stop_grace"],
@@ -640,7 +650,8 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         warm_sets=v["warm_sets"], connect_timeout_s=v["connect_timeout"],
         script=None if as_module else os.path.abspath(script),
         module=script if as_module else None, script_args=script_args,
-        etcd_security=etcd_security, tls=tls, probe_listen=v["probe_listen"],
+        etcd_security=etcd_security, tls=tls,
+        probe_listen=_on_advertised(v["probe_listen"], advertise.addr),
         operator_restart_interval_s=v["operator_restart_interval"], no_python=no_python,
         role=v["role"],
         console=ConsoleFilter(redirected=v["redirects"], local_ranks=v["local_ranks_filter"]),

@@ -163,6 +163,10 @@ def test_without_listen_the_server_binds_the_advertised_address(tmp_path):
                              environ={}).listen == "0.0.0.0:29401"
     assert agent_config.load(base[:-2] + ["fe80::1", str(script)],
                              environ={}).listen == "[fe80::1]:0"
+    # :PORT: the advertised address with a fixed port (what deploy/ ships).
+    fixed = agent_config.load(["--listen", ":29401", "--probe-listen", ":29403", *base],
+                              environ={})
+    assert (fixed.listen, fixed.probe_listen) == ("10.1.2.3:29401", "10.1.2.3:29403")
 
 
 # --- pure decisions --------------------------------------------------------------------------

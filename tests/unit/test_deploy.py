@@ -261,6 +261,32 @@ def test_the_deployed_settings_load(rendered, tmp_path):
     assert cfg.metrics_port == 29402
     assert cfg.checkpoint_dir.startswith("/checkpoints/")
     assert cfg.state_dir.startswith("/var/lib/elasticd/")
+    # The gRPC port on the pod IP only, never every interface.
+    assert cfg.listen == "10.0.0.7:29401"
+
+
+@needs_kubectl
+def test_a_network_policy_admits_only_the_jobs_pods_to_the_agents_and_workers(rendered):
+    _, objs = rendered
+    agent_labels = job_of(objs)["spec"]["template"]["metadata"]["labels"]
+    policy = one(objs, "NetworkPolicy", "elasticd")
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= agent_labels.items()
+    assert "Ingress" in policy["spec"]["policyTypes"]
+    every_port_from = []
+    for rule in policy["spec"]["ingress"]:
+        peers = rule.get("from")
+        if not peers:  # open to all: the metrics port only
+            assert [p["port"] for p in rule["ports"]] == [29402], rule
+            continue
+        for peer in peers:  # the job's agent pods, nothing wider
+            assert set(peer) == {"podSelector"}, peer
+            assert peer["podSelector"]["matchLabels"].items() <= agent_labels.items()
+            assert {"app.kubernetes.io/name", "app.kubernetes.io/component"} <= \
+                set(peer["podSelector"]["matchLabels"]), peer
+        if "ports" not in rule:
+            every_port_from.append(rule)
+    # Workers' ports (MASTER_PORT, gloo, NCCL) change every round: every port, from the job.
+    assert every_port_from
 
 
 @needs_kubectl
@@ -627,6 +653,7 @@ def test_example_env_loads(tmp_path):
                ELASTIC_ADVERTISE_ADDR="10.0.0.11")
     cfg = agent_config.load([], env)
     assert cfg.drain_exit_code == 0  # systemctl stop leaves the unit inactive, not failed
+    assert cfg.listen == "10.0.0.11:29401"  # the advertised address, not every interface
     assert cfg.log_format == "json"
     assert cfg.metrics_port == 29402
     assert cfg.script_args == ("--epochs", "10", "--data", "/data/corpus")
