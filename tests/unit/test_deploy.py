@@ -93,7 +93,8 @@ def one(objs: list[dict], kind: str, name: str | None = None) -> dict:
 
 
 def job_of(objs: list[dict]) -> dict:
-    return one(objs, "Job")
+    """The training job (the other Job is etcd-auth's)."""
+    return one(objs, "Job", "train")
 
 
 def agent_container(job: dict) -> dict:
@@ -255,7 +256,16 @@ def test_the_deployed_settings_load(rendered, tmp_path):
         assert (ROOT / "examples" / Path(script).name).is_file()
     env["ELASTIC_SCRIPT"] = str(tmp_path / "train.py")  # the image's script is not here
     (tmp_path / "train.py").write_text("")
+    # The Secrets' files are not here either: stand-ins (the CA a real PEM).
+    from tests.tls_certs import make_certs
+
+    env["ELASTIC_ETCD_CACERT"] = make_certs(str(tmp_path)).ca
+    (tmp_path / "job-password").write_text("secret\n")
+    env["ELASTIC_ETCD_PASSWORD_FILE"] = str(tmp_path / "job-password")
     cfg = agent_config.load([], env)
+    job_id = env["ELASTIC_JOB_ID"]
+    assert cfg.etcd_security.user == f"elasticd-{job_id}"
+    assert cfg.etcd_security.password == "secret"
     assert cfg.drain_exit_code == 143
     assert cfg.log_format == "json"
     assert cfg.metrics_port == 29402
@@ -378,10 +388,10 @@ def test_etcd_is_three_members_with_a_headless_service_and_a_pdb(rendered):
     args = dict(a.removeprefix("--").split("=", 1) for a in c["args"])
     members = dict(m.split("=", 1) for m in args["initial-cluster"].split(","))
     name, svc = sts["metadata"]["name"], headless["metadata"]["name"]
-    assert members == {f"{name}-{i}": f"http://{name}-{i}.{svc}.$(POD_NAMESPACE).svc:2380"
+    assert members == {f"{name}-{i}": f"https://{name}-{i}.{svc}.$(POD_NAMESPACE).svc:2380"
                        for i in range(3)}
     assert args["initial-advertise-peer-urls"] == \
-        f"http://$(POD_NAME).{svc}.$(POD_NAMESPACE).svc:2380"
+        f"https://$(POD_NAME).{svc}.$(POD_NAMESPACE).svc:2380"
     assert args["auto-compaction-mode"] and args["auto-compaction-retention"]
     assert "enable-v2" not in args
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
@@ -400,7 +410,7 @@ def test_the_agents_reach_etcd_through_its_client_service(rendered):
     endpoints = pod_env(objs, job_of(objs))["ELASTIC_ETCD"].split(",")
     etcd_labels = one(objs, "StatefulSet", "etcd")["spec"]["template"]["metadata"]["labels"]
     for url in endpoints:
-        m = re.fullmatch(r"http://([a-z0-9-]+):(\d+)", url)
+        m = re.fullmatch(r"https://([a-z0-9-]+):(\d+)", url)
         assert m, url
         svc = one(objs, "Service", m.group(1))
         assert int(m.group(2)) in {p["port"] for p in svc["spec"]["ports"]}
@@ -411,6 +421,48 @@ def test_the_agents_reach_etcd_through_its_client_service(rendered):
     admitted = [peer["podSelector"]["matchLabels"] for rule in policy["spec"]["ingress"]
                 for peer in rule.get("from", [])]
     assert any(sel.items() <= agent_labels.items() for sel in admitted)
+
+
+@needs_kubectl
+def test_etcd_speaks_tls_and_the_agents_log_in_as_the_jobs_own_user(rendered):
+    # An etcd open to all is a way around mutual TLS: control travels through it.
+    _, objs = rendered
+    sts = one(objs, "StatefulSet", "etcd")
+    c = sts["spec"]["template"]["spec"]["containers"][0]
+    args = dict(a.removeprefix("--").split("=", 1) for a in c["args"])
+    for key in ("listen-client-urls", "listen-peer-urls", "advertise-client-urls"):
+        assert args[key].startswith("https://"), key
+    assert args["peer-client-cert-auth"] == "true"
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    tls_dir = mounts["tls"]
+    assert volumes["tls"]["secret"]["secretName"] == "etcd-tls"
+    for key in ("cert-file", "key-file", "peer-cert-file", "peer-key-file",
+                "peer-trusted-ca-file"):
+        assert args[key].startswith(tls_dir + "/"), key
+
+    job = job_of(objs)
+    env = pod_env(objs, job)
+    auth = one(objs, "Job", "etcd-auth")
+    provision = auth["spec"]["template"]["spec"]["containers"][0]
+    assert provision["command"][-1] == "elastic.store.provision"
+    pargs = dict(a.removeprefix("--").split("=", 1) for a in provision["args"])
+    expand = (lambda text: re.sub(r"\$\(([A-Z_]+)\)", lambda m: env[m.group(1)], text))
+    assert expand(pargs["user"]) == env["ELASTIC_ETCD_USER"]
+    assert expand(pargs["job-id"]) == env["ELASTIC_JOB_ID"]
+    assert pargs["etcd"] == env["ELASTIC_ETCD"]
+    # The agent mounts the CA and its own password, never the root password.
+    pod = job["spec"]["template"]["spec"]
+    secrets = {v["name"]: v["secret"] for v in pod["volumes"] if "secret" in v}
+    agent_mounts = {m["mountPath"]: m["name"] for m in agent_container(job)["volumeMounts"]}
+    for var, secret, key in (("ELASTIC_ETCD_CACERT", "etcd-tls", "ca.crt"),
+                             ("ELASTIC_ETCD_PASSWORD_FILE", "etcd-auth", "job-password")):
+        directory, name = env[var].rsplit("/", 1)
+        volume = secrets[agent_mounts[directory]]
+        assert volume["secretName"] == secret and name == key
+        assert [i["key"] for i in volume["items"]] == [key], volume
+        assert volume["defaultMode"] & 0o007 == 0  # not for others
+    assert all(i["key"] != "root-password" for v in secrets.values() for i in v.get("items", []))
 
 
 @needs_kubectl
