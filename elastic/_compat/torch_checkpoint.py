@@ -15,12 +15,28 @@ torch matrix, ``make test-torch``; ``tests/unit/test_compat.py`` runs in each).
   overrides it. Fallback: none is needed for safety, since the reader counts the
   items that went through it and fails a load that read around it
   (:meth:`elastic.checkpoint.dcp_io.VerifyingReader.read_data`).
+* :func:`dcp_metadata_globals`: the classes DCP pickles into ``.metadata``
+  (``torch.distributed.checkpoint.metadata``'s records, the file reader's
+  ``_StorageInfo``) and the name ``torch.save`` pickles a layout by
+  (``torch.serialization._get_layout``), for the restricted unpickler of
+  :mod:`elastic.checkpoint.trust`. Fallback: the ones this torch has; a
+  ``.metadata`` that needs a missing one is refused, naming it.
+* :func:`load_weights_only`: ``torch.load(weights_only=True)`` with an
+  allow-list for the one call (``torch.serialization.safe_globals``, public
+  since 2.5), and :func:`unsafe_globals`, the globals outside it that a file
+  names (``get_unsafe_globals_in_checkpoint``, public since 2.6). Fallbacks:
+  none needed on the matrix; without them, the allow-list cannot be widened
+  (a file that needs more is refused) and the names come from torch's error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable
+import importlib
+import io
+import re
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -51,3 +67,77 @@ def storage_type_names() -> dict[torch.dtype, str]:
         return dict(table()) if table is not None else {}
     except Exception:  # noqa: BLE001 - another shape: the slower, general path
         return {}
+
+
+# What DCP's .metadata pickles, by module (every torch of the matrix has them all).
+_DCP_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": (
+        "Metadata", "StorageMeta", "MetadataIndex", "ChunkStorageMetadata", "TensorProperties",
+        "TensorStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"),
+    "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+}
+
+
+@functools.cache
+def _layouts() -> dict[str, torch.layout]:
+    return {str(value): value for value in vars(torch).values()
+            if isinstance(value, torch.layout)}
+
+
+def _layout(name: str) -> torch.layout:
+    """``torch.serialization._get_layout``'s lookup, on public names only."""
+    try:
+        return _layouts()[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"no torch layout is named {name!r}") from None
+
+
+@functools.cache
+def dcp_metadata_globals() -> dict[tuple[str, str], Any]:
+    """``{(module, name): object}``: what unpickling DCP's ``.metadata`` may look
+    up besides builtins, ``torch.Size`` and dtypes: DCP's metadata classes that
+    this torch has, and a layout's lookup by name (ours, with the same result)."""
+    table: dict[tuple[str, str], Any] = {("torch.serialization", "_get_layout"): _layout}
+    for module_name, names in _DCP_METADATA_CLASSES.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            value = getattr(module, name, None)
+            if isinstance(value, type):
+                table[(module_name, name)] = value
+    return table
+
+
+def load_weights_only(stream: Any, allowed: Sequence[Any], map_location: Any = None) -> Any:
+    """``torch.load(stream, map_location=map_location, weights_only=True)`` that
+    also accepts the classes and functions in ``allowed`` (for this call only). Raises
+    what ``torch.load`` raises (``pickle.UnpicklingError`` for a global outside
+    the allow-list)."""
+    context = getattr(torch.serialization, "safe_globals", None)
+    if not allowed or context is None:
+        scope: Any = contextlib.nullcontext()
+    else:
+        scope = context(list(allowed))
+    with scope:
+        return torch.load(stream, map_location=map_location, weights_only=True)
+
+
+_UNSUPPORTED_GLOBAL = re.compile(r"GLOBAL ([\w.]+) was not an allowed global")
+
+
+def unsafe_globals(data: bytes, error: BaseException, allowed: Sequence[Any]) -> list[str]:
+    """The ``module.name`` of each global in the ``torch.save`` file ``data``
+    that ``torch.load(weights_only=True)`` refused (with ``allowed`` added);
+    from torch's own error when this torch cannot list them."""
+    lister = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
+    context = getattr(torch.serialization, "safe_globals", None)
+    if lister is not None:
+        try:
+            scope: Any = (context(list(allowed)) if allowed and context is not None
+                          else contextlib.nullcontext())
+            with scope:
+                names = lister(io.BytesIO(data))
+            if names:
+                return list(names)
+        except Exception:  # noqa: BLE001 - the error's text is the fallback
+            pass
+    return _UNSUPPORTED_GLOBAL.findall(str(error))

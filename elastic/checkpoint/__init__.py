@@ -94,6 +94,9 @@ load, each rank a share.) The candidate is accepted only if every rank's
 checks passed (gathered); otherwise the next candidate is loaded over it. So
 the model's state is only valid once ``restore()`` returns. Each failed
 candidate is logged as a warning naming the file (and the item) at fault.
+What the load unpickles (``.metadata``, DCP's objects, ``rank-<r>.pt``) goes
+through allow-lists (:mod:`elastic.checkpoint.trust`); a candidate that needs
+another type fails the restore naming it (never a fallback in silence).
 With ``verify_checksums=False`` only the cheap checks run, and the same reader
 loads without CRC-32s (still only files the manifests list). A
 directory newer than L is never loaded, marked or not. Rank 0 lists the

@@ -62,8 +62,8 @@ class AgentCommitLog(CommitLog):
                       "reported: %s.", rank, step, round_, exc)
 
 
-def default_commit_log(root: str) -> CommitLog:
+def default_commit_log(root: str, file_mode: int = 0o600) -> CommitLog:
     """The agent's fenced log under elasticd, a file beside the checkpoints otherwise
-    (torchrun, or no launcher)."""
+    (torchrun, or no launcher), of mode ``file_mode``."""
     socket_path = os.environ.get(AGENT_SOCKET_ENV)
-    return AgentCommitLog(socket_path) if socket_path else FileCommitLog(root)
+    return AgentCommitLog(socket_path) if socket_path else FileCommitLog(root, file_mode)

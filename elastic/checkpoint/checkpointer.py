@@ -48,7 +48,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from elastic.checkpoint import layout, state
+from elastic.checkpoint import layout, state, trust
 from elastic.checkpoint.api import CommitEntry, CommitLog
 from elastic.checkpoint.agent_log import default_commit_log
 from elastic.checkpoint.dcp_io import ChecksummingWriter, LoadPlanner, VerifyingReader
@@ -66,10 +66,24 @@ from elastic.failpoints import failpoint
 log = logging.getLogger(__name__)
 
 ENV_CHECKPOINT_DIR = "ELASTIC_CHECKPOINT_DIR"
+ENV_CHECKPOINT_MODE = "ELASTIC_CHECKPOINT_MODE"
 # A save's duration announced to the agent: a fixed allowance for collectives,
 # fsync and commit plus the shard at a pessimistic per-rank write rate.
 _SAVE_FIXED_S = 60.0
 _SAVE_BYTES_PER_S = 100 * 2**20
+
+
+def _mode_from_env() -> int:
+    """``$ELASTIC_CHECKPOINT_MODE`` (octal, e.g. 750) or the private default.
+    Raises ConfigError for a value that is not octal digits."""
+    raw = os.environ.get(ENV_CHECKPOINT_MODE, "").strip()
+    if not raw:
+        return layout.DIR_MODE
+    try:
+        return int(raw.removeprefix("0o"), 8)
+    except ValueError:
+        raise ConfigError(f"{ENV_CHECKPOINT_MODE}={raw[:20]!r}: expected an octal mode such "
+                          f"as 700 or 750") from None
 
 
 def _default_on_saving() -> Callable[[float], None]:
@@ -122,6 +136,18 @@ class Checkpointer:
     works on it, never on device 0 by default. ``cuda_ops`` replaces the CUDA
     calls of the staging copy (tests inject a recording fake).
 
+    Restore never runs code from a checkpoint (:mod:`elastic.checkpoint.trust`):
+    its pickles are read through allow-lists, and one that needs a type outside
+    them fails the restore with :class:`CheckpointError` naming it.
+    ``safe_globals`` adds classes (e.g. the type of ``extras``) to the
+    allow-lists; ``trust_checkpoint=True`` reads them as
+    ``torch.load(weights_only=False)`` would (default: ``$ELASTIC_CHECKPOINT_TRUST``,
+    else False), only for a checkpoint directory nobody untrusted can write.
+    ``mode`` is the mode of every directory a save creates, its files getting
+    the same without execute bits (default: ``$ELASTIC_CHECKPOINT_MODE``,
+    octal, else 0o700: files 0o600), set whatever the umask; e.g. 0o750 lets
+    the group read the checkpoints. The root, when this creates it, gets it too.
+
     Raises :class:`ConfigError` for a missing root or bad arguments, and
     :class:`CheckpointError` when torch's object collectives cannot work
     (they need numpy). Not thread-safe: call it from the training thread.
@@ -132,7 +158,9 @@ class Checkpointer:
                  commit_log: CommitLog | None = None, process_group: Any = None,
                  on_saving: Callable[[float], None] | None = None,
                  verify_checksums: bool = True, timeout_s: float = 1800.0,
-                 device: torch.device | int | None = None, cuda_ops: CudaOps | None = None):
+                 device: torch.device | int | None = None, cuda_ops: CudaOps | None = None,
+                 trust_checkpoint: bool | None = None, safe_globals: Sequence[Any] = (),
+                 mode: int | None = None):
         root = root or os.environ.get(ENV_CHECKPOINT_DIR)
         if not root:
             raise ConfigError(f"no checkpoint directory: pass root= or set {ENV_CHECKPOINT_DIR}")
@@ -150,7 +178,14 @@ class Checkpointer:
         self.root = os.path.abspath(root)
         self.keep = keep
         self.verify_checksums = verify_checksums
-        self._commit_log = commit_log if commit_log is not None else default_commit_log(self.root)
+        # The environment is read here, and only where the argument is not given.
+        self.policy = trust.LoadPolicy(
+            trusted=trust.trust_from_env() if trust_checkpoint is None else trust_checkpoint,
+            safe_globals=safe_globals)
+        self.mode = layout.check_mode(_mode_from_env() if mode is None else mode)
+        self._file_mode = layout.file_mode(self.mode)
+        self._commit_log = (commit_log if commit_log is not None
+                            else default_commit_log(self.root, self._file_mode))
         self._on_saving = on_saving if on_saving is not None else _default_on_saving()
         try:
             # The agent's round names temporaries and is the fencing token of commits.
@@ -174,7 +209,16 @@ class Checkpointer:
         self.extras: Any = None
         self.restored_path: str | None = None
         self._restored_bytes = 0  # the size of the checkpoint restored last
-        os.makedirs(self.root, exist_ok=True)
+        if not os.path.isdir(self.root):
+            os.makedirs(os.path.dirname(self.root), exist_ok=True)
+            try:
+                layout.make_dir(self.root, self.mode)
+            except FileExistsError:  # another rank made it first
+                pass
+        if self.policy.trusted and self._group.rank == 0:
+            log.warning("Rank 0 restores checkpoints under %s trusting them: their pickles may "
+                        "run code (trust_checkpoint / %s); only for a directory that nobody "
+                        "untrusted can write.", self.root, trust.ENV_CHECKPOINT_TRUST)
 
     # --- public API ---------------------------------------------------------------------------
 
@@ -470,23 +514,23 @@ class Checkpointer:
             log.info("Rank 0 removes %s, left by a crashed or abandoned save, before saving "
                      "step %d in round %d.", name, step, self._round)
             self._remove(os.path.join(self.root, name))
-        os.makedirs(tmp)
+        layout.make_dir(tmp, self.mode)
 
     def _write(self, staged: "_Staged", tmp: str) -> None:
         """Every rank: DCP shards, then this rank's state file and manifest, all fsynced."""
-        writer = _RecordingWriter(tmp)
+        writer = _RecordingWriter(tmp, self.mode)
         dcp.save(staged.state_dict, storage_writer=writer, process_group=self._group.pg,
                  no_dist=self._group.pg is None)
         rank = self._group.rank
         local_name = layout.rank_state_name(rank)
-        layout.write_durably(os.path.join(tmp, local_name), staged.local)
+        layout.write_durably(os.path.join(tmp, local_name), staged.local, self._file_mode)
         # Digests of the bytes as written (DCP's shards and, on rank 0, .metadata,
         # item by item), not of a read back: see dcp_io.
         files = writer.digests()
         files[local_name] = layout.bytes_digest(staged.local)
         layout.write_manifest(tmp, layout.Manifest(
             rank=rank, world_size=self._group.size, step=staged.step, round=self._round,
-            files=files))
+            files=files), self._file_mode)
         layout.fsync_dir(tmp)
 
     def _commit(self, staged: "_Staged", tmp: str) -> None:
@@ -520,7 +564,7 @@ class Checkpointer:
             raise
         failpoint("ckpt.after_commit_log_before_marker")
         try:
-            layout.write_marker(final, entry)
+            layout.write_marker(final, entry, self._file_mode)
         except OSError as exc:
             log.warning("Rank 0 committed checkpoint step %d in round %d but could not write its "
                         "COMMITTED marker (%s); the commit log still names it.",
@@ -591,7 +635,7 @@ class Checkpointer:
                 or layout.read_marker(directory) is not None:
             return
         try:
-            layout.write_marker(directory, previous)
+            layout.write_marker(directory, previous, self._file_mode)
         except OSError as exc:
             log.warning("Rank 0 could not write the missing COMMITTED marker of %s (%s) in "
                         "round %d; it is no longer a fallback for restore.", directory, exc,
@@ -690,7 +734,8 @@ class Checkpointer:
             files = {n: digest for m in manifests for n, digest in m.files.items()}
             saved_world, step = manifests[0].world_size, manifests[0].step
             same_world = saved_world == self._group.size
-            reader = VerifyingReader(path, files, checksums=self.verify_checksums)
+            reader = VerifyingReader(path, files, checksums=self.verify_checksums,
+                                     policy=self.policy)
             if self.verify_checksums:
                 whole = [(p, digest) for p, digest in share
                          if digest.items is None and layout.is_shard_file(os.path.basename(p))]
@@ -698,7 +743,7 @@ class Checkpointer:
                     crc = self._executor.submit(layout.verify_checksums, whole)
             tensors = state.collect(self._chunks)
             dcp.load(tensors.state_dict, storage_reader=reader,
-                     planner=LoadPlanner(), process_group=self._group.pg,
+                     planner=LoadPlanner(policy=self.policy), process_group=self._group.pg,
                      no_dist=self._group.pg is None)
             state.apply(self._chunks, tensors)
             local_name = layout.rank_state_name(rank if same_world else 0)
@@ -707,8 +752,10 @@ class Checkpointer:
             else:
                 with open(os.path.join(path, local_name), "rb") as f:
                     data = f.read()
-            local = state.load_local(data)
+            local = state.load_local(data, self.policy, os.path.join(path, local_name))
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - gathered below
+            if reader is not None and reader.refusal is not None:
+                exc = reader.refusal
             failure = f"loading checkpoint {path} failed: {describe_failure(exc)}"
         problems = list(reader.problems) if reader is not None else []
         if crc is not None:

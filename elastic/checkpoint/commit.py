@@ -1,6 +1,7 @@
 """FileCommitLog: the commit log as a file beside the checkpoints (torchrun, or no agent).
 
-``<root>/latest`` holds the latest :class:`CommitEntry` as json; a commit
+``<root>/latest`` holds the latest :class:`CommitEntry` as json (a file of
+mode ``file_mode``, 0o600 by default); a commit
 replaces it atomically (tmp file, fsync, rename, fsync of the root), so a
 crash leaves the old entry or the new one.
 
@@ -30,9 +31,10 @@ _MAX_RECORD_BYTES = 1 << 16  # a commit record is ~200 bytes
 class FileCommitLog(CommitLog):
     """The latest committed checkpoint recorded in ``<root>/latest``."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, file_mode: int = layout.FILE_MODE):
         self.root = root
         self.path = os.path.join(root, LATEST_FILE)
+        self.file_mode = file_mode
 
     def latest(self) -> CommitEntry | None:
         """The recorded entry; None when there is none.
@@ -68,4 +70,5 @@ class FileCommitLog(CommitLog):
             raise FencedError(
                 f"checkpoint commit of step {entry.step} in round {entry.round} refused: "
                 f"{self.path} already records step {current.step} of newer round {current.round}")
-        layout.write_atomically(self.path, json.dumps(entry.to_dict()).encode())
+        layout.write_atomically(self.path, json.dumps(entry.to_dict()).encode(),
+                                self.file_mode)

@@ -24,8 +24,10 @@ access pattern this cannot follow costs one more read of the item). The
 verdict on a tensor's item comes when DCP closes its file, after the tensor was
 copied into the model: a failed restore leaves the model's state undefined, as
 any failed load does (see :meth:`Checkpointer.restore`). An item read whole in
-one read (DCP's pickled objects, which it unpickles with ``weights_only=False``)
-is checked before DCP sees its bytes.
+one read (DCP's pickled objects) is checked before anyone unpickles its bytes,
+which :mod:`elastic.checkpoint.trust` does within an allow-list, as it does
+``.metadata`` (:meth:`VerifyingReader.read_metadata`): no code of the
+checkpoint's choosing runs.
 
 The reader runs DCP's read loop itself (:meth:`VerifyingReader.read_data`), so
 that a tensor's bytes go from the file straight into the state dict's tensor,
@@ -38,7 +40,8 @@ loop lets ``torch.load`` allocate a tensor, read into it and copy that into the
 state dict: more memory traffic than the CRC-32 costs. Tensors that cannot be
 placed so go DCP's way (:func:`_load_tensor`). DCP's pickled objects
 (``BYTE_IO`` items, e.g. each hyperparameter of each parameter group) are
-unpickled by :class:`LoadPlanner` without ``torch.load`` for the same reason. An item
+unpickled by :class:`LoadPlanner` without ``torch.load`` for the same reason,
+within the restore's :class:`~elastic.checkpoint.trust.LoadPolicy`. An item
 is checked whole also when resharding places only part of it (the view reads
 the rest for the CRC-32), so every item a restore uses is checked, by the rank
 that reads it; items no rank reads are not.
@@ -67,11 +70,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from elastic._compat import torch_checkpoint as compat
-from elastic.checkpoint import layout
+from elastic.checkpoint import layout, trust
 from elastic.errors import CheckpointCorruptError, CheckpointError
 
 # Reads at least this large (a tensor's storage) go into the CRC-32 in place; smaller
@@ -127,24 +131,37 @@ class _ChecksummingStream:
 
 class _ChecksummingFileSystem(FileSystem):
     """DCP's local file system, remembering the CRC-32 segments of each file
-    written through it (by name), from any of DCP's writer threads."""
+    written through it (by name), from any of DCP's writer threads; what it
+    creates gets exactly ``dir_mode`` (directories) or its file mode, whatever
+    the umask (DCP's own opens with the umask's mode)."""
 
-    def __init__(self) -> None:
+    def __init__(self, dir_mode: int = layout.DIR_MODE) -> None:
         super().__init__()
         self._lock = threading.Lock()
         self.segments: dict[str, list[tuple[int, int, int]]] = {}
+        self.dir_mode = dir_mode
 
     @contextlib.contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-        with super().create_stream(path, mode) as raw:
-            if mode != "wb":
+        if mode != "wb":
+            with super().create_stream(path, mode) as raw:
                 yield raw
-                return
+            return
+        with open(layout.open_new(os.fspath(path), layout.file_mode(self.dir_mode)), "wb") as raw:
             stream = _ChecksummingStream(raw)
             yield stream
             segments = stream.finish()
         with self._lock:
             self.segments[os.path.basename(path)] = segments
+
+    def mkdir(self, path: Any) -> None:
+        if os.path.isdir(path):  # the checkpointer's temporary directory: made already
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        try:
+            layout.make_dir(os.fspath(path), self.dir_mode)
+        except FileExistsError:
+            pass
 
     def rename(self, path: Any, new_path: Any) -> None:
         super().rename(path, new_path)  # DCP writes .metadata.tmp, then renames it
@@ -156,11 +173,12 @@ class _ChecksummingFileSystem(FileSystem):
 
 class ChecksummingWriter(dcp.FileSystemWriter):
     """DCP's file writer (one file per rank, fsynced, never over an existing
-    checkpoint) that computes its files' CRC-32s as it writes them."""
+    checkpoint) that computes its files' CRC-32s as it writes them, and creates
+    them with the file mode of directory mode ``mode`` (0o600 for 0o700)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, mode: int = layout.DIR_MODE):
         super().__init__(path, single_file_per_rank=True, sync_files=True, overwrite=False)
-        self.fs = _ChecksummingFileSystem()
+        self.fs = _ChecksummingFileSystem(mode)
         self._items: dict[str, list[tuple[int, int]]] = {}
 
     def write_data(self, plan: Any, planner: Any) -> Any:
@@ -274,7 +292,7 @@ class _VerifyingView(io.RawIOBase):
             pass
         elif self._pos == 0 and len(data) == self.item.length:
             # The whole item at once (DCP reads a pickled object so): checked before
-            # anyone unpickles it, which DCP does with weights_only=False.
+            # anyone unpickles it.
             self._crc, self._verified = layout.crc32(data), len(data)
             try:
                 self._compare(0, data)
@@ -450,7 +468,9 @@ class VerifyingReader(dcp.FileSystemReader):
     before items existed) are read unchecked: the caller verifies them whole.
     With ``checksums=False`` (a sizes-only restore) it checks no bytes, only
     that DCP opens no file the manifests do not list, and still reads tensors
-    straight into their places.
+    straight into their places. ``policy`` says what its pickles may hold
+    (:mod:`elastic.checkpoint.trust`): ``.metadata`` and, through
+    :class:`LoadPlanner`, DCP's objects.
     A mismatch is appended to :attr:`problems` (naming the file and the item)
     and fails the load with :class:`CheckpointCorruptError`, which DCP passes
     on to every rank. :attr:`items_checked` counts the items checked, and
@@ -458,16 +478,20 @@ class VerifyingReader(dcp.FileSystemReader):
     :attr:`tensors_in_place` the tensors read straight into the state dict's
     tensors (the rest are loaded and copied, as DCP does), and
     :attr:`tensors_on_device` those of them on a CUDA device (read into
-    page-locked memory and copied asynchronously).
+    page-locked memory and copied asynchronously). :attr:`refusal` is the
+    CheckpointError of a ``.metadata`` refused by the policy (DCP reports it
+    wrapped in the failure of its per-rank fallback).
     """
 
     def __init__(self, path: str, files: Mapping[str, layout.FileDigest], *,
-                 checksums: bool = True):
+                 checksums: bool = True, policy: trust.LoadPolicy = trust.DEFAULT_POLICY):
         super().__init__(path)
         self.fs = _VerifyingFileSystem(self)
         self.directory = os.path.abspath(path)
         self.files = files
         self.checksums = checksums
+        self.policy = policy
+        self.refusal: CheckpointError | None = None  # .metadata's, when refused
         self.problems: list[layout.Problem] = []
         self.items_checked = 0
         self.items_reread = 0
@@ -499,10 +523,25 @@ class VerifyingReader(dcp.FileSystemReader):
         return data
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        """DCP's ``.metadata``, checked against the manifests (unless sizes only)
+        and unpickled within :attr:`policy` (DCP's own reader unpickles it with
+        ``pickle.load``, which runs whatever the file says). Raises
+        CheckpointError for a type outside the allow-list."""
         if kwargs.get("rank") is not None:
             # DCP's fallback after the global .metadata failed: we write no per-rank one.
             raise FileNotFoundError("this checkpoint has no per-rank DCP metadata")
-        return super().read_metadata(*args, **kwargs)
+        path = os.path.join(self.directory, layout.METADATA_FILE)
+        with self.fs.create_stream(path, "rb") as stream:
+            data = stream.read()
+        try:
+            metadata = trust.load_metadata(data, self.policy, path)
+        except CheckpointError as exc:
+            self.refusal = exc  # DCP buries it under its fallback's failure: said plainly
+            raise
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
 
     def _slice_file(self, file: Any, sinfo: Any) -> Any:  # compat.SLICE_FILE_HOOK
         self._sliced += 1
@@ -727,14 +766,26 @@ class _TensorUnpickler(pickle.Unpickler):
 
 class LoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, unpickling DCP's objects (``BYTE_IO`` items:
-    e.g. an optimizer's hyperparameters, one item each) without ``torch.load``'s
-    fixed cost per call where it is not needed (:func:`load_object`)."""
+    e.g. an optimizer's hyperparameters, one item each) within ``policy`` (no
+    code of the checkpoint's choosing runs; :mod:`elastic.checkpoint.trust`) and
+    without ``torch.load``'s fixed cost per call where it is not needed
+    (:func:`load_object`)."""
+
+    def __init__(self, *args: Any, policy: trust.LoadPolicy = trust.DEFAULT_POLICY,
+                 **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.policy = policy
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
+        obj = load_object(value, self.policy, f"DCP's object {fqn!r}")
         if not (hasattr(self, "original_state_dict") and hasattr(self, "mappings")):
-            return super().load_bytes(read_item, value)  # another torch: its own way
-        obj = load_object(value)
+            # Another torch: its own way, which unpickles with weights_only=False, so it
+            # gets the object checked above, pickled again (nothing but allowed types).
+            again = io.BytesIO()
+            torch.save(obj, again)
+            again.seek(0)
+            return super().load_bytes(read_item, again)
         if self.flatten_state_dict:
             _set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
@@ -760,53 +811,9 @@ def _set_element(root: Any, path: Any, value: Any) -> None:
     container[last] = value
 
 
-class _NeedsTorchLoad(Exception):
-    """The pickle refers to something only ``torch.load`` rebuilds."""
-
-
-class _ObjectUnpickler(pickle.Unpickler):
-    """``torch.load(weights_only=False)``'s unpickler for a pickle without
-    tensors: the same globals, except the ones ``torch.load`` maps or rebuilds
-    (storage types, renamed modules, persistent ids), which raise _NeedsTorchLoad."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if "Storage" in name or module in _MAPPED_MODULES:
-            raise _NeedsTorchLoad(f"{module}.{name}")
-        return super().find_class(module, name)
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise _NeedsTorchLoad("a persistent id")
-
-
-# torch.load renames these modules (its load_module_mapping, local to torch.serialization._load).
-_MAPPED_MODULES = frozenset({"torch.tensor"})
-_TRUE = ("1", "y", "yes", "true")
-
-
-def load_object(value: io.BytesIO) -> Any:
-    """What ``torch.load(value, weights_only=False)`` returns for a ``torch.save``
-    zip (DCP's pickled objects, whose bytes the reader checked before this
-    unless the restore checks sizes only: the trust ``torch.load`` would need).
-
-    A pickle that refers to no storage is unpickled here with ``torch.load``'s
-    unpickler settings (encoding utf-8, the same globals); anything else (a
-    tensor inside, another format, ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` set)
-    goes to ``torch.load``, which also raises what it raises for a bad file.
-    Objects met before a storage are then rebuilt twice, which for data (all
-    DCP pickles) changes nothing.
-    """
-    if os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() not in _TRUE:
-        try:
-            archive = compat.zip_archive(value)
-            records = archive.get_all_records()
-            pickled = (archive.get_record("data.pkl")
-                       if "data.pkl" in records and "constants.pkl" not in records else None)
-        except Exception:  # noqa: BLE001 - not what torch.save writes: torch.load says why
-            pickled = None
-        if pickled is not None:
-            try:
-                return _ObjectUnpickler(io.BytesIO(pickled), encoding="utf-8").load()
-            except _NeedsTorchLoad:
-                pass
-    value.seek(0)
-    return torch.load(value, weights_only=False)
+def load_object(value: io.BytesIO, policy: trust.LoadPolicy = trust.DEFAULT_POLICY,
+                what: str = "a DCP object") -> Any:
+    """What ``torch.load`` returns for one of DCP's pickled objects (a
+    ``torch.save`` zip), within ``policy`` (:func:`elastic.checkpoint.trust.load_object`).
+    Its bytes were checked before this unless the restore checks sizes only."""
+    return trust.load_object(value.getvalue(), policy, what)

@@ -16,6 +16,11 @@ Layout under the checkpoint root::
     .tmp-step-200-round-3/              a save being written (or one that crashed)
     .trash-step-000000000050-.../       a directory being deleted
 
+Modes: every directory and file a save creates (the temporary directory, DCP's
+files, the rank states, manifests, ``COMMITTED``, ``latest``) gets exactly the
+checkpointer's mode (default 0o700 for directories, 0o600 for files), set
+explicitly so that no umask widens it.
+
 Checksum: CRC-32 (``zlib.crc32``'s polynomial and values). The threat is
 storage going wrong (a truncated copy, a torn write, a flipped bit), not an
 adversary, and CRC-32 catches every burst of up to 32 flipped bits and all but
@@ -57,7 +62,7 @@ import time
 from typing import Iterable
 
 from elastic.checkpoint.api import CommitEntry
-from elastic.errors import CheckpointError
+from elastic.errors import CheckpointError, ConfigError
 from elastic.rendezvous.api import cap_text
 
 try:  # the same CRC-32 (polynomial, values) as zlib's, several times faster
@@ -72,6 +77,10 @@ MARKER_FILE = "COMMITTED"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 MANIFEST_FORMAT = 1
+# What a save creates is private to the job's user by default, whatever the umask
+# (a checkpoint is the model); Checkpointer(mode=0o750) lets a group read.
+DIR_MODE = 0o700
+FILE_MODE = 0o600
 
 _STEP_DIR = re.compile(r"^step-(\d{12,})$")
 _TMP_DIR = re.compile(r"^\.tmp-step-(\d+)-round-(\d+)$")
@@ -139,21 +148,59 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_durably(path: str, data: bytes) -> None:
-    """Create ``path`` with ``data`` and fsync it (not atomic: for files that a
-    manifest or the commit protocol vouches for)."""
-    with open(path, "wb") as f:
+def check_mode(mode: int) -> int:
+    """``mode`` when it is a usable mode for the checkpoint directories: the
+    owner's ``rwx`` at least, nothing writable by others (anyone could then plant
+    a checkpoint), no special bits. Raises ConfigError."""
+    if (type(mode) is not int or mode & ~0o777 or mode & 0o700 != 0o700 or mode & 0o002):
+        shown = oct(mode) if type(mode) is int else repr(mode)
+        raise ConfigError(f"checkpoint mode {shown}: expected a directory mode between 0o700 "
+                          f"and 0o775 with the owner's rwx and nothing writable by others "
+                          f"(e.g. 0o700, the default, or 0o750 to let the group read)")
+    return mode
+
+
+def file_mode(dir_mode: int) -> int:
+    """The mode of the files in directories of ``dir_mode``: the same, without
+    execute bits (0o700 -> 0o600, 0o750 -> 0o640)."""
+    return dir_mode & 0o666
+
+
+def make_dir(path: str, mode: int = DIR_MODE) -> None:
+    """Create the directory ``path`` with exactly ``mode``, whatever the umask.
+    Raises FileExistsError when it exists."""
+    os.mkdir(path, mode)
+    os.chmod(path, mode)  # mkdir's mode is masked by the umask
+
+
+def open_new(path: str, mode: int = FILE_MODE) -> int:
+    """A descriptor of ``path`` created (or truncated) for writing with exactly
+    ``mode``, whatever the umask, not through a symbolic link."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 mode)
+    try:
+        os.fchmod(fd, mode)  # the umask may have taken bits; an old file keeps its mode
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def write_durably(path: str, data: bytes, mode: int = FILE_MODE) -> None:
+    """Create ``path`` with ``data`` and ``mode`` and fsync it (not atomic: for
+    files that a manifest or the commit protocol vouches for)."""
+    with open(open_new(path, mode), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
 
-def write_atomically(path: str, data: bytes) -> None:
+def write_atomically(path: str, data: bytes, mode: int = FILE_MODE) -> None:
     """Replace ``path`` with ``data`` atomically and durably (tmp file, fsync,
     rename, fsync of the directory): a reader sees the old or the new content."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        write_durably(tmp, data)
+        write_durably(tmp, data, mode)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -386,8 +433,9 @@ def read_limited(path: str, limit: int) -> bytes:
     return data
 
 
-def write_manifest(directory: str, manifest: Manifest) -> None:
-    write_durably(os.path.join(directory, manifest_name(manifest.rank)), manifest.to_json())
+def write_manifest(directory: str, manifest: Manifest, mode: int = FILE_MODE) -> None:
+    write_durably(os.path.join(directory, manifest_name(manifest.rank)), manifest.to_json(),
+                  mode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -596,10 +644,10 @@ def _check_digest(path: str, expected: FileDigest) -> Problem | None:
 # --- commit markers ---------------------------------------------------------------------------
 
 
-def write_marker(directory: str, entry: CommitEntry) -> None:
+def write_marker(directory: str, entry: CommitEntry, mode: int = FILE_MODE) -> None:
     """Write ``COMMITTED`` (the entry as json) into a checkpoint, durably."""
     record = dict(entry.to_dict(), written_at=time.time())
-    write_durably(os.path.join(directory, MARKER_FILE), json.dumps(record).encode())
+    write_durably(os.path.join(directory, MARKER_FILE), json.dumps(record).encode(), mode)
     fsync_dir(directory)
 
 

@@ -11,10 +11,11 @@ so every key is a fully qualified parameter name whatever wraps the model
   saves and loads exactly the FQNs its chunks own.
 
 Everything else is this rank's own state, serialized with ``torch.save`` into
-``rank-<r>.pt``: RNG states (torch CPU; every CUDA device's when CUDA is in
-use; python ``random``; numpy's global generator when numpy is
-importable), LR scheduler states, the step, the caller's data position and
-extras. On restore at the same world size each rank gets its own file back,
+``rank-<r>.pt`` and read back with ``torch.load(weights_only=True)`` and an
+allow-list (:mod:`elastic.checkpoint.trust`): RNG states (torch CPU; every
+CUDA device's when CUDA is in use; python ``random``; numpy's global
+generator, as plain values, when numpy is importable), LR scheduler states,
+the step, the caller's data position and extras. On restore at the same world size each rank gets its own file back,
 which makes the resumed run bitwise identical to an uninterrupted one. At
 another world size every rank reads rank 0's file for the schedulers, data
 position and extras (the usual case: they are the same on every rank) and
@@ -42,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from elastic.checkpoint import trust
 from elastic.errors import CheckpointError
 
 try:  # numpy is optional here (torch's object collectives need it, see checkpointer.py)
@@ -168,7 +170,7 @@ def capture_local(*, step: int, rank: int, world_size: int, schedulers: Sequence
             "cuda": cuda_rng,
             "cuda_all": cuda_rngs,
             "python": random.getstate(),
-            "numpy": numpy.random.get_state() if numpy is not None else None,
+            "numpy": _numpy_state() if numpy is not None else None,
         },
         "schedulers": [copy.deepcopy(s.state_dict()) for s in schedulers],
         "data_state": copy.deepcopy(data_state),
@@ -179,16 +181,28 @@ def capture_local(*, step: int, rank: int, world_size: int, schedulers: Sequence
     return buffer.getvalue()
 
 
-def load_local(data: bytes) -> dict[str, Any]:
-    """Parse a ``rank-<r>.pt`` file's bytes.
+def load_local(data: bytes, policy: trust.LoadPolicy = trust.DEFAULT_POLICY,
+               what: str = "a rank's state file") -> dict[str, Any]:
+    """Parse a ``rank-<r>.pt`` file's bytes (``what`` names it in errors).
 
-    ``weights_only=False``: the file holds the caller's arbitrary data
-    position and extras; the checkpoint directory is trusted like the code.
+    ``torch.load(weights_only=True)`` with the policy's allow-list
+    (:func:`elastic.checkpoint.trust.load_torch_file`): RNG states, the usual
+    LR schedulers' states and plain data positions and extras need nothing
+    more. Raises CheckpointError naming a type outside the allow-list, or for a
+    record that is not a rank's state.
     """
-    record = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    record = trust.load_torch_file(data, policy, what, map_location="cpu")
     if not isinstance(record, dict) or record.get("format") != LOCAL_FORMAT:
         raise CheckpointError("unknown rank state format")
     return record
+
+
+def _numpy_state() -> tuple:
+    """numpy's global RNG state as plain values (a list, not an array), so that
+    reading it back needs none of numpy's types (:mod:`elastic.checkpoint.trust`);
+    ``numpy.random.set_state`` takes it as it is."""
+    kind, keys, position, has_gauss, cached = numpy.random.get_state(legacy=True)
+    return (kind, keys.tolist(), int(position), int(has_gauss), float(cached))
 
 
 def restore_rng(rng: dict[str, Any]) -> None:

@@ -369,11 +369,16 @@ def test_objects_are_unpickled_as_torch_load_does_without_it(obj, monkeypatch):
     assert dcp_io.load_object(io.BytesIO(data)) == expected
 
 
+@pytest.mark.parametrize("trusted", [False, True], ids=["allow-list", "trusted"])
 @pytest.mark.parametrize("case", ["a tensor inside", "forced weights only", "not a zip"])
-def test_objects_only_torch_load_rebuilds_go_to_it(case, monkeypatch):
+def test_objects_only_torch_load_rebuilds_go_to_it(case, trusted, monkeypatch):
+    # weights_only=True unless the checkpoint is trusted (elastic.checkpoint.trust).
     import io
     import pickle
 
+    from elastic.checkpoint.trust import LoadPolicy
+
+    policy = LoadPolicy(trusted=trusted)
     obj = {"t": torch.arange(3)} if case == "a tensor inside" else {"lr": 0.1}
     data = pickle.dumps(obj) if case == "not a zip" else _saved_bytes(obj)
     if case == "forced weights only":
@@ -382,12 +387,14 @@ def test_objects_only_torch_load_rebuilds_go_to_it(case, monkeypatch):
     real = torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(k) or real(*a, **k))
     if case == "not a zip":  # torch.load says what is wrong with it
-        with pytest.raises(RuntimeError, match="magic number"):
-            dcp_io.load_object(io.BytesIO(data))
-        assert calls == [{"weights_only": False}]
+        with pytest.raises(RuntimeError if trusted else CheckpointError,
+                           match="magic number" if trusted else "Unsupported operand"):
+            dcp_io.load_object(io.BytesIO(data), policy)
+        assert [call["weights_only"] for call in calls] == [not trusted]
         return
-    result = dcp_io.load_object(io.BytesIO(data))
-    assert calls == [{"weights_only": False}]
+    result = dcp_io.load_object(io.BytesIO(data), policy)
+    expected_calls = [] if case == "forced weights only" and not trusted else [not trusted]
+    assert [call["weights_only"] for call in calls] == expected_calls
     assert result.keys() == obj.keys() and all(
         torch.equal(result[k], v) if isinstance(v, torch.Tensor) else result[k] == v
         for k, v in obj.items())

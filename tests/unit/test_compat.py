@@ -180,3 +180,42 @@ def test_without_the_internals_a_restore_reads_items_the_slow_way(tmp_path, monk
     checkpointer = Checkpointer(str(tmp_path), model=restored)
     assert checkpointer.restore() == 1
     assert torch.equal(restored.weight, model.weight) and torch.equal(restored.bias, model.bias)
+
+
+def test_dcps_metadata_classes_and_the_layout_lookup_are_found_on_this_torch():
+    import pickle
+
+    import torch
+
+    from elastic._compat import torch_checkpoint
+
+    table = torch_checkpoint.dcp_metadata_globals()
+    wanted = {(module, name) for module, names in torch_checkpoint._DCP_METADATA_CLASSES.items()
+              for name in names}
+    assert wanted <= set(table), "DCP moved a metadata class: see dcp_metadata_globals"
+    # torch.save still pickles a layout as a call of _get_layout with its name.
+    assert b"torch.serialization\n_get_layout" in pickle.dumps(torch.strided, protocol=2)
+    assert table[("torch.serialization", "_get_layout")]("torch.strided") is torch.strided
+
+
+@pytest.mark.parametrize("lister", [True, False], ids=["listed", "from-the-error"])
+def test_a_weights_only_load_widens_its_allow_list_and_names_what_it_refuses(lister,
+                                                                             monkeypatch):
+    import fractions
+    import io
+    import pickle
+
+    import torch
+
+    from elastic._compat import torch_checkpoint
+
+    if not lister:
+        monkeypatch.delattr(torch.serialization, "get_unsafe_globals_in_checkpoint")
+    buffer = io.BytesIO()
+    torch.save({"share": fractions.Fraction(1, 3)}, buffer)
+    data = buffer.getvalue()
+    with pytest.raises(pickle.UnpicklingError) as excinfo:
+        torch_checkpoint.load_weights_only(io.BytesIO(data), [])
+    assert torch_checkpoint.unsafe_globals(data, excinfo.value, []) == ["fractions.Fraction"]
+    loaded = torch_checkpoint.load_weights_only(io.BytesIO(data), [fractions.Fraction])
+    assert loaded == {"share": fractions.Fraction(1, 3)}

@@ -1,0 +1,140 @@
+"""Attacks on a checkpoint, as someone who can write the checkpoint storage would make
+them, against a real worker process that restores it (issue 24, items 1 and 9).
+
+Each case edits the newest committed checkpoint so that one of its pickles calls
+``os.system`` when unpickled, and recomputes the manifest's size and CRC-32 (a
+CRC is no defence against a person). A fresh Python process then restores it as
+a training script does (``Checkpointer(...).restore()``): the command must not
+run, and the restore must fail with one CheckpointError that names the function
+and says how to allow a type (it never falls back to an older checkpoint in
+silence: that would hide the attack). The control case runs the same poisoned
+checkpoint with ``ELASTIC_CHECKPOINT_TRUST=1``: the command runs, which shows
+the attack is real and the refusal is what stops it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from elastic.checkpoint import layout  # noqa: E402
+from elastic.checkpoint.checkpointer import Checkpointer  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120),
+              pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NEWEST = layout.step_dir_name(2)
+
+# The worker: what a training script does at start, then one line saying how it went.
+WORKER = textwrap.dedent("""
+    import sys, torch
+    from elastic.checkpoint import Checkpointer
+    from elastic.errors import CheckpointError
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    ckpt = Checkpointer(sys.argv[1], model=model,
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        step = ckpt.restore()
+    except CheckpointError as exc:
+        print("REFUSED", exc)
+        sys.exit(3)
+    print("RESTORED", step)
+""")
+
+
+class RunsCommand:
+    """Unpickling it runs a shell command as the worker."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch):
+    """Two committed checkpoints (steps 1 and 2) of the worker's model."""
+    monkeypatch.delenv("ELASTIC_CHECKPOINT_TRUST", raising=False)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), model=model,
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    ckpt.save(1, data_state={"consumed": 8}, async_=False)
+    ckpt.save(2, data_state={"consumed": 16}, async_=False)
+    ckpt.close()
+    return str(tmp_path / "ckpt")
+
+
+def replace_file(directory: str, name: str, data: bytes) -> None:
+    """Write ``data`` as the checkpoint's file ``name`` and make the manifest that
+    lists it agree (size and CRC-32), as an attacker would."""
+    with open(os.path.join(directory, name), "wb") as f:
+        f.write(data)
+    manifests, problems = layout.read_manifests(directory)
+    assert not problems
+    owner = next(m for m in manifests if name in m.files)
+    files = dict(owner.files, **{name: layout.bytes_digest(data)})
+    layout.write_manifest(directory, dataclasses.replace(owner, files=files))
+
+
+def poison_rank_state(directory: str, command: str) -> None:
+    path = os.path.join(directory, layout.rank_state_name(0))
+    record = torch.load(path, weights_only=False)
+    record["extras"] = RunsCommand(command)
+    with open(path, "wb") as f:
+        torch.save(record, f)
+    with open(path, "rb") as f:
+        replace_file(directory, layout.rank_state_name(0), f.read())
+
+
+def poison_metadata(directory: str, command: str) -> None:
+    with open(os.path.join(directory, layout.METADATA_FILE), "rb") as f:
+        metadata = pickle.load(f)
+    metadata.storage_meta = RunsCommand(command)
+    replace_file(directory, layout.METADATA_FILE, pickle.dumps(metadata))
+
+
+def restore_in_a_worker(root: str, **env: str) -> subprocess.CompletedProcess:
+    environ = dict(os.environ, PYTHONPATH=REPO, **env)
+    for name in ("ELASTIC_AGENT_SOCKET", "ELASTIC_CHECKPOINT_DIR", "ELASTIC_FAILPOINT"):
+        environ.pop(name, None)
+    environ.setdefault("ELASTIC_CHECKPOINT_TRUST", "0")
+    return subprocess.run([sys.executable, "-c", WORKER, root], env=environ, cwd=REPO,
+                          capture_output=True, text=True, timeout=90)
+
+
+@pytest.mark.parametrize("poison", [poison_rank_state, poison_metadata],
+                         ids=["rank-00000.pt", ".metadata"])
+def test_a_poisoned_checkpoint_runs_no_command_in_the_worker(root, tmp_path, poison):
+    marker = tmp_path / "pwned"
+    poison(os.path.join(root, NEWEST), f"touch {marker}")
+    result = restore_in_a_worker(root)
+    assert not marker.exists(), "the checkpoint ran a command in the worker"
+    assert result.returncode == 3, result.stdout + result.stderr
+    line = result.stdout.strip()
+    assert line.startswith("REFUSED") and NEWEST in line and "AssertionError" not in line
+    assert f"{os.system.__module__}.system" in line
+    assert "safe_globals" in line and "ELASTIC_CHECKPOINT_TRUST=1" in line
+
+
+@pytest.mark.parametrize("poison", [poison_rank_state, poison_metadata],
+                         ids=["rank-00000.pt", ".metadata"])
+def test_the_same_poison_runs_when_the_checkpoint_is_trusted(root, tmp_path, poison):
+    # The control: the attack is real, and only the allow-list stops it.
+    marker = tmp_path / "pwned"
+    poison(os.path.join(root, NEWEST), f"touch {marker}")
+    result = restore_in_a_worker(root, ELASTIC_CHECKPOINT_TRUST="1")
+    assert marker.exists(), result.stdout + result.stderr
+    if poison is poison_rank_state:  # the worker goes on as if nothing happened
+        assert result.stdout.strip() == "RESTORED 3"
