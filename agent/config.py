@@ -77,7 +77,9 @@ SCRIPT_ENV = ("ELASTIC_SCRIPT", "ELASTIC_SCRIPT_ARGS", "ELASTIC_MODULE", "ELASTI
 WORKER_ENV = {"ELASTIC_ROUND", "ELASTIC_AGENT_SOCKET", HEARTBEAT_SOCKET_ENV,
               "ELASTIC_CHECKPOINT_DIR",
               "ELASTIC_JOB_ID", "ELASTIC_NODE_ID", "ELASTIC_PRELOAD", "ELASTIC_HANG_TIMEOUT_S",
-              "ELASTIC_LEASE_TTL_S", FAILPOINT_ENV}
+              "ELASTIC_LEASE_TTL_S", FAILPOINT_ENV,
+              # Read by the workers' Checkpointer, which inherit the agent's environment.
+              "ELASTIC_CHECKPOINT_TRUST", "ELASTIC_CHECKPOINT_MODE"}
 
 
 def _text(name: str, raw: Any) -> str:
