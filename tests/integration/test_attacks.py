@@ -281,3 +281,49 @@ def test_another_user_cannot_reach_the_standalone_etcd(tmp_path, shared_dir):
         assert agent.proc.poll() is None and "DRAINING" not in agent.text
     finally:
         agent.stop()
+
+
+CONNECT = """
+import socket, sys
+for path in sys.argv[1:]:
+    kind = socket.SOCK_DGRAM if path.endswith(".hb.sock") else socket.SOCK_STREAM
+    try:
+        s = socket.socket(socket.AF_UNIX, kind)
+        s.connect(path)
+        print(path, "connected")
+    except OSError as exc:
+        print(path, "refused:", exc.strerror)
+"""
+
+
+def test_another_user_cannot_reach_the_worker_sockets_nor_read_the_rank_logs(
+        etcd_endpoint, tmp_path, shared_dir):
+    # Whoever connects to the worker socket can fake heartbeats or commit a
+    # checkpoint in the job's name; rank logs hold what the script prints.
+    state = os.path.join(shared_dir, "state")
+    os.mkdir(state, 0o755)  # others may look in, not write
+    agent = _agent(etcd_endpoint, tmp_path, "attack-sockets", "--state-dir", state)
+    try:
+        node_dir = os.path.join(state, "attack-sockets", "n1")
+        logs = os.path.join(node_dir, "logs")
+        wait_until(lambda: os.path.isdir(logs) and any(
+            name.startswith("round-") for name in os.listdir(logs)), 30,
+            "a round's logs", context=lambda: agent.text[-3000:])
+        sockets = [os.path.join(node_dir, name) for name in os.listdir(node_dir)
+                   if name.endswith(".sock")]
+        assert sockets, os.listdir(node_dir)
+        script = os.path.join(shared_dir, "connect.py")
+        with open(script, "w") as f:
+            f.write(CONNECT)
+        os.chmod(script, 0o644)
+        python, env = python_of_other_user()
+        attack = as_other_user("env", *(f"{k}={v}" for k, v in env.items()), python, script,
+                               *sockets, cwd=REPO)
+        assert attack.returncode == 0, attack.stderr
+        lines = attack.stdout.splitlines()
+        assert len(lines) == len(sockets) and all("refused: Permission denied" in line
+                                                  for line in lines), attack.stdout
+        read = as_other_user("ls", logs)
+        assert read.returncode != 0 and "Permission denied" in read.stderr
+    finally:
+        agent.stop()
