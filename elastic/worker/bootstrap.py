@@ -55,6 +55,7 @@ import gc
 import ctypes
 import importlib
 import importlib.machinery
+import importlib.util
 import json
 import os
 import runpy
@@ -307,9 +308,11 @@ def _meet_at_the_rendezvous_store() -> object | None:
 
     The store hosted here listens on ``MASTER_ADDR`` (the advertised address)
     only, not on every interface as torch's own would
-    (:func:`_listen_on_master_addr`). A cold worker's script hosts its store
-    itself, through torch, on every interface: the warm workers (the default,
-    ``--prestart``) are the ones kept to one address.
+    (:func:`_listen_on_master_addr`). So that a cold rank 0's script does not
+    bind every interface through torch either, its store is hosted the same
+    way as soon as the script has imported torch
+    (:func:`_host_once_torch_is_imported`), before it can call
+    ``init_process_group``.
     """
     env = os.environ
     if "torch.distributed" not in sys.modules or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -347,6 +350,52 @@ def _meet_at_the_rendezvous_store() -> object | None:
         print(f"elastic.worker.bootstrap: not hosting the rendezvous store early: {exc}",
               file=sys.stderr)
         return None
+
+
+def _host_once_torch_is_imported() -> None:
+    """For a cold worker of global rank 0: host the rendezvous store (on
+    MASTER_ADDR only) right after the script's ``import torch`` completes
+    (which imports torch.distributed), before any of its code can ask torch
+    for a store of its own on every interface. A script that never imports
+    torch hosts nothing."""
+    if ("torch" in sys.modules or os.environ.get("RANK") != "0"
+            or not os.environ.get("MASTER_PORT")
+            or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        return
+    sys.meta_path.insert(0, _AfterTorchImport())
+
+
+class _AfterTorchImport:
+    """A meta path finder that finds nothing itself: it wraps torch's own
+    loader so that :func:`_meet_at_the_rendezvous_store` runs once torch is
+    imported, then leaves ``sys.meta_path``."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec("torch")
+        if spec is not None and spec.loader is not None:
+            spec.loader = _HostingLoader(spec.loader)
+        return spec
+
+
+class _HostingLoader:
+    """torch's loader, with the store hosted after its module has executed."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        global _hosted_store
+        _hosted_store = _meet_at_the_rendezvous_store()
+
+    def __getattr__(self, name):  # resources, get_filename...: torch's loader's own
+        return getattr(self._loader, name)
 
 
 def _listen_on_master_addr(host: str, port: int) -> socket.socket:
@@ -427,6 +476,8 @@ def main() -> None:
     global _hosted_store
     if not assignment.get("no_python"):
         _hosted_store = _meet_at_the_rendezvous_store()
+        if _hosted_store is None:
+            _host_once_torch_is_imported()
     try:
         _run(assignment)
     except SystemExit:

@@ -114,3 +114,10 @@ def test_warm_rank_0_store_listens_on_master_addr_only(tmp_path):
     # interface (*:MASTER_PORT) while the ranks are told MASTER_ADDR.
     seen, _ = _first_round(tmp_path, nproc=1, warm=True, join=True, script=LISTENERS_SCRIPT)
     assert seen == {"0": "0100007F"}  # 127.0.0.1 (little-endian hex), nothing else
+
+
+def test_cold_rank_0_store_listens_on_master_addr_only_once_the_script_imports_torch(
+        tmp_path):
+    # A cold script's own env:// rendezvous would host the store on every interface.
+    seen, _ = _first_round(tmp_path, nproc=1, warm=False, join=True, script=LISTENERS_SCRIPT)
+    assert seen == {"0": "0100007F"}
