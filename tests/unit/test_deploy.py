@@ -703,7 +703,16 @@ def test_example_env_loads(tmp_path):
     script.write_text("")
     env.update(ELASTIC_JOB_ID="myjob", ELASTIC_SCRIPT=str(script),
                ELASTIC_ADVERTISE_ADDR="10.0.0.11")
+    # etcd over TLS as the job's own user: the files are not here, stand-ins.
+    from tests.tls_certs import make_certs
+
+    assert env["ELASTIC_ETCD_CACERT"] and env["ELASTIC_ETCD_PASSWORD_FILE"]
+    env["ELASTIC_ETCD_CACERT"] = make_certs(str(tmp_path)).ca
+    (tmp_path / "password").write_text("secret\n")
+    env["ELASTIC_ETCD_PASSWORD_FILE"] = str(tmp_path / "password")
     cfg = agent_config.load([], env)
+    assert all(url.startswith("https://") for url in cfg.etcd.split(","))
+    assert cfg.etcd_security.user == "elasticd-myjob"
     assert cfg.drain_exit_code == 0  # systemctl stop leaves the unit inactive, not failed
     assert cfg.listen == "10.0.0.11:29401"  # the advertised address, not every interface
     assert cfg.log_format == "json"
