@@ -279,6 +279,11 @@ def test_another_user_cannot_reach_the_standalone_etcd(tmp_path, shared_dir):
         assert endpoint.startswith("unix:///")
         assert os.stat(os.path.dirname(endpoint[len("unix://"):])).st_mode & 0o777 == 0o700
         assert agent.proc.poll() is None and "DRAINING" not in agent.text
+        # The agent's own user still operates it with elasticctl.
+        status = subprocess.run([sys.executable, "-m", "agent.ctl", "status", "--etcd",
+                                 endpoint, "--job-id", "attack-standalone", "--json"],
+                                cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0 and '"n1"' in status.stdout, status.stderr
     finally:
         agent.stop()
 
