@@ -14,9 +14,9 @@ Everything else is this rank's own state, serialized with ``torch.save`` into
 ``rank-<r>.pt`` and read back with ``torch.load(weights_only=True)`` and an
 allow-list (:mod:`elastic.checkpoint.trust`): RNG states (torch CPU; every
 CUDA device's when CUDA is in use; python ``random``; numpy's global
-generator, as plain values, when numpy is importable), LR scheduler states,
-the step, the caller's data position and extras. On restore at the same world size each rank gets its own file back,
-which makes the resumed run bitwise identical to an uninterrupted one. At
+generator when numpy is importable; their words as bytes), LR scheduler
+states, the step, the caller's data position and extras. On restore at the
+same world size each rank gets its own file back, which makes the resumed run bitwise identical to an uninterrupted one. At
 another world size every rank reads rank 0's file for the schedulers, data
 position and extras (the usual case: they are the same on every rank) and
 seeds its RNGs from a value derived from (rank 0's saved torch seed, step,
@@ -30,6 +30,7 @@ import dataclasses
 import hashlib
 import io
 import random
+import struct
 from typing import Any, Sequence
 
 import torch
@@ -169,7 +170,7 @@ def capture_local(*, step: int, rank: int, world_size: int, schedulers: Sequence
             "torch": torch.get_rng_state(),
             "cuda": cuda_rng,
             "cuda_all": cuda_rngs,
-            "python": random.getstate(),
+            "python": _python_state(),
             "numpy": _numpy_state() if numpy is not None else None,
         },
         "schedulers": [copy.deepcopy(s.state_dict()) for s in schedulers],
@@ -197,12 +198,40 @@ def load_local(data: bytes, policy: trust.LoadPolicy = trust.DEFAULT_POLICY,
     return record
 
 
+# The RNGs' word arrays (625 and 624 32-bit words) are saved as bytes, one pickle
+# opcode each: torch.load(weights_only=True), whose unpickler is written in Python,
+# took 2 ms more per restore for them as lists of ints than as bytes.
+def _words(values: Any) -> bytes:
+    return struct.pack(f"<{len(values)}I", *values)
+
+
+def _unwords(data: bytes) -> tuple[int, ...]:
+    return struct.unpack(f"<{len(data) // 4}I", data)
+
+
+def _python_state() -> tuple:
+    """``random.getstate()`` with its words as bytes (:func:`_restore_python`)."""
+    version, words, gauss_next = random.getstate()
+    return (version, _words(words), gauss_next)
+
+
 def _numpy_state() -> tuple:
-    """numpy's global RNG state as plain values (a list, not an array), so that
-    reading it back needs none of numpy's types (:mod:`elastic.checkpoint.trust`);
-    ``numpy.random.set_state`` takes it as it is."""
+    """numpy's global RNG state with its key as bytes, not an array, so that
+    reading it back needs none of numpy's types (:mod:`elastic.checkpoint.trust`)."""
     kind, keys, position, has_gauss, cached = numpy.random.get_state(legacy=True)
-    return (kind, keys.tolist(), int(position), int(has_gauss), float(cached))
+    return (kind, _words(keys.tolist()), int(position), int(has_gauss), float(cached))
+
+
+def _restore_python(saved: tuple) -> None:
+    version, words, gauss_next = saved
+    random.setstate((version, _unwords(words) if isinstance(words, bytes) else words,
+                     gauss_next))
+
+
+def _restore_numpy(saved: tuple) -> None:
+    kind, keys, *rest = saved  # keys: bytes, or the array of files written before
+    keys = numpy.array(_unwords(keys), dtype=numpy.uint32) if isinstance(keys, bytes) else keys
+    numpy.random.set_state((kind, keys, *rest))
 
 
 def restore_rng(rng: dict[str, Any]) -> None:
@@ -214,9 +243,9 @@ def restore_rng(rng: dict[str, Any]) -> None:
             torch.cuda.set_rng_state_all(every)
         elif rng.get("cuda") is not None:
             torch.cuda.set_rng_state(rng["cuda"])
-    random.setstate(rng["python"])
+    _restore_python(rng["python"])
     if numpy is not None and rng.get("numpy") is not None:
-        numpy.random.set_state(rng["numpy"])
+        _restore_numpy(rng["numpy"])
 
 
 def derived_seed(seed_base: int, step: int, rank: int) -> int:
