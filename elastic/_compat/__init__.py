@@ -11,7 +11,9 @@ Modules:
 
 * :mod:`elastic._compat.torch_checkpoint`: the reader of ``torch.save``'s zip
   files, torch's storage-type table and DCP's ``FileSystemReader._slice_file``
-  (``elastic.checkpoint.dcp_io``). The staging copy is our own, on public API
+  (``elastic.checkpoint.dcp_io``); DCP's metadata classes, the layout lookup
+  ``torch.serialization._get_layout`` and ``torch.load(weights_only=True)``
+  with an allow-list (``elastic.checkpoint.trust``). The staging copy is our own, on public API
   (``elastic.checkpoint.staging``): torch's ``DefaultStager`` changed its
   lifecycle across releases and is missing before 2.9.
 * :mod:`elastic._compat.torch_cuda`: whether a forked child could still use CUDA

@@ -215,10 +215,17 @@ class Checkpointer:
                 layout.make_dir(self.root, self.mode)
             except FileExistsError:  # another rank made it first
                 pass
-        if self.policy.trusted and self._group.rank == 0:
-            log.warning("Rank 0 restores checkpoints under %s trusting them: their pickles may "
-                        "run code (trust_checkpoint / %s); only for a directory that nobody "
-                        "untrusted can write.", self.root, trust.ENV_CHECKPOINT_TRUST)
+        if self._group.rank == 0:
+            if self.policy.trusted:
+                log.warning("Rank 0 restores checkpoints under %s trusting them: their pickles "
+                            "may run code (trust_checkpoint / %s); only for a directory that "
+                            "nobody untrusted can write.", self.root, trust.ENV_CHECKPOINT_TRUST)
+            exposure = layout.root_exposure(self.root)
+            if exposure is not None:
+                log.warning("Rank 0: the checkpoint root %s %s: whoever can write it can "
+                            "replace the model's weights (restore runs no code from it, but a "
+                            "manifest's CRC-32s can be recomputed); make it the job user's own, "
+                            "not writable by others.", self.root, exposure)
 
     # --- public API ---------------------------------------------------------------------------
 

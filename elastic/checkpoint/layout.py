@@ -160,6 +160,22 @@ def check_mode(mode: int) -> int:
     return mode
 
 
+def root_exposure(root: str) -> str | None:
+    """Why others than this process's user can write into the checkpoint root
+    (it is writable by every user, sticky or not: they could create a step
+    directory; or it belongs to another user than this one or root), or None
+    when they cannot or it cannot be told."""
+    try:
+        info = os.stat(root)
+    except OSError:
+        return None
+    if info.st_mode & stat.S_IWOTH:
+        return f"is writable by every user (mode {stat.S_IMODE(info.st_mode):o})"
+    if info.st_uid not in (os.getuid(), 0):
+        return f"belongs to another user (uid {info.st_uid})"
+    return None
+
+
 def file_mode(dir_mode: int) -> int:
     """The mode of the files in directories of ``dir_mode``: the same, without
     execute bits (0o700 -> 0o600, 0o750 -> 0o640)."""

@@ -103,3 +103,30 @@ def test_a_file_keeps_its_mode_when_rewritten_and_the_commit_log_is_private(tmp_
     FileCommitLog(str(tmp_path), 0o640).commit(
         CommitEntry(step=1, round=0, world_size=1, path="step-000000000001", time=0.0))
     assert stat.S_IMODE(os.stat(tmp_path / "latest").st_mode) == 0o640
+
+
+def test_a_root_that_every_user_can_write_is_warned_about_once(tmp_path, caplog):
+    import logging
+
+    root = tmp_path / "shared"
+    root.mkdir()
+    os.chmod(root, 0o1777)  # like /tmp: others can still create a step directory
+    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.checkpointer"):
+        Checkpointer(str(root), model=torch.nn.Linear(3, 2))
+    warned = [r.getMessage() for r in caplog.records if "writable by every user" in r.getMessage()]
+    assert len(warned) == 1 and str(root) in warned[0] and "1777" in warned[0]
+    caplog.clear()
+    os.chmod(root, 0o700)
+    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.checkpointer"):
+        Checkpointer(str(root), model=torch.nn.Linear(3, 2))
+    assert caplog.records == []
+    assert layout.root_exposure(str(tmp_path / "missing")) is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+def test_a_root_that_belongs_to_another_user_is_named(tmp_path):
+    root = tmp_path / "theirs"
+    root.mkdir(mode=0o755)
+    assert layout.root_exposure(str(root)) is None  # our own, 0755
+    os.chown(root, 65534, 65534)  # nobody's: nobody may now plant a checkpoint in it
+    assert layout.root_exposure(str(root)) == "belongs to another user (uid 65534)"
