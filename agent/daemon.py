@@ -561,7 +561,8 @@ class Agent:
             if view.state is S.DONE:
                 self._intents.append(reactor.Report(ReportKind.DONE, view.round_number))
         latest = self.rdzv.latest_round
-        newest = latest.number if latest else 0
+        # About the round a newer one continues (Round.continues): still current.
+        newest = latest.workers_round if latest else 0
         self._intents = [i for i in self._intents if i.round >= newest]
         while self._intents:
             intent = self._intents[0]
@@ -590,7 +591,7 @@ class Agent:
                                       f"node {self.config.node_id} runs "
                                       f"{self.config.nproc_per_node} worker(s)")
         view = self.view
-        current = view.round is not None and req.round == view.round.number
+        current = view.round is not None and req.round == view.round.workers_round
         with self._workers_lock:
             w = self.workers.get(req.local_rank)
             if w is not None and current:
@@ -610,6 +611,11 @@ class Agent:
         # its path a plain name in the checkpoint root; how the save went is the
         # worker's word, and only what can be true is kept.
         commit = grpc_input.commit_entry(entry)
+        view = self.view
+        if view.round is not None and commit.round == view.round.workers_round:
+            # Workers of a round written again (Round.continues) commit in the
+            # round that continues theirs: its number is the fence now.
+            commit = dataclasses.replace(commit, round=view.round.number)
         save_s, size_bytes = commit.save_s, commit.size_bytes
         try:
             self.commit_log.commit(commit)

@@ -9,9 +9,13 @@ The rules:
 
 * A committed round that includes this node replaces the round its workers
   run in: stop them (if any), start workers with the new ranks, report
-  "started" to the leader. A round without this node makes it a standby (or,
-  if its drain was requested, makes it leave). A round with an outcome ends
-  the agent: SUCCEEDED or FAILED, stopping any workers left.
+  "started" to the leader. A round that continues the one the workers run
+  in (the same round written again after a malformed record replaced it,
+  ``Round.continues``) replaces it and changes nothing else; one that
+  continues workers this node does not run starts none. A round without
+  this node makes it a standby (or, if its drain was requested, makes it
+  leave). A round with an outcome ends the agent: SUCCEEDED or FAILED,
+  stopping any workers left.
 * A worker that exits non-zero, a hung worker, or a ring peer that reports its
   workers unhealthy (NOT_SERVING) for longer than a lease TTL fails the
   round: stop this node's workers first, then ask for a restart (counted
@@ -395,6 +399,15 @@ def _on_round(view: AgentView, event: RoundCommitted, now: float, settings: Sett
         return dataclasses.replace(view, state=final, outcome_reason=r.reason), commands
     if view.round is not None and r.number <= view.round.number:
         return view, []
+    if r.continues:
+        if view.state in (S.RUNNING, S.DONE) and view.round.continued_by(r):
+            return dataclasses.replace(view, round=r), [Note(
+                f"round {r.number} continues round {view.round.workers_round} ({r.reason}); "
+                "its workers run on")]
+        # Its workers are the ones of round r.continues, which this node does
+        # not run (any more): never start workers that no group waits for.
+        # The leader forms a new round for what this node requested or reported.
+        return view, []
     commands = []
     if view.state in (S.RUNNING, S.STARTING, S.DONE):
         view, commands = _stop(view, f"round {r.number} replaces round {view.round_number}: "
@@ -477,7 +490,7 @@ def _fail_round(view: AgentView, reason: str) -> Result:
 
 
 def _on_exit(view: AgentView, e: WorkerExited, now: float, settings: Settings) -> Result:
-    if view.round is None or e.round != view.round.number or e.stopped \
+    if view.round is None or e.round != view.round.workers_round or e.stopped \
             or view.state is not S.RUNNING:
         # A worker of a round given up, one we stopped, or one that died on
         # its own while this round was being stopped anyway.

@@ -12,7 +12,7 @@ import enum
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from elastic.errors import ConfigError, MalformedRecordError
@@ -430,7 +430,10 @@ class Round:
     token): every round write increments it by exactly one. ``failures`` holds
     the wall times of the failures counted against the restart budget. A round
     with an ``outcome`` ("succeeded" or "failed") is the job's last: nobody
-    starts workers for it, and agents exit.
+    starts workers for it, and agents exit. ``continues``: the number of the
+    round whose workers this one keeps running, unchanged (0: a round of its
+    own). The leader writes such a round when a malformed record replaced the
+    round key: the write moved the fencing token on, but not the workers.
     """
 
     number: int
@@ -442,6 +445,7 @@ class Round:
     created_at: float  # wall-clock seconds, for humans
     failures: tuple[float, ...] = ()
     outcome: str = ""
+    continues: int = 0
 
     def __post_init__(self) -> None:
         # Capped here, not only where reasons come from, so that no round written
@@ -451,6 +455,24 @@ class Round:
     @property
     def world_size(self) -> int:
         return sum(m.nproc for m in self.members)
+
+    @property
+    def workers_round(self) -> int:
+        """The round number this round's workers were started with (their
+        ``ELASTIC_ROUND``): ``continues``, or this round's own number."""
+        return self.continues or self.number
+
+    def continued(self, number: int, reason: str, leader: str, created_at: float) -> "Round":
+        """This round written again as round ``number``, its workers kept."""
+        return replace(self, number=number, reason=reason, leader=leader,
+                       created_at=created_at, continues=self.workers_round)
+
+    def continued_by(self, other: "Round") -> bool:
+        """Whether ``other`` keeps the workers of this round running: it
+        continues them, with the same members, ranks and rank 0's address."""
+        return (other.continues == self.workers_round and not other.outcome
+                and (other.members, other.master_addr, other.master_port)
+                == (self.members, self.master_addr, self.master_port))
 
     @property
     def node_ids(self) -> tuple[str, ...]:
@@ -492,6 +514,7 @@ class Round:
         leader = typed_field(key, obj, "leader", str, "")
         if leader:  # "" in records written before the leader was recorded
             leader = id_field(key, obj, "leader")
+        continues = int_field(key, obj, "continues", 0, number - 1, default=0)
         outcome = typed_field(key, obj, "outcome", str, "")
         if outcome not in OUTCOMES:
             raise MalformedRecordError(key, f"field 'outcome' is {cap_text(outcome, 64)!r}, "
@@ -507,6 +530,7 @@ class Round:
             failures=tuple(time_field(key, obj, f"failures[{i}]", t)
                            for i, t in enumerate(typed_field(key, obj, "failures", list, []))),
             outcome=outcome,
+            continues=continues,
         )
 
 

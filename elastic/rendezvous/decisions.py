@@ -30,6 +30,9 @@ The rules, in order:
   membership changes and never count; nor do failures reported in a round
   that a member drains from (its leaving breaks its peers' collectives).
 * A round with an outcome is final: nothing more is decided.
+* A round that continues another (``Round.continues``: written again after a
+  malformed record replaced it) is that round: reports and restart requests
+  about the round it continues count for it.
 * A member whose registration is newer than the round (its agent was
   restarted, or lost its lease and came back) needs a new round: its workers
   of the current one are gone.
@@ -131,8 +134,8 @@ def decide(observed: Observed, now: float, config: RendezvousConfig) -> Decision
     unstarted: list[str] = []
     if current is not None and now - current.created_at >= config.start_timeout_s:
         unstarted = [m for m in current.node_ids
-                     if observed.started.get(m, 0) < current.number
-                     and observed.done.get(m, (0, 0.0))[0] < current.number
+                     if observed.started.get(m, 0) < current.workers_round
+                     and observed.done.get(m, (0, 0.0))[0] < current.workers_round
                      and m not in observed.registered_since_round]
     left_out = set(suspected) | set(unstarted) | set(observed.draining)
     candidates = [n.node_id for n in observed.alive if n.node_id not in left_out]
@@ -153,7 +156,7 @@ def decide(observed: Observed, now: float, config: RendezvousConfig) -> Decision
         return decision
 
     done = {m: at for m, (number, at) in observed.done.items()
-            if number == current.number and m in current.node_ids}
+            if current.workers_round <= number <= current.number and m in current.node_ids}
     if len(done) == len(current.members):
         return Decision(Action.SUCCEED_JOB,
                         f"round {current.number}: the workers of all "
@@ -174,7 +177,8 @@ def decide(observed: Observed, now: float, config: RendezvousConfig) -> Decision
     registered = {n.node_id for n in observed.alive}
     gone = [m for m in current.node_ids if m not in registered and m not in observed.draining]
     drained = [m for m in current.node_ids if m in observed.draining]
-    restarts = [r for r in observed.restart_requests if r.round == current.number]
+    restarts = [r for r in observed.restart_requests
+                if current.workers_round <= r.round <= current.number]
 
     # A member registered anew since the round (its agent restarted, or lost
     # its lease): its workers of this round are gone, so the round is too.
@@ -205,7 +209,7 @@ def decide(observed: Observed, now: float, config: RendezvousConfig) -> Decision
         barrier = (f", {_plural(len(done), 'member')} finished (exit barrier)"
                    if done else "")
         start_due = (current.created_at + config.start_timeout_s
-                     if any(observed.started.get(m, 0) < current.number
+                     if any(observed.started.get(m, 0) < current.workers_round
                             and m not in done for m in current.node_ids) else None)
         return Decision(
             Action.WAIT,

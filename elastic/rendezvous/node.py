@@ -670,10 +670,9 @@ class RendezvousNode:
             self._round_revision = revision
             if parsed is not None or value is None:
                 self._round = parsed
-            elif self._round is not None and self._round.number < version:
-                # Garbage replaced the round: it is no longer current. The
-                # leader will commit a fresh round on top of it.
-                self._round = None
+            # Else garbage replaced the round: the last valid one stays, its
+            # workers run on, and the leader writes it again on top
+            # (see _continue_round).
             self._cond.notify_all()
         if parsed is not None:
             me = parsed.member(self.node_id)
@@ -714,6 +713,9 @@ class RendezvousNode:
     def _lead(self) -> float | None:
         """Decide and apply; returns when to look again if nothing changes."""
         now = self.clock.wall()
+        current = self._round
+        if current is not None and not current.outcome and self._round_version > current.number:
+            return None if self._continue_round(current) else now + _FENCE_RETRY_S
         decision = decide(self._view.observed(self._round, self._round_revision), now,
                           self.config)
         if decision.reason != self._last_reason:
@@ -789,6 +791,23 @@ class RendezvousNode:
             self._view.restarts.pop(op.key, None)
         if number % 100 == 0:
             events.prune(self.store, self.keys)
+        return True
+
+    def _continue_round(self, current: Round) -> bool:
+        """A malformed record replaced ``current`` in the round key: write it
+        again on top, as a round that continues its workers (the agents keep
+        them running), so that a write of garbage restarts nothing. False if
+        its fence failed."""
+        number = self._round_version + 1
+        reason = (f"round {current.number} written again: a malformed record replaced it "
+                  f"(the workers of round {current.workers_round} run on)")
+        record = current.continued(number, reason, self.node_id, self.clock.wall())
+        ops = [Put(self.keys.round, record.to_json()),
+               events.event_op(self.keys, self.clock, self.node_id, number, "round",
+                               f"round {number}: {reason}")]
+        if not self._commit(number, record, ops):
+            return False
+        self.log.warning("leader: %s; committed as round %d", reason, number)
         return True
 
     def _end_job(self, outcome: str, decision: Decision) -> bool:

@@ -159,7 +159,8 @@ class LeaderView:
                       if rev > registered_at.get(n, 0)},
             registered_since_round=frozenset(
                 info.node_id for info, rev in joined if rev > round_revision
-                and (current is None or info.running_round != current.number)),
+                and (current is None
+                     or info.running_round not in (current.number, current.workers_round))),
             checkpointed_since=frozenset(
                 info.node_id for info, rev in joined if rev < self.checkpoint_revision),
         )

@@ -13,7 +13,9 @@ steps of ``DT`` simulated seconds, and checks after every step:
 * after the last fault, the job ends within the horizon (no deadlock, no
   livelock) and every agent exits;
 * no round forms once the failures it counts exceed the restart budget, and
-  a job failed for its budget counts one failure more than the budget.
+  a job failed for its budget counts one failure more than the budget;
+* no worker is started for a round that continues another's workers (the
+  round written again after garbage replaced it).
 
 Profiles (``run(seed, profile=...)``) draw different clusters and schedules:
 ``mixed`` (every kind of fault, see :func:`tests.sim.faults.make_schedule`),
@@ -156,6 +158,8 @@ class Cluster:
         self._parsed_latest: tuple[int, tuple[int, int]] = (0, (0, 0))
         self.final: Round | None = None
         self.cut_rounds: dict[Fault, list[Proc]] = {}
+        self.continuations: set[int] = set()  # rounds that keep an earlier one's workers
+        self.last_round: Round | None = None
         self.quiet_at = max((f.at + f.duration for f in self.schedule), default=0.0)
 
     # ------------------------------------------------------------ processes
@@ -257,8 +261,8 @@ class Cluster:
         elif kind == "outage":
             self.store.set_outage(True)
         elif kind == "cut_round":
-            kv = self.store.peek(self.keys.round)
-            members = Round.from_json(kv.key, kv.value, kv.version).node_ids if kv else ()
+            # The last valid round (garbage may lie over it): its members run its workers.
+            members = self.last_round.node_ids if self.last_round else ()
             self.cut_rounds[fault] = [self.nodes[m].proc for m in members
                                       if self.nodes[m].proc and self.nodes[m].proc.exit_code is None]
             for proc in self.cut_rounds[fault]:
@@ -267,6 +271,11 @@ class Cluster:
             kv = self.store.peek(self.keys.leader)
             if kv is not None and not self.store.outage:
                 self.store.expire_session(kv.lease)
+        elif kind == "garbage_round":
+            # Not over the job's final round: no agent is left to write it again,
+            # and a node joining later would wait out its join timeout.
+            if not self.store.outage and self.final is None:
+                self.store.put(self.keys.round, b"garbage")
         elif proc is None:
             return
         elif kind == "kill_agent":
@@ -412,6 +421,10 @@ class Cluster:
         training = self.workers.training()
         if len(training) > 1:
             v.append(f"rounds {[g.round for g in training]} train at the same time")
+        started = {g.round for g in self.workers.groups.values()} & self.continuations
+        if started:
+            v.append(f"workers started for round(s) {sorted(started)}, which only continue "
+                     "an earlier round's workers")
         latest = self._latest_checkpoint()
         if self.latest_ckpt is not None:
             if latest == (0, 0):
@@ -433,9 +446,13 @@ class Cluster:
         try:
             r = Round.from_json(kv.key, kv.value, kv.version)
         except MalformedRecordError as exc:
-            v.append(f"the round key holds garbage: {exc}")
+            if kv.value != b"garbage":  # not what a garbage_round fault wrote
+                v.append(f"the round key holds garbage: {exc}")
             return
         self.result.rounds = r.number
+        self.last_round = r
+        if r.continues:
+            self.continuations.add(r.number)
         self.check_budget(r)
         if r.outcome:
             self.final = r
@@ -462,7 +479,7 @@ class Cluster:
             if not final.reason:
                 v.append("the job failed without a reason")
             return
-        last = final.number - 1
+        last = final.continues or final.number - 1  # the round whose workers finished
         spawned = [w for w, _ in self.workers.exits if w.round == last]
         running = [w for g in self.workers.groups.values() if g.round == last
                    for w in g.workers if w.alive]

@@ -23,6 +23,7 @@ KINDS = {
     "outage": 2,  # etcd is down for everyone
     "join": 1,  # a new node arrives
     "drain": 1,  # an operator drains a node
+    "garbage_round": 1,  # someone writes garbage over the round key
 }
 
 
@@ -57,7 +58,7 @@ def make_schedule(rng: random.Random, nodes: list[str], min_nodes: int) -> list[
         drained = drained or kind == "drain"
         node = rng.choice(nodes)
         duration = 0.0
-        if kind == "cut_round":
+        if kind in ("cut_round", "garbage_round"):
             node = "*"  # whoever the members are when it strikes
         if kind in ("cut_store", "cut_peers", "cut_both", "cut_round", "store_errors",
                     "ambiguous", "outage", "slow_store", "freeze"):

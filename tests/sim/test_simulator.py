@@ -21,6 +21,7 @@ from elastic.rendezvous import decisions
 from elastic.rendezvous.api import Action, Decision
 from tests.marks import CPU_BOUND
 from tests.sim import cluster
+from tests.sim.faults import Fault
 from tests.sim.runner import REPLAY, replay_command, run_many
 from tests.sim.world import FakeMesh
 
@@ -162,3 +163,14 @@ def test_a_budget_spent_one_failure_early_is_caught(monkeypatch):
     monkeypatch.setattr("elastic.rendezvous.node.decide", eager)
     found = _violations(range(20), profile="budget")
     assert any("failed for its budget" in v for v in found), found[:5]
+
+
+def test_garbage_over_the_round_key_restarts_no_worker():
+    # Each write is answered by the same round written again (Round.continues):
+    # the workers of the first round train on to the end and commit checkpoints.
+    sim = cluster.Cluster(3)
+    sim.schedule = [Fault(at, "garbage_round", "*") for at in (4.0, 4.1, 7.0)]
+    result = sim.run()
+    assert result.ok and result.outcome == "succeeded", result.violations
+    assert {w.round for w, _ in sim.workers.exits} == {1}
+    assert len(sim.continuations - {sim.final.number}) == 3 and result.steps_committed > 0

@@ -355,3 +355,19 @@ def test_a_member_back_after_an_etcd_outage_with_its_workers_running_keeps_the_r
     view.apply_node(keys.node("a"), restarted.to_json(), 51, 0.0)
     observed = view.observed(round_of(4, "a", "b"), round_revision=40)
     assert observed.registered_since_round == frozenset({"a"})
+
+
+def test_a_round_written_again_is_the_round_it_continues():
+    # Garbage replaced round 4; the leader wrote it again as round 6. What the
+    # members reported or asked about round 4 counts for round 6.
+    again = round_of(4, "a", "b").continued(6, "again", "a", 100.0)
+    config = RendezvousConfig("j", 2, 4, start_timeout_s=30.0)
+    standing = Observed(again, nodes("a", "b"), started=dict.fromkeys("ab", 4))
+    d = decide(standing, 200.0, config)  # long after the start timeout: both started
+    assert d.action is Action.WAIT and d.reason == "round 6 stands with 2 members"
+    asked = dataclasses.replace(standing, restart_requests=(
+        RestartRequest("a", 4, "worker died", failure=True),))
+    d = decide(asked, 200.0, config)
+    assert d.action is Action.CLOSE_ROUND and "restart requested by a" in d.reason
+    finished = dataclasses.replace(standing, done={"a": (4, 150.0), "b": (6, 160.0)})
+    assert decide(finished, 200.0, config).action is Action.SUCCEED_JOB

@@ -110,6 +110,30 @@ class TestRounds:
         assert StartWorkers(round_of(4, "a", "c"), 1) in commands
         assert Report(ReportKind.STARTED, 4) in commands
 
+    def test_the_same_round_written_again_keeps_the_workers_running(self):
+        # A malformed record replaced round 3; the leader wrote it again as round 5.
+        again = round_of(3, "a", "b").continued(5, "written again", "a", 1.0)
+        for state in (S.RUNNING, S.DONE):
+            before = dataclasses.replace(running(3), state=state)
+            view, commands = react(before, RoundCommitted(again), 10.0, SETTINGS)
+            assert view == dataclasses.replace(before, round=again)
+            assert kinds(commands) == ["Note"]
+            assert "round 5 continues round 3" in commands[0].message
+        # Its workers (of round 3) still count: a crash fails the round it is now.
+        view, _ = react(running(3), RoundCommitted(again), 10.0, SETTINGS)
+        view, commands = react(view, WorkerExited(3, 1, 1, 99, 1), 11.0, SETTINGS)
+        assert view.state is S.JOINING
+        assert RequestRestart(5, "worker rank 1 (pid 99) exited with 1", failure=True) in commands
+
+    def test_a_continuation_of_workers_this_node_does_not_run_starts_none(self):
+        # No worker started for it would find its group: the leader forms a new
+        # round for the restart this node requested (or the members it lacks).
+        again = round_of(3, "a", "b").continued(5, "x", "a", 1.0)
+        stopped = dataclasses.replace(running(3), state=S.JOINING)  # after a local failure
+        assert react(stopped, RoundCommitted(again), 10.0, SETTINGS) == (stopped, [])
+        other = round_of(3, "a", "c").continued(5, "x", "a", 1.0)  # not what runs here
+        assert react(running(3), RoundCommitted(other), 10.0, SETTINGS) == (running(3), [])
+
     def test_job_success_ends_the_agent_and_sweeps_the_workers(self):
         done = dataclasses.replace(running(3), state=S.DONE)
         view, commands = react(done, RoundCommitted(round_of(4, "a", "b", outcome="succeeded")),

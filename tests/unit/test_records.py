@@ -224,6 +224,9 @@ def _with(record, **changes):
     ({"leader": 7}, "leader"),
     ({"outcome": "maybe"}, "outcome"),
     ({"reason": ["a list"]}, "reason"),
+    ({"continues": 1}, "continues"),  # not an earlier round than this one (number 1)
+    ({"continues": -1}, "continues"),
+    ({"continues": "1"}, "continues"),
 ])
 def test_hostile_round_fields_are_refused_by_name(changes, field):
     with pytest.raises(MalformedRecordError) as info:
@@ -268,6 +271,11 @@ def test_hostile_request_and_event_fields_are_refused_by_name(parse, record, cha
 def test_valid_records_round_trip():
     rnd = Round.from_json(ROUND_KEY, _with(GOOD_ROUND), 1)
     assert Round.from_json(ROUND_KEY, rnd.to_json(), 1) == rnd
+    again = rnd.continued(3, "written again", "a", 2.0)
+    assert Round.from_json(ROUND_KEY, again.to_json(), 3) == again
+    assert (again.continues, again.workers_round, rnd.workers_round) == (1, 1, 1)
+    assert again.continued(5, "and again", "a", 3.0).continues == 1
+    assert rnd.continued_by(again) and not again.continued_by(rnd)
     assert rnd.members == (Member("a", 0, "h", 1, "h:1"),) and rnd.failures == (1.0,)
     node = NodeInfo.from_json(NODE_KEY, _with(GOOD_NODE))
     assert NodeInfo.from_json(NODE_KEY, node.to_json()) == node

@@ -317,11 +317,37 @@ def test_a_garbage_round_event_delivered_after_the_leaders_commit_does_not_stall
         c.clock.advance(1.0)
     on_top = node.latest_round
     assert on_top.number == c.store.peek(keys.round).version == first.number + 2
-    c.settle()  # the garbage's event arrives now, late
-    node.request_restart("second request", on_top.number, failure=False)
+    assert on_top.continues == first.number  # the round written again, its workers kept
+    c.settle()  # the garbage's event arrives now, late; the request about round 1 is served
+    served = c.round()
+    assert served.number == on_top.number + 1 and "first request" in served.reason
+    node.request_restart("second request", served.number, failure=False)
     c.settle()
-    assert c.round().number == on_top.number + 1
+    assert c.round().number == served.number + 1
     assert "second request" in c.round().reason
+
+
+def test_garbage_over_the_round_is_overwritten_by_the_same_round_and_restarts_nothing():
+    c = Cluster("a", "b")
+    c.settle()
+    first = c.round()
+    seen = []
+    c.nodes["b"]._on_round = seen.append
+    keys = c.nodes["a"].keys
+    for write in range(3):  # each write of garbage: the round written again, nothing more
+        c.store.put(keys.round, b"garbage")
+        c.settle()
+        again = c.round()
+        assert again.number == c.store.peek(keys.round).version == first.number + 2 * (write + 1)
+        assert again.continues == first.number and again.workers_round == first.number
+        assert first.continued_by(again)
+        assert (again.members, again.master_port) == (first.members, first.master_port)
+        assert "a malformed record replaced it" in again.reason
+    assert [r.continues for r in seen] == [first.number] * 3
+    # Reports and requests about the round it continues count for it.
+    c.nodes["b"].request_restart("worker died", first.number, failure=True)
+    c.settle()
+    assert c.round().continues == 0 and "restart requested by b" in c.round().reason
 
 
 @pytest.mark.parametrize("stored", [
