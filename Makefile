@@ -105,12 +105,14 @@ test-torch: $(TORCH_STAMP)
 	timeout $(TORCH_TEST_LIMIT_S) $(TORCH_PY) -m pytest -q -p no:cacheprovider \
 		$(TORCH_PYTEST_ARGS) $(TORCH_TESTS)
 
-# More fault schedules than `make test` runs (10,000): `make sim SEEDS=100000 FIRST=10000`.
+# More fault schedules than `make test` runs (10,000): `make sim SEEDS=100000 FIRST=10000`;
+# PROFILE=budget or PROFILE=partition for the other profiles (make test: 300 of each).
 # A failing seed prints the command that replays it with every agent's log.
 SEEDS ?= 10000
 FIRST ?= 0
+PROFILE ?= mixed
 sim: setup
-	$(PY) -m tests.sim --seeds $(SEEDS) --first $(FIRST)
+	$(PY) -m tests.sim --seeds $(SEEDS) --first $(FIRST) --profile $(PROFILE)
 
 bench: setup
 	$(PY) bench/rendezvous.py
