@@ -30,14 +30,20 @@ PROFILE_SEEDS = int(os.environ.get("SIM_PROFILE_SEEDS", "300"))
 JOBS = max(1, min(2, os.cpu_count() or 1))
 
 
+def _every_schedule_passes(seeds: int, profile: str = "mixed"):
+    """Run ``seeds`` schedules of ``profile``; their summary, once none failed."""
+    started = time.monotonic()
+    summary = run_many(range(seeds), jobs=JOBS, profile=profile)
+    print("\n" + summary.describe(time.monotonic() - started))
+    assert summary.runs == seeds
+    assert not summary.failures, summary.describe(time.monotonic() - started)
+    return summary
+
+
 @CPU_BOUND
 @pytest.mark.timeout(600)
 def test_every_schedule_keeps_every_invariant():
-    started = time.monotonic()
-    summary = run_many(range(SEEDS), jobs=JOBS)
-    print("\n" + summary.describe(time.monotonic() - started))
-    assert summary.runs == SEEDS
-    assert not summary.failures, summary.describe(time.monotonic() - started)
+    summary = _every_schedule_passes(SEEDS)
     # The schedules reach both ends: most jobs succeed, some spend their budget.
     assert summary.outcomes["succeeded"] > SEEDS // 2
 
@@ -46,10 +52,7 @@ def test_every_schedule_keeps_every_invariant():
 @pytest.mark.timeout(300)
 def test_more_failures_than_the_budget_fail_the_job_and_every_agent_exits():
     # The job-failure path: restart budgets of 1 to 3, one to three failures more.
-    started = time.monotonic()
-    summary = run_many(range(PROFILE_SEEDS), jobs=JOBS, profile="budget")
-    print("\n" + summary.describe(time.monotonic() - started))
-    assert not summary.failures, summary.describe(time.monotonic() - started)
+    summary = _every_schedule_passes(PROFILE_SEEDS, "budget")
     # Some failures strike while a round forms (no worker to crash): those jobs succeed.
     assert summary.outcomes["failed"] > PROFILE_SEEDS * 2 // 3
     spent = [cluster.run(seed, profile="budget") for seed in range(5)]
@@ -59,10 +62,7 @@ def test_more_failures_than_the_budget_fail_the_job_and_every_agent_exits():
 @CPU_BOUND
 @pytest.mark.timeout(300)
 def test_partitions_without_the_leaders_fence_never_leave_a_zombie_group():
-    started = time.monotonic()
-    summary = run_many(range(PROFILE_SEEDS), jobs=JOBS, profile="partition")
-    print("\n" + summary.describe(time.monotonic() - started))
-    assert not summary.failures, summary.describe(time.monotonic() - started)
+    _every_schedule_passes(PROFILE_SEEDS, "partition")
 
 
 def test_a_seed_replays_exactly():
