@@ -121,7 +121,7 @@ def server(sock_dir, control, sink):
         peers.close_channels()
 
 
-def _wait_for(q: queue.Queue, timeout_s: float = 3.0):
+def _wait_for(q: queue.Queue, timeout_s: float = 3.0 + LOADED_SLACK_S):
     return q.get(timeout=timeout_s)
 
 
