@@ -21,6 +21,9 @@ torch matrix, ``make test-torch``; ``tests/unit/test_compat.py`` runs in each).
   (``torch.serialization._get_layout``), for the restricted unpickler of
   :mod:`elastic.checkpoint.trust`. Fallback: the ones this torch has; a
   ``.metadata`` that needs a missing one is refused, naming it.
+* :func:`single_process`: ``no_dist`` for ``dcp.save``/``dcp.load`` (2.8 and
+  newer). Fallback (2.6): no argument; that DCP tells a single process from
+  ``torch.distributed.is_initialized()`` itself, which is what we pass.
 * :func:`load_weights_only`: ``torch.load(weights_only=True)`` with an
   allow-list for the one call (``torch.serialization.safe_globals``, public
   since 2.5), and :func:`unsafe_globals`, the globals outside it that a file
@@ -67,6 +70,22 @@ def storage_type_names() -> dict[torch.dtype, str]:
         return dict(table()) if table is not None else {}
     except Exception:  # noqa: BLE001 - another shape: the slower, general path
         return {}
+
+
+@functools.cache
+def _takes_no_dist() -> bool:
+    import inspect
+
+    import torch.distributed.checkpoint as dcp
+
+    return all("no_dist" in inspect.signature(call).parameters for call in (dcp.save, dcp.load))
+
+
+def single_process(no_dist: bool) -> dict[str, bool]:
+    """The keyword arguments that tell ``dcp.save``/``dcp.load`` whether they run
+    in a single process: ``{"no_dist": no_dist}``, or none where DCP does not
+    take it (2.6) and decides from ``torch.distributed.is_initialized()``."""
+    return {"no_dist": no_dist} if _takes_no_dist() else {}
 
 
 # What DCP's .metadata pickles, by module (every torch of the matrix has them all).

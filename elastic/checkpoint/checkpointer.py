@@ -48,6 +48,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
+from elastic._compat import torch_checkpoint as compat
 from elastic.checkpoint import layout, state, trust
 from elastic.checkpoint.api import CommitEntry, CommitLog
 from elastic.checkpoint.agent_log import default_commit_log
@@ -527,7 +528,7 @@ class Checkpointer:
         """Every rank: DCP shards, then this rank's state file and manifest, all fsynced."""
         writer = _RecordingWriter(tmp, self.mode)
         dcp.save(staged.state_dict, storage_writer=writer, process_group=self._group.pg,
-                 no_dist=self._group.pg is None)
+                 **compat.single_process(self._group.pg is None))
         rank = self._group.rank
         local_name = layout.rank_state_name(rank)
         layout.write_durably(os.path.join(tmp, local_name), staged.local, self._file_mode)
@@ -751,7 +752,7 @@ class Checkpointer:
             tensors = state.collect(self._chunks)
             dcp.load(tensors.state_dict, storage_reader=reader,
                      planner=LoadPlanner(policy=self.policy), process_group=self._group.pg,
-                     no_dist=self._group.pg is None)
+                     **compat.single_process(self._group.pg is None))
             state.apply(self._chunks, tensors)
             local_name = layout.rank_state_name(rank if same_world else 0)
             if self.verify_checksums:

@@ -61,6 +61,7 @@ import ctypes
 import functools
 import io
 import os
+import pathlib
 import pickle
 import sys
 import threading
@@ -531,7 +532,7 @@ class VerifyingReader(dcp.FileSystemReader):
             # DCP's fallback after the global .metadata failed: we write no per-rank one.
             raise FileNotFoundError("this checkpoint has no per-rank DCP metadata")
         path = os.path.join(self.directory, layout.METADATA_FILE)
-        with self.fs.create_stream(path, "rb") as stream:
+        with self.fs.create_stream(pathlib.Path(path), "rb") as stream:  # 2.6 wants a Path
             data = stream.read()
         try:
             metadata = trust.load_metadata(data, self.policy, path)
@@ -606,9 +607,11 @@ class VerifyingReader(dcp.FileSystemReader):
             with self.fs.create_stream(self.fs.concat_path(self.path, relative_path),
                                        "rb") as stream:
                 for item in items:
-                    piece = self._slice_file(stream, self.storage_data[item.storage_index])
+                    info = self.storage_data[item.storage_index]
+                    piece = self._slice_file(stream, info)
                     if item.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(item, io.BytesIO(piece.read(-1)))
+                        # Its length, as DCP reads it: 2.6's own slice does not end there.
+                        planner.load_bytes(item, io.BytesIO(piece.read(info.length)))
                         continue
                     target = planner.resolve_tensor(item).detach()
                     if _load_tensor(piece, item, target):

@@ -40,14 +40,14 @@ def saved(tmp_path):
     """A DCP checkpoint written through the ChecksummingWriter, and its digests."""
     directory = str(tmp_path / "ckpt")
     writer = dcp_io.ChecksummingWriter(directory)
-    dcp.save(state(), storage_writer=writer, no_dist=True)
+    dcp.save(state(), storage_writer=writer)
     return directory, writer.digests()
 
 
 def load(directory: str, files: dict) -> tuple[dict, dcp_io.VerifyingReader]:
     target = blank()
     reader = dcp_io.VerifyingReader(directory, files)
-    dcp.load(target, storage_reader=reader, no_dist=True)
+    dcp.load(target, storage_reader=reader)
     return target, reader
 
 
@@ -108,7 +108,7 @@ def test_a_flipped_byte_in_an_item_fails_the_load_naming_the_file(saved, which, 
     # A damaged zip header may fail torch.load first: the verdict comes all the same.
     reader = dcp_io.VerifyingReader(directory, files)
     with pytest.raises(CheckpointException):
-        dcp.load(blank(), storage_reader=reader, no_dist=True)
+        dcp.load(blank(), storage_reader=reader)
     assert [p.path for p in reader.problems] == [path]
     assert "corrupt: CRC-32" in reader.problems[0].reason
     assert f"bytes {item.offset}..{item.offset + item.length}" in reader.problems[0].reason
@@ -127,7 +127,7 @@ def test_an_object_is_checked_before_it_is_unpickled(saved, monkeypatch):
         unpickled.append(read_item.dest_index.fqn), real(self, read_item, value)))
     reader = dcp_io.VerifyingReader(directory, files)
     with pytest.raises(CheckpointException):
-        dcp.load(blank(), storage_reader=reader, no_dist=True)
+        dcp.load(blank(), storage_reader=reader)
     assert "extra.note" not in unpickled
     assert f"bytes {info.offset}..{info.offset + info.length}" in reader.problems[0].reason
 
@@ -138,7 +138,7 @@ def test_a_flipped_byte_in_the_metadata_is_caught_before_it_is_unpickled(saved):
     flip(path, os.path.getsize(path) // 2)
     reader = dcp_io.VerifyingReader(directory, files)
     with pytest.raises(CheckpointException):
-        dcp.load(blank(), storage_reader=reader, no_dist=True)
+        dcp.load(blank(), storage_reader=reader)
     assert [(p.path, p.reason.split(":")[0]) for p in reader.problems] == [(path, "corrupt")]
 
 
@@ -149,7 +149,7 @@ def test_items_the_manifest_does_not_list_are_refused(saved):
     lying[SHARD] = layout.FileDigest(shard.size, shard.crc32, shard.items[:1])
     reader = dcp_io.VerifyingReader(directory, lying)
     with pytest.raises(CheckpointException):
-        dcp.load(blank(), storage_reader=reader, no_dist=True)
+        dcp.load(blank(), storage_reader=reader)
     assert "which the manifest does not list" in reader.problems[0].reason
 
 
@@ -234,7 +234,7 @@ def test_tensors_are_read_into_the_state_dicts_own_memory(saved):
     pointers = {k: target[k].data_ptr() for k in ("big", "bias", "ids")}
     versions = {k: target[k]._version for k in pointers}
     reader = dcp_io.VerifyingReader(directory, files)
-    dcp.load(target, storage_reader=reader, no_dist=True)
+    dcp.load(target, storage_reader=reader)
     expected = state()
     assert reader.tensors_in_place == 3 and reader.problems == []
     assert reader.items_reread == 0
@@ -250,7 +250,7 @@ def test_tensors_that_cannot_be_placed_are_loaded_and_copied(saved):
     target["big"] = torch.zeros(256, 300, dtype=torch.float64)  # converted by copy_
     target["bias"] = torch.zeros(7, 2)[:, 0]  # not contiguous
     reader = dcp_io.VerifyingReader(directory, files)
-    dcp.load(target, storage_reader=reader, no_dist=True)
+    dcp.load(target, storage_reader=reader)
     expected = state()
     assert reader.tensors_in_place == 1  # ids
     assert torch.equal(target["big"], expected["big"].double())
@@ -407,7 +407,7 @@ def test_the_planner_restores_dcps_objects_without_torch_load(saved, monkeypatch
     calls = []
     monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(a) or real(*a, **k))
     reader = dcp_io.VerifyingReader(directory, files)
-    dcp.load(target, storage_reader=reader, planner=dcp_io.LoadPlanner(), no_dist=True)
+    dcp.load(target, storage_reader=reader, planner=dcp_io.LoadPlanner())
     assert target["extra"] == state()["extra"]
     assert reader.tensors_in_place == 3 and calls == []  # .metadata is plain pickle
 
@@ -445,7 +445,7 @@ def test_a_sizes_only_reader_places_tensors_and_checks_no_bytes(saved):
     target = blank()
     pointer = target["big"].data_ptr()
     reader = dcp_io.VerifyingReader(directory, files, checksums=False)
-    dcp.load(target, storage_reader=reader, planner=dcp_io.LoadPlanner(), no_dist=True)
+    dcp.load(target, storage_reader=reader, planner=dcp_io.LoadPlanner())
     assert reader.tensors_in_place == 3 and target["big"].data_ptr() == pointer
     assert reader.items_checked == 0 and reader.problems == []
     expected = state()
@@ -459,7 +459,7 @@ def test_a_sizes_only_reader_still_opens_only_listed_files(saved):
     unlisted = {name: digest for name, digest in files.items() if name != SHARD}
     reader = dcp_io.VerifyingReader(directory, unlisted, checksums=False)
     with pytest.raises(CheckpointException):
-        dcp.load(blank(), storage_reader=reader, no_dist=True)
+        dcp.load(blank(), storage_reader=reader)
     assert "not listed in any manifest" in reader.problems[0].reason
 
 

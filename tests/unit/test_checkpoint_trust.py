@@ -168,7 +168,7 @@ def _metadata(tmp_path) -> bytes:
 
     directory = str(tmp_path / "dcp")
     dcp.save({"w": torch.ones(3), "lr": 0.1, "layout": {"n": [1, 2]}},
-             storage_writer=dcp_io.ChecksummingWriter(directory), no_dist=True)
+             storage_writer=dcp_io.ChecksummingWriter(directory))
     with open(os.path.join(directory, layout.METADATA_FILE), "rb") as f:
         return f.read()
 

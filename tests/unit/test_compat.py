@@ -219,3 +219,23 @@ def test_a_weights_only_load_widens_its_allow_list_and_names_what_it_refuses(lis
     assert torch_checkpoint.unsafe_globals(data, excinfo.value, []) == ["fractions.Fraction"]
     loaded = torch_checkpoint.load_weights_only(io.BytesIO(data), [fractions.Fraction])
     assert loaded == {"share": fractions.Fraction(1, 3)}
+
+
+def test_a_single_process_is_told_to_dcp_where_it_takes_no_dist(tmp_path, monkeypatch):
+    """2.8 and newer take no_dist; 2.6 refuses it and decides by itself (the fallback)."""
+    import inspect
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from elastic._compat import torch_checkpoint
+    from elastic.checkpoint.checkpointer import Checkpointer
+
+    takes = "no_dist" in inspect.signature(dcp.save).parameters
+    assert torch_checkpoint.single_process(True) == ({"no_dist": True} if takes else {})
+    monkeypatch.setattr(torch_checkpoint, "_takes_no_dist", lambda: False)
+    model = torch.nn.Linear(3, 2)
+    Checkpointer(str(tmp_path), model=model).save(0, async_=False)
+    restored = torch.nn.Linear(3, 2)
+    assert Checkpointer(str(tmp_path), model=restored).restore() == 1
+    assert torch.equal(restored.weight, model.weight)
