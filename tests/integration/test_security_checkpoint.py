@@ -15,6 +15,7 @@ the attack is real and the refusal is what stops it.
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import pickle
 import subprocess
@@ -45,6 +46,39 @@ WORKER = textwrap.dedent("""
                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     try:
         step = ckpt.restore()
+    except CheckpointError as exc:
+        print("REFUSED", exc)
+        sys.exit(3)
+    print("RESTORED", step)
+""")
+
+
+# Two ranks over gloo: save steps 1 and 2; the attacker (here rank 0's process, between
+# two barriers) poisons rank 1's state; then both restore and print how it went.
+GROUP_WORKER = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    from elastic.checkpoint import Checkpointer
+    from elastic.errors import CheckpointError
+    from tests.integration.test_security_checkpoint import NEWEST, poison_rank_state
+    root, command, rank, store = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+
+    def checkpointer():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        return Checkpointer(root, model=model, timeout_s=60,
+                            optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    saver = checkpointer()
+    saver.save(1, data_state={"rank": rank}, async_=False)
+    saver.save(2, data_state={"rank": rank}, async_=False)
+    saver.close()
+    dist.barrier()
+    if rank == 0:
+        poison_rank_state(f"{root}/{NEWEST}", command, rank=1)
+    dist.barrier()
+    try:
+        step = checkpointer().restore()
     except CheckpointError as exc:
         print("REFUSED", exc)
         sys.exit(3)
@@ -88,14 +122,13 @@ def replace_file(directory: str, name: str, data: bytes) -> None:
     layout.write_manifest(directory, dataclasses.replace(owner, files=files))
 
 
-def poison_rank_state(directory: str, command: str) -> None:
-    path = os.path.join(directory, layout.rank_state_name(0))
-    record = torch.load(path, weights_only=False)
+def poison_rank_state(directory: str, command: str, rank: int = 0) -> None:
+    name = layout.rank_state_name(rank)
+    record = torch.load(os.path.join(directory, name), weights_only=False)
     record["extras"] = RunsCommand(command)
-    with open(path, "wb") as f:
-        torch.save(record, f)
-    with open(path, "rb") as f:
-        replace_file(directory, layout.rank_state_name(0), f.read())
+    buffer = io.BytesIO()
+    torch.save(record, buffer)
+    replace_file(directory, name, buffer.getvalue())
 
 
 def poison_metadata(directory: str, command: str) -> None:
@@ -138,3 +171,40 @@ def test_the_same_poison_runs_when_the_checkpoint_is_trusted(root, tmp_path, poi
     assert marker.exists(), result.stdout + result.stderr
     if poison is poison_rank_state:  # the worker goes on as if nothing happened
         assert result.stdout.strip() == "RESTORED 3"
+
+
+def run_group(root: str, command: str, tmp_path) -> list[subprocess.CompletedProcess]:
+    """Both ranks of a 2-rank job (GROUP_WORKER), each a fresh process, over gloo."""
+    store = str(tmp_path / "store")
+    environ = dict(os.environ, PYTHONPATH=REPO, ELASTIC_CHECKPOINT_TRUST="0",
+                   OMP_NUM_THREADS="1")
+    for name in ("ELASTIC_AGENT_SOCKET", "ELASTIC_CHECKPOINT_DIR", "ELASTIC_FAILPOINT"):
+        environ.pop(name, None)
+    procs = [subprocess.Popen([sys.executable, "-c", GROUP_WORKER, root, command, str(rank),
+                               store], env=environ, cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    results = []
+    for rank, proc in enumerate(procs):
+        try:
+            out, err = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            raise AssertionError(f"rank {rank} did not end (a hang)") from None
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return results
+
+
+def test_one_ranks_poisoned_state_fails_the_restore_on_every_rank(tmp_path):
+    # Rank 1's file alone is poisoned: rank 0 reads only its own, and must still end
+    # with the same outcome (no hang, no rank training on from step 2 alone).
+    marker = tmp_path / "pwned"
+    results = run_group(str(tmp_path / "ckpt"), f"touch {marker}", tmp_path)
+    assert not marker.exists(), "the checkpoint ran a command in the worker"
+    told = "\n".join(f"rank {rank} (rc {r.returncode}): {r.stdout}{r.stderr[-2000:]}"
+                     for rank, r in enumerate(results))
+    for result in results:
+        line = result.stdout.strip()
+        assert result.returncode == 3 and line.startswith("REFUSED"), told
+        assert "rank-00001.pt needs " in line and f"{os.system.__module__}.system" in line, told
+    assert results[0].stdout.startswith("REFUSED rank 0: rank 1: "), told
