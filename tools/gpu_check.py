@@ -270,6 +270,7 @@ def _tensors_read_into_the_device(root: str, model, optimizer) -> dict:
     memory (through pinned memory) rather than through ``torch.load``."""
     import torch.distributed.checkpoint as dcp
 
+    from elastic._compat import torch_checkpoint as compat
     from elastic.checkpoint import layout, state
     from elastic.checkpoint.dcp_io import LoadPlanner, VerifyingReader
 
@@ -278,7 +279,8 @@ def _tensors_read_into_the_device(root: str, model, optimizer) -> dict:
     files = {n: digest for m in manifests for n, digest in m.files.items()}
     reader = VerifyingReader(os.path.join(root, name), files)
     tensors = state.collect(state.make_chunks(model, optimizer))
-    dcp.load(tensors.state_dict, storage_reader=reader, planner=LoadPlanner(), no_dist=True)
+    dcp.load(tensors.state_dict, storage_reader=reader, planner=LoadPlanner(),
+             **compat.single_process(True))
     count = sum(1 for group in tensors.state_dict.values() for value in group.values()
                 if hasattr(value, "is_cuda") and value.is_cuda)
     return {"tensors": count, "on_device": reader.tensors_on_device}
