@@ -341,8 +341,16 @@ def _meet_at_the_rendezvous_store() -> object | None:
 
         # The store serves on this very descriptor (it does not duplicate it):
         # it is the store's from here on, kept open as long as the store is.
-        store = TCPStore(host, port, None, True, wait_for_workers=False, multi_tenant=True,
-                         master_listen_fd=listener.fileno())
+        options = dict(wait_for_workers=False, multi_tenant=True,
+                       master_listen_fd=listener.fileno())
+        try:
+            store = TCPStore(host, port, None, True, **options)
+        except RuntimeError as exc:
+            # torch 2.6's default (libuv) server takes no listening socket; its
+            # legacy server does, and serves the same protocol.
+            if "listen fd" not in str(exc):
+                raise
+            store = TCPStore(host, port, None, True, use_libuv=False, **options)
         listener.detach()
         return store
     except Exception as exc:  # the script's own rendezvous will fail the same way, and say so
