@@ -78,7 +78,8 @@ TORCH_PIP = PIP_CONSTRAINT=$(abspath $(TORCH_VENV))/constraints.txt $(TORCH_PY) 
 # bootstrap (python -m, warm workers forked from a template, rank 0 hosting the store); the
 # torchrun rendezvous handler and torch Store over etcd, and real torchrun launchers; and one
 # elasticd job whose workers are SIGKILLed twice, ending bitwise equal to a clean run.
-TORCH_TESTS ?= tests/unit/test_compat.py $(wildcard tests/unit/test_checkpoint_*.py) \
+TORCH_TESTS ?= tests/unit/test_compat.py tests/unit/test_compat_torch_cuda.py \
+	$(wildcard tests/unit/test_checkpoint_*.py) tests/integration/test_security_checkpoint.py \
 	tests/unit/test_data.py tests/unit/test_health.py tests/unit/test_torchrun_store.py \
 	tests/integration/test_checkpoint.py tests/integration/test_checkpoint_items.py \
 	tests/integration/test_checkpoint_group.py tests/integration/test_lying_checkpoint.py \
