@@ -849,6 +849,23 @@ class _LogSetup:
         logging.getLogger().removeHandler(self.stream)
 
 
+def _keep_secrets(config: agent_config.AgentConfig, hidden: bool, log: JobLogger) -> None:
+    """Once the config is read: the workers (user code) inherit our environment and
+    must not get the etcd password (it is in ``config.etcd_security`` now); an agent
+    that holds one is non-dumpable (``hidden``: made so before the config was read);
+    mutual TLS over an etcd anyone may write is warned about."""
+    os.environ.pop(PASSWORD_ENV, None)
+    if config.etcd_security.password is not None and (hidden or hardening.make_non_dumpable()):
+        log.info("The etcd password is held in memory: the agent is non-dumpable, so no "
+                 "process of this user (the workers included) can read it from /proc/%d.",
+                 os.getpid())
+    bypass = etcd_bypass_warning(config.tls, config.etcd,
+                                 etcd_tls_client=config.etcd_security.cert is not None,
+                                 etcd_user=config.etcd_security.user is not None)
+    if bypass is not None:
+        log.warning("%s", bypass)
+
+
 def main(argv: list[str] | None = None) -> int:
     """elasticd's entry point; returns the exit code (:data:`EXIT_CODES_HELP`):
     an unexpected exception is logged with its traceback and gives
@@ -862,21 +879,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = agent_config.load(argv)
         relax_grpc_blocking_waits()
-        # Read into config.etcd_security: the workers (user code) inherit our
-        # environment and must not get the etcd password.
-        os.environ.pop(PASSWORD_ENV, None)
-        if config.etcd_security.password is not None:
-            if hidden or hardening.make_non_dumpable():
-                JobLogger(log, config.job_id, config.node_id).info(
-                    "The etcd password is held in memory: the agent is non-dumpable, so no "
-                    "process of this user (the workers included) can read it from /proc/%d.",
-                    os.getpid())
+        job_log = JobLogger(log, config.job_id, config.node_id)
+        _keep_secrets(config, hidden, job_log)
         logs.configured(config)
-        bypass = etcd_bypass_warning(config.tls, config.etcd,
-                                     etcd_tls_client=config.etcd_security.cert is not None,
-                                     etcd_user=config.etcd_security.user is not None)
-        if bypass is not None:
-            JobLogger(log, config.job_id, config.node_id).warning("%s", bypass)
         endpoint = config.etcd
         if config.standalone:
             from elastic.store.server import EtcdServer
@@ -885,8 +890,8 @@ def main(argv: list[str] | None = None) -> int:
             # reach it (on loopback anyone could drain or restart the job).
             server = EtcdServer(private=True).start()
             endpoint = server.endpoint
-            JobLogger(log, config.job_id, config.node_id).info(
-                "started a private etcd at %s (a socket only this user can reach)", endpoint)
+            job_log.info("started a private etcd at %s (a socket only this user can reach)",
+                         endpoint)
         # Before the workers' environment is copied from ours: they must not
         # talk to systemd in the agent's name.
         notifier = SystemdNotifier()

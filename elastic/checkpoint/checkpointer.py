@@ -210,23 +210,7 @@ class Checkpointer:
         self.extras: Any = None
         self.restored_path: str | None = None
         self._restored_bytes = 0  # the size of the checkpoint restored last
-        if not os.path.isdir(self.root):
-            os.makedirs(os.path.dirname(self.root), exist_ok=True)
-            try:
-                layout.make_dir(self.root, self.mode)
-            except FileExistsError:  # another rank made it first
-                pass
-        if self._group.rank == 0:
-            if self.policy.trusted:
-                log.warning("Rank 0 restores checkpoints under %s trusting them: their pickles "
-                            "may run code (trust_checkpoint / %s); only for a directory that "
-                            "nobody untrusted can write.", self.root, trust.ENV_CHECKPOINT_TRUST)
-            exposure = layout.root_exposure(self.root)
-            if exposure is not None:
-                log.warning("Rank 0: the checkpoint root %s %s: whoever can write it can "
-                            "replace the model's weights (restore runs no code from it, but a "
-                            "manifest's CRC-32s can be recomputed); make it the job user's own, "
-                            "not writable by others.", self.root, exposure)
+        self._prepare_root()
 
     # --- public API ---------------------------------------------------------------------------
 
@@ -342,6 +326,27 @@ class Checkpointer:
                 hook.remove()
             self._executor.shutdown(wait=True)
             self._stager.close()
+
+    def _prepare_root(self) -> None:
+        """Make the root (private, or the group's with ``mode``) when missing; rank 0
+        warns about a trusted root and about one that others may write."""
+        if not os.path.isdir(self.root):
+            os.makedirs(os.path.dirname(self.root), exist_ok=True)
+            try:
+                layout.make_dir(self.root, self.mode)
+            except FileExistsError:  # another rank made it first
+                pass
+        if self._group.rank == 0:
+            if self.policy.trusted:
+                log.warning("Rank 0 restores checkpoints under %s trusting them: their pickles "
+                            "may run code (trust_checkpoint / %s); only for a directory that "
+                            "nobody untrusted can write.", self.root, trust.ENV_CHECKPOINT_TRUST)
+            exposure = layout.root_exposure(self.root)
+            if exposure is not None:
+                log.warning("Rank 0: the checkpoint root %s %s: whoever can write it can "
+                            "replace the model's weights (restore runs no code from it, but a "
+                            "manifest's CRC-32s can be recomputed); make it the job user's own, "
+                            "not writable by others.", self.root, exposure)
 
     # --- save, in the caller's thread ---------------------------------------------------------
 

@@ -119,10 +119,25 @@ def python_of_other_user() -> tuple[str, dict[str, str]]:
     for python, env in ((sys.executable, {}),
                         *((f"{bin_dir}/{version}", {"PYTHONPATH": f"{REPO}:{site}"})
                           for bin_dir in ("/usr/bin", "/usr/local/bin"))):
-        if os.path.isfile(python) and as_other_user("env", *(f"{k}={v}" for k, v in env.items()), python,
-                                    *check, cwd=REPO).returncode == 0:
+        if os.path.isfile(python) and as_other_user(*_with_env(env), python, *check,
+                                                    cwd=REPO).returncode == 0:
             return python, env
     pytest.skip("no Python with this one's packages that uid 65534 may execute")
+
+
+def _with_env(env: dict[str, str]) -> list[str]:
+    return ["env", *(f"{k}={v}" for k, v in env.items())]
+
+
+def python_as_other_user(shared_dir: str, source: str, *args: str
+                         ) -> subprocess.CompletedProcess:
+    """Run ``source`` (a Python script, written into ``shared_dir``) as uid 65534."""
+    script = os.path.join(shared_dir, "attack.py")
+    with open(script, "w") as f:
+        f.write(source)
+    os.chmod(script, 0o644)
+    python, env = python_of_other_user()
+    return as_other_user(*_with_env(env), python, script, *args, cwd=REPO)
 
 
 def elasticd_as_other_user(args: list[str], env: dict[str, str], log_path: str
@@ -265,14 +280,8 @@ def test_another_user_cannot_reach_the_standalone_etcd(tmp_path, shared_dir):
     try:
         agent.wait_output("registered", 30)
         endpoint = re.search(r"started a private etcd at (\S+)", agent.text).group(1)
-        script = os.path.join(shared_dir, "write_drain.py")
-        with open(script, "w") as f:
-            f.write(WRITE_DRAIN)
-        os.chmod(script, 0o644)
-        python, env = python_of_other_user()
-        attack = as_other_user("env", *(f"{k}={v}" for k, v in env.items()), python, script,
-                               endpoint, JobKeys("attack-standalone").drain_request("n1"),
-                               cwd=REPO)
+        attack = python_as_other_user(shared_dir, WRITE_DRAIN, endpoint,
+                                      JobKeys("attack-standalone").drain_request("n1"))
         assert attack.returncode == 0, attack.stderr
         assert attack.stdout.startswith("refused: UNAVAILABLE"), attack.stdout
         assert "Permission denied" in attack.stdout, attack.stdout
@@ -317,13 +326,7 @@ def test_another_user_cannot_reach_the_worker_sockets_nor_read_the_rank_logs(
         sockets = [os.path.join(node_dir, name) for name in os.listdir(node_dir)
                    if name.endswith(".sock")]
         assert sockets, os.listdir(node_dir)
-        script = os.path.join(shared_dir, "connect.py")
-        with open(script, "w") as f:
-            f.write(CONNECT)
-        os.chmod(script, 0o644)
-        python, env = python_of_other_user()
-        attack = as_other_user("env", *(f"{k}={v}" for k, v in env.items()), python, script,
-                               *sockets, cwd=REPO)
+        attack = python_as_other_user(shared_dir, CONNECT, *sockets)
         assert attack.returncode == 0, attack.stderr
         lines = attack.stdout.splitlines()
         assert len(lines) == len(sockets) and all("refused: Permission denied" in line

@@ -8,7 +8,6 @@ import json
 import queue
 import random
 
-from agent.config import AgentConfig
 from agent.daemon import STATUS_PROGRESS_S, STEADY_TICK_S, TICK_S, Agent, RoundChanged
 from agent.lifecycle import AgentState as S
 from agent.metrics import NO_METRICS
@@ -16,6 +15,7 @@ from elastic.errors import StoreUnavailableError
 from elastic.rendezvous.api import NodeInfo, Round
 from elastic.rendezvous.node import RendezvousNode
 from elastic.store.api import EventType
+from tests.fakes.agent_config import one_node_config
 from tests.fakes.clock import FakeClock
 from tests.fakes.memory_store import MemoryStore
 from tests.sim.world import FakeMesh, FakeServer, FakeSupervisor, Network, Workers
@@ -34,15 +34,7 @@ class OneNode:
                                init_timeout_s=30.0, crash_delay_s=0.5, form_s=0.5,
                                rng=random.Random(0),
                                latest_step=lambda: (0, 0))
-        config = AgentConfig(
-            job_id="j", etcd="mem", standalone=False, min_nodes=1, max_nodes=1,
-            nproc_per_node=2, node_id="a", max_restarts=3, restart_window_s=3600.0,
-            checkpoint_dir=None, hang_timeout_s=30.0, lease_ttl_s=lease_ttl_s, settle_s=0.0,
-            join_timeout_s=600.0, start_timeout_s=60.0, exit_barrier_timeout_s=300.0,
-            scale_up_wait_s=0.0, listen="mem:0", advertise_addr="h", state_dir="/nonexistent", log_dir="/nonexistent", log_format="text",
-            metrics_port=0, stop_grace_s=1.0, drain_exit_code=0,
-            prestart=False, warm_sets=1, connect_timeout_s=1.0, script="train.py", module=None,
-            script_args=())
+        config = one_node_config(lease_ttl_s=lease_ttl_s)
         inbox: queue.Queue = queue.Queue()
         server = FakeServer("a:1")
         network.servers["a:1"] = ("a", server)

@@ -11,7 +11,6 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent import status as job_status
-from agent.config import AgentConfig
 from agent.daemon import Agent, RoundChanged
 from agent.gpu_health import RELEASE_WAIT_S, GpuAction, GpuDecision, GpuExpectation, GpuProcess
 from agent.lifecycle import AgentState as S
@@ -37,6 +36,7 @@ from elastic.errors import EXIT_NODE_UNFIT, GpuUnavailableError, NodeUnfitError,
 from elastic.events import read_events
 from elastic.rendezvous.api import Member, NodeInfo, ReportKind, Round
 from elastic.rendezvous.node import RendezvousNode
+from tests.fakes.agent_config import one_node_config
 from tests.fakes.clock import FakeClock
 from tests.fakes.gpus import MIB, FakeGpuReader, node
 from tests.fakes.memory_store import MemoryStore
@@ -161,16 +161,7 @@ class GpuNode:
         self.workers = Workers(network, step_s=0.5, total_steps=1000, ckpt_every=10,
                                init_timeout_s=30.0, crash_delay_s=0.5, form_s=0.5,
                                rng=random.Random(0), latest_step=lambda: (0, 0))
-        config = AgentConfig(
-            job_id="j", etcd="mem", standalone=False, min_nodes=1, max_nodes=1,
-            nproc_per_node=2, node_id="a", max_restarts=3, restart_window_s=3600.0,
-            checkpoint_dir=None, hang_timeout_s=30.0, lease_ttl_s=3.0, settle_s=0.0,
-            join_timeout_s=600.0, start_timeout_s=60.0, exit_barrier_timeout_s=300.0,
-            scale_up_wait_s=0.0, listen="mem:0", advertise_addr="h", state_dir="/nonexistent",
-            log_dir="/nonexistent", log_format="text", metrics_port=0, stop_grace_s=1.0,
-            drain_exit_code=0, prestart=False, warm_sets=1, connect_timeout_s=1.0,
-            script="train.py", module=None, script_args=(), gpu_check=mode,
-            gpu_expectation=expected)
+        config = one_node_config(gpu_check=mode, gpu_expectation=expected)
         inbox: queue.Queue = queue.Queue()
         server = FakeServer("a:1")
         network.servers["a:1"] = ("a", server)
