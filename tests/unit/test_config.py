@@ -196,3 +196,74 @@ def test_the_failure_stop_grace_is_read_like_every_option(tmp_path, source):
     assert load_with(tmp_path, source, "stop-grace", "90").failure_stop_grace_s == 3.0
     with pytest.raises(ConfigError, match="failure-stop-grace"):
         load_with(tmp_path, source, "failure-stop-grace", "-1")
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text("print('hi')\n")
+    return str(path)
+
+
+class TestConfig:
+    def test_precedence_flag_over_env_over_file_over_default(self, tmp_path, script):
+        cfg_file = tmp_path / "elastic.yaml"
+        cfg_file.write_text("hang_timeout: 11\nlease_ttl: 7\nsettle: 0.5\nnproc_per_node: 3\n")
+        env = {"ELASTIC_HANG_TIMEOUT": "22", "ELASTIC_LEASE_TTL": "8"}
+        c = config.load(["--config", str(cfg_file), "--standalone", "--job-id", "j",
+                               "--nnodes", "1:2", "--hang-timeout", "33", script], env)
+        assert c.hang_timeout_s == 33  # flag
+        assert c.lease_ttl_s == 8  # env beats file
+        assert c.settle_s == 0.5  # file beats default
+        assert c.nproc_per_node == 3
+        assert c.max_restarts == 3  # default
+        assert (c.min_nodes, c.max_nodes) == (1, 2)
+        assert c.script == script and c.module is None
+
+    def test_everything_from_the_environment(self, script):
+        env = {"ELASTIC_ETCD": "http://127.0.0.1:2379", "ELASTIC_JOB_ID": "job1",
+               "ELASTIC_NNODES": "2", "ELASTIC_PRESTART": "false"}
+        c = config.load([script, "--lr", "0.1"], env)
+        assert c.etcd == "http://127.0.0.1:2379" and c.job_id == "job1"
+        assert c.prestart is False
+        assert c.script_args == ("--lr", "0.1")
+
+    def test_module_mode_keeps_the_module_name(self):
+        c = config.load(["--standalone", "--job-id", "j", "--nnodes", "1", "-m",
+                               "pkg.train", "x"], {})
+        assert c.module == "pkg.train" and c.script is None and c.script_args == ("x",)
+
+    @pytest.mark.parametrize("argv,needle", [
+        (["--job-id", "j", "--nnodes", "2"], "no etcd given"),  # one node: standalone
+        (["--standalone", "--etcd", "http://x:1", "--job-id", "j", "--nnodes", "1"],
+         "either --etcd or --standalone"),
+        (["--etcd", "http://x:1", "--nnodes", "1"], "--job-id (torchrun: --rdzv-id) is required"),
+        (["--standalone", "--job-id", "j", "--nnodes", "3:2"], "MIN (3) must not be greater"),
+        (["--standalone", "--job-id", "j", "--nnodes", "1", "--nproc-per-node", "0"],
+         "--nproc-per-node '0': must be greater than 0"),
+        (["--standalone", "--job-id", "j", "--nnodes", "1", "--hang-timeout", "soon"],
+         "--hang-timeout 'soon': expected a float"),
+        (["--standalone", "--job-id", "j", "--nnodes", "1", "--listen", "nohost"],
+         "expected HOST:PORT"),
+    ])
+    def test_bad_values_are_refused_by_name(self, argv, needle, script):
+        with pytest.raises(ConfigError) as info:
+            config.load(argv + [script], {})
+        assert needle in str(info.value)
+
+    def test_missing_script_is_named(self):
+        with pytest.raises(ConfigError, match="training script 'nope.py' not found"):
+            config.load(["--standalone", "--job-id", "j", "--nnodes", "1", "nope.py"], {})
+
+    def test_unknown_file_key_is_an_error_not_ignored(self, tmp_path, script):
+        f = tmp_path / "c.yaml"
+        f.write_text("hang_timout: 5\n")
+        with pytest.raises(ConfigError, match="unknown option.*hang_timout"):
+            config.load(["--config", str(f), "--standalone", "--job-id", "j",
+                               "--nnodes", "1", script], {})
+
+    def test_unknown_environment_variable_is_warned_about(self, script, caplog):
+        config.load(["--standalone", "--job-id", "j", "--nnodes", "1", script],
+                          {"ELASTIC_HANG_TIMOUT": "5", "ELASTIC_ROUND": "3"})
+        assert "ELASTIC_HANG_TIMOUT" in caplog.text
+        assert "ELASTIC_ROUND" not in caplog.text  # set by the agent for workers

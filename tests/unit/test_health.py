@@ -287,3 +287,46 @@ def test_no_verdict_is_due_without_detection_a_heard_worker_or_one_still_running
     talking.on_heartbeat(T0, 3, 0.0)
     assert next_hang_verdict_at([talking], 0.0) is None
 
+
+class TestHang:
+    def test_silent_script_is_never_judged(self):
+        w = WorkerHealth(local_rank=0, rank=0, started_at=0.0)
+        assert hung_workers([w], now=10_000.0, hang_timeout_s=5) == []
+
+    def test_no_heartbeat_past_the_timeout_is_a_hang(self):
+        w = WorkerHealth(local_rank=0, rank=3, started_at=0.0)
+        w.on_heartbeat(10.0, -1, 0.0)
+        assert hung_workers([w], 14.9, 5) == []
+        [(hung, reason)] = hung_workers([w], 15.5, 5)
+        assert hung is w and "rank 3 sent no heartbeat for 5.5 s" in reason
+
+    def test_heartbeats_without_progress_are_a_hang_after_the_first_step(self):
+        w = WorkerHealth(local_rank=0, rank=1, started_at=0.0)
+        for t in range(10, 30):
+            w.on_heartbeat(float(t), 7, 0.0)
+        [(_, reason)] = hung_workers([w], 29.0, 5)
+        assert "made no progress for 19.0 s after step 7" in reason
+
+    def test_announced_save_suspends_the_progress_check(self):
+        w = WorkerHealth(local_rank=0, rank=0, started_at=0.0)
+        w.on_heartbeat(10.0, 5, 0.0)
+        w.on_heartbeat(14.0, 5, 60.0)  # saving for up to a minute
+        w.on_heartbeat(30.0, 5, 60.0)
+        assert hung_workers([w], 31.0, 5) == []
+
+    def test_an_exiting_worker_is_not_judged(self):
+        w = WorkerHealth(local_rank=0, rank=0, started_at=0.0)
+        w.on_heartbeat(10.0, 5, 0.0)
+        w.on_heartbeat(11.0, 5, 0.0, exiting=True)
+        assert hung_workers([w], 100.0, 5) == []
+
+    def test_zero_timeout_turns_detection_off(self):
+        w = WorkerHealth(local_rank=0, rank=0, started_at=0.0)
+        w.on_heartbeat(0.0, 1, 0.0)
+        assert hung_workers([w], 1e6, 0) == []
+
+    def test_step_rate(self):
+        w = WorkerHealth(local_rank=0, rank=0, started_at=0.0)
+        for i in range(5):
+            w.on_heartbeat(float(i), i * 10, 0.0)
+        assert w.step_rate() == pytest.approx(10.0)
