@@ -1,10 +1,11 @@
-"""Sessions of the etcd backend and the one keep-alive loop that serves them.
+"""Leases of the etcd backend: sessions, and the one keep-alive loop that serves them.
 
-Part of the etcd backend (:mod:`elastic.store.etcd`): :meth:`EtcdStore.session`
-grants the lease and hands the :class:`EtcdSession` to its store's
-:class:`KeepAliveLoop`. All sessions of a store share that loop's thread and
-its one LeaseKeepAlive stream, so the number of sessions costs memory, not
-threads. The stream carries no deadline; the loop recycles it when its
+Part of the etcd backend (:mod:`elastic.store.etcd`), on its
+:class:`~elastic.store.etcd_conn.EtcdConnection`: :class:`EtcdLeases` grants,
+resumes and revokes a store's leases and hands each :class:`EtcdSession` to
+its :class:`KeepAliveLoop`. All sessions of a store share that loop's thread
+and its one LeaseKeepAlive stream, so the number of sessions costs memory,
+not threads. The stream carries no deadline; the loop recycles it when its
 answers stop coming. With a user, the stream carries the auth token of when
 it was opened; a stream that etcd ends for that token is reopened with a
 fresh one (etcd 3.5 does not check tokens on keep-alives, later ones may).
@@ -17,19 +18,15 @@ import logging
 import math
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import grpc
 
 from elastic.errors import StoreAuthError, StoreError
 from elastic.store.api import KEEPALIVE_TTL_FRACTION, Session
-from elastic.store.etcd_auth import is_token_error
+from elastic.store.etcd_conn import EtcdConnection
 from elastic.store.etcd_convert import rpc_error_text
-from elastic.store.etcdpb import rpc_pb2
+from elastic.store.etcdpb import rpc_pb2, rpc_pb2_grpc
 from elastic.store.retry import reconnect_delay
-
-if TYPE_CHECKING:
-    from elastic.store.etcd import EtcdStore
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +38,9 @@ class EtcdSession(Session):
     lock; ``close`` is the only method callers use.
     """
 
-    def __init__(self, store: EtcdStore, lease_id: int, ttl_s: float, *, granted_at: float):
+    def __init__(self, leases: EtcdLeases, lease_id: int, ttl_s: float, *, granted_at: float):
         super().__init__(lease_id, ttl_s)
-        self._store = store
+        self._leases = leases
         # The server's expiry is at least TTL after our request reached it, so
         # counting from when we *sent* a request errs towards "lost" early.
         self.last_renewed_at = granted_at
@@ -63,7 +60,7 @@ class EtcdSession(Session):
     def close(self) -> None:
         """Stop the keep-alive and revoke the lease (best effort, at most
         about 2 s); sets ``lost``. Idempotent; errors are logged, not raised."""
-        self.end(self._store.revoke_deadline())
+        self.end(self._leases.revoke_deadline())
 
     def end(self, revoke_deadline: float) -> None:
         """:meth:`close`, revoking by ``revoke_deadline`` (monotonic): the
@@ -72,16 +69,121 @@ class EtcdSession(Session):
             if self._closed:
                 return
             self._closed = True
-        self._store.release_session(self, revoke_deadline)
+        self._leases.release(self, revoke_deadline)
         self.lost.set()
+
+
+class EtcdLeases:
+    """The leases of one store: grants and resumes sessions, keeps them alive
+    through one :class:`KeepAliveLoop`, revokes leases, and ends every
+    session when the store closes."""
+
+    def __init__(self, conn: EtcdConnection):
+        self._conn = conn
+        self._stub = rpc_pb2_grpc.LeaseStub(conn.channel)
+        self._lock = threading.Lock()
+        self._closing = False  # close() has begun: no new sessions
+        self._sessions: set[EtcdSession] = set()
+        self._keeper = KeepAliveLoop(conn)
+
+    def grant(self, ttl_s: float) -> EtcdSession:
+        """See :meth:`EtcdStore.session`; ``ttl_s`` is positive."""
+        requested_at = time.monotonic()
+        resp = self._conn.call("lease_grant", self._stub.LeaseGrant,
+                               rpc_pb2.LeaseGrantRequest(TTL=max(1, math.ceil(ttl_s))),
+                               timeout_s=None, retry=False)
+        if resp.error:
+            raise StoreError(f"etcd at {self._conn.where} refused a lease of {ttl_s} s: "
+                             f"{resp.error}")
+        session = EtcdSession(self, resp.ID, float(resp.TTL), granted_at=requested_at)
+        if not self._keep(session):
+            session.close()
+            raise self._conn.closed_error()
+        return session
+
+    def resume(self, lease_id: int, ttl_s: float) -> EtcdSession | None:
+        """See :meth:`EtcdStore.resume_session`."""
+        asked_at = time.monotonic()
+        # A third of the TTL, not the store's timeout: a probe sent while etcd
+        # had no leader can sit on its member until its deadline even after
+        # quorum is back, and a node whose lease stays unconfirmed for most of
+        # a TTL stops its workers. The caller asks again on its next pass.
+        left = self.time_to_live(lease_id, timeout_s=max(1.0, ttl_s / 3))
+        if left <= 0:
+            return None
+        session = EtcdSession(self, lease_id, max(ttl_s, left), granted_at=asked_at)
+        if not self._keep(session):
+            raise self._conn.closed_error()
+        return session
+
+    def _keep(self, session: EtcdSession) -> bool:
+        """Keep ``session`` alive; False once close() has begun."""
+        with self._lock:
+            if self._closing:
+                return False
+            self._sessions.add(session)
+        self._keeper.add(session)
+        return True
+
+    def time_to_live(self, lease_id: int, *, timeout_s: float | None = None) -> float:
+        """Seconds left on the lease; -1 if it is gone."""
+        resp = self._conn.call("lease_ttl", self._stub.LeaseTimeToLive,
+                               rpc_pb2.LeaseTimeToLiveRequest(ID=lease_id),
+                               timeout_s=timeout_s, retry=True)
+        return float(resp.TTL) if resp.TTL >= 0 else -1.0
+
+    def revoke(self, lease_id: int, *, timeout_s: float | None = None,
+               missing_ok: bool = True) -> None:
+        """Revoke the lease; with ``missing_ok`` a lease already gone is not
+        an error. Raises the store's errors."""
+        try:
+            self._conn.call("lease_revoke", self._stub.LeaseRevoke,
+                            rpc_pb2.LeaseRevokeRequest(ID=lease_id), timeout_s=timeout_s,
+                            retry=True)
+        except StoreError as exc:
+            if not missing_ok or "not found" not in str(exc).lower():
+                raise
+
+    def revoke_deadline(self) -> float:
+        """When best-effort lease revokes on close give up: 2 s from now, or
+        the request timeout if that is shorter."""
+        return time.monotonic() + min(2.0, self._conn.request_timeout_s)
+
+    def release(self, session: EtcdSession, revoke_deadline: float) -> None:
+        """Stop keeping ``session``'s lease alive and revoke it by
+        ``revoke_deadline`` (monotonic; best effort: a failure, an expired
+        lease among them, is logged)."""
+        self._keeper.remove(session)
+        with self._lock:
+            self._sessions.discard(session)
+        left = revoke_deadline - time.monotonic()
+        if left > 0:
+            try:
+                self.revoke(session.lease_id, timeout_s=left, missing_ok=False)
+            except StoreError as exc:
+                logger.debug("Revoking etcd lease %x failed: %s", session.lease_id, exc)
+
+    def close(self) -> None:
+        """End every session (revoking their leases, about 2 s in all) and
+        stop the keep-alive loop. Idempotent."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            sessions, self._sessions = list(self._sessions), set()
+        revoke_deadline = self.revoke_deadline()
+        for s in sessions:
+            s.end(revoke_deadline)
+        self._keeper.stop()
 
 
 class _KeepAliveStream:
     """One LeaseKeepAlive call (see :mod:`.etcd_stream`); a thread reads its answers."""
 
     def __init__(self, loop: KeepAliveLoop):
-        self.token = loop.store.current_token()
-        self.call = loop.store.streams.lease_keep_alive(loop.store.metadata_for(self.token))
+        conn = loop.conn
+        self.token = conn.token
+        self.call = conn.streams.lease_keep_alive(conn.metadata_for(self.token))
         self.broken = False
         self.answered = False
         self.reader = threading.Thread(
@@ -110,8 +212,8 @@ class KeepAliveLoop:
     stays unconfirmed for most of a TTL stops its workers.
     """
 
-    def __init__(self, store: EtcdStore):
-        self.store = store
+    def __init__(self, conn: EtcdConnection):
+        self.conn = conn
         self._cond = threading.Condition()
         self._sessions: dict[int, EtcdSession] = {}
         self._stream: _KeepAliveStream | None = None
@@ -188,7 +290,7 @@ class KeepAliveLoop:
                 return True
             logger.log(logging.WARNING if self._failures == 0 else logging.DEBUG,
                        "etcd at %s left a lease keep-alive unanswered for %.1f s; "
-                       "reopening the keep-alive stream.", self.store.where, now - oldest)
+                       "reopening the keep-alive stream.", self.conn.where, now - oldest)
             self._stream_failed()
         if now < self._reopen_at:
             return False
@@ -208,7 +310,7 @@ class KeepAliveLoop:
 
     def _patience(self) -> float:
         """How long a keep-alive may go unanswered before the stream is replaced."""
-        return min(self.store.request_timeout_s, self._shortest_interval())
+        return min(self.conn.request_timeout_s, self._shortest_interval())
 
     def _shortest_interval(self) -> float:
         return min((s.interval_s for s in self._sessions.values()), default=math.inf)
@@ -232,7 +334,7 @@ class KeepAliveLoop:
                 self._stream.send(s.lease_id)
                 s.in_flight.append(now)
                 s.next_due = now + s.interval_s
-                self.store.ops.add("lease_keepalive")
+                self.conn.ops.add("lease_keepalive")
             next_wake = min(next_wake, s.next_due)
         return next_wake
 
@@ -247,19 +349,19 @@ class KeepAliveLoop:
                         stream.answered = True
                         if self._failures:
                             logger.info("Lease keep-alive to etcd at %s works again.",
-                                        self.store.where)
+                                        self.conn.where)
                         self._failures = 0
                     self._on_answer(resp)
             error = "the stream ended"
         except grpc.RpcError as exc:
             error = rpc_error_text(exc)
-            if is_token_error(exc) and self.store.uses_auth and not stream.broken:
+            if self.conn.token_refused(exc) and not stream.broken:
                 self._renew_token(stream)
         with self._cond:
             if stream is self._stream and not self._stopping:
                 if self._failures == 0:
                     logger.warning("Lease keep-alive stream to etcd at %s failed (%s); "
-                                   "reconnecting.", self.store.where, error)
+                                   "reconnecting.", self.conn.where, error)
                 self._stream_failed()
                 self._cond.notify()
 
@@ -268,7 +370,7 @@ class KeepAliveLoop:
         the loop's lock) for the stream that replaces it. A failure is logged;
         the reopened stream fails the same way and tries again."""
         try:
-            self.store.refresh_token(stream.token, self.store.request_timeout_s)
+            self.conn.refresh_token(stream.token)
         except StoreAuthError as exc:
             logger.error("Lease keep-alive cannot authenticate at etcd: %s", exc)
         except StoreError as exc:

@@ -1,7 +1,8 @@
 """Watches of the etcd backend: all watches of a store on one Watch stream,
 served by one thread.
 
-Part of the etcd backend (:mod:`elastic.store.etcd`): :meth:`EtcdStore.watch`
+Part of the etcd backend (:mod:`elastic.store.etcd`), on its
+:class:`~elastic.store.etcd_conn.EtcdConnection`: :meth:`EtcdStore.watch`
 creates and starts an :class:`EtcdWatch`, which its store's :class:`WatchMux`
 carries. etcd multiplexes watches on one bidirectional stream: the mux sends
 each watch's creation and cancellation through the stream's request queue,
@@ -52,7 +53,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import grpc
 
@@ -61,16 +62,13 @@ from elastic.store.api import ErrorCallback, EventsCallback, Watch
 from elastic.store.etcd_auth import (
     auth_required_error,
     is_auth_cancel,
-    is_token_error,
     key_text,
     permission_error,
 )
+from elastic.store.etcd_conn import EtcdConnection
 from elastic.store.etcd_convert import key_range, rpc_error_text, to_event
 from elastic.store.etcdpb import rpc_pb2
 from elastic.store.retry import reconnect_delay
-
-if TYPE_CHECKING:
-    from elastic.store.etcd import EtcdStore
 
 logger = logging.getLogger(__name__)
 
@@ -155,9 +153,9 @@ class _StreamEnd:
 class _WatchStream:
     """One Watch call (see :mod:`.etcd_stream`); the mux's thread reads its answers."""
 
-    def __init__(self, store: EtcdStore, *, renewed: bool):
-        self.token = store.current_token()
-        self.call = store.streams.watch(store.metadata_for(self.token))
+    def __init__(self, conn: EtcdConnection, *, renewed: bool):
+        self.token = conn.token
+        self.call = conn.streams.watch(conn.metadata_for(self.token))
         # Creations sent and not yet answered, in the order sent (see the module doc).
         self.pending: collections.deque[EtcdWatch] = collections.deque()
         self.by_id: dict[int, EtcdWatch] = {}  # etcd's watch ids on this stream
@@ -192,8 +190,8 @@ class WatchMux:
     ``next_revision``; the warning is logged once per outage.
     """
 
-    def __init__(self, store: EtcdStore):
-        self.store = store
+    def __init__(self, conn: EtcdConnection):
+        self.conn = conn
         self._cond = threading.Condition()
         self._watches: dict[EtcdWatch, None] = {}  # live watches, in the order started
         self._stream: _WatchStream | None = None
@@ -216,7 +214,7 @@ class WatchMux:
         """Start carrying ``w``. Raises StoreError once the store is closing."""
         with self._cond:
             if self._stopping:
-                raise self.store.closed_error()
+                raise self.conn.closed_error()
             if w.live or w.ended:
                 return
             w.live = True
@@ -290,15 +288,15 @@ class WatchMux:
         except Exception as exc:
             if self._stopping:  # e.g. a token renewal cut short by close()
                 logger.debug("The watch thread for etcd at %s ended while closing: %r",
-                             self.store.where, exc)
+                             self.conn.where, exc)
                 return
             # A bug here must not stop every watch of the store in silence:
             # end them, and let the next watch start a fresh thread.
             logger.exception("The watch thread for etcd at %s failed; ending its watches.",
-                             self.store.where)
+                             self.conn.where)
             with self._cond:
                 self._close_stream()
-            why = f"the watch thread for etcd at {self.store.where} failed: {exc!r}"
+            why = f"the watch thread for etcd at {self.conn.where} failed: {exc!r}"
             self._end_all(lambda w: StoreError(why), exc)
             with self._cond:
                 self._thread = None
@@ -324,7 +322,7 @@ class WatchMux:
                     self._cond.wait(left)
                     continue
                 try:
-                    stream = _WatchStream(self.store, renewed=self._fresh_token)
+                    stream = _WatchStream(self.conn, renewed=self._fresh_token)
                 except ValueError:  # the channel is closed: the store is closing
                     return None
                 self._fresh_token = False
@@ -369,20 +367,20 @@ class WatchMux:
                 if self._failures == 1:
                     logger.warning("Watch stream to etcd at %s broke (%s); re-creating its %d "
                                    "watches, each from the revision after its last event.",
-                                   self.store.where, end.why, n)
+                                   self.conn.where, end.why, n)
                 self._reopen_at = time.monotonic() + reconnect_delay(self._failures)
             else:
                 logger.debug("Reopening the watch stream to etcd at %s (%s).",
-                             self.store.where, end.why)
+                             self.conn.where, end.why)
             if n:
-                self.store.ops.add("watch_reconnect", n)
+                self.conn.ops.add("watch_reconnect", n)
 
     def _stream_refused(self, stream: _WatchStream, exc: grpc.RpcError) -> _StreamEnd | None:
         """etcd ended the stream with an error a reconnect does not cure. For
         a stale token: the next stream's (None when getting one failed for
         good); for anything else every watch ends, as each would alone."""
         try:
-            if is_token_error(exc) and self.store.uses_auth and not stream.renewed:
+            if self.conn.token_refused(exc) and not stream.renewed:
                 end = self._renew_token(stream, "the watch stream")
                 if end is None:
                     self._fresh_token = True
@@ -392,7 +390,7 @@ class WatchMux:
             message = str(refused)
             self._end_all(lambda w: StoreAuthError(message), exc)
             return None
-        self._end_all(lambda w: self.store.translate(exc, f"watch on {w.what}", 0.0,
+        self._end_all(lambda w: self.conn.translate(exc, f"watch on {w.what}", 0.0,
                                                       key_text(w.key)), exc)
         return None
 
@@ -405,14 +403,14 @@ class WatchMux:
             StoreAuthError: etcd refused the user and password.
         """
         try:
-            self.store.refresh_token(stream.token, self.store.request_timeout_s)
+            self.conn.refresh_token(stream.token)
         except StoreAuthError:
             raise
-        except ValueError:  # the channel is closed: the store is closing
-            return _StreamEnd("the store is closing")
         except StoreError as exc:
+            if self.conn.closed:
+                return _StreamEnd("the store is closing")
             logger.info("Watch on %s: authenticating again at etcd %s failed (%s); retrying.",
-                        whose, self.store.where, exc)
+                        whose, self.conn.where, exc)
             return _StreamEnd(f"authenticating again failed: {exc}")
         return None
 
@@ -441,7 +439,7 @@ class WatchMux:
         with self._cond:
             if not stream.pending:
                 logger.warning("etcd at %s answered a watch creation that was never sent "
-                               "(watch id %d); ignoring it.", self.store.where, resp.watch_id)
+                               "(watch id %d); ignoring it.", self.conn.where, resp.watch_id)
                 return None
             w = stream.pending.popleft()
             refused = resp.canceled
@@ -462,7 +460,7 @@ class WatchMux:
                     if self._failures:
                         logger.info("Watch stream to etcd at %s works again: %d watches resumed "
                                     "from revision %d or later, each where it left off.",
-                                    self.store.where, len(self._watches),
+                                    self.conn.where, len(self._watches),
                                     min(x.next_revision for x in self._watches))
                     self._failures = 0
         if refused:
@@ -485,7 +483,7 @@ class WatchMux:
             return
         logger.info("etcd at %s stopped the events of the watch on %s when it refused another "
                     "watch on the same stream; creating it again from revision %d.",
-                    self.store.where, stalled.what, stalled.next_revision)
+                    self.conn.where, stalled.what, stalled.next_revision)
         stream.cancel_watch(refused_id)
         self._send_create(stream, stalled)
 
@@ -496,8 +494,8 @@ class WatchMux:
         if not is_auth_cancel(reason):
             err = StoreError(f"etcd cancelled the watch on {w.what}: {reason}")
             return self._refused_for_good(stream, w, err, refused_id)
-        store = self.store
-        if store.uses_auth and not w.token_retried:
+        conn = self.conn
+        if conn.uses_auth and not w.token_retried:
             try:
                 end = self._renew_token(stream, w.what)
             except StoreAuthError as exc:
@@ -506,10 +504,10 @@ class WatchMux:
                 return end
             w.token_retried = True
             return _StreamEnd(f"etcd refused its auth token ({reason})", failure=False)
-        if "user name is empty" in reason and not store.uses_auth:
-            err = auth_required_error(store.where)
+        if "user name is empty" in reason and not conn.uses_auth:
+            err = auth_required_error(conn.where)
         else:
-            err = permission_error(store.where, "watch", w.key, store.security)
+            err = permission_error(conn.where, "watch", w.key, conn.security)
         return self._refused_for_good(stream, w, err, refused_id)
 
     def _refused_for_good(self, stream: _WatchStream, w: EtcdWatch, err: StoreError,
@@ -528,7 +526,7 @@ class WatchMux:
             w.next_revision = events[-1].kv.mod_revision + 1
             self._running = w
         try:
-            self.store.ops.add("watch_event", len(events))
+            self.conn.ops.add("watch_event", len(events))
             w._on_events(events)
         except Exception:
             logger.exception("The callback of the watch on %s failed on revision %d; "
@@ -545,7 +543,7 @@ class WatchMux:
                 return  # cancelled meanwhile: nobody is listening
             self._running = w
         try:
-            logger.warning("Watch on %s at etcd %s ended: %s", w.what, self.store.where, err)
+            logger.warning("Watch on %s at etcd %s ended: %s", w.what, self.conn.where, err)
             if w._on_error is not None:
                 w._on_error(err)
         except Exception:

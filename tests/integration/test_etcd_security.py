@@ -330,7 +330,7 @@ def test_calls_a_lease_and_a_watch_outlive_token_expiry_and_an_etcd_restart(
     server = start_secure_etcd(pki, tmp_path)
     try:
         with _open(server, pki.security()) as store:
-            secrets_not_logged.append(store.current_token())
+            secrets_not_logged.append(store.connection.token)
             prefix = f"{JOB_PREFIX}refresh/"
             session = store.session(4)
             store.put(prefix + "node", b"", lease=session.lease_id)
@@ -338,13 +338,13 @@ def test_calls_a_lease_and_a_watch_outlive_token_expiry_and_an_etcd_restart(
             watch = store.watch(prefix, sink.on_events, prefix=True, on_error=sink.on_error)
 
             time.sleep(3.5)  # past the 2 s token TTL: the store's token is gone
-            first = store.current_token()
+            first = store.connection.token
             store.put(prefix + "a", b"1")  # renews the token and goes through
-            assert store.current_token() != first
-            secrets_not_logged.append(store.current_token())
+            assert store.connection.token != first
+            secrets_not_logged.append(store.connection.token)
             sink.wait_key(prefix + "a")
 
-            before_restart = store.current_token()
+            before_restart = store.connection.token
             assert caplog.text.count("authenticating again") == 1  # for the put
             server.restart()  # a simple token lives in etcd's memory only
             # The watch's stream broke. Reopened, etcd refuses its token at
@@ -352,8 +352,8 @@ def test_calls_a_lease_and_a_watch_outlive_token_expiry_and_an_etcd_restart(
             # and resumes where it was.
             _wait_for_log(caplog, "resumed from revision")
             assert caplog.text.count("authenticating again") == 2
-            assert store.current_token() != before_restart
-            secrets_not_logged.append(store.current_token())
+            assert store.connection.token != before_restart
+            secrets_not_logged.append(store.connection.token)
             store.put(prefix + "b", b"2")
             sink.wait_key(prefix + "b")
             assert not sink.errors
@@ -390,7 +390,7 @@ def test_concurrent_callers_share_one_renewal(secure_etcd, pki, caplog, secrets_
             t.join(WAIT_S * 2)
         assert not errors
         assert caplog.text.count("authenticating again") == 1
-        secrets_not_logged.append(store.current_token())
+        secrets_not_logged.append(store.connection.token)
         kvs, _ = store.get_prefix(f"{JOB_PREFIX}concurrent/")
         assert len(kvs) == 8
         assert all(kv.key.startswith(JOB_PREFIX) for kv in kvs)
@@ -425,4 +425,4 @@ def test_a_watch_created_on_a_stream_whose_token_expired_joins_the_others(
             events = sink.wait_count(4)
             assert [e.revision for e in events] == [first, second, third, fence], sink.describe()
             assert sink.errors == []
-        secrets_not_logged.append(store.current_token())
+        secrets_not_logged.append(store.connection.token)

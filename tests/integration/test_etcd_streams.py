@@ -70,7 +70,7 @@ def test_an_idle_watch_and_lease_wake_no_thread(etcd_endpoint):
 
 
 def test_a_stream_closed_here_ends_its_reader_with_cancelled(etcd_store):
-    stream = etcd_store.streams.watch(metadata=None)
+    stream = etcd_store.connection.streams.watch(metadata=None)
     read = []
     reader = threading.Thread(target=lambda: read.append(_drain(stream)))
     reader.start()
@@ -98,7 +98,7 @@ def test_closing_the_store_gives_the_shared_loop_back_and_refuses_new_streams(et
     store.close()
     assert shared_users() == held
     with pytest.raises(ValueError):
-        store.streams.watch(metadata=None)
+        store.connection.streams.watch(metadata=None)
 
 
 def test_a_child_forked_after_a_store_was_dropped_can_collect_it(etcd_endpoint):

@@ -63,11 +63,11 @@ def test_fifty_watches_share_one_stream_and_one_thread_and_each_sees_only_its_ke
             assert [(e.kv.key, e.revision) for e in events] == [(key, r) for r in written[key]]
             assert sink.threads == set(watch_threads)
             assert sink.errors == []
-        assert etcd_store._watcher.stream_open
+        assert etcd_store.watches.stream_open
     finally:
         for w in watches:
             w.cancel()
-    assert not etcd_store._watcher.stream_open  # closed with the last watch
+    assert not etcd_store.watches.stream_open  # closed with the last watch
 
 
 def test_after_an_etcd_restart_every_watch_resumes_with_no_event_lost_or_repeated(
