@@ -25,6 +25,7 @@ look like, and each option parses its own, exactly as it parses a flag: YAML
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
 import os
@@ -42,9 +43,12 @@ from agent.console import ConsoleFilter, Streams, parse_local_ranks, parse_strea
 from agent.devices import SYSTEM_DEVICES, HostDevices, parse_nproc_per_node, resolve_nproc
 from agent.gpu_health import GPU_CHECK_MODES, GpuExpectation, expected_gpus
 from agent.netaddr import SYSTEM_NETWORK, HostNetwork, choose_advertise_addr
+from agent.reactor import Settings
+from agent.supervisor import Entrypoint
 from elastic import __version__
 from elastic.errors import EXIT_CODES_HELP, ConfigError
 from elastic.failpoints import ENV_VAR as FAILPOINT_ENV
+from elastic.hostport import HostPort
 from elastic.joblog import JobLogger
 from elastic.options import non_negative, positive
 from elastic.rendezvous.api import (
@@ -132,26 +136,28 @@ def default_state_dir(environ: Mapping[str, str]) -> str:
 
 
 def _host_port(name: str, raw: Any) -> str:
-    """``HOST:PORT``, or ``:PORT`` for the advertised address (filled in by :func:`load`)."""
+    """``HOST:PORT``, or ``:PORT`` for the advertised address (filled in by
+    :func:`discover`), as written."""
     text = str(raw)
-    host, sep, port = text.rpartition(":")
-    if (not sep or not (port.isascii() and port.isdigit()) or len(port) > 5
-            or int(port) > 65535):
+    try:
+        HostPort.parse(text, host_optional=True)
+    except ValueError:
         raise ConfigError(f"--{name} {raw!r}: expected HOST:PORT, e.g. 10.0.0.11:29401, or "
-                          ":PORT for the advertised address")
+                          ":PORT for the advertised address") from None
     return text
 
 
 def _on_advertised(listen: str | None, advertised: str) -> str | None:
     """``:PORT`` becomes the advertised address with that port."""
     if listen is not None and listen.startswith(":"):
-        return _join_host_port(advertised, int(listen[1:]))
+        return str(HostPort(advertised, HostPort.parse(listen, host_optional=True).port))
     return listen
 
 
-def _join_host_port(host: str, port: int) -> str:
-    """``HOST:PORT``, with an IPv6 address in brackets."""
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+def _absolute_path(name: str, raw: Any) -> str | None:
+    """A path made absolute; None for an empty one (not given)."""
+    path = _text(name, raw)
+    return os.path.abspath(path) if path else None
 
 
 def _names(name: str, raw: Any) -> tuple[str, ...]:
@@ -184,7 +190,11 @@ class Option:
     ``parse(flag, raw)`` turns what was written into the value, or raises
     ConfigError naming ``--flag``. ``torchrun``: torchrun's other flags for the
     same option (its ``--rdzv-conf`` keys: :mod:`agent.torchrun_cli`);
-    ``short``: a one-letter flag (``-r``)."""
+    ``short``: a one-letter flag (``-r``). ``field``: the
+    :class:`AgentConfig` field that takes the parsed value as it is; None for
+    an option that :func:`validate` or :func:`discover` combines with others
+    (the rendezvous, the node's files, TLS) or works out (the workers, the
+    advertised address)."""
 
     name: str  # the flag without dashes; env and file keys derive from it
     parse: Callable[[str, Any], Any]
@@ -194,6 +204,7 @@ class Option:
     is_flag: bool = False
     torchrun: tuple[str, ...] = ()
     short: str | None = None
+    field: str | None = None
 
     @property
     def key(self) -> str:
@@ -221,29 +232,33 @@ OPTIONS = [
     Option("node-id", _text, None, "this node's id (default: <hostname>-<pid>)", "ID"),
     Option("max-restarts", non_negative(int), DEFAULT_MAX_RESTARTS,
            "failures allowed within --restart-window before the job fails (torchrun: "
-           "restarts over the whole job, default 0)", "N"),
+           "restarts over the whole job, default 0)", "N", field="max_restarts"),
     Option("restart-window", positive(float), DEFAULT_RESTART_WINDOW_S,
-           "the window of the restart budget", "SECONDS"),
-    Option("checkpoint-dir", _text, None, "where workers save and find checkpoints", "DIR"),
+           "the window of the restart budget", "SECONDS", field="restart_window_s"),
+    Option("checkpoint-dir", _absolute_path, None, "where workers save and find checkpoints",
+           "DIR", field="checkpoint_dir"),
     Option("hang-timeout", non_negative(float), 300.0,
            "a worker without heartbeat or progress this long is hung (0: never judged)",
-           "SECONDS"),
+           "SECONDS", field="hang_timeout_s"),
     Option("lease-ttl", positive(float), DEFAULT_LEASE_TTL_S,
-           "a node silent this long is considered gone", "SECONDS"),
+           "a node silent this long is considered gone", "SECONDS", field="lease_ttl_s"),
     Option("settle", non_negative(float), DEFAULT_SETTLE_S,
-           "wait this long without new arrivals before closing a round below max", "SECONDS"),
+           "wait this long without new arrivals before closing a round below max", "SECONDS",
+           field="settle_s"),
     Option("join-timeout", positive(float), DEFAULT_JOIN_TIMEOUT_S,
-           "give up when no round includes this node for this long", "SECONDS"),
+           "give up when no round includes this node for this long", "SECONDS",
+           field="join_timeout_s"),
     Option("start-timeout", positive(float), DEFAULT_START_TIMEOUT_S,
            "a round member that has not started its workers this long after the round "
-           "formed is left out and the round formed again without it", "SECONDS"),
+           "formed is left out and the round formed again without it", "SECONDS",
+           field="start_timeout_s"),
     Option("exit-barrier-timeout", positive(float), DEFAULT_EXIT_BARRIER_TIMEOUT_S,
            "once one node's workers all exited 0, how long the others may go on before "
-           "the job fails naming them", "SECONDS"),
+           "the job fails naming them", "SECONDS", field="exit_barrier_timeout_s"),
     Option("scale-up-wait", non_negative(float), 0.0,
            "0: grow a running round as soon as a node joins; above 0: a joining node waits "
            "for the next committed checkpoint (so growing redoes no work), at most this long",
-           "SECONDS"),
+           "SECONDS", field="scale_up_wait_s"),
     Option("listen", _host_port, None,
            "address of the agent's gRPC server (default: the advertised address, a free port; "
            ":PORT: the advertised address, that port; 0.0.0.0:PORT for every interface)",
@@ -261,31 +276,31 @@ OPTIONS = [
            "per-round worker logs (default: <state-dir>/<job>/<node>/logs)", "DIR"),
     Option("log-format", _choice("text", "json"), "text",
            "the agent's log lines: text, or json (one object per line with job, node, round)",
-           "text|json"),
+           "text|json", field="log_format"),
     Option("metrics-port", _port, 0,
            "serve Prometheus metrics over HTTP on this port, on the --listen host (0: off)",
-           "PORT"),
+           "PORT", field="metrics_port"),
     Option("stop-grace", non_negative(float), 5.0,
            "after SIGTERM, wait this long before SIGKILL of a worker (torchrun: 30): for a "
            "drain, a signal, the job's end, a scale-up; time for a final checkpoint", "SECONDS",
-           torchrun=("--shutdown-timeout",)),
+           torchrun=("--shutdown-timeout",), field="stop_grace_s"),
     Option("failure-stop-grace", non_negative(float), 3.0,
            "the same after a failure (a worker died or hung, a node was lost, a restart): "
            "survivors stuck in a collective never act on SIGTERM; at most --stop-grace",
-           "SECONDS"),
+           "SECONDS", field="failure_stop_grace_s"),
     Option("prestart", _flag, True,
            "keep warm workers (torch imported) ready for fast restarts; --no-prestart to turn off",
            is_flag=True),
     Option("warm-sets", positive(int), 2,
            "sets of nproc warm workers kept ready: with 2, a failure soon after a restart "
            "(before the set that replaces the used one has imported torch) restarts warm too",
-           "N"),
+           "N", field="warm_sets"),
     Option("drain-exit-code", non_negative(int), 0,
            "exit code after a SIGTERM drain: 0 is a clean stop (systemd); Kubernetes sets "
            "143 so that a Job replaces a pod it terminated instead of counting it complete",
-           "N"),
-    Option("connect-timeout", positive(float), DEFAULT_CONNECT_TIMEOUT_S, "give up reaching etcd after this long",
-           "SECONDS"),
+           "N", field="drain_exit_code"),
+    Option("connect-timeout", positive(float), DEFAULT_CONNECT_TIMEOUT_S,
+           "give up reaching etcd after this long", "SECONDS", field="connect_timeout_s"),
     Option("etcd-cacert", _readable_file, None,
            "PEM bundle of the CAs that sign etcd's server certificates, for https:// "
            "endpoints (default: the system's CA roots)", "FILE"),
@@ -321,14 +336,15 @@ OPTIONS = [
            "there (:PORT: the advertised address)", "HOST:PORT"),
     Option("operator-restart-interval", non_negative(float), DEFAULT_OPERATOR_RESTART_INTERVAL_S,
            "at most one operator restart (elasticctl restart, RequestRestart over gRPC) of the "
-           "job per this many seconds (0: no limit)", "SECONDS"),
-    Option("role", _text, "default", "the workers' ROLE_NAME", "NAME"),
+           "job per this many seconds (0: no limit)", "SECONDS",
+           field="operator_restart_interval_s"),
+    Option("role", _text, "default", "the workers' ROLE_NAME", "NAME", field="role"),
     Option("gpu-check", _choice(*GPU_CHECK_MODES), "warn",
            "before a round's workers start, check this node's GPUs through NVML: all expected "
            "present, no uncorrectable ECC error, no page retirement or row remap pending, no "
            "process of the last round holding memory (waited for up to 10 s). warn: log and "
            "record a failed check, start anyway; enforce: this node leaves the job (exit 6); "
-           "off: no check", "off|warn|enforce"),
+           "off: no check", "off|warn|enforce", field="gpu_check"),
     Option("redirects", parse_streams, Streams(),
            "keep worker output off the console (it still goes to the rank logs): 0 none, "
            "1 stdout, 2 stderr, 3 both, or per local rank, e.g. 0:3,1:2", "SPEC", short="-r"),
@@ -395,6 +411,7 @@ class AgentConfig:
     gpu_expectation: GpuExpectation = GpuExpectation()
 
     def rendezvous(self) -> RendezvousConfig:
+        """The rendezvous' settings (:class:`elastic.rendezvous.api.RendezvousConfig`)."""
         return RendezvousConfig(
             job_id=self.job_id, min_nodes=self.min_nodes, max_nodes=self.max_nodes,
             settle_s=self.settle_s, lease_ttl_s=self.lease_ttl_s,
@@ -402,6 +419,27 @@ class AgentConfig:
             restart_window_s=self.restart_window_s, start_timeout_s=self.start_timeout_s,
             exit_barrier_timeout_s=self.exit_barrier_timeout_s,
             scale_up_wait_s=self.scale_up_wait_s)
+
+    def reactor_settings(self) -> Settings:
+        """What the agent's decisions (:func:`agent.reactor.react`) need of this configuration."""
+        return Settings(node_id=self.node_id, nproc=self.nproc_per_node,
+                        lease_ttl_s=self.lease_ttl_s, join_timeout_s=self.join_timeout_s,
+                        job_id=self.job_id, drain_exit_code=self.drain_exit_code,
+                        gpu_check=self.gpu_check)
+
+    def entrypoint(self) -> Entrypoint:
+        """What every worker runs: the script or module, its arguments, --no-python."""
+        return Entrypoint(script=self.script, module=self.module, args=self.script_args,
+                          no_python=self.no_python)
+
+    def supervisor_options(self) -> dict[str, Any]:
+        """:class:`agent.supervisor.WorkerSupervisor`'s keyword arguments that this
+        configuration sets: the job, the node, the workers, what they run, how
+        they are stopped, the warm pool and the console. The caller adds the
+        node's log directory, the exit callback and the workers' environment."""
+        return {"job_id": self.job_id, "node_id": self.node_id, "nproc": self.nproc_per_node,
+                "entrypoint": self.entrypoint(), "stop_grace_s": self.stop_grace_s,
+                "prestart": self.prestart, "warm_sets": self.warm_sets, "console": self.console}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -526,27 +564,24 @@ def _script(args: argparse.Namespace, environ: Mapping[str, str],
     return script, as_module, no_python, script_args
 
 
-def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None, *,
-         net: HostNetwork = SYSTEM_NETWORK, devices: HostDevices = SYSTEM_DEVICES
-         ) -> AgentConfig:
-    """Parse flags, environment and config file into a validated AgentConfig.
+def _first_given(o: Option, line: torchrun_cli.CommandLine, environ: Mapping[str, str],
+                 file_values: Mapping[str, Any]) -> Any:
+    """``o``'s value from its first source: a flag (any of its names), ``o.env``,
+    the file, else its default; parsed, or ConfigError naming the flag."""
+    if o.key in line.flags:
+        spelling, given = line.flags[o.key]
+        return o.parse(spelling, given)
+    if o.env in environ:
+        return o.parse(o.name, environ[o.env])
+    if o.key in file_values:
+        return o.parse(o.name, file_values[o.key])
+    return o.default
 
-    torchrun's command line is read as :mod:`agent.torchrun_cli` describes:
-    its names for our options count as flags, its rendezvous flags choose
-    between an etcd and a private one, and a flag elasticd cannot honour is
-    refused. ``--nproc-per-node gpu|cpu|auto`` is counted with ``devices``
-    (:mod:`agent.devices`). Without --advertise-addr, the address is chosen by
-    :func:`agent.netaddr.choose_advertise_addr` (asking ``net``). Both choices
-    are logged with their reasons. Raises ConfigError naming the offending
-    option and value, or telling to pass --advertise-addr when no address is
-    usable.
-    """
-    environ = os.environ if environ is None else environ
-    args = parser().parse_args(argv)
-    config_path = args.config or environ.get("ELASTIC_CONFIG")
-    file_values = _read_file(config_path) if config_path else {}
-    line = torchrun_cli.read_command_line(args, OPTIONS)
 
+def _warn_about_environment(environ: Mapping[str, str]) -> None:
+    """A warning for each ``ELASTIC_*`` variable that is no option, and for
+    torchrun's variables elasticd does not read (ConfigError for one it cannot
+    run with: :func:`agent.torchrun_cli.check_environment`)."""
     # The etcd password comes from the environment only: no flag, no file key.
     known_env = ({o.env for o in OPTIONS} | {"ELASTIC_CONFIG", "ELASTIC_LOG_LEVEL"}
                  | {PASSWORD_ENV} | set(SCRIPT_ENV) | WORKER_ENV)
@@ -556,22 +591,78 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     for warning in torchrun_cli.check_environment(environ):
         log.warning("%s", warning)
 
-    def value(o: Option) -> Any:
-        if o.key in line.flags:
-            spelling, given = line.flags[o.key]
-            return o.parse(spelling, given)
-        if o.env in environ:
-            return o.parse(o.name, environ[o.env])
-        if o.key in file_values:
-            return o.parse(o.name, file_values[o.key])
-        return o.default
 
-    v = {o.key: value(o) for o in OPTIONS}
+def _fields_of(part: Any) -> dict[str, Any]:
+    """A dataclass's fields by name (``asdict`` would turn nested ones into dicts)."""
+    return {f.name: getattr(part, f.name) for f in dataclasses.fields(part)}
 
-    rdzv = torchrun_cli.choose_rendezvous(line, etcd=v["etcd"], standalone=v["standalone"],
-                                          nnodes=v["nnodes"], job_id=v["job_id"])
+
+@dataclass(frozen=True)
+class Given:
+    """What :func:`resolve` read: each option's value from its first source,
+    by :attr:`Option.key`; the rendezvous torchrun's flags choose; and where
+    the script is read from (``args``, ``file_values``, torchrun's ``line``)."""
+
+    values: Mapping[str, Any]
+    rendezvous: torchrun_cli.Rendezvous
+    line: torchrun_cli.CommandLine
+    args: argparse.Namespace
+    file_values: Mapping[str, Any]
+
+    def fields(self) -> dict[str, Any]:
+        """The :class:`AgentConfig` fields the options set as they are (:attr:`Option.field`)."""
+        return {o.field: self.values[o.key] for o in OPTIONS if o.field}
+
+
+def resolve(argv: list[str] | None, environ: Mapping[str, str]) -> Given:
+    """Flags (torchrun's names included), ``environ`` and the ``--config`` file
+    (from ``--config`` or ``ELASTIC_CONFIG``), each option taken from its first
+    source as the module docstring says, and torchrun's rendezvous flags read
+    (:func:`agent.torchrun_cli.choose_rendezvous`, its notes logged).
+
+    Warns about unknown ``ELASTIC_*`` variables. Raises ConfigError for a file
+    :func:`_read_file` refuses, an option given under two names, a value its
+    option cannot parse, a torchrun flag or variable elasticd cannot honour, a
+    rendezvous it cannot run; argparse exits 2 for a malformed command line.
+    """
+    args = parser().parse_args(argv)
+    config_path = args.config or environ.get("ELASTIC_CONFIG")
+    file_values = _read_file(config_path) if config_path else {}
+    line = torchrun_cli.read_command_line(args, OPTIONS)
+    _warn_about_environment(environ)
+    values = {o.key: _first_given(o, line, environ, file_values) for o in OPTIONS}
+    rdzv = torchrun_cli.choose_rendezvous(line, etcd=values["etcd"],
+                                          standalone=values["standalone"],
+                                          nnodes=values["nnodes"], job_id=values["job_id"])
     for level, note in rdzv.notes:
         log.log(logging.getLevelName(level), "%s", note)
+    return Given(values=values, rendezvous=rdzv, line=line, args=args, file_values=file_values)
+
+
+@dataclass(frozen=True)
+class Validated:
+    """The :class:`AgentConfig` fields :func:`validate` checks: the job, its
+    nodes and this node, and the credentials towards etcd and the peers."""
+
+    job_id: str
+    etcd: str | None
+    standalone: bool
+    min_nodes: int
+    max_nodes: int
+    node_id: str
+    etcd_security: EtcdSecurity
+    tls: AgentTLS | None
+
+
+def validate(given: Given, environ: Mapping[str, str]) -> Validated:
+    """The job id (required), the node count (required: N or MIN:MAX), the node
+    id (default ``<hostname>-<pid>``), etcd's credentials (the password from
+    ``environ``) and the agent's TLS files, checked together.
+
+    Raises ConfigError naming the option that is missing or wrong, or the
+    options that exclude each other (etcd credentials with --standalone).
+    """
+    v, rdzv = given.values, given.rendezvous
     if not rdzv.job_id:
         raise ConfigError("--job-id (torchrun: --rdzv-id) is required: every agent of a job "
                           "uses the same (or ELASTIC_JOB_ID, or job_id in --config)")
@@ -591,20 +682,77 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
                                  allowed_cns=v["tls_allowed_cn"])
     node_id = v["node_id"] or f"{socket.gethostname()}-{os.getpid()}"
     validate_id("node id", node_id)
+    return Validated(job_id=rdzv.job_id, etcd=rdzv.etcd, standalone=rdzv.standalone,
+                     min_nodes=min_nodes, max_nodes=max_nodes, node_id=node_id,
+                     etcd_security=etcd_security, tls=tls)
+
+
+@dataclass(frozen=True)
+class Found:
+    """The :class:`AgentConfig` fields :func:`discover` works out on this host:
+    the workers (how many, the GPUs they expect, what they run) and the
+    addresses (advertised, and --listen and --probe-listen with it)."""
+
+    nproc_per_node: int
+    gpu_expectation: GpuExpectation
+    script: str | None
+    module: str | None
+    script_args: tuple[str, ...]
+    no_python: bool
+    advertise_addr: str
+    listen: str
+    probe_listen: str | None
+
+
+def discover(given: Given, valid: Validated, environ: Mapping[str, str], *,
+             net: HostNetwork = SYSTEM_NETWORK, devices: HostDevices = SYSTEM_DEVICES) -> Found:
+    """Count the workers (``--nproc-per-node gpu|cpu|auto`` with ``devices``), find
+    the training script (on disk, or on PATH with --no-python) and choose the
+    advertised address (:func:`agent.netaddr.choose_advertise_addr`, asking
+    ``net``); each choice is logged with its reason.
+
+    Raises ConfigError naming the option or the script that cannot be used, or
+    telling to pass --advertise-addr when no address is usable.
+    """
+    say = JobLogger(log, valid.job_id, valid.node_id)
+    nproc, gpus = _count_workers(given.values, environ, devices, say)
+    script, module, script_args, no_python = _find_script(given, environ)
+    advertise = choose_advertise_addr(given.values["advertise_addr"],
+                                      standalone=valid.standalone, etcd=valid.etcd, net=net)
+    if not valid_host(advertise.addr):
+        # Peers would refuse this node's registration as a malformed record.
+        raise ConfigError(f"--advertise-addr {cap_text(repr(advertise.addr), 80)}: expected "
+                          "a host name or an IP address")
+    say.info("advertising %s to the other nodes and the workers: %s.", advertise.addr,
+             advertise.reason)
+    return Found(nproc_per_node=nproc, gpu_expectation=gpus, script=script, module=module,
+                 script_args=script_args, no_python=no_python, advertise_addr=advertise.addr,
+                 listen=_on_advertised(given.values["listen"] or ":0", advertise.addr),
+                 probe_listen=_on_advertised(given.values["probe_listen"], advertise.addr))
+
+
+def _count_workers(v: Mapping[str, Any], environ: Mapping[str, str], devices: HostDevices,
+                   say: JobLogger) -> tuple[int, GpuExpectation]:
+    """Workers per node and the GPUs the GPU check expects; both logged when counted."""
     # Counted once: both the workers (auto) and the GPU check's expectation ask.
     physical_gpus = functools.cache(devices.physical_gpus)
     nproc, why = resolve_nproc(v["nproc_per_node"], environ,
                                HostDevices(physical_gpus, devices.cpu_count))
     if isinstance(v["nproc_per_node"], str):
-        JobLogger(log, rdzv.job_id, node_id).info("%d workers per node (--nproc-per-node %s).",
-                                                  nproc, why)
+        say.info("%d workers per node (--nproc-per-node %s).", nproc, why)
     gpus = expected_gpus(v["nproc_per_node"], nproc, environ, physical_gpus)
     if v["gpu_check"] != "off":
-        JobLogger(log, rdzv.job_id, node_id).info("GPU check (--gpu-check %s): %s.",
-                                                  v["gpu_check"], gpus.why)
+        say.info("GPU check (--gpu-check %s): %s.", v["gpu_check"], gpus.why)
+    return nproc, gpus
 
-    script, as_module, no_python, script_args = _script(args, environ, file_values)
-    if line.given("--run-path"):
+
+def _find_script(given: Given, environ: Mapping[str, str]
+                 ) -> tuple[str | None, str | None, tuple[str, ...], bool]:
+    """(script as an absolute path, or None; module, or None; its arguments;
+    executed without python). ConfigError when none is given, -m and
+    --no-python are both asked, or the script or program is not there."""
+    script, as_module, no_python, script_args = _script(given.args, environ, given.file_values)
+    if given.line.given("--run-path"):
         no_python = False  # torchrun: --run-path takes precedence over --no-python
     if not script:
         raise ConfigError("no training script given: elasticd [options] SCRIPT [ARGS...] "
@@ -621,40 +769,37 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     elif not as_module and not os.path.isfile(script):
         raise ConfigError(f"training script {script!r} not found (working directory "
                           f"{os.getcwd()})")
+    if as_module:
+        return None, script, script_args, no_python
+    return os.path.abspath(script), None, script_args, no_python
 
-    advertise = choose_advertise_addr(v["advertise_addr"], standalone=rdzv.standalone,
-                                      etcd=rdzv.etcd, net=net)
-    if not valid_host(advertise.addr):
-        # Peers would refuse this node's registration as a malformed record.
-        raise ConfigError(f"--advertise-addr {cap_text(repr(advertise.addr), 80)}: expected "
-                          "a host name or an IP address")
-    JobLogger(log, rdzv.job_id, node_id).info(
-        "advertising %s to the other nodes and the workers: %s.", advertise.addr, advertise.reason)
-    state_dir = os.path.abspath(v["state_dir"] or default_state_dir(environ))
-    node_dir = os.path.join(state_dir, rdzv.job_id, node_id)
-    log_dir = v["log_dir"] or os.path.join(node_dir, "logs")
+
+def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None, *,
+         net: HostNetwork = SYSTEM_NETWORK, devices: HostDevices = SYSTEM_DEVICES
+         ) -> AgentConfig:
+    """Parse flags, environment and config file into a validated AgentConfig:
+    :func:`resolve`, then :func:`validate`, then :func:`discover`.
+
+    torchrun's command line is read as :mod:`agent.torchrun_cli` describes:
+    its names for our options count as flags, its rendezvous flags choose
+    between an etcd and a private one, and a flag elasticd cannot honour is
+    refused. ``--nproc-per-node gpu|cpu|auto`` is counted with ``devices``
+    (:mod:`agent.devices`). Without --advertise-addr, the address is chosen by
+    :func:`agent.netaddr.choose_advertise_addr` (asking ``net``). Both choices
+    are logged with their reasons. Raises ConfigError naming the offending
+    option and value, or telling to pass --advertise-addr when no address is
+    usable.
+    """
+    environ = os.environ if environ is None else environ
+    given = resolve(argv, environ)
+    valid = validate(given, environ)
+    found = discover(given, valid, environ, net=net, devices=devices)
+    v = given.values
+    node_dir = os.path.join(os.path.abspath(v["state_dir"] or default_state_dir(environ)),
+                            valid.job_id, valid.node_id)
     return AgentConfig(
-        job_id=rdzv.job_id, etcd=rdzv.etcd, standalone=rdzv.standalone, min_nodes=min_nodes,
-        max_nodes=max_nodes, nproc_per_node=nproc, node_id=node_id,
-        max_restarts=v["max_restarts"], restart_window_s=v["restart_window"],
-        checkpoint_dir=os.path.abspath(v["checkpoint_dir"]) if v["checkpoint_dir"] else None,
-        hang_timeout_s=v["hang_timeout"], lease_ttl_s=v["lease_ttl"], settle_s=v["settle"],
-        join_timeout_s=v["join_timeout"], start_timeout_s=v["start_timeout"],
-        exit_barrier_timeout_s=v["exit_barrier_timeout"],
-        scale_up_wait_s=v["scale_up_wait"],
-        listen=_on_advertised(v["listen"] or ":0", advertise.addr),
-        advertise_addr=advertise.addr,
-        state_dir=node_dir, log_dir=log_dir, log_format=v["log_format"],
-        metrics_port=v["metrics_port"], stop_grace_s=v["stop_grace"],
-        failure_stop_grace_s=v["failure_stop_grace"],
+        **given.fields(), **_fields_of(valid), **_fields_of(found),
+        state_dir=node_dir, log_dir=v["log_dir"] or os.path.join(node_dir, "logs"),
         # Warm workers keep an interpreter ready; a program executed directly has no use for one.
-        drain_exit_code=v["drain_exit_code"], prestart=v["prestart"] and not no_python,
-        warm_sets=v["warm_sets"], connect_timeout_s=v["connect_timeout"],
-        script=None if as_module else os.path.abspath(script),
-        module=script if as_module else None, script_args=script_args,
-        etcd_security=etcd_security, tls=tls,
-        probe_listen=_on_advertised(v["probe_listen"], advertise.addr),
-        operator_restart_interval_s=v["operator_restart_interval"], no_python=no_python,
-        role=v["role"],
-        console=ConsoleFilter(redirected=v["redirects"], local_ranks=v["local_ranks_filter"]),
-        gpu_check=v["gpu_check"], gpu_expectation=gpus)
+        prestart=v["prestart"] and not found.no_python,
+        console=ConsoleFilter(redirected=v["redirects"], local_ranks=v["local_ranks_filter"]))

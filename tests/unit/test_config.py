@@ -3,6 +3,7 @@ and the YAML file: text stays the text written, numbers must be finite."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -267,3 +268,77 @@ class TestConfig:
                           {"ELASTIC_HANG_TIMOUT": "5", "ELASTIC_ROUND": "3"})
         assert "ELASTIC_HANG_TIMOUT" in caplog.text
         assert "ELASTIC_ROUND" not in caplog.text  # set by the agent for workers
+
+
+# ------------------------------------------------------------ one table, one object
+
+# A host whose network is never asked: FULL_LINE gives the advertised address.
+NET = HostNetwork(fqdn=lambda: "unused", resolve=lambda host: [],
+                  route_source=lambda addr, port: None)
+FULL_LINE = ["--job-id", "j", "--nnodes", "2:3", "--etcd", "http://10.0.0.9:2379",
+             "--node-id", "n1", "--advertise-addr", "10.0.0.5", "--listen", ":29401",
+             "--probe-listen", ":29403", "--state-dir", "/s", "--max-restarts", "4",
+             "--stop-grace", "7", "--warm-sets", "3", "--gpu-check", "off", "-r", "1"]
+
+
+def test_every_option_names_a_field_of_agent_config_at_most_once():
+    fields = {f.name for f in dataclasses.fields(config.AgentConfig)}
+    named = [o.field for o in config.OPTIONS if o.field]
+
+    assert set(named) <= fields and len(named) == len(set(named))
+
+
+def test_load_sets_every_field_from_the_table_or_one_phase():
+    """Options' fields, the validated and the discovered ones, and the four load
+    derives from several options together, cover AgentConfig once each."""
+    parts = [[o.field for o in config.OPTIONS if o.field],
+             [f.name for f in dataclasses.fields(config.Validated)],
+             [f.name for f in dataclasses.fields(config.Found)],
+             ["state_dir", "log_dir", "prestart", "console"]]
+    every = [name for part in parts for name in part]
+
+    assert sorted(every) == sorted(f.name for f in dataclasses.fields(config.AgentConfig))
+
+
+def test_the_phases_build_what_load_builds(script):
+    environ: dict[str, str] = {}
+    given = config.resolve([*FULL_LINE, script], environ)
+    valid = config.validate(given, environ)
+    found = config.discover(given, valid, environ, net=NET)
+    cfg = config.load([*FULL_LINE, script], environ, net=NET)
+
+    assert given.fields()["max_restarts"] == cfg.max_restarts == 4
+    assert (valid.job_id, valid.min_nodes, valid.max_nodes, valid.node_id) == ("j", 2, 3, "n1")
+    assert (found.listen, found.probe_listen) == ("10.0.0.5:29401", "10.0.0.5:29403")
+    assert found.script == cfg.script == os.path.abspath(script)
+    assert cfg.state_dir == os.path.join("/s", "j", "n1")
+
+
+def test_a_port_only_listen_takes_the_advertised_ipv6_address_in_brackets(script):
+    cfg = config.load([*FULL_LINE, "--advertise-addr", "fe80::5", script], {}, net=NET)
+
+    assert (cfg.listen, cfg.probe_listen) == ("[fe80::5]:29401", "[fe80::5]:29403")
+
+
+def test_an_empty_checkpoint_dir_is_not_given_and_a_relative_one_is_made_absolute(script):
+    assert config.load([*FULL_LINE, "--checkpoint-dir=", script], {}, net=NET
+                       ).checkpoint_dir is None
+    assert config.load([*FULL_LINE, "--checkpoint-dir", "ck", script], {}, net=NET
+                       ).checkpoint_dir == os.path.abspath("ck")
+
+
+def test_the_rendezvous_reactor_and_supervisor_get_their_part_of_the_config(script):
+    cfg = config.load([*FULL_LINE, script, "--lr", "1"], {}, net=NET)
+
+    rdzv = cfg.rendezvous()
+    settings = cfg.reactor_settings()
+    options = cfg.supervisor_options()
+    assert (rdzv.job_id, rdzv.min_nodes, rdzv.max_nodes, rdzv.max_restarts) == ("j", 2, 3, 4)
+    assert (settings.node_id, settings.nproc, settings.job_id, settings.gpu_check) == (
+        "n1", 1, "j", "off")
+    assert settings.lease_ttl_s == cfg.lease_ttl_s
+    assert options["entrypoint"] == cfg.entrypoint()
+    assert options["entrypoint"].script == cfg.script
+    assert options["entrypoint"].args == ("--lr", "1")
+    assert (options["nproc"], options["stop_grace_s"], options["warm_sets"]) == (1, 7.0, 3)
+    assert options["console"].redirected == cfg.console.redirected
