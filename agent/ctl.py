@@ -98,7 +98,9 @@ EPILOG = textwrap.fill(EXIT_CODES_HELP, 79) + "\n" + textwrap.fill(
     "ends them with 0.", 79)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _common_options() -> argparse.ArgumentParser:
+    """The parent parser of every command: etcd and its credentials, the job,
+    --json, and the agents' TLS; each flag also read from its variable."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--etcd", default=os.environ.get("ELASTIC_ETCD", "http://127.0.0.1:2379"),
                         help="etcd endpoint(s), comma-separated (env ELASTIC_ETCD)")
@@ -130,15 +132,21 @@ def _parser() -> argparse.ArgumentParser:
         env = TLS_ENV[flag.replace("-", "_")]
         common.add_argument(f"--tls-{flag}", default=os.environ.get(env), metavar=metavar,
                             help=f"{what} (env {env})")
+    return common
+
+
+def parser() -> argparse.ArgumentParser:
+    """elasticctl's command line: one subcommand per entry of :data:`COMMANDS`."""
+    common = _common_options()
     # Raw: the epilog is laid out here (one paragraph of exit codes, one of
     # elasticctl's own), and the description is the synopsis block.
     layout = {"epilog": EPILOG, "formatter_class": argparse.RawDescriptionHelpFormatter}
 
-    parser = argparse.ArgumentParser(prog="elasticctl",
-                                     description=__doc__.split("\n\n")[0] + "\n\n"
-                                     + __doc__.split("\n\n")[1], **layout)
-    parser.add_argument("--version", action="version", version=f"elasticctl {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    cli = argparse.ArgumentParser(prog="elasticctl",
+                                  description=__doc__.split("\n\n")[0] + "\n\n"
+                                  + __doc__.split("\n\n")[1], **layout)
+    cli.add_argument("--version", action="version", version=f"elasticctl {__version__}")
+    sub = cli.add_subparsers(dest="command", required=True)
     st = sub.add_parser("status", parents=[common], help="round, members and nodes of a job",
                         **layout)
     st.add_argument("--watch", action="store_true",
@@ -163,7 +171,7 @@ def _parser() -> argparse.ArgumentParser:
     dr = sub.add_parser("drain", parents=[common], help="take a node out at the next round",
                         **layout)
     dr.add_argument("node_id")
-    return parser
+    return cli
 
 
 def _current_round(store: Store, keys: JobKeys) -> Round | None:
@@ -422,7 +430,7 @@ def _run(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run elasticctl; returns the exit code (see the module docstring)."""
     try:
-        args = _parser().parse_args(argv)
+        args = parser().parse_args(argv)
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         until_stopped = getattr(args, "watch", False) or getattr(args, "follow", False)
         previous = None

@@ -325,9 +325,9 @@ def test_the_demo_waits_for_a_whole_warm_set_on_every_node():
 
 
 def checkpoints(store, keys, *argv):
-    args = ctl._parser().parse_args(["checkpoints", "--etcd", "mem", "--job-id", keys.job_id,
+    args = ctl.parser().parse_args(["checkpoints", "--etcd", "mem", "--job-id", keys.job_id,
                                      *argv])
-    return ctl._checkpoints(store, args)
+    return ctl.COMMANDS["checkpoints"](store, args)
 
 
 @pytest.mark.parametrize("garbage", [b"\xff\xfe", b'{"step": "nine"}', b"[]"])
