@@ -33,23 +33,18 @@ authentication with users whose roles grant only given prefixes::
 
 from __future__ import annotations
 
-import collections
-import ctypes
-import ctypes.util
 import importlib.util
 import logging
 import os
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
 from elastic.errors import ConfigError, StoreUnavailableError
+from elastic.store.server_process import ServerProcess, log_tail
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +53,6 @@ _NO_BINARY_HINT = (
     "or apt-get install etcd-server, or set ETCD_BIN"
 )
 _PORT_RETRIES = 3
-_STOP_GRACE_S = 5.0
-_LOG_TAIL_LINES = 20
-_PR_SET_PDEATHSIG = 1
 # A private etcd's sockets, in its 0700 directory: "host:port" names, as etcd's
 # unix:// URLs need.
 _PRIVATE_CLIENT = "client:2379"
@@ -154,27 +146,23 @@ def _free_ports(host: str, count: int) -> list[int]:
             s.close()
 
 
-def _parent_death_guard():
-    """A preexec_fn that makes the kernel SIGKILL the child when its parent dies.
+def check_private_dir(workdir: str, socket_names: Sequence[str]) -> None:
+    """A private etcd's sockets' directory is this user's, 0700, and the
+    sockets' paths fit in a Unix socket address.
 
-    The libc function is resolved here, in the parent, so the child only makes
-    one foreign call between fork and exec. Note that Linux ties the signal to
-    the *thread* that forked: start servers from a long-lived thread.
+    Raises:
+        StoreUnavailableError: it is not so.
     """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent_pid = os.getpid()
-
-    def guard() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return guard
+    info = os.lstat(workdir)
+    if info.st_uid != os.geteuid() or info.st_mode & 0o077 or os.path.islink(workdir):
+        raise StoreUnavailableError(f"the private etcd's directory {workdir} is not "
+                                    "this user's alone (mode 0700)")
+    longest = max(len(os.fsencode(os.path.join(workdir, n))) for n in socket_names)
+    if longest > _MAX_SOCKET_PATH_BYTES:
+        raise StoreUnavailableError(
+            f"the private etcd's sockets under {workdir} would be longer than the "
+            f"{_MAX_SOCKET_PATH_BYTES} bytes of a Unix socket address: set TMPDIR to a "
+            "shorter directory")
 
 
 class EtcdServer:
@@ -220,8 +208,7 @@ class EtcdServer:
         self._private = private
         self._root_password: str | None = None  # set by enable_auth
         self._workdir: str | None = None  # owned temp dir: data and/or log
-        self._proc: subprocess.Popen | None = None
-        self._paused = False
+        self._process = ServerProcess()
 
     # -- addresses -------------------------------------------------------------
 
@@ -267,11 +254,11 @@ class EtcdServer:
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        return self._process.pid
 
     @property
     def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        return self._process.running
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -293,7 +280,7 @@ class EtcdServer:
             self._workdir = tempfile.mkdtemp(prefix="elastic-etcd-")
         deadline = time.monotonic() + timeout_s
         if self._private:
-            self._check_private_dir()
+            check_private_dir(self._workdir, (_PRIVATE_CLIENT, _PRIVATE_PEER))
         for attempt in range(1, _PORT_RETRIES + 1):
             missing = not self._private and (self._client_port is None
                                              or self._peer_port is None)
@@ -309,11 +296,11 @@ class EtcdServer:
             outcome = self._wait_ready(deadline)
             if outcome == "ready":
                 logger.info("etcd started at %s (pid %d, data %s).",
-                            self.endpoint, self._proc.pid, self.data_dir)
+                            self.endpoint, self.pid, self.data_dir)
                 return self
-            self._terminate()
+            self._process.terminate()
             port_race = (outcome == "exited" and not self._private
-                         and "address already in use" in self._log_tail())
+                         and "address already in use" in log_tail(self.log_path))
             if not (port_race and not self._fixed_ports and attempt < _PORT_RETRIES):
                 break
             logger.info("etcd ports %d/%d were taken; retrying with new ones.",
@@ -321,50 +308,41 @@ class EtcdServer:
         why = "exited" if outcome == "exited" else f"did not become ready within {timeout_s:.1f} s"
         kept = f" ({self._given_log_path})" if self._given_log_path else ""
         message = (f"embedded etcd at {self.endpoint} {why}; last lines of its log{kept}:\n"
-                   f"{self._log_tail()}")
+                   f"{log_tail(self.log_path)}")
         self.stop()  # removes only our temp dir; the log tail is in the message
         raise StoreUnavailableError(message)
 
     def stop(self) -> None:
         """Stop etcd (SIGTERM, then SIGKILL after 5 s) and remove temporary
         files. Idempotent."""
-        self._terminate()
+        self._process.terminate()
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
 
     def restart(self, timeout_s: float = 20.0) -> "EtcdServer":
         """Stop etcd and start it again with the same data and ports."""
-        self._terminate()
+        self._process.terminate()
         self._fixed_ports = True
         return self.start(timeout_s)
 
     def kill(self) -> None:
         """SIGKILL etcd at once (a crash); data and ports are kept for :meth:`restart`."""
-        if self.running:
-            self._signal(signal.SIGKILL)
-            self._proc.wait()
-        self._paused = False
+        self._process.kill()
 
     def pause(self) -> None:
         """Freeze etcd (SIGSTOP): connections stay open, nothing is answered."""
-        if self.running:
-            self._signal(signal.SIGSTOP)
-            self._paused = True
+        self._process.pause()
 
     def resume(self) -> None:
         """Thaw etcd after :meth:`pause` (SIGCONT)."""
-        if self.running:
-            self._signal(signal.SIGCONT)
-        self._paused = False
+        self._process.resume()
 
     def __enter__(self) -> "EtcdServer":
         return self.start()
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
-
-    # -- internals -------------------------------------------------------------
 
     # -- authentication -----------------------------------------------------------
 
@@ -397,71 +375,25 @@ class EtcdServer:
         readwrite on each of ``prefixes`` (every key that starts with it: range
         end = the prefix with its last byte plus one) and nothing else.
         Works before and after :meth:`enable_auth` (then as root)."""
-        from elastic.store.etcdpb import auth_pb2, rpc_pb2, rpc_pb2_grpc
-
-        from elastic.store.etcd_convert import key_range
+        from elastic.store import server_admin
 
         with self.channel() as channel:
-            auth = rpc_pb2_grpc.AuthStub(channel)
-            md = self._root_metadata(auth)
-            auth.RoleAdd(rpc_pb2.AuthRoleAddRequest(name=name), timeout=10, metadata=md)
-            for prefix in prefixes:
-                start, end = key_range(prefix, True)
-                perm = auth_pb2.Permission(permType=auth_pb2.Permission.READWRITE,
-                                           key=start, range_end=end)
-                auth.RoleGrantPermission(
-                    rpc_pb2.AuthRoleGrantPermissionRequest(name=name, perm=perm),
-                    timeout=10, metadata=md)
-            auth.UserAdd(rpc_pb2.AuthUserAddRequest(name=name, password=password),
-                         timeout=10, metadata=md)
-            auth.UserGrantRole(rpc_pb2.AuthUserGrantRoleRequest(user=name, role=name),
-                               timeout=10, metadata=md)
+            server_admin.add_user(channel, name, password, prefixes, self._root_password)
 
     def enable_auth(self, root_password: str) -> None:
         """Create the root user (with the root role) and turn authentication
         on: from then on every request needs a user (a token, or a client
         certificate whose common name is a user)."""
-        from elastic.store.etcdpb import rpc_pb2, rpc_pb2_grpc
+        from elastic.store import server_admin
 
         with self.channel() as channel:
-            auth = rpc_pb2_grpc.AuthStub(channel)
-            auth.RoleAdd(rpc_pb2.AuthRoleAddRequest(name="root"), timeout=10)
-            auth.UserAdd(rpc_pb2.AuthUserAddRequest(name="root", password=root_password),
-                         timeout=10)
-            auth.UserGrantRole(rpc_pb2.AuthUserGrantRoleRequest(user="root", role="root"),
-                               timeout=10)
-            auth.AuthEnable(rpc_pb2.AuthEnableRequest(), timeout=10)
+            server_admin.enable_auth(channel, root_password)
         self._root_password = root_password
-
-    def _root_metadata(self, auth):
-        if self._root_password is None:
-            return None
-        from elastic.store.etcdpb import rpc_pb2
-
-        resp = auth.Authenticate(rpc_pb2.AuthenticateRequest(name="root",
-                                                             password=self._root_password),
-                                 timeout=10)
-        return (("token", resp.token),)
 
     # -- internals -------------------------------------------------------------
 
     def _socket_path(self, name: str) -> str:
         return os.path.join(self._workdir, name)
-
-    def _check_private_dir(self) -> None:
-        """The sockets' directory is this user's, 0700, and their paths fit in a
-        Unix socket address; StoreUnavailableError otherwise."""
-        info = os.lstat(self._workdir)
-        if info.st_uid != os.geteuid() or info.st_mode & 0o077 or os.path.islink(self._workdir):
-            raise StoreUnavailableError(f"the private etcd's directory {self._workdir} is not "
-                                        "this user's alone (mode 0700)")
-        longest = max(len(os.fsencode(self._socket_path(n)))
-                      for n in (_PRIVATE_CLIENT, _PRIVATE_PEER))
-        if longest > _MAX_SOCKET_PATH_BYTES:
-            raise StoreUnavailableError(
-                f"the private etcd's sockets under {self._workdir} would be longer than the "
-                f"{_MAX_SOCKET_PATH_BYTES} bytes of a Unix socket address: set TMPDIR to a "
-                "shorter directory")
 
     def _command(self, binary: str) -> list[str]:
         scheme = "https" if self._tls is not None else "http"
@@ -497,22 +429,9 @@ class EtcdServer:
         return cmd
 
     def _spawn(self, binary: str) -> None:
-        log_path = self.log_path
-        os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-        with open(log_path, "ab") as log:
-            log.write(f"--- starting etcd on client port {self._client_port}\n".encode())
-            log.flush()
-            self._proc = subprocess.Popen(
-                self._command(binary),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # own process group: signals reach only etcd
-                preexec_fn=_parent_death_guard(),
-                close_fds=True,
-                cwd=self._workdir if self._private else None,
-            )
-        self._paused = False
+        self._process.spawn(self._command(binary), self.log_path,
+                            f"--- starting etcd on client port {self._client_port}",
+                            cwd=self._workdir if self._private else None)
 
     def _wait_ready(self, deadline: float) -> str:
         """"ready", "exited" or "timeout"."""
@@ -526,7 +445,7 @@ class EtcdServer:
         with self.channel() as channel:
             kv = rpc_pb2_grpc.KVStub(channel)
             while True:
-                if self._proc.poll() is not None:
+                if not self._process.running:
                     return "exited"
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -540,33 +459,3 @@ class EtcdServer:
                     if exc.code() in refused:
                         return "ready"
                     time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-
-    def _signal(self, signum: int) -> None:
-        try:
-            os.killpg(self._proc.pid, signum)
-        except ProcessLookupError:
-            pass
-
-    def _terminate(self) -> None:
-        proc = self._proc
-        if proc is None:
-            return
-        if proc.poll() is None:
-            self._signal(signal.SIGTERM)
-            if self._paused:
-                self._signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-            try:
-                proc.wait(timeout=_STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                logger.warning("etcd (pid %d) ignored SIGTERM for %.0f s; killing it.",
-                               proc.pid, _STOP_GRACE_S)
-                self._signal(signal.SIGKILL)
-                proc.wait()
-        self._paused = False
-
-    def _log_tail(self) -> str:
-        try:
-            with open(self.log_path, "r", errors="replace") as f:
-                return "".join(collections.deque(f, maxlen=_LOG_TAIL_LINES))
-        except (OSError, TypeError):
-            return "(no log)"
