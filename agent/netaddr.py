@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, NoReturn
 
 from elastic.errors import ConfigError
+from elastic.hostport import HostPort
 
 log = logging.getLogger(__name__)
 
@@ -184,15 +185,14 @@ def choose_advertise_addr(explicit: str | None, *, standalone: bool, etcd: str |
     endpoint = _first_endpoint(etcd or "")
     if endpoint is None:
         _refuse(f"{name_problem}, and the etcd endpoint {etcd!r} names no host to route to")
-    host, port = endpoint
-    where = f"etcd at {host}:{port}"
-    etcd_addrs = net.resolve(host)
+    where = f"etcd at {endpoint.host}:{endpoint.port}"
+    etcd_addrs = net.resolve(endpoint.host)
     if not etcd_addrs:
         _refuse(f"{name_problem}, and {where} does not resolve")
     if _is_loopback(etcd_addrs[0]):
         return AdvertiseChoice(LOOPBACK, f"{name_problem}, and {where} is on loopback too: "
                                          "a single-machine job")
-    source = net.route_source(etcd_addrs[0], port)
+    source = net.route_source(etcd_addrs[0], endpoint.port)
     if source is None:
         _refuse(f"{name_problem}, and there is no route to {where} ({etcd_addrs[0]})")
     if _unusable(source):
@@ -268,9 +268,9 @@ def _interface_carrying(addr: str, net: HostNetwork) -> str | None:
     return LOOPBACK_INTERFACE if _is_loopback(addr) else net.interface_of(addr)
 
 
-def _first_endpoint(etcd: str) -> tuple[str, int] | None:
-    """(host, port) of the first of the comma-separated endpoints, any scheme
-    or none; None when it names no host."""
+def _first_endpoint(etcd: str) -> HostPort | None:
+    """The host and port of the first of the comma-separated endpoints, any
+    scheme or none (port 2379 unless given); None when it names no host."""
     first = etcd.split(",", 1)[0].strip()
     if not first:
         return None
@@ -280,7 +280,7 @@ def _first_endpoint(etcd: str) -> tuple[str, int] | None:
         host, port = split.hostname, split.port
     except ValueError:
         return None
-    return (host, port or ETCD_DEFAULT_PORT) if host else None
+    return HostPort(host, port or ETCD_DEFAULT_PORT) if host else None
 
 
 def _refuse(problem: str) -> NoReturn:

@@ -367,58 +367,87 @@ def choose_rendezvous(line: CommandLine, *, etcd: str | None, standalone: bool,
     standalone job, a random job id for a standalone one. Raises ConfigError,
     one line that says what to give instead.
     """
-    notes: list[tuple[str, str]] = []
-    raw_backend = line.value("--rdzv-backend")
-    backend = None if raw_backend is None else str(raw_backend).strip().lower()
-    if backend is not None and backend not in ETCD_BACKENDS + STORELESS_BACKENDS:
-        raise ConfigError(f"--rdzv-backend {raw_backend!r}: elasticd meets through etcd: use "
-                          "--rdzv-backend etcd with --rdzv-endpoint ETCD_HOST:2379 (or "
-                          "--standalone on one node)")
-    endpoint_flag = line.flags.get("etcd", ("",))[0] == "rdzv-endpoint"
-    static = [f for f in _STATIC_ONLY if line.given(f)]
-    c10d_keys = [k for k in C10D_KEYS if k in line.rdzv_conf]
-    conf_noop = [k.name for k in CONF_KEYS if k.name in line.rdzv_conf
-                 and k.setting not in OPTION_OF_SETTING and k.setting is not Setting.PROTOCOL]
-    if conf_noop:
-        notes.append(("INFO", f"--rdzv-conf {', '.join(conf_noop)}: nothing to set, each etcd "
-                              "call of elasticd's rendezvous has its own short deadline"))
-    protocol = line.rdzv[Setting.PROTOCOL].value if Setting.PROTOCOL in line.rdzv else None
-
+    given = _RendezvousFlags.read(line)
     if standalone:
-        if etcd and not endpoint_flag:
+        if etcd and not given.endpoint_flag:
             raise ConfigError("give either --etcd or --standalone, not both")
-        ignored = ([f"--rdzv-backend {raw_backend}"] if raw_backend is not None else []) + \
-            (["--rdzv-endpoint"] if endpoint_flag else []) + static
+        ignored = ([f"--rdzv-backend {given.raw_backend}"] if given.raw_backend is not None
+                   else []) + (["--rdzv-endpoint"] if given.endpoint_flag else []) + given.static
         if ignored:
-            notes.append(("WARNING", f"--standalone: ignoring {', '.join(ignored)}, as torchrun "
-                                     "does; the job runs on a private etcd on this machine"))
-        return _standalone(nnodes, job_id, notes, c10d_keys=c10d_keys)
-
+            given.notes.append(("WARNING", f"--standalone: ignoring {', '.join(ignored)}, as "
+                                           "torchrun does; the job runs on a private etcd on "
+                                           "this machine"))
+        return _standalone(nnodes, job_id, given.notes, c10d_keys=given.c10d_keys)
+    backend = given.backend
     refusal = c10d_refusal(line.rdzv_conf)
     if etcd and refusal is not None and backend not in STORELESS_BACKENDS:
         raise refusal
     if backend in ETCD_BACKENDS and not etcd:
         raise ConfigError(f"--rdzv-backend {backend} needs --rdzv-endpoint HOST:PORT, the "
                           "address of an etcd")
-    if etcd and backend is None and endpoint_flag:
+    if etcd and backend is None and given.endpoint_flag:
         raise ConfigError("--rdzv-endpoint without --rdzv-backend is torchrun's static "
                           "rendezvous (a TCP store there); elasticd's endpoint is an etcd: "
                           "add --rdzv-backend etcd")
     if backend in ETCD_BACKENDS or (etcd and backend is None):
-        if static:
-            notes.append(("WARNING", f"ignoring {', '.join(static)}: torchrun uses them only "
-                                     "with --rdzv-backend static; elasticd ranks the nodes "
-                                     "in the order they join and picks MASTER_ADDR and "
-                                     "MASTER_PORT each round"))
+        if given.static:
+            given.notes.append(("WARNING", f"ignoring {', '.join(given.static)}: torchrun uses "
+                                           "them only with --rdzv-backend static; elasticd "
+                                           "ranks the nodes in the order they join and picks "
+                                           "MASTER_ADDR and MASTER_PORT each round"))
         # A torchrun line gets torchrun's node count; elasticd's own (--etcd) must say it.
-        return Rendezvous(standalone=False, etcd=with_protocol(etcd, protocol),
+        return Rendezvous(standalone=False, etcd=with_protocol(etcd, given.protocol),
                           nnodes=nnodes or ("1" if backend else None), job_id=job_id,
-                          notes=tuple(notes))
-    if etcd and not endpoint_flag:
+                          notes=tuple(given.notes))
+    if etcd and not given.endpoint_flag:
         raise ConfigError(f"--rdzv-backend {backend} and --etcd: elasticd meets through the "
                           "etcd; drop --rdzv-backend or give --rdzv-backend etcd")
+    return _one_node_without_etcd(line, given, nnodes, job_id)
 
-    # torchrun's static or c10d rendezvous.
+
+@dataclass
+class _RendezvousFlags:
+    """torchrun's rendezvous flags as :func:`choose_rendezvous` weighs them;
+    ``notes`` collects its log lines."""
+
+    raw_backend: Any
+    backend: str | None
+    endpoint_flag: bool  # the etcd came as --rdzv-endpoint
+    static: list[str]  # the static rendezvous' flags given
+    c10d_keys: list[str]  # --rdzv-conf keys of torch's c10d store
+    protocol: str | None
+    notes: list[tuple[str, str]]
+
+    @classmethod
+    def read(cls, line: CommandLine) -> "_RendezvousFlags":
+        """Raises ConfigError for a backend elasticd does not know."""
+        raw_backend = line.value("--rdzv-backend")
+        backend = None if raw_backend is None else str(raw_backend).strip().lower()
+        if backend is not None and backend not in ETCD_BACKENDS + STORELESS_BACKENDS:
+            raise ConfigError(f"--rdzv-backend {raw_backend!r}: elasticd meets through etcd: "
+                              "use --rdzv-backend etcd with --rdzv-endpoint ETCD_HOST:2379 (or "
+                              "--standalone on one node)")
+        notes: list[tuple[str, str]] = []
+        conf_noop = [k.name for k in CONF_KEYS if k.name in line.rdzv_conf
+                     and k.setting not in OPTION_OF_SETTING
+                     and k.setting is not Setting.PROTOCOL]
+        if conf_noop:
+            notes.append(("INFO", f"--rdzv-conf {', '.join(conf_noop)}: nothing to set, each "
+                                  "etcd call of elasticd's rendezvous has its own short "
+                                  "deadline"))
+        return cls(raw_backend=raw_backend, backend=backend,
+                   endpoint_flag=line.flags.get("etcd", ("",))[0] == "rdzv-endpoint",
+                   static=[f for f in _STATIC_ONLY if line.given(f)],
+                   c10d_keys=[k for k in C10D_KEYS if k in line.rdzv_conf],
+                   protocol=(line.rdzv[Setting.PROTOCOL].value
+                             if Setting.PROTOCOL in line.rdzv else None),
+                   notes=notes)
+
+
+def _one_node_without_etcd(line: CommandLine, given: _RendezvousFlags, nnodes: str | None,
+                           job_id: str | None) -> Rendezvous:
+    """torchrun's static or c10d rendezvous: standalone for one node, refused for more."""
+    backend, static = given.backend, given.static
     _, max_nodes = parse_nnodes(nnodes or "1")
     if max_nodes > 1:
         if backend is None and not static:
@@ -434,11 +463,13 @@ def choose_rendezvous(line: CommandLine, *, etcd: str | None, standalone: bool,
     if node_rank is not None and int(node_rank) != 0:
         raise ConfigError(f"--node-rank {node_rank}: a job of one node has only node rank 0")
     told = [f for f in ("--master-addr", "--master-port") if line.given(f)]
-    notes.append(("INFO", "one node and no etcd: running standalone on a private etcd, as "
-                          f"torchrun runs a one-node {backend or 'static'} rendezvous locally"
-                          + (f"; instead of {' and '.join(told)}, MASTER_ADDR is 127.0.0.1 and "
-                             "MASTER_PORT a free port picked each round" if told else "")))
-    return _standalone(nnodes, job_id, notes, c10d_keys=c10d_keys)
+    given.notes.append(("INFO", "one node and no etcd: running standalone on a private etcd, "
+                                f"as torchrun runs a one-node {backend or 'static'} rendezvous "
+                                "locally"
+                                + (f"; instead of {' and '.join(told)}, MASTER_ADDR is "
+                                   "127.0.0.1 and MASTER_PORT a free port picked each round"
+                                   if told else "")))
+    return _standalone(nnodes, job_id, given.notes, c10d_keys=given.c10d_keys)
 
 
 def _standalone(nnodes: str | None, job_id: str | None, notes: list[tuple[str, str]], *,
