@@ -48,6 +48,18 @@ The rules, in order:
 * A member that has not reported starting its workers ``start_timeout_s``
   after its round was committed is left out: the round is formed again
   without it (and it stays out for ``suspect_s``, see ``Decision.suspects``).
+
+Two rules of the leader's own waits, on its monotonic ``now`` (they time
+nothing another machine compares):
+
+* Fence (:func:`fence_lost_members`): before a round leaves out members whose
+  lease expired, the leader waits until their agents say their workers
+  stopped (an agent that does not answer counts as stopped); after
+  ``FENCE_PATIENCE_TTLS`` lease TTLs of asking it forms the round anyway, so
+  a member that never stops cannot stall the job.
+* Takeover (:func:`takeover_failed`): a leader that cannot load its view keeps
+  trying; after a lease TTL of failures it resigns and campaigns again only a
+  TTL later, so that a node that can lead wins first.
 """
 
 from __future__ import annotations
@@ -55,6 +67,68 @@ from __future__ import annotations
 import dataclasses
 
 from elastic.rendezvous.api import Action, Decision, Observed, RendezvousConfig
+
+
+# How many lease TTLs a leader waits for the workers of lost members to stop.
+FENCE_PATIENCE_TTLS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class FenceVerdict:
+    """Whether the leader may form a round that leaves lost members out.
+
+    ``since``: when the leader began waiting for their workers, to pass back
+    on its next try (None: no wait open). ``overdue``: it stopped waiting
+    because the wait ran out, not because the workers stopped.
+    """
+
+    proceed: bool
+    since: float | None
+    reason: str
+    overdue: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TakeoverVerdict:
+    """Whether a leader that failed to load its view resigns now.
+
+    ``failing_since``: when its failures began, to pass back on the next
+    failure (None after it resigns). ``campaign_after``: when it may
+    campaign again once it resigned (None: it did not resign).
+    """
+
+    resign: bool
+    failing_since: float | None
+    reason: str
+    campaign_after: float | None = None
+
+
+def fence_lost_members(lost_addrs: tuple[str, ...], stopped: bool, since: float | None,
+                       now: float, lease_ttl_s: float) -> FenceVerdict:
+    """The fence rule (module docstring): ``stopped`` is what the agents at
+    ``lost_addrs`` answered at ``now``; ``since`` the last verdict's."""
+    addrs = ", ".join(lost_addrs)
+    if stopped:
+        return FenceVerdict(True, None, f"the workers of lost members at {addrs} stopped")
+    since = now if since is None else since
+    if now - since > FENCE_PATIENCE_TTLS * lease_ttl_s:
+        return FenceVerdict(True, None, f"lost members at {addrs} still report running workers "
+                                        f"after {now - since:.0f} s; forming the round anyway",
+                            overdue=True)
+    return FenceVerdict(False, since, f"waiting for the workers of lost members at {addrs} "
+                                      "to stop")
+
+
+def takeover_failed(since: float | None, now: float, lease_ttl_s: float) -> TakeoverVerdict:
+    """The takeover rule (module docstring), applied after a failure at
+    ``now``; ``since`` the last verdict's."""
+    since = now if since is None else since
+    if now - since > lease_ttl_s:
+        return TakeoverVerdict(True, None, f"could not take over as leader for "
+                                           f"{now - since:.0f} s; stepping down",
+                               campaign_after=now + lease_ttl_s)
+    return TakeoverVerdict(False, since, f"could not take over as leader for "
+                                         f"{now - since:.0f} s; retrying")
 
 
 def _plural(n: int, word: str) -> str:

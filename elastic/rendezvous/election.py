@@ -9,8 +9,10 @@ Only public store calls; no state but the names.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from elastic.errors import ConfigError
+from elastic.joblog import JobLogger
 from elastic.keyspace import JobKeys
 from elastic.rendezvous.api import cap_text, validate_id
 from elastic.store.api import Compare, Delete, Get, KeyValue, Put, Store
@@ -21,10 +23,13 @@ log = logging.getLogger(__name__)
 class Election:
     """Campaign for, hold and give up a job's leadership as ``node_id``."""
 
-    def __init__(self, store: Store, keys: JobKeys, node_id: str):
+    def __init__(self, store: Store, keys: JobKeys, node_id: str, *,
+                 round_of: Callable[[], int] = lambda: 0):
+        """``round_of``: the round this node knows, for its log lines."""
         self.store = store
         self.keys = keys
         self.node_id = node_id
+        self.log = JobLogger(log, keys.job_id, node_id, round_of)
 
     def campaign(self, lease_id: int) -> str | None:
         """Become leader if nobody is; return who leads now (this node's id
@@ -45,9 +50,9 @@ class Election:
             return holder
         # Not a leader's record (garbage, or written without a lease, so no
         # death would ever free it): replace exactly what was read.
-        log.warning("Job %s node %s: the leader key holds %s, which no leader wrote; "
-                    "taking its place.", self.keys.job_id, self.node_id,
-                    cap_text(repr(kvs[0].value), 64) if kvs[0].lease else "a key without a lease")
+        self.log.warning("the leader key holds %s, which no leader wrote; taking its place.",
+                         cap_text(repr(kvs[0].value), 64) if kvs[0].lease
+                         else "a key without a lease")
         taken = self.store.txn(
             [Compare.mod_revision(self.keys.leader, "==", kvs[0].mod_revision)],
             [Put(self.keys.leader, self.node_id.encode(), lease=lease_id)],

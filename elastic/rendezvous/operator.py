@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from elastic.errors import MalformedRecordError, RateLimitedError
+from elastic.joblog import JobLogger
 from elastic.keyspace import JobKeys
 from elastic.rendezvous.api import (
     RestartRequest,
@@ -124,8 +125,8 @@ def request_operator_restart(store: Store, keys: JobKeys, request: RestartReques
                 last = OperatorRestart.from_json(kv.key, kv.value)
             except MalformedRecordError as exc:
                 # Failing open: a bad record must not block every restart for good.
-                log.warning("Job %s: ignoring the last operator restart record: %s",
-                            keys.job_id, exc)
+                JobLogger(log, keys.job_id, request.node_id, lambda: request.round).warning(
+                    "ignoring the last operator restart record: %s", exc)
         gate = decide_operator_restart(last, now, interval_s)
         if not gate.allowed:
             raise RateLimitedError(f"restart of job {keys.job_id} refused: {gate.reason}",

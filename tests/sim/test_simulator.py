@@ -118,7 +118,7 @@ def test_success_declared_before_every_member_finished_is_caught(monkeypatch):
             return Decision(Action.SUCCEED_JOB, "one node finished")
         return real(observed, now, config)
 
-    monkeypatch.setattr("elastic.rendezvous.node.decide", eager)
+    monkeypatch.setattr(decisions, "decide", eager)
     found = _violations(PLANTED_SEEDS)
     assert any("declared succeeded" in v for v in found), found[:5]
 
@@ -148,7 +148,7 @@ def test_a_budget_never_spent_is_caught(monkeypatch):
     def no_budget(observed, now, config):
         return real(observed, now, dataclasses.replace(config, max_restarts=10**6))
 
-    monkeypatch.setattr("elastic.rendezvous.node.decide", no_budget)
+    monkeypatch.setattr(decisions, "decide", no_budget)
     found = _violations(range(20), profile="budget")
     assert any("over the budget" in v for v in found), found[:5]
 
@@ -160,7 +160,7 @@ def test_a_budget_spent_one_failure_early_is_caught(monkeypatch):
         return real(observed, now, dataclasses.replace(config,
                                                        max_restarts=config.max_restarts - 1))
 
-    monkeypatch.setattr("elastic.rendezvous.node.decide", eager)
+    monkeypatch.setattr(decisions, "decide", eager)
     found = _violations(range(20), profile="budget")
     assert any("failed for its budget" in v for v in found), found[:5]
 

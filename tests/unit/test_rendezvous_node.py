@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import queue
-import threading
 import time
 
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from elastic.errors import ConfigError, StoreUnavailableError
 from elastic.keyspace import JobKeys
 from elastic.rendezvous.api import NodeInfo, RendezvousConfig, ReportKind
+from elastic.rendezvous.inbox import Changed, Inbox, PartName, WatchEnded
 from elastic.rendezvous.node import SETTLED_CHECK_S, RendezvousNode
 from elastic.store.api import EventType, KeyValue, WatchEvent
 from tests.fakes.clock import FakeClock
@@ -81,12 +81,15 @@ class Cluster:
         self.config = RendezvousConfig(job_id="j", min_nodes=min_nodes,
                                        max_nodes=max_nodes or len(ids), settle_s=0.0,
                                        lease_ttl_s=3.0, scale_up_wait_s=scale_up_wait_s)
+        self.inboxes: dict[str, Inbox] = {}
         self.nodes = {i: self.add(i) for i in ids}
 
-    def add(self, node_id, fence=None):
+    def add(self, node_id, fence=None, on_round=None, inbox=None):
+        self.inboxes[node_id] = inbox or Inbox()
         node = RendezvousNode(self.store, self.config,
                               NodeInfo(node_id=node_id, host="h", addr=f"{node_id}:1"),
-                              clock=self.clock, port_picker=lambda _h: 1, fence=fence)
+                              clock=self.clock, port_picker=lambda _h: 1, fence=fence,
+                              on_round=on_round, inbox=self.inboxes[node_id])
         return node.start(thread=False)
 
     def settle(self, passes=4):
@@ -134,7 +137,7 @@ def test_a_watch_ended_by_compaction_is_recreated_even_if_the_first_reread_fails
     c.store.compact(c.store.revision)
     # The round watch of b ends (as etcd ends a compacted watch); the re-read fails once.
     c.store.fail_next("txn", BLIP, times=1)
-    c.nodes["b"]._inbox.put(("error", ("round", RuntimeError("compacted"))))
+    c.inboxes["b"].post(WatchEnded(PartName.ROUND, RuntimeError("compacted")))
     c.settle()
     c.nodes["a"].request_restart("operator", first, failure=False)
     c.settle()
@@ -266,38 +269,34 @@ def test_a_leader_key_that_no_leader_wrote_is_taken_back():
 
 
 def test_watch_events_are_applied_in_the_order_they_arrived():
-    # The loop thread takes the first event off the inbox to wake up; it used
-    # to put it back behind the events that arrived meanwhile, so a node could
-    # apply a leader key's old value last and believe a leader long replaced.
-    c = Cluster("a")
-    c.settle()
-    node, keys = c.nodes["a"], c.nodes["a"].keys
-
-    def put(value, revision, lease=0):
-        return ("leader", [WatchEvent(EventType.PUT, KeyValue(keys.leader, value, 1, revision,
-                                                              revision, lease))])
-
+    # The message that wakes the loop thread is applied before those that
+    # arrived while it woke: else a node could apply a leader key's old value
+    # last and believe in a leader long replaced.
     class Arrivals(queue.Queue):
-        """The first get() wakes the thread with ours; a newer event arrives at once."""
+        """The first blocking get() wakes the loop with ours; a newer event arrives at once."""
 
         woke = False
 
         def get(self, block=True, timeout=None):
-            if block and not self.woke:  # the thread's wait (pump() takes without blocking)
+            if block and not self.woke:  # the loop's wait (take() gets without blocking)
                 self.woke = True
                 self.put(put(b"evil", 101))  # posted by the watch thread meanwhile
                 return put(b"a", 100, lease=node.lease_id)
             return super().get(block, timeout)
 
-    node._inbox = Arrivals()
-    node._maintain = lambda: None  # only the order of the events is under test here
-    thread = threading.Thread(target=node._run, daemon=True)
-    thread.start()
-    time.sleep(0.3)
-    node._stopping.set()
-    node._inbox.put(("stop", None))
-    thread.join(timeout=5)
-    assert node._leader is None  # evil (no lease) arrived last: nobody leads
+    def put(value, revision, lease=0):
+        return Changed(PartName.LEADER, (WatchEvent(
+            EventType.PUT, KeyValue(keys.leader, value, 1, revision, revision, lease)),))
+
+    c = Cluster(max_nodes=1)
+    c.nodes = {"a": c.add("a", inbox=Inbox(Arrivals()))}
+    c.settle()
+    node, keys = c.nodes["a"], c.nodes["a"].keys
+    c.store.fail_next("txn", BLIP, times=1000)  # no campaign: only the events are under test
+    # One pass of the node's loop thread: wait for news, then pump.
+    assert c.inboxes["a"].wait(timeout_s=1.0) == put(b"a", 100, lease=node.lease_id)
+    node.pump()
+    assert node.leader_id is None  # evil (no lease) arrived last: nobody leads
 
 
 def test_a_garbage_round_event_delivered_after_the_leaders_commit_does_not_stall_later_rounds():
@@ -328,11 +327,12 @@ def test_a_garbage_round_event_delivered_after_the_leaders_commit_does_not_stall
 
 
 def test_garbage_over_the_round_is_overwritten_by_the_same_round_and_restarts_nothing():
-    c = Cluster("a", "b")
+    seen = []
+    c = Cluster(max_nodes=2)
+    c.nodes = {"a": c.add("a"), "b": c.add("b", on_round=seen.append)}
     c.settle()
     first = c.round()
-    seen = []
-    c.nodes["b"]._on_round = seen.append
+    seen.clear()  # only the rounds after the first count here
     keys = c.nodes["a"].keys
     for write in range(3):  # each write of garbage: the round written again, nothing more
         c.store.put(keys.round, b"garbage")
