@@ -33,12 +33,12 @@ The reader runs DCP's read loop itself (:meth:`VerifyingReader.read_data`), so
 that a tensor's bytes go from the file straight into the state dict's tensor,
 chunk by chunk, each chunk folded into the item's CRC-32 while it is in the
 CPU's cache; the item's description (dtype, shape, where the bytes lie) comes
-from its zip directory and a restricted unpickler (:meth:`_VerifyingView.describe`),
+from its zip directory and a restricted unpickler (:meth:`VerifyingView.describe`),
 not from ``torch.load``, whose fixed cost per call (0.1 to 0.3 ms, most of it its
 unpickler written in Python) came to about a sixth of a 0.1 s restore. DCP's
 loop lets ``torch.load`` allocate a tensor, read into it and copy that into the
 state dict: more memory traffic than the CRC-32 costs. Tensors that cannot be
-placed so go DCP's way (:func:`_load_tensor`). DCP's pickled objects
+placed so go DCP's way (:func:`load_tensor`). DCP's pickled objects
 (``BYTE_IO`` items, e.g. each hyperparameter of each parameter group) are
 unpickled by :class:`LoadPlanner` without ``torch.load`` for the same reason,
 within the restore's :class:`~elastic.checkpoint.trust.LoadPolicy`. An item
@@ -237,7 +237,7 @@ class _Changed(Exception):
     """Bytes differed between two reads of the same range."""
 
 
-class _VerifyingView(io.RawIOBase):
+class VerifyingView(io.RawIOBase):
     """One item's byte range of an open file, for ``torch.load``; checks what it
     serves against the item's CRC-32 (see the module docstring).
 
@@ -311,7 +311,7 @@ class _VerifyingView(io.RawIOBase):
         description (see :class:`_Saved`), from the item's zip directory and
         pickle: a few small reads, checked as any others are. None when the
         item is anything else or does not parse (``torch.load`` then reads it
-        and says what is wrong); the pickle is read by :class:`_TensorUnpickler`,
+        and says what is wrong); the pickle is read by :class:`TensorUnpickler`,
         which runs no code of the file's choosing, as the bytes are not yet
         verified."""
         try:
@@ -319,7 +319,7 @@ class _VerifyingView(io.RawIOBase):
             archive = compat.zip_archive(self)
             if archive is None:
                 return None
-            call = _TensorUnpickler(io.BytesIO(archive.get_record("data.pkl"))).load()
+            call = TensorUnpickler(io.BytesIO(archive.get_record("data.pkl"))).load()
             if not (type(call) is _RebuildTensor and type(call.storage) is _StorageRef
                     and not call.backward_hooks and not call.metadata):
                 return None
@@ -498,7 +498,7 @@ class VerifyingReader(dcp.FileSystemReader):
         self.items_reread = 0
         self._items = {name: {item.offset: item for item in digest.items}
                        for name, digest in files.items() if digest.items is not None}
-        self._open: dict[int, list[_VerifyingView]] = {}
+        self._open: dict[int, list[VerifyingView]] = {}
         self._sliced = 0
         self.tensors_in_place = 0
         self.tensors_on_device = 0  # of those, the ones read into CUDA memory
@@ -548,7 +548,7 @@ class VerifyingReader(dcp.FileSystemReader):
         self._sliced += 1
         path = os.path.join(self.directory, sinfo.relative_path)
         if not self.checksums:
-            return _VerifyingView(file.fileno(), path,
+            return VerifyingView(file.fileno(), path,
                                   layout.ItemDigest(sinfo.offset, sinfo.length, ""), checked=False)
         items = self._items.get(sinfo.relative_path)
         if items is None:
@@ -558,7 +558,7 @@ class VerifyingReader(dcp.FileSystemReader):
             raise self.fail(layout.Problem(path, f"DCP's .metadata locates an item at bytes "
                                                  f"{sinfo.offset}..{sinfo.offset + sinfo.length}"
                                                  f", which the manifest does not list"))
-        view = _VerifyingView(file.fileno(), path, item)
+        view = VerifyingView(file.fileno(), path, item)
         self._open.setdefault(id(file), []).append(view)
         return view
 
@@ -579,7 +579,7 @@ class VerifyingReader(dcp.FileSystemReader):
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         """DCP's read, with each tensor read straight into its place (see
-        :func:`_load_tensor`), then a check that every item went through
+        :func:`load_tensor`), then a check that every item went through
         :meth:`_slice_file`. Raises CheckpointError when one did not (a DCP that
         reads around the checks)."""
         before = self._sliced
@@ -614,7 +614,7 @@ class VerifyingReader(dcp.FileSystemReader):
                         planner.load_bytes(item, io.BytesIO(piece.read(info.length)))
                         continue
                     target = planner.resolve_tensor(item).detach()
-                    if _load_tensor(piece, item, target):
+                    if load_tensor(piece, item, target):
                         self.tensors_in_place += 1
                         self.tensors_on_device += target.is_cuda
                     planner.commit_tensor(item, target)
@@ -633,7 +633,7 @@ def _narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
     return tensor
 
 
-def _load_tensor(piece: Any, item: Any, target: torch.Tensor) -> bool:
+def load_tensor(piece: Any, item: Any, target: torch.Tensor) -> bool:
     """Put the tensor saved in ``piece`` (one item, a ``torch.save`` zip),
     narrowed as ``item`` says, into ``target``; True when its bytes went there
     directly.
@@ -641,17 +641,17 @@ def _load_tensor(piece: Any, item: Any, target: torch.Tensor) -> bool:
     DCP's reader lets ``torch.load`` allocate the tensor, reads the item into it
     and copies it into the target: three passes over the bytes, the first into
     freshly faulted-in memory. Here the item's description
-    (:meth:`_VerifyingView.describe`: dtype, shape, strides, where the
+    (:meth:`VerifyingView.describe`: dtype, shape, strides, where the
     storage's bytes lie in the item, byte order) says where the wanted part
     lies, and its bytes go straight from the file into the target's memory,
-    through the view's CRC-32 (:meth:`_VerifyingView.fill`); the target's
+    through the view's CRC-32 (:meth:`VerifyingView.fill`); the target's
     in-place counter is bumped as ``copy_`` would. Anything that cannot be put
     in place so (a target that is not contiguous CPU or CUDA memory of the same
     dtype, a part of the saved tensor that is not one block, a file written with
     another byte order, an item that is not one plain tensor, an item read
     without a verifying view) goes DCP's way.
     """
-    if (isinstance(piece, _VerifyingView) and target.device.type in ("cpu", "cuda")
+    if (isinstance(piece, VerifyingView) and target.device.type in ("cpu", "cuda")
             and target.is_contiguous()):
         saved = piece.describe()
         if saved is not None and saved.byte_order == sys.byteorder:
@@ -677,7 +677,7 @@ def _load_tensor(piece: Any, item: Any, target: torch.Tensor) -> bool:
     return False
 
 
-def _fill_device(piece: "_VerifyingView", start: int, nbytes: int, target: torch.Tensor) -> None:
+def _fill_device(piece: "VerifyingView", start: int, nbytes: int, target: torch.Tensor) -> None:
     """Read an item's bytes into page-locked memory, through the CRC-32, and copy them
     to the CUDA ``target`` asynchronously on its current stream (torch's pinned
     allocator keeps the buffer until the copy is done); the reader synchronizes
@@ -732,18 +732,18 @@ def _storage_types() -> dict[str, _StorageType]:
             if not name.startswith("Q")}
 
 
-class _NotPlain(Exception):
+class NotPlain(Exception):
     """The pickle holds more than one plain tensor."""
 
 
-class _TensorUnpickler(pickle.Unpickler):
+class TensorUnpickler(pickle.Unpickler):
     """Unpickles what ``torch.save`` writes for one plain tensor, and nothing else.
 
     The only things its globals resolve to are records (:class:`_RebuildTensor`,
     :class:`_StorageType`) and an empty ``OrderedDict`` (the backward hooks), so
     no code of the file's choosing runs: it may read bytes not yet verified
     (what ``torch.load(weights_only=True)`` would, at a tenth of the cost of its
-    unpickler written in Python). Anything else raises _NotPlain.
+    unpickler written in Python). Anything else raises NotPlain.
     """
 
     def find_class(self, module: str, name: str) -> Any:
@@ -753,7 +753,7 @@ class _TensorUnpickler(pickle.Unpickler):
             return collections.OrderedDict
         if module == "torch" and name in _storage_types():
             return _storage_types()[name]
-        raise _NotPlain(f"{module}.{name}")
+        raise NotPlain(f"{module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
         # ("storage", storage type, key, location, number of elements)
@@ -761,7 +761,7 @@ class _TensorUnpickler(pickle.Unpickler):
                 and type(pid[1]) is _StorageType and type(pid[2]) is str
                 and type(pid[4]) is int and pid[4] >= 0):
             return _StorageRef(pid[1].dtype, pid[2], pid[4])
-        raise _NotPlain("a persistent id that is not a storage")
+        raise NotPlain("a persistent id that is not a storage")
 
 
 # --- objects --------------------------------------------------------------------------------

@@ -174,7 +174,7 @@ class Stager:
     def _has_device_tensor(self, value: Any) -> bool:
         assert self._cuda is not None
         if isinstance(value, torch.Tensor):
-            return self._cuda.holds(_local(value))
+            return self._cuda.holds(local_tensor(value))
         if isinstance(value, dict):
             return any(self._has_device_tensor(v) for v in value.values())
         if isinstance(value, (list, tuple)):
@@ -196,7 +196,7 @@ class Stager:
     def _copy_tensor(self, tensor: torch.Tensor, path: Path, non_blocking: bool) -> torch.Tensor:
         with torch.no_grad():
             buffer = self._buffer(tensor, path)
-            local, target = _local(tensor), _local(buffer)
+            local, target = local_tensor(tensor), local_tensor(buffer)
             # Asynchronous only into page-locked memory: into pageable memory the
             # copy would return before the bytes are there.
             target.copy_(local, non_blocking=non_blocking and path in self._pinned)
@@ -208,18 +208,18 @@ class Stager:
         if buffer is not None and _same_layout(buffer, tensor):
             return buffer
         self._release(path)
-        local = _local(tensor).detach()
+        local = local_tensor(tensor).detach()
         if isinstance(tensor, DTensor):
             # The same spec over a CPU local tensor, so DCP writes the same shard.
             buffer = tensor.detach().to("cpu", copy=True)  # never the live one itself
-            if not _local(buffer).is_contiguous():
+            if not local_tensor(buffer).is_contiguous():
                 buffer = buffer.contiguous()
         else:
             buffer = torch.empty(local.shape, dtype=local.dtype, device="cpu")
         self.allocations += 1
         if (self._cuda is not None and self._cuda.holds(local)
-                and self._cuda.register(_local(buffer))):
-            self._pinned[path] = _local(buffer)
+                and self._cuda.register(local_tensor(buffer))):
+            self._pinned[path] = local_tensor(buffer)
         self._buffers[path] = buffer
         return buffer
 
@@ -230,7 +230,8 @@ class Stager:
             self._cuda.unregister(pinned)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor; any other tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
@@ -241,7 +242,7 @@ def _same_layout(buffer: torch.Tensor, tensor: torch.Tensor) -> bool:
                                         or buffer.device_mesh != tensor.device_mesh
                                         or buffer.shape != tensor.shape):
         return False
-    mine, theirs = _local(buffer), _local(tensor)
+    mine, theirs = local_tensor(buffer), local_tensor(tensor)
     return mine.shape == theirs.shape and mine.dtype == theirs.dtype
 
 

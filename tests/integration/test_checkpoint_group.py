@@ -1,4 +1,4 @@
-"""The checkpoint group's object collectives (elastic.checkpoint.checkpointer._Group)
+"""The checkpoint group's object collectives (elastic.checkpoint.group.CheckpointGroup)
 between two real gloo processes: payloads that fit in one frame and payloads that
 need the second round, gathered and broadcast, arrive whole and in rank order."""
 
@@ -16,11 +16,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 def _rank(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
-    from elastic.checkpoint.checkpointer import _FRAME, _Group
+    from elastic.checkpoint.group import FRAME_BYTES, CheckpointGroup
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    group = _Group.create(None, 60.0)
-    big = "x" * (3 * _FRAME) + str(rank)  # needs the second round
+    group = CheckpointGroup.create(None, 60.0)
+    big = "x" * (3 * FRAME_BYTES) + str(rank)  # needs the second round
     results = {
         "small": group.all_gather(("problems", rank, [rank] * 3), "testing"),
         "one big": group.all_gather(big if rank == 1 else rank, "testing"),
@@ -35,7 +35,7 @@ def _rank(rank: int, store: str, out: str) -> None:
 
 
 def test_object_collectives_deliver_small_and_large_payloads(tmp_path):
-    from elastic.checkpoint.checkpointer import _FRAME
+    from elastic.checkpoint.group import FRAME_BYTES
 
     context = multiprocessing.get_context("spawn")
     store = str(tmp_path / "store")
@@ -46,7 +46,7 @@ def test_object_collectives_deliver_small_and_large_payloads(tmp_path):
     for proc in procs:
         proc.join(90)
         assert proc.exitcode == 0
-    big = ["x" * (3 * _FRAME) + str(r) for r in range(2)]
+    big = ["x" * (3 * FRAME_BYTES) + str(r) for r in range(2)]
     for rank, out in enumerate(outs):
         with open(out) as f:
             got = json.load(f)
@@ -56,7 +56,7 @@ def test_object_collectives_deliver_small_and_large_payloads(tmp_path):
         assert got["broadcast small"] == ["step-1", "step-0"]
         assert got["broadcast big"] == big[0]
         assert got["after"] == [0, 1], rank
-    assert all(os.path.getsize(out) > 3 * _FRAME for out in outs)
+    assert all(os.path.getsize(out) > 3 * FRAME_BYTES for out in outs)
 
 
 def _rank_with_callers_group(rank: int, store: str, out: str) -> None:
@@ -65,11 +65,11 @@ def _rank_with_callers_group(rank: int, store: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from elastic.checkpoint.checkpointer import _Group
+    from elastic.checkpoint.group import CheckpointGroup
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     callers = dist.new_group([0, 1], backend="gloo")
-    group = _Group.create(callers, 60.0)
+    group = CheckpointGroup.create(callers, 60.0)
     # The training thread keeps using its group while the checkpoint's collectives run
     # in another thread: on one shared group the two pair up wrongly.
     sums = []

@@ -94,7 +94,7 @@ def _item(directory: str, fqn: str) -> layout.ItemDigest:
 
 def _refusals(caplog, name: str) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.name == "elastic.checkpoint.checkpointer" and name in r.getMessage()]
+            if r.name == "elastic.checkpoint.restore" and name in r.getMessage()]
 
 
 def _flip(path: str, offset: int) -> None:
@@ -163,7 +163,7 @@ def test_a_flipped_byte_inside_an_item_falls_back_to_the_previous_checkpoint(
     _flip(path, item.offset + item.length // 2)
     assert layout.verify(directory, checksums=False) == []  # the sizes are all right
 
-    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.checkpointer"):
+    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.restore"):
         start, restored, ckpt = _restore(root)
 
     assert start == 2 and ckpt.restored_path == os.path.join(root, PREVIOUS)
@@ -179,7 +179,7 @@ def test_a_flipped_byte_in_the_rank_state_falls_back(saved, root, caplog):
     _, weights = saved
     path = os.path.join(root, NEWEST, layout.rank_state_name(0))
     _flip(path, os.path.getsize(path) // 2)
-    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.checkpointer"):
+    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.restore"):
         start, restored, _ = _restore(root)
     assert start == 2 and _equal(restored, weights[1])
     assert any(path in r and "corrupt: CRC-32" in r for r in _refusals(caplog, NEWEST))
@@ -199,7 +199,7 @@ def test_without_items_a_flipped_byte_is_caught_by_the_whole_file_check(saved, r
         _strip_items(os.path.join(root, name))
     path = os.path.join(root, NEWEST, SHARD)
     _flip(path, os.path.getsize(path) // 2)
-    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.checkpointer"):
+    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.restore"):
         start, restored, _ = _restore(root)
     assert start == 2 and _equal(restored, weights[1])
     assert any(path in r and "corrupt: CRC-32" in r for r in _refusals(caplog, NEWEST))

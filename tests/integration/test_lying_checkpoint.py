@@ -168,7 +168,7 @@ def test_a_lying_checkpoint_is_refused_and_the_previous_one_restored(saved, tmp_
     os.mkdir(outside)
     why = lie(root, os.path.join(root, NEWEST), outside)
 
-    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.checkpointer"):
+    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.restore"):
         start, restored, ckpt = _restore(root)
 
     assert start == 2 and ckpt.restored_path == os.path.join(root, PREVIOUS)

@@ -20,15 +20,19 @@ from elastic.errors import CheckpointWriteError  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-def checkpointer(root, seed: int = 0) -> Checkpointer:
+def with_model(root, seed: int = 0) -> tuple[Checkpointer, torch.nn.Module]:
     torch.manual_seed(seed)
     model = torch.nn.Linear(64, 64)
     return Checkpointer(str(root), model=model,
-                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), keep=5)
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), keep=5), model
 
 
-def weights(ckpt: Checkpointer) -> dict:
-    return {k: v.clone() for k, v in ckpt._chunks[0].model.state_dict().items()}
+def checkpointer(root, seed: int = 0) -> Checkpointer:
+    return with_model(root, seed)[0]
+
+
+def weights(model: torch.nn.Module) -> dict:
+    return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def identity(directory: str) -> tuple:
@@ -86,11 +90,11 @@ def test_a_step_of_an_abandoned_line_newer_than_the_latest_is_replaced(tmp_path)
 def test_restore_checks_the_crc32_of_what_it_reads(tmp_path, caplog):
     # Mutant killed: the restore's reader built with checksums=False (sizes only),
     # which loads a checkpoint whose tensor bytes were changed in place.
-    saver = checkpointer(tmp_path, seed=1)
+    saver, saved_model = with_model(tmp_path, seed=1)
     saver.save(1, async_=False)
-    expected = weights(saver)
+    expected = weights(saved_model)
     with torch.no_grad():
-        for parameter in saver._chunks[0].model.parameters():
+        for parameter in saved_model.parameters():
             parameter.add_(1.0)
     saver.save(2, async_=False)
     saver.close()
@@ -103,9 +107,9 @@ def test_restore_checks_the_crc32_of_what_it_reads(tmp_path, caplog):
         byte = f.read(1)
         f.seek(item.offset + item.length - 9)
         f.write(bytes([byte[0] ^ 0x01]))
-    restorer = checkpointer(tmp_path, seed=2)
+    restorer, restored_model = with_model(tmp_path, seed=2)
     with caplog.at_level(logging.WARNING):
         assert restorer.restore() == 2  # step 1, not the changed step 2
     restorer.close()
-    assert all(torch.equal(weights(restorer)[k], v) for k, v in expected.items())
+    assert all(torch.equal(weights(restored_model)[k], v) for k, v in expected.items())
     assert "corrupt: CRC-32" in caplog.text and name in caplog.text

@@ -190,7 +190,7 @@ def one_item(tmp_path):
 
 def test_a_view_serves_reads_in_any_order_and_checks_them(one_item):
     path, fd, data, item = one_item
-    view = dcp_io._VerifyingView(fd, path, item)
+    view = dcp_io.VerifyingView(fd, path, item)
     view.seek(-100, os.SEEK_END)
     assert view.read() == data[-100:]
     view.seek(0)
@@ -202,7 +202,7 @@ def test_a_view_serves_reads_in_any_order_and_checks_them(one_item):
 
 def test_a_view_rereads_what_it_could_not_follow(one_item):
     path, fd, data, item = one_item
-    view = dcp_io._VerifyingView(fd, path, item)
+    view = dcp_io.VerifyingView(fd, path, item)
     buffer = bytearray(100_000)
     view.readinto(buffer)
     view.seek(50_000)
@@ -212,7 +212,7 @@ def test_a_view_rereads_what_it_could_not_follow(one_item):
 
 def test_bytes_that_change_between_two_reads_are_named(one_item):
     path, fd, data, item = one_item
-    view = dcp_io._VerifyingView(fd, path, item)
+    view = dcp_io.VerifyingView(fd, path, item)
     view.seek(-4096, os.SEEK_END)
     view.read(4096)  # torch.load reads an item's end first
     with open(path, "r+b") as f:
@@ -261,8 +261,8 @@ def test_tensors_that_cannot_be_placed_are_loaded_and_copied(saved):
 def test_a_file_of_another_byte_order_is_loaded_by_torch(saved, monkeypatch):
     directory, files = saved
     foreign = "big" if sys.byteorder == "little" else "little"
-    real = dcp_io._VerifyingView.describe
-    monkeypatch.setattr(dcp_io._VerifyingView, "describe",
+    real = dcp_io.VerifyingView.describe
+    monkeypatch.setattr(dcp_io.VerifyingView, "describe",
                         lambda self: real(self)._replace(byte_order=foreign))
     target, reader = load(directory, files)
     assert reader.tensors_in_place == 0 and reader.problems == []
@@ -275,7 +275,7 @@ def test_a_view_describes_the_tensor_torch_save_wrote(saved):
     path = os.path.join(directory, SHARD)
     fd = os.open(path, os.O_RDONLY)
     try:
-        view = dcp_io._VerifyingView(fd, path, item)
+        view = dcp_io.VerifyingView(fd, path, item)
         saved_tensor = view.describe()
         assert saved_tensor.byte_order == sys.byteorder
         assert saved_tensor.tensor.is_meta and saved_tensor.tensor.shape == (256, 300)
@@ -301,11 +301,11 @@ def test_a_tensor_saved_as_part_of_a_larger_storage_is_placed(tmp_path):
 
     fd = os.open(path, os.O_RDONLY)
     try:
-        view = dcp_io._VerifyingView(fd, path, layout.ItemDigest(0, len(data),
+        view = dcp_io.VerifyingView(fd, path, layout.ItemDigest(0, len(data),
                                                                  f"{zlib.crc32(data):08x}"))
         target = torch.zeros(2, 10, dtype=torch.float64)
         wanted = SimpleNamespace(storage_offsets=[0, 0], lengths=[2, 10], storage_index=None)
-        assert dcp_io._load_tensor(view, wanted, target)
+        assert dcp_io.load_tensor(view, wanted, target)
         assert torch.equal(target, whole.view(4, 10)[1:3])
         assert view.finish() is None
     finally:
@@ -338,8 +338,8 @@ def test_the_tensor_unpickler_runs_no_code_of_the_files_choosing():
     import io
     import pickle
 
-    with pytest.raises(dcp_io._NotPlain):
-        dcp_io._TensorUnpickler(io.BytesIO(pickle.dumps(_Rigged()))).load()
+    with pytest.raises(dcp_io.NotPlain):
+        dcp_io.TensorUnpickler(io.BytesIO(pickle.dumps(_Rigged()))).load()
     assert _CALLED == []
 
 
@@ -350,7 +350,7 @@ def test_an_item_that_is_not_one_plain_tensor_is_left_to_torch_load(tmp_path):
         f.write(data)
     fd = os.open(path, os.O_RDONLY)
     try:
-        view = dcp_io._VerifyingView(fd, path, layout.ItemDigest(0, len(data),
+        view = dcp_io.VerifyingView(fd, path, layout.ItemDigest(0, len(data),
                                                                  f"{zlib.crc32(data):08x}"))
         assert view.describe() is None and view.tell() == 0
         assert view.finish() is None
@@ -424,15 +424,15 @@ def test_part_of_a_saved_tensor_is_placed_and_the_whole_item_checked(saved, rows
     target = torch.zeros(length, 300)
     fd = os.open(path, os.O_RDONLY)
     try:
-        view = dcp_io._VerifyingView(fd, path, item)
+        view = dcp_io.VerifyingView(fd, path, item)
         wanted = SimpleNamespace(storage_offsets=[start, 0], lengths=[length, 300],
                                  storage_index=None)
-        assert dcp_io._load_tensor(view, wanted, target)
+        assert dcp_io.load_tensor(view, wanted, target)
         assert torch.equal(target, state()["big"][start:start + length])
         assert view.finish() is None and not view.reread
         flip(path, item.offset + item.length // 2)  # a byte this rank may not need
-        view = dcp_io._VerifyingView(fd, path, item)
-        dcp_io._load_tensor(view, wanted, torch.zeros(length, 300))
+        view = dcp_io.VerifyingView(fd, path, item)
+        dcp_io.load_tensor(view, wanted, torch.zeros(length, 300))
         assert "corrupt: CRC-32" in view.finish().reason
     finally:
         os.close(fd)
@@ -467,8 +467,8 @@ def test_a_description_that_overruns_its_storage_is_not_followed(saved, monkeypa
     # set_() on the meta device does not check a tensor against its storage's size;
     # bytes past the storage (the rest of the zip) must never be placed as data.
     directory, files = saved
-    real = dcp_io._VerifyingView.describe
-    monkeypatch.setattr(dcp_io._VerifyingView, "describe",
+    real = dcp_io.VerifyingView.describe
+    monkeypatch.setattr(dcp_io.VerifyingView, "describe",
                         lambda self: real(self)._replace(nbytes=real(self).nbytes - 4))
     target, reader = load(directory, files)
     assert reader.tensors_in_place == 0 and reader.problems == []

@@ -136,7 +136,7 @@ def test_a_save_replaces_a_malformed_latest_record_instead_of_failing(node, sock
     ckpt = Checkpointer(str(tmp_path / "ckpt"), model=nn.Linear(2, 2),
                         commit_log=AgentCommitLog(socket_path), on_saving=lambda seconds: None)
     try:
-        with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.checkpointer"):
+        with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.saving"):
             ckpt.save(4)
             ckpt.wait()
         assert AgentCommitLog(socket_path).latest().step == 4

@@ -440,7 +440,7 @@ def test_split_by_bytes_balances_and_covers_every_file_once():
 def test_a_foreign_failure_is_reported_with_its_type():
     # A torch error whose whole message is "<class 'type'>" said nothing.
     pytest.importorskip("torch")
-    from elastic.checkpoint.checkpointer import describe_failure
+    from elastic.checkpoint.failures import describe_failure
 
     assert describe_failure(TypeError("<class 'type'>")) == "TypeError: <class 'type'>"
     assert describe_failure(RuntimeError("")) == "RuntimeError"

@@ -111,13 +111,13 @@ def test_a_root_that_every_user_can_write_is_warned_about_once(tmp_path, caplog)
     root = tmp_path / "shared"
     root.mkdir()
     os.chmod(root, 0o1777)  # like /tmp: others can still create a step directory
-    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.checkpointer"):
+    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.root"):
         Checkpointer(str(root), model=torch.nn.Linear(3, 2))
     warned = [r.getMessage() for r in caplog.records if "writable by every user" in r.getMessage()]
     assert len(warned) == 1 and str(root) in warned[0] and "1777" in warned[0]
     caplog.clear()
     os.chmod(root, 0o700)
-    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.checkpointer"):
+    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.root"):
         Checkpointer(str(root), model=torch.nn.Linear(3, 2))
     assert caplog.records == []
     assert layout.root_exposure(str(tmp_path / "missing")) is None

@@ -1,0 +1,112 @@
+"""What a Checkpointer finds out from its environment: the checkpoint root and
+mode, the agent's round, the agent's "saving" hook, the training device.
+
+Each is read only where the caller did not pass the value.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, Sequence
+
+import torch
+
+from elastic.checkpoint import layout, state
+from elastic.checkpoint.staging import local_tensor
+from elastic.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+ENV_CHECKPOINT_DIR = "ELASTIC_CHECKPOINT_DIR"
+ENV_CHECKPOINT_MODE = "ELASTIC_CHECKPOINT_MODE"
+
+
+def root_from_env(root: str | None) -> str:
+    """``root``, else ``$ELASTIC_CHECKPOINT_DIR``, made absolute. Raises
+    ConfigError when neither is set."""
+    root = root or os.environ.get(ENV_CHECKPOINT_DIR)
+    if not root:
+        raise ConfigError(f"no checkpoint directory: pass root= or set {ENV_CHECKPOINT_DIR}")
+    return os.path.abspath(root)
+
+
+def mode_from_env() -> int:
+    """``$ELASTIC_CHECKPOINT_MODE`` (octal, e.g. 750) or the private default.
+    Raises ConfigError for a value that is not octal digits."""
+    raw = os.environ.get(ENV_CHECKPOINT_MODE, "").strip()
+    if not raw:
+        return layout.DIR_MODE
+    try:
+        return int(raw.removeprefix("0o"), 8)
+    except ValueError:
+        raise ConfigError(f"{ENV_CHECKPOINT_MODE}={raw[:20]!r}: expected an octal mode such "
+                          f"as 700 or 750") from None
+
+
+def round_from_env() -> int:
+    """The agent's round (``$ELASTIC_ROUND``, 0 without an agent): it names
+    temporaries and is the fencing token of commits. Raises ConfigError for a
+    value that is not an integer."""
+    try:
+        return int(os.environ.get("ELASTIC_ROUND", "0") or 0)
+    except ValueError as exc:
+        raise ConfigError(f"ELASTIC_ROUND must be an integer: {exc}") from exc
+
+
+def default_on_saving() -> Callable[[float], None]:
+    """The worker runtime's ``saving`` hook (it suspends the agent's hang
+    detection), or a no-op where the worker runtime cannot be imported."""
+    try:
+        from elastic.worker import runtime
+    except ImportError:
+        return lambda seconds: None
+    return runtime.saving
+
+
+class SavingNotice:
+    """Tells the ``on_saving`` hook a save's estimated duration when it starts and 0
+    when it ends. Never raises: a failing hook is a warning, the save goes on."""
+
+    # A save's duration announced: a fixed allowance for collectives, fsync and
+    # commit plus the shard at a pessimistic per-rank write rate.
+    FIXED_S = 60.0
+    BYTES_PER_S = 100 * 2**20
+
+    def __init__(self, on_saving: Callable[[float], None], rank: int):
+        self._on_saving = on_saving
+        self._rank = rank
+
+    def started(self, nbytes: int) -> None:
+        """A save of ``nbytes`` (this rank's shard) started."""
+        self._announce(self.FIXED_S + nbytes / self.BYTES_PER_S)
+
+    def ended(self) -> None:
+        self._announce(0.0)
+
+    def _announce(self, seconds: float) -> None:
+        try:
+            self._on_saving(seconds)
+        except Exception as exc:  # noqa: BLE001 - a telemetry hook must not break a save
+            log.warning("Rank %d: the on_saving hook failed (%s); the save goes on.",
+                        self._rank, exc)
+
+
+def cuda_index(device: torch.device | int) -> int | None:
+    """A CUDA device's index (the current one for a bare ``cuda``); None for another type."""
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def training_device(chunks: Sequence[state.Chunk]) -> int | None:
+    """The CUDA device the model's parameters are on (the first one found), so the
+    checkpoint thread works on it rather than on device 0; None when none is on CUDA."""
+    for chunk in chunks:
+        for parameter in chunk.model.parameters():
+            if local_tensor(parameter).is_cuda:
+                return local_tensor(parameter).device.index
+    return None
