@@ -14,50 +14,16 @@ import threading
 from typing import Protocol
 
 from elastic.errors import ConfigError
-from elastic.store.api import (
-    DEFAULT_CONNECT_TIMEOUT_S,
-    DEFAULT_REQUEST_TIMEOUT_S,
-    Compare,
-    CompareTarget,
-    Delete,
-    ErrorCallback,
-    EventsCallback,
-    EventType,
-    Get,
-    KeyValue,
-    Op,
-    OpCounter,
-    Put,
-    Session,
-    Store,
-    TxnResult,
-    Watch,
-    WatchEvent,
-)
+from elastic.store import api
+from elastic.store.api import *  # noqa: F403 (the interface, named in api.__all__)
+from elastic.store.api import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S, Store
 from elastic.store.security import PASSWORD_ENV, EtcdSecurity, security_from_options
 
 __all__ = [
-    "DEFAULT_CONNECT_TIMEOUT_S",
-    "DEFAULT_REQUEST_TIMEOUT_S",
-    "Compare",
-    "CompareTarget",
-    "Delete",
+    *api.__all__,
     "EtcdSecurity",
-    "ErrorCallback",
-    "EventsCallback",
-    "EventType",
-    "Get",
-    "KeyValue",
-    "Op",
-    "OpCounter",
     "PASSWORD_ENV",
-    "Put",
-    "Session",
-    "Store",
     "StoreFactory",
-    "TxnResult",
-    "Watch",
-    "WatchEvent",
     "open_store",
     "register_backend",
     "security_from_options",
@@ -102,9 +68,9 @@ def open_store(
     """Open the store at ``endpoints``.
 
     ``http://`` and ``https://`` URLs, bare ``host:port`` lists (comma
-    separated) and one ``unix:///path`` (an etcd's Unix socket) open etcd, with ``security`` (TLS files, user and password;
-    see :class:`EtcdSecurity`); another ``scheme://`` opens the backend
-    registered for it.
+    separated) and one ``unix:///path`` (an etcd's Unix socket) open etcd, with
+    ``security`` (TLS files, user and password; see :class:`EtcdSecurity`);
+    another ``scheme://`` opens the backend registered for it.
 
     Raises:
         ConfigError: an unknown scheme, endpoints the backend rejects, bad

@@ -23,9 +23,31 @@ from __future__ import annotations
 import abc
 import collections
 import enum
+import operator
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence, Union
+
+__all__ = [
+    "DEFAULT_CONNECT_TIMEOUT_S",
+    "DEFAULT_REQUEST_TIMEOUT_S",
+    "Compare",
+    "CompareTarget",
+    "Delete",
+    "ErrorCallback",
+    "EventsCallback",
+    "EventType",
+    "Get",
+    "KeyValue",
+    "Op",
+    "OpCounter",
+    "Put",
+    "Session",
+    "Store",
+    "TxnResult",
+    "Watch",
+    "WatchEvent",
+]
 
 DEFAULT_REQUEST_TIMEOUT_S = 5.0
 # How long reaching etcd may take before a client gives up (elasticd's --connect-timeout).
@@ -71,6 +93,14 @@ class CompareTarget(enum.Enum):
     VALUE = "value"
 
 
+_COMPARE_OPS: dict[str, Callable[[object, object], bool]] = {
+    "==": operator.eq,
+    "!=": operator.ne,
+    "<": operator.lt,
+    ">": operator.gt,
+}
+
+
 @dataclass(frozen=True)
 class Compare:
     """A condition of a transaction: ``<target of key> <op> <operand>``.
@@ -85,8 +115,29 @@ class Compare:
     operand: Union[int, bytes]
 
     def __post_init__(self) -> None:
-        if self.op not in ("==", "!=", "<", ">"):
+        if self.op not in _COMPARE_OPS:
             raise ValueError(f"unknown compare operator {self.op!r}")
+
+    def check_operand(self) -> None:
+        """Raises TypeError: the operand's type does not fit the target
+        (bytes for VALUE, an int otherwise)."""
+        if self.target is CompareTarget.VALUE:
+            if not isinstance(self.operand, (bytes, bytearray)):
+                raise TypeError(f"a value compare needs bytes, got {type(self.operand).__name__}")
+        elif isinstance(self.operand, bool) or not isinstance(self.operand, int):
+            raise TypeError(f"a {self.target.value} compare needs an int, got {self.operand!r}")
+
+    def holds(self, kv: KeyValue | None) -> bool:
+        """Whether the compare holds for ``kv`` (None: the key is absent), as
+        etcd decides it. Raises TypeError as :meth:`check_operand`."""
+        self.check_operand()
+        if self.target is CompareTarget.VALUE:
+            if kv is None:
+                return False  # etcd: a value compare on an absent key fails whatever the op
+            actual: object = kv.value
+        else:
+            actual = 0 if kv is None else getattr(kv, self.target.value)
+        return _COMPARE_OPS[self.op](actual, self.operand)
 
     @staticmethod
     def absent(key: str) -> "Compare":
@@ -94,14 +145,20 @@ class Compare:
 
     @staticmethod
     def version(key: str, op: str, version: int) -> "Compare":
+        """On the number of writes to the key since it was created (0: absent)."""
         return Compare(key, CompareTarget.VERSION, op, version)
 
     @staticmethod
     def mod_revision(key: str, op: str, revision: int) -> "Compare":
+        """On the revision of the key's last write; a fencing token: it
+        changes with every write, so ``==`` says nobody wrote since it was read."""
         return Compare(key, CompareTarget.MOD_REVISION, op, revision)
 
     @staticmethod
     def create_revision(key: str, op: str, revision: int) -> "Compare":
+        """On the revision that created the key; it stays while the key lives,
+        so ``==`` says the key is still the one that was read (not deleted and
+        written again)."""
         return Compare(key, CompareTarget.CREATE_REVISION, op, revision)
 
     @staticmethod
@@ -307,7 +364,6 @@ class Store(abc.ABC):
         """Revoke any lease (its keys are deleted at once); a lease that is
         already gone is not an error. Raises the store's errors."""
 
-    @abc.abstractmethod
     def watch(
         self,
         key: str,
@@ -321,7 +377,19 @@ class Store(abc.ABC):
         order, from a background thread. ``start_revision`` None means "changes
         after now". ``on_error`` is called once if the watch ends for good
         (WatchCompactedError); transient disconnects are retried internally.
+
+        Raises:
+            ValueError: ``start_revision`` is not positive.
         """
+        if start_revision is not None and start_revision < 1:
+            raise ValueError(f"start_revision must be >= 1, got {start_revision}")
+        return self._start_watch(key, prefix, start_revision, on_events, on_error)
+
+    def _start_watch(self, key: str, prefix: bool, start_revision: int | None,
+                     on_events: EventsCallback, on_error: ErrorCallback | None) -> Watch:
+        """What a backend does for :meth:`watch`, its arguments checked.
+        Not abstract only so that a wrapper may override :meth:`watch` itself."""
+        raise NotImplementedError(f"{type(self).__name__} implements no watch")
 
     @abc.abstractmethod
     def close(self) -> None:

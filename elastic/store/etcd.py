@@ -219,15 +219,8 @@ class EtcdStore(Store):
 
     # -- watches ----------------------------------------------------------------
 
-    def watch(
-        self,
-        key: str,
-        on_events: EventsCallback,
-        *,
-        prefix: bool = False,
-        start_revision: int | None = None,
-        on_error: ErrorCallback | None = None,
-    ) -> Watch:
+    def _start_watch(self, key: str, prefix: bool, start_revision: int | None,
+                     on_events: EventsCallback, on_error: ErrorCallback | None) -> Watch:
         """See :meth:`Store.watch`.
 
         With ``start_revision`` None this reads the current revision first, so
@@ -238,13 +231,10 @@ class EtcdStore(Store):
         :mod:`.etcd_watch`). Callable from a callback.
 
         Raises:
-            ValueError: ``start_revision`` is not positive.
             StoreUnavailableError, StoreTimeoutError: reading the current
                 revision failed.
             StoreError: the store is closed.
         """
-        if start_revision is not None and start_revision < 1:
-            raise ValueError(f"start_revision must be >= 1, got {start_revision}")
         self.ops.add("watch_create")
         if start_revision is None:
             resp = self.connection.call(

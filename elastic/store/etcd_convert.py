@@ -96,15 +96,12 @@ def delete_request(key: str, prefix: bool) -> rpc_pb2.DeleteRangeRequest:
 
 def compare_pb(c: Compare) -> rpc_pb2.Compare:
     """Raises TypeError: the operand's type does not fit the compare's target."""
+    c.check_operand()
     target, field = _COMPARE_TARGET[c.target]
     m = rpc_pb2.Compare(key=key_bytes(c.key), target=target, result=_COMPARE_RESULT[c.op])
     if c.target is CompareTarget.VALUE:
-        if not isinstance(c.operand, (bytes, bytearray)):
-            raise TypeError(f"a value compare needs bytes, got {type(c.operand).__name__}")
         m.value = bytes(c.operand)
     else:
-        if isinstance(c.operand, bool) or not isinstance(c.operand, int):
-            raise TypeError(f"a {c.target.value} compare needs an int, got {c.operand!r}")
         # Setting the oneof member, even to 0, is what tells etcd the operand.
         setattr(m, field, c.operand)
     return m

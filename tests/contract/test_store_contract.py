@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
-import operator
 import threading
 import time
 import uuid
@@ -52,12 +51,6 @@ WAIT_S = 5.0
 # A lease of 1 s may live up to ~2 s on etcd (its minimum TTL and 0.5 s expiry sweep).
 LEASE_EXPIRY_WAIT_S = 6.0
 
-_PY_OPS: dict[str, Callable[[object, object], bool]] = {
-    "==": operator.eq,
-    "!=": operator.ne,
-    "<": operator.lt,
-    ">": operator.gt,
-}
 
 
 class EventSink:
@@ -269,9 +262,10 @@ class StoreContract:
             operands = [actual - 1, actual, actual + 1]
 
         for operand in operands:
-            expected = _PY_OPS[op](actual, operand)
+            compare = Compare(key, target, op, operand)
+            expected = compare.holds(kv)  # the rule as api.py writes it down; etcd must agree
             result = store.txn(
-                [Compare(key, target, op, operand)],
+                [compare],
                 [Put(branch, b"success"), Get(key)],
                 [Put(branch, b"failure"), Get(key)],
             )
@@ -913,36 +907,30 @@ class TestMemoryStore(StoreContract):
             clock.advance(-1)
 
 
-@pytest.mark.integration
-class TestEtcdStore(StoreContract):
-    """The contract against a real etcd server (the session's ``etcd_server``)."""
+class RawEtcd:
+    """Direct etcd gRPC stubs on ``channel`` for what the Store interface
+    deliberately lacks: compaction, and leases nobody keeps alive. With
+    ``token`` (used right away: it outlives no TTL) every call carries it."""
 
-    @pytest.fixture
-    def store(self, etcd_store):
-        return etcd_store
-
-    @pytest.fixture
-    def raw_etcd(self, etcd_endpoint):
-        """Direct etcd gRPC stubs for what the Store interface deliberately lacks:
-        compaction, and leases nobody keeps alive."""
-        import grpc
+    def __init__(self, channel, token: str | None = None):
         from elastic.store.etcdpb import rpc_pb2, rpc_pb2_grpc
 
-        url = urlparse(etcd_endpoint)
-        channel = grpc.insecure_channel(f"{url.hostname}:{url.port}")
+        self.kv = rpc_pb2_grpc.KVStub(channel)
+        self.lease = rpc_pb2_grpc.LeaseStub(channel)
+        self.pb = rpc_pb2
+        self.md = (("token", token),) if token else None
 
-        class Raw:
-            kv = rpc_pb2_grpc.KVStub(channel)
-            lease = rpc_pb2_grpc.LeaseStub(channel)
-            pb = rpc_pb2
 
-        yield Raw
-        channel.close()
+class RawEtcdHooks:
+    """The contract's hooks for a real etcd (compaction, leases nobody keeps
+    alive, the system clock) on the ``raw_etcd`` fixture (a :class:`RawEtcd`)
+    that a subclass provides."""
 
     @pytest.fixture
-    def compact(self, raw_etcd):
+    def compact(self, raw_etcd: RawEtcd):
         def compact(revision: int) -> None:
-            raw_etcd.kv.Compact(raw_etcd.pb.CompactionRequest(revision=revision, physical=True), timeout=WAIT_S)
+            raw_etcd.kv.Compact(raw_etcd.pb.CompactionRequest(revision=revision, physical=True),
+                                timeout=WAIT_S, metadata=raw_etcd.md)
 
         return compact
 
@@ -951,18 +939,35 @@ class TestEtcdStore(StoreContract):
         return time.sleep
 
     @pytest.fixture
-    def unkept_lease(self, raw_etcd):
+    def unkept_lease(self, raw_etcd: RawEtcd):
         def grant(ttl_s: float) -> int:
-            response = raw_etcd.lease.LeaseGrant(
-                raw_etcd.pb.LeaseGrantRequest(TTL=math.ceil(ttl_s)), timeout=WAIT_S
-            )
-            return response.ID
+            return raw_etcd.lease.LeaseGrant(raw_etcd.pb.LeaseGrantRequest(TTL=math.ceil(ttl_s)),
+                                             timeout=WAIT_S, metadata=raw_etcd.md).ID
 
         return grant
 
     @pytest.fixture
-    def lose_lease(self, raw_etcd):
+    def lose_lease(self, raw_etcd: RawEtcd):
         def revoke(lease_id: int) -> None:
-            raw_etcd.lease.LeaseRevoke(raw_etcd.pb.LeaseRevokeRequest(ID=lease_id), timeout=WAIT_S)
+            raw_etcd.lease.LeaseRevoke(raw_etcd.pb.LeaseRevokeRequest(ID=lease_id),
+                                       timeout=WAIT_S, metadata=raw_etcd.md)
 
         return revoke
+
+
+@pytest.mark.integration
+class TestEtcdStore(RawEtcdHooks, StoreContract):
+    """The contract against a real etcd server (the session's ``etcd_server``)."""
+
+    @pytest.fixture
+    def store(self, etcd_store):
+        return etcd_store
+
+    @pytest.fixture
+    def raw_etcd(self, etcd_endpoint):
+        import grpc
+
+        url = urlparse(etcd_endpoint)
+        channel = grpc.insecure_channel(f"{url.hostname}:{url.port}")
+        yield RawEtcd(channel)
+        channel.close()

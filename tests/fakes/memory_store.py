@@ -36,11 +36,10 @@ import bisect
 import contextlib
 import itertools
 import logging
-import operator
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 from elastic.clock import SYSTEM_CLOCK, Clock
 from elastic.errors import (
@@ -51,7 +50,6 @@ from elastic.errors import (
 )
 from elastic.store.api import (
     Compare,
-    CompareTarget,
     Delete,
     ErrorCallback,
     EventsCallback,
@@ -74,14 +72,6 @@ log = logging.getLogger(__name__)
 _FIRST_LEASE_ID = 0x694D_7A3C_0000_0001
 _DEFAULT_TICK_INTERVAL_S = 0.05
 _CANCEL_JOIN_TIMEOUT_S = 5.0
-
-_COMPARE_OPS: dict[str, Callable[[object, object], bool]] = {
-    "==": operator.eq,
-    "!=": operator.ne,
-    "<": operator.lt,
-    ">": operator.gt,
-}
-
 
 @dataclass
 class _Lease:
@@ -323,17 +313,8 @@ class MemoryStore(Store):
             if lease is not None:
                 self._remove_lease_locked(lease)
 
-    def watch(
-        self,
-        key: str,
-        on_events: EventsCallback,
-        *,
-        prefix: bool = False,
-        start_revision: int | None = None,
-        on_error: ErrorCallback | None = None,
-    ) -> Watch:
-        if start_revision is not None and start_revision < 1:
-            raise ValueError(f"start_revision must be >= 1, got {start_revision}")
+    def _start_watch(self, key: str, prefix: bool, start_revision: int | None,
+                     on_events: EventsCallback, on_error: ErrorCallback | None) -> Watch:
         with self._request("watch_create"):
             watch = _MemoryWatch(self, next(self._watch_ids), key, prefix, on_events, on_error)
             if start_revision is not None and start_revision < self._compact_revision:
@@ -512,19 +493,7 @@ class MemoryStore(Store):
         return [self._kvs[k] for k in sorted(k for k in self._kvs if k.startswith(key))]
 
     def _holds_locked(self, compare: Compare) -> bool:
-        kv = self._kvs.get(compare.key)
-        if compare.target is CompareTarget.VALUE:
-            if not isinstance(compare.operand, (bytes, bytearray)):
-                raise TypeError(f"a value compare needs bytes, not {type(compare.operand).__name__}")
-            if kv is None:
-                # etcd: a value compare on an absent key fails whatever the operator.
-                return False
-            actual: object = kv.value
-        else:
-            if not isinstance(compare.operand, int):
-                raise TypeError(f"a {compare.target.value} compare needs an int")
-            actual = 0 if kv is None else getattr(kv, compare.target.value)
-        return _COMPARE_OPS[compare.op](actual, compare.operand)
+        return compare.holds(self._kvs.get(compare.key))
 
     def _check_ops_locked(self, ops: Sequence[Op]) -> None:
         """Refuse the whole request before any op runs (a txn is all or nothing)."""

@@ -19,7 +19,6 @@ the job's prefix only, and ``outsider``, whose role grants another job's.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 import uuid
@@ -30,7 +29,13 @@ from elastic.errors import StoreAuthError, StoreUnavailableError
 from elastic.store import EtcdSecurity, open_store
 from elastic.store.api import Compare, Put
 from elastic.store.server import EtcdServer, ServerTLS
-from tests.contract.test_store_contract import WAIT_S, EventSink, StoreContract
+from tests.contract.test_store_contract import (
+    WAIT_S,
+    EventSink,
+    RawEtcd,
+    RawEtcdHooks,
+    StoreContract,
+)
 
 trustme = pytest.importorskip("trustme")
 
@@ -137,7 +142,7 @@ def _refusal(server: EtcdServer, security: EtcdSecurity, endpoint: str | None = 
 # ------------------------------------------------------------------ the contract
 
 
-class TestSecureEtcdStore(StoreContract):
+class TestSecureEtcdStore(RawEtcdHooks, StoreContract):
     """The whole store contract as ``trainer``, over client-certificate TLS, under
     the only prefix its role grants; tokens expire every 2 s idle meanwhile."""
 
@@ -152,51 +157,14 @@ class TestSecureEtcdStore(StoreContract):
 
     @pytest.fixture
     def raw_etcd(self, secure_etcd):
-        """Root's own stubs for what the Store interface lacks (compaction,
-        leases nobody keeps alive)."""
+        """Root's own stubs."""
         from elastic.store.etcdpb import rpc_pb2, rpc_pb2_grpc
 
         channel = secure_etcd.channel()
         token = rpc_pb2_grpc.AuthStub(channel).Authenticate(
             rpc_pb2.AuthenticateRequest(name="root", password=ROOT_PASSWORD), timeout=WAIT_S).token
-
-        class Raw:
-            kv = rpc_pb2_grpc.KVStub(channel)
-            lease = rpc_pb2_grpc.LeaseStub(channel)
-            pb = rpc_pb2
-            # Used right away: it outlives no TTL.
-            md = (("token", token),)
-
-        yield Raw
+        yield RawEtcd(channel, token)
         channel.close()
-
-    @pytest.fixture
-    def compact(self, raw_etcd):
-        def compact(revision: int) -> None:
-            raw_etcd.kv.Compact(raw_etcd.pb.CompactionRequest(revision=revision, physical=True),
-                                timeout=WAIT_S, metadata=raw_etcd.md)
-
-        return compact
-
-    @pytest.fixture
-    def advance_time(self):
-        return time.sleep
-
-    @pytest.fixture
-    def unkept_lease(self, raw_etcd):
-        def grant(ttl_s: float) -> int:
-            return raw_etcd.lease.LeaseGrant(raw_etcd.pb.LeaseGrantRequest(TTL=math.ceil(ttl_s)),
-                                             timeout=WAIT_S, metadata=raw_etcd.md).ID
-
-        return grant
-
-    @pytest.fixture
-    def lose_lease(self, raw_etcd):
-        def revoke(lease_id: int) -> None:
-            raw_etcd.lease.LeaseRevoke(raw_etcd.pb.LeaseRevokeRequest(ID=lease_id),
-                                       timeout=WAIT_S, metadata=raw_etcd.md)
-
-        return revoke
 
 
 def test_several_https_endpoints_are_checked_against_the_first_ones_name(secure_etcd, pki,
