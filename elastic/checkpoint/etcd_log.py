@@ -23,6 +23,7 @@ from elastic.clock import Clock
 from elastic.errors import CheckpointError, ElasticError, FencedError, MalformedRecordError
 from elastic.events import event_op
 from elastic.fence import current_round_number, fenced_txn
+from elastic.joblog import JobLogger
 from elastic.keyspace import JobKeys
 from elastic.rendezvous.api import load_object
 from elastic.store.api import Put, Store
@@ -37,8 +38,9 @@ REPORT_TIMEOUT_S = 2.0
 class EtcdCommitLog(CommitLog):
     """The job's latest committed checkpoint, fenced by the job's round.
 
-    ``writer`` names who commits (the node id) in the event history; ``clock``
-    dates the events.
+    ``writer`` names who commits (the node id) in the event history and in
+    the log lines (``job J node N round R: ...``, R the entry's round);
+    ``clock`` dates the events.
     """
 
     def __init__(self, store: Store, keys: JobKeys, clock: Clock, writer: str):
@@ -46,6 +48,7 @@ class EtcdCommitLog(CommitLog):
         self.keys = keys
         self.clock = clock
         self.writer = writer
+        self._log = JobLogger(log, keys.job_id, writer)
 
     def commit(self, entry: CommitEntry) -> None:
         """Make ``entry`` the latest, with a ``checkpoint`` event, in one transaction.
@@ -59,8 +62,8 @@ class EtcdCommitLog(CommitLog):
         transaction is never retried, since it may have taken effect.
         """
         record = encode_latest(entry)
-        event = event_op(self.keys, self.clock, self.writer, entry.round, EVENT_KIND,
-                         f"checkpoint of step {entry.step} committed ({entry.path})")
+        committed = f"checkpoint of step {entry.step} committed ({entry.path})"
+        event = event_op(self.keys, self.clock, self.writer, entry.round, EVENT_KIND, committed)
         result = fenced_txn(self.store, self.keys, entry.round,
                             [Put(self.keys.checkpoint_latest, record), event])
         if not result.succeeded:
@@ -69,8 +72,7 @@ class EtcdCommitLog(CommitLog):
                 f"job {self.keys.job_id}: the commit of checkpoint step {entry.step} by "
                 f"{self.writer} in round {entry.round} was refused: the current round is "
                 f"{current}")
-        log.info("Job %s node %s round %d: checkpoint step %d committed (%s).",
-                 self.keys.job_id, self.writer, entry.round, entry.step, entry.path)
+        self._log.at_round(entry.round).info("%s", committed)
 
     def report_failure(self, step: int, round_: int, rank: int, message: str) -> None:
         """Record a worker's failed save of ``step`` as a ``checkpoint`` event of
@@ -85,11 +87,11 @@ class EtcdCommitLog(CommitLog):
             self.store.txn([], [event_op(self.keys, self.clock, self.writer, round_, EVENT_KIND,
                                          text)], timeout_s=REPORT_TIMEOUT_S)
         except ElasticError as exc:
-            log.warning("Job %s node %s round %d: the failed save of checkpoint step %d (%s) "
-                        "could not be recorded in the job's events: %s", self.keys.job_id,
-                        self.writer, round_, step, message, exc)
+            self._log.at_round(round_).warning(
+                "the failed save of checkpoint step %d (%s) could not be recorded in the "
+                "job's events: %s", step, message, exc)
             return
-        log.warning("Job %s node %s round %d: %s.", self.keys.job_id, self.writer, round_, text)
+        self._log.at_round(round_).warning("%s.", text)
 
     def latest(self, timeout_s: float | None = None) -> CommitEntry | None:
         """The recorded entry, or None when nothing was committed yet
