@@ -27,8 +27,8 @@ def no_grpc_fork_handlers() -> None:
     Our processes fork only to exec (``subprocess``), which needs none. With
     them, a fork that is not a vfork (``Popen`` with ``preexec_fn``) restarts
     gRPC's poller thread in the child, where ``close_fds`` has just closed the
-    poller's epoll descriptor: the child aborts before it execs (grpc/grpc
-    issue 43055; seen as an agent that "exited -6" in the chaos campaign).
+    poller's epoll descriptor: the child aborts (SIGABRT) before it execs
+    (grpc/grpc issue 43055).
     """
     os.environ.setdefault(GRPC_FORK_SUPPORT_ENV, "false")
 
@@ -71,12 +71,11 @@ def fast_reconnect_options() -> list[tuple[str, int]]:
     each attempt ``GRPC_CONNECT_TIMEOUT_S`` to finish.
 
     gRPC's C core reads ``grpc.min_reconnect_backoff_ms`` as the *connect
-    timeout* (the spec's MIN_CONNECT_TIMEOUT), not as a backoff. Set to
-    0.1 s with the backoffs, it failed every call whose TLS handshake or
-    HTTP/2 SETTINGS took longer than that: an agent busy starting its workers
-    on a loaded machine ("connection attempt timed out before receiving
-    SETTINGS frame"). A refused connection still fails at once, and callers'
-    deadlines still bound every call, so a long connect timeout delays nothing.
+    timeout* (the spec's MIN_CONNECT_TIMEOUT), not as a backoff, so it must
+    leave time for a TLS handshake and HTTP/2 SETTINGS on a loaded machine
+    (too short: "connection attempt timed out before receiving SETTINGS
+    frame"). A refused connection still fails at once, and callers' deadlines
+    still bound every call, so a long connect timeout delays nothing.
     """
     return [
         ("grpc.initial_reconnect_backoff_ms", int(GRPC_INITIAL_RECONNECT_BACKOFF_S * 1000)),
