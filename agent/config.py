@@ -36,9 +36,8 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-import yaml
-
 from agent import torchrun_cli
+from agent.config_file import read_file
 from agent.console import ConsoleFilter, Streams, parse_local_ranks, parse_streams
 from agent.devices import SYSTEM_DEVICES, HostDevices, parse_nproc_per_node, resolve_nproc
 from agent.gpu_health import GPU_CHECK_MODES, GpuExpectation, expected_gpus
@@ -352,7 +351,8 @@ OPTIONS = [
            "copy only these local ranks' output to the console, e.g. 0 or 0,1 (every rank's "
            "output still goes to its log)", "RANKS"),
 ]
-_BY_KEY = {o.key: o for o in OPTIONS}
+# The file's keys: the options' and the script's.
+FILE_KEYS = frozenset({o.key for o in OPTIONS} | {"script", "module", "script_args", "no_python"})
 
 
 @dataclass(frozen=True)
@@ -482,62 +482,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-# A file of options is a few hundred bytes; this much is already no such file.
-MAX_CONFIG_FILE_BYTES = 1 << 20
-
-
-class _TextLoader(yaml.SafeLoader):
-    """A SafeLoader that reads every plain scalar as a string, except an empty
-    one or ``null``/``~`` (None: the option is not given); see the module docstring."""
-
-
-_TextLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers
-            if tag in ("tag:yaml.org,2002:null", "tag:yaml.org,2002:merge")]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-
-
-def _read_file(path: str) -> dict[str, Any]:
-    """The options in the YAML file at ``path``, keys in snake case, values as
-    written (strings, lists of strings); keys left empty are dropped. Raises
-    ConfigError when it cannot be read, is larger than MAX_CONFIG_FILE_BYTES,
-    is not UTF-8 text, not YAML (or nested too deeply to parse), is not a
-    mapping or has unknown keys."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_CONFIG_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path!r}: {exc.strerror}") from exc
-    except ValueError as exc:  # a NUL in the path
-        raise ConfigError(f"cannot read config file {path!r}: {exc}") from exc
-    if len(raw) > MAX_CONFIG_FILE_BYTES:
-        raise ConfigError(f"config file {path!r} is larger than {MAX_CONFIG_FILE_BYTES} bytes; "
-                          "a file of options is a few hundred")
-    try:
-        data = yaml.load(raw.decode("utf-8"), Loader=_TextLoader) or {}
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"config file {path!r} is not UTF-8 text (byte {exc.start})") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path!r} is not valid YAML: "
-                          f"{cap_text(str(exc), 500)}") from exc
-    except RecursionError:  # PyYAML composes nested collections recursively
-        raise ConfigError(f"config file {path!r} is nested too deeply to be a file of "
-                          "options") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path!r}: expected a mapping of options, got "
-                          f"{type(data).__name__}")
-    allowed = set(_BY_KEY) | {"script", "module", "script_args", "no_python"}
-    unknown = sorted(cap_text(repr(str(k).replace("-", "_")), 64) for k in data
-                     if str(k).replace("-", "_") not in allowed)
-    if unknown:
-        shown = ", ".join(unknown[:10]) + (f" and {len(unknown) - 10} more" if unknown[10:]
-                                           else "")
-        raise ConfigError(f"config file {path!r}: unknown option(s) {shown}; "
-                          f"known: {', '.join(sorted(allowed))}")
-    return {str(k).replace("-", "_"): v for k, v in data.items() if v is not None}
-
-
 def _script(args: argparse.Namespace, environ: Mapping[str, str],
             file_values: Mapping[str, Any]) -> tuple[str | None, bool, bool, tuple[str, ...]]:
     """The training script, whether it is a module, whether it is executed without
@@ -621,13 +565,14 @@ def resolve(argv: list[str] | None, environ: Mapping[str, str]) -> Given:
     (:func:`agent.torchrun_cli.choose_rendezvous`, its notes logged).
 
     Warns about unknown ``ELASTIC_*`` variables. Raises ConfigError for a file
-    :func:`_read_file` refuses, an option given under two names, a value its
-    option cannot parse, a torchrun flag or variable elasticd cannot honour, a
-    rendezvous it cannot run; argparse exits 2 for a malformed command line.
+    :func:`agent.config_file.read_file` refuses, an option given under two
+    names, a value its option cannot parse, a torchrun flag or variable
+    elasticd cannot honour, a rendezvous it cannot run; argparse exits 2 for a
+    malformed command line.
     """
     args = parser().parse_args(argv)
     config_path = args.config or environ.get("ELASTIC_CONFIG")
-    file_values = _read_file(config_path) if config_path else {}
+    file_values = read_file(config_path, FILE_KEYS) if config_path else {}
     line = torchrun_cli.read_command_line(args, OPTIONS)
     _warn_about_environment(environ)
     values = {o.key: _first_given(o, line, environ, file_values) for o in OPTIONS}
