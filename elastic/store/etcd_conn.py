@@ -13,7 +13,7 @@ The token rules, written once here:
   pass with a fresh one: etcd checks the token before it applies anything, so
   repeating the call is safe even for a transaction.
 * :meth:`EtcdConnection.call` renews the token once and repeats a unary call
-  that etcd refused for its token, retry or not.
+  that etcd refused for its token, retry or not (:func:`call_with_token`).
 * Streams carry the token they were opened with; their owners renew it with
   :meth:`EtcdConnection.refresh_token` and open the next stream with the
   fresh one. Concurrent callers that fail with the same token share one
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import grpc
 import grpc.aio
@@ -60,6 +60,8 @@ from elastic.store.security import EtcdSecurity
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 _CHANNEL_OPTIONS = (
     # Pings find a dead peer under an idle watch stream. etcd refuses pings
     # more often than every 5 s (--grpc-keepalive-min-time) and pings on a
@@ -91,6 +93,32 @@ _STREAM_CHANNEL_OPTIONS = (("grpc.http2.bdp_probe", 0),
 
 def _is_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def call_with_token(
+    attempt: Callable[[str | None], T],
+    *,
+    current_token: Callable[[], str | None],
+    token_refused: Callable[[grpc.RpcError], bool],
+    refresh: Callable[[str | None], None],
+) -> T:
+    """``attempt(token)`` with the current token; when etcd refuses that token
+    (``token_refused``), ``refresh(token)`` and one more attempt with the
+    fresh one. etcd checks the token before it applies anything, so the
+    second attempt is safe for any call.
+
+    Raises:
+        grpc.RpcError: what the last attempt raised (a second refusal too).
+        What ``refresh`` raises.
+    """
+    token = current_token()
+    try:
+        return attempt(token)
+    except grpc.RpcError as exc:
+        if not token_refused(exc):
+            raise
+    refresh(token)
+    return attempt(current_token())
 
 
 class EtcdConnection:
@@ -327,21 +355,21 @@ class EtcdConnection:
             self.ops.add(kind)
         timeout = self.request_timeout_s if timeout_s is None else float(timeout_s)
         deadline = time.monotonic() + timeout
-        renewed = False
-        while True:
-            token = self.token
-            try:
-                return self._attempt(method, request, self.metadata_for(token), deadline, retry)
-            except grpc.RpcError as exc:
-                if not renewed and self.token_refused(exc):
-                    renewed = True
-                    self.refresh_token(token, max(deadline - time.monotonic(), 0.001))
-                    continue
-                raise self.translate(exc, kind, timeout, request_key(request)) from exc
-            except ValueError as exc:  # gRPC's answer once the channel is closed
-                if self.closed:
-                    raise self.closed_error() from exc
-                raise
+        try:
+            return call_with_token(
+                lambda token: self._attempt(method, request, self.metadata_for(token),
+                                            deadline, retry),
+                current_token=lambda: self.token,
+                token_refused=self.token_refused,
+                refresh=lambda token: self.refresh_token(
+                    token, max(deadline - time.monotonic(), 0.001)),
+            )
+        except grpc.RpcError as exc:
+            raise self.translate(exc, kind, timeout, request_key(request)) from exc
+        except ValueError as exc:  # gRPC's answer once the channel is closed
+            if self.closed:
+                raise self.closed_error() from exc
+            raise
 
     def _attempt(self, method: Callable, request, metadata, deadline: float, retry: bool):
         """One call with ``metadata`` by ``deadline``, repeated while etcd is
