@@ -12,7 +12,7 @@ Protocol (keys in :mod:`elastic.keyspace`):
 2. Every node campaigns for ``leader`` (:class:`~elastic.rendezvous.election.Election`).
    The leader alone watches ``nodes/``, ``requests/`` and ``checkpoint/latest``
    (whether a joiner has seen a checkpoint since); followers watch only
-   ``leader`` and ``round``. A round therefore costs O(members) etcd
+   ``leader``, ``round`` and ``standbys``. A round therefore costs O(members) etcd
    operations and events, not O(members^2).
 3. The leader feeds what it sees (:class:`~elastic.rendezvous.view.LeaderView`)
    to :func:`elastic.rendezvous.decisions.decide` and commits a new ``round``
@@ -32,9 +32,9 @@ watch and election: :class:`~elastic.rendezvous.membership.Membership`
 :class:`~elastic.rendezvous.follower.Follower` (one table of parts it reads and
 watches; steps 2 and 4) and the :class:`~elastic.rendezvous.leader.Leader`
 (view, ``decide``, commit; step 3). All I/O happens on one loop thread per
-node; watch callbacks only post to its
-:class:`~elastic.rendezvous.inbox.Inbox`, and each pass of the loop (:meth:`RendezvousNode.pump`) first applies
-what arrived, then brings the node's standing duties up to date: a session,
+node; watch callbacks only post to its :class:`~elastic.rendezvous.inbox.Inbox`,
+and each pass of the loop (:meth:`RendezvousNode.pump`) first applies what
+arrived, then brings the node's standing duties up to date: a session,
 a registration, a leader, the leader's watches, re-reads after a compaction,
 the advertised master port. A duty whose store call fails stays pending and
 is tried again on the next pass, so a transient etcd error delays, and never

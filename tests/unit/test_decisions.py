@@ -17,7 +17,12 @@ from elastic.rendezvous.api import (
     Round,
     parse_nnodes,
 )
-from elastic.rendezvous.decisions import decide
+from elastic.rendezvous.decisions import (
+    FENCE_PATIENCE_TTLS,
+    decide,
+    fence_lost_members,
+    takeover_failed,
+)
 
 
 def cfg(min_nodes=2, max_nodes=4, settle_s=1.0):
@@ -371,3 +376,52 @@ def test_a_round_written_again_is_the_round_it_continues():
     assert d.action is Action.CLOSE_ROUND and "restart requested by a" in d.reason
     finished = dataclasses.replace(standing, done={"a": (4, 150.0), "b": (6, 160.0)})
     assert decide(finished, 200.0, config).action is Action.SUCCEED_JOB
+
+
+# -- The leader's own waits: monotonic now, passed in -------------------------
+
+TTL = 3.0
+
+
+class TestFenceLostMembers:
+    def test_stopped_workers_let_the_round_form_at_once(self):
+        v = fence_lost_members(("b:1",), True, None, 100.0, TTL)
+        assert v.proceed and v.since is None and not v.overdue
+        assert v.reason == "the workers of lost members at b:1 stopped"
+
+    def test_running_workers_hold_the_round_and_the_wait_starts_now(self):
+        v = fence_lost_members(("b:1", "c:1"), False, None, 100.0, TTL)
+        assert not v.proceed and v.since == 100.0
+        assert v.reason == "waiting for the workers of lost members at b:1, c:1 to stop"
+
+    def test_the_wait_keeps_its_start_until_three_ttls_have_passed(self):
+        v = fence_lost_members(("b:1",), False, 100.0, 100.0 + 3 * TTL, TTL)
+        assert not v.proceed and v.since == 100.0
+
+    def test_after_three_ttls_the_leader_goes_on_and_says_why(self):
+        v = fence_lost_members(("b:1",), False, 100.0, 100.0 + 3 * TTL + 0.5, TTL)
+        assert v.proceed and v.overdue and v.since is None
+        assert v.reason == ("lost members at b:1 still report running workers after 10 s; "
+                            "forming the round anyway")
+        assert FENCE_PATIENCE_TTLS == 3
+
+    def test_workers_that_stop_late_close_the_wait(self):
+        v = fence_lost_members(("b:1",), True, 100.0, 105.0, TTL)
+        assert v.proceed and not v.overdue and v.since is None
+
+
+class TestTakeoverFailed:
+    def test_the_first_failure_starts_the_clock_and_retries(self):
+        v = takeover_failed(None, 50.0, TTL)
+        assert not v.resign and v.failing_since == 50.0 and v.campaign_after is None
+        assert v.reason == "could not take over as leader for 0 s; retrying"
+
+    def test_failures_within_a_ttl_keep_trying(self):
+        v = takeover_failed(50.0, 50.0 + TTL, TTL)
+        assert not v.resign and v.failing_since == 50.0
+
+    def test_failing_longer_than_a_ttl_resigns_and_waits_a_ttl_to_campaign(self):
+        v = takeover_failed(50.0, 53.5, TTL)
+        assert v.resign and v.failing_since is None
+        assert v.campaign_after == pytest.approx(56.5)
+        assert v.reason == "could not take over as leader for 4 s; stepping down"

@@ -100,13 +100,14 @@ def test_elasticctl_restart_is_limited_like_the_agents_restarts(monkeypatch):
     store, keys = MemoryStore(FakeClock()), JobKeys("job-1")
     now = [T0]
     monkeypatch.setattr(ctl.time, "time", lambda: now[0])
-    assert ctl._restart(store, ctl_args()) == "restart of job job-1 requested for round 0"
+    restart = ctl.COMMANDS["restart"]
+    assert restart(store, ctl_args()) == "restart of job job-1 requested for round 0"
     assert store.get(keys.restart_request(0, "elasticctl")) is not None
     now[0] += 5.0
     with pytest.raises(RateLimitedError, match="next is allowed from .* in 55 s"):
-        ctl._restart(store, ctl_args())
+        restart(store, ctl_args())
     # An operator who means it may lift the limit for one request.
-    assert "requested" in ctl._restart(store, ctl_args("0"))
+    assert "requested" in restart(store, ctl_args("0"))
 
 
 def test_elasticctl_refuses_a_bad_interval_before_writing(capsys):

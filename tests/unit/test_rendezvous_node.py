@@ -217,7 +217,7 @@ def fenced_cluster():
 def test_a_leader_leaving_out_a_lost_member_waits_until_its_workers_stopped():
     c, fence, first = fenced_cluster()
     for _ in range(4):
-        c.clock.advance(1.0)  # past _FENCE_RETRY_S: asked again, still running
+        c.clock.advance(1.0)  # past the fence retry (FENCE_RETRY_S): asked again, still running
         c.settle()
     assert c.round().number == first  # no round without b while b's workers may run
     assert fence.told and set(fence.told) == {("b:1",)}
