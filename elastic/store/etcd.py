@@ -8,9 +8,9 @@ retries and reconnection:
   while etcd is unavailable, within that deadline (see :mod:`.retry`);
   transactions and lease grants are never repeated, since a lost answer does
   not mean the request was not applied.
-* gRPC errors become store errors here: UNAVAILABLE ->
-  StoreUnavailableError, DEADLINE_EXCEEDED -> StoreTimeoutError, anything
-  else -> StoreError, with the gRPC error chained.
+* gRPC errors become store errors at the connection (:mod:`.etcd_conn`):
+  UNAVAILABLE -> StoreUnavailableError, DEADLINE_EXCEEDED ->
+  StoreTimeoutError, anything else -> StoreError, with the gRPC error chained.
 * All sessions of a store share one keep-alive thread and one LeaseKeepAlive
   stream; the number of sessions costs memory, not threads.
 * All watches of a store share one Watch stream, read by one thread that

@@ -1,8 +1,8 @@
 """The etcd backend's two long-lived streams (Watch, LeaseKeepAlive) on a
 ``grpc.aio`` channel, used from ordinary threads.
 
-Part of the etcd backend (:mod:`elastic.store.etcd`): the store's
-:class:`EtcdStreams` opens a :class:`BidiStream` for its
+Part of the etcd backend (:mod:`elastic.store.etcd`): the connection's
+(:mod:`.etcd_conn`) :class:`EtcdStreams` opens a :class:`BidiStream` for its
 :class:`~elastic.store.etcd_watch.WatchMux` and its
 :class:`~elastic.store.etcd_lease.KeepAliveLoop`, which keep their threads and
 locks; only the stream underneath changes.
