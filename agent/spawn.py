@@ -38,6 +38,7 @@ from elastic.worker.template import TEMPLATE_ENV, TEMPLATE_FD_ENV
 
 BOOTSTRAP_MODULE = "elastic.worker.bootstrap"
 KILL_WAIT_S = 3.0  # after SIGKILL: only a process stuck in the kernel takes longer
+OUTPUT_DRAIN_S = 0.2  # how long the news of a death waits for the process's last lines
 POLL_S = 0.02
 WARM_TAIL_LINES = 50  # output kept from a warm worker before it has a log file
 
@@ -353,8 +354,21 @@ class Launcher:
             self._live.add(w)
             self._history.append(w.pid)
 
-    def ended(self, w: WorkerProcess) -> None:
-        """``w``'s threads are ending: it is no longer live."""
+    @staticmethod
+    def drain_output(w: WorkerProcess) -> None:
+        """Wait (at most :data:`OUTPUT_DRAIN_S`) for the last lines of reaped ``w``, so
+        the agent's log shows them before the news of its death; bounded, because
+        its children may hold the pipes open."""
+        for t in w.threads[:2]:
+            t.join(OUTPUT_DRAIN_S)
+
+    def finished(self, w: WorkerProcess) -> None:
+        """The news of ``w``'s death is handed over: set ``w.done``, wait for its output
+        pumps (they end when its group is gone; stop and shutdown see to that), and
+        count it no longer live."""
+        w.done.set()
+        for t in w.threads[:2]:
+            t.join()
         with self._lock:
             self._live.discard(w)
 

@@ -50,7 +50,7 @@ from agent import localfiles
 from agent.console import ConsoleFilter
 from agent.spawn import Launcher, SpawnerThread, WorkerProcess, signal_worker, stop_groups
 from agent.warm_policy import WarmPolicy, startup_differences
-from agent.warm_pool import OUTPUT_DRAIN_S, WarmPool, WarmStatus
+from agent.warm_pool import WarmPool, WarmStatus
 from agent.worker_output import WorkerOutput, close_log, rank_files
 from elastic import errorfile
 from elastic.clock import SYSTEM_CLOCK, Clock
@@ -455,19 +455,13 @@ class WorkerSupervisor:
                                     log_path=log_path, error_file=error_file)
         w.reaped.set()
         try:
-            # So the agent's log shows a worker's last lines before the news of its death;
-            # bounded, because the worker's children may hold the pipes open.
-            for t in w.threads[:2]:
-                t.join(OUTPUT_DRAIN_S)
+            self._launcher.drain_output(w)
             if w.exit is not None:
                 self._report(w.exit)
             else:
                 self._pool.died(w, returncode)
         finally:
-            w.done.set()
-            for t in w.threads[:2]:
-                t.join()  # ends when its group is gone; stop() and shutdown() see to that
-            self._launcher.ended(w)
+            self._launcher.finished(w)
 
     def _read_status(self, w: WorkerProcess) -> None:
         """Learn when ``w`` has preloaded: one JSON line on its status pipe, then EOF."""

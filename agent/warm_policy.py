@@ -268,7 +268,8 @@ class WarmPolicy:
                 env = s.filling[1] if s.filling else {}
                 self.state = replace(s, filling=None)
                 return [Log(logging.WARNING, "template pid %d could not fork a warm worker "
-                            "(%s); spawning it instead.", (pid, error)), SpawnWarm(missing, env)]
+                            "(%s); spawning it instead.", (pid, error)),
+                        *self._fill_from(None, missing, env)]
             case WarmWorkerReady(pid=pid, ready_now=ready_now):
                 self.state = replace(s, failures=0)
                 # Once per set, so an operator (or a benchmark) knows a restart is fast now.
@@ -321,7 +322,7 @@ class WarmPolicy:
     def _fill_from(self, tpl: TemplateView | None, missing: int,
                    env: Mapping[str, str]) -> list[WarmAction]:
         self.state = replace(self.state, filling=(missing, env))
-        if missing <= 0:
+        if missing <= 0 or not self.warm_enabled or self.state.closed:
             return []
         if tpl is not None and tpl.usable:
             return [ForkWarm(tpl.pid, missing)]

@@ -47,7 +47,6 @@ from elastic.errors import WorkerSpawnError
 from elastic.joblog import JobLogger
 
 FORK_TIMEOUT_S = 10.0  # a fork costs ~10 ms of CPU; this is for a node loaded to a crawl
-OUTPUT_DRAIN_S = 0.2  # how long a dead process's last lines are waited for
 
 
 class WarmStatus(NamedTuple):
@@ -262,12 +261,8 @@ class WarmPool:
             orphans = tpl.link.serve(lambda event: self._on_template_event(tpl, event))
         finally:
             self._on_template_death(tpl, orphans)
-            for t in w.threads[:2]:
-                t.join(OUTPUT_DRAIN_S)
-            w.done.set()
-            for t in w.threads[:2]:
-                t.join()
-            self._launcher.ended(w)
+            self._launcher.drain_output(w)
+            self._launcher.finished(w)
 
     def _on_template_event(self, tpl: _Template, event: TemplateEvent) -> None:
         match event:
