@@ -84,7 +84,15 @@ from elastic.rendezvous.operator import (
 )
 from elastic.keyspace import JobKeys
 from elastic.store import PASSWORD_ENV, open_store, security_from_options
-from elastic.store.api import Compare, EventType, Get, KeyValue, Put, Store
+from elastic.store.api import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    Compare,
+    EventType,
+    Get,
+    KeyValue,
+    Put,
+    Store,
+)
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +115,9 @@ def _common_options() -> argparse.ArgumentParser:
     common.add_argument("--job-id", default=os.environ.get("ELASTIC_JOB_ID"),
                         help="the job to look at (env ELASTIC_JOB_ID)")
     common.add_argument("--json", action="store_true", help="print JSON for scripts")
-    common.add_argument("--connect-timeout", type=float, default=5.0, metavar="SECONDS",
-                        help="give up reaching etcd after this long (default 5)")
+    common.add_argument("--connect-timeout", type=float, default=DEFAULT_CONNECT_TIMEOUT_S,
+                        metavar="SECONDS", help="give up reaching etcd after this long "
+                                                f"(default {DEFAULT_CONNECT_TIMEOUT_S:g})")
     # etcdctl's --cacert, --cert, --key and --user; the password never as a flag.
     for flag, metavar, what in (
             ("cacert", "FILE", "PEM bundle of the CAs that sign etcd's certificates "
