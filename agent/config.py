@@ -16,10 +16,18 @@ silently ignores a setting is worse than none); unknown ``ELASTIC_*``
 variables get a warning. A key left empty in the file (``log_dir:``) means
 "not given".
 
-The file's scalars are read as the text they were written as, whatever they
-look like, and each option parses its own, exactly as it parses a flag: YAML
-1.1 would otherwise read ``nnodes: 2:4`` as the base-60 integer 124,
-``job_id: 0123`` as 83 and ``node_id: 1e3`` as 1000.0.
+The file's scalars are read as the text they were written as
+(:mod:`agent.config_file`), and each option parses its own, exactly as it
+parses a flag.
+
+:func:`load` builds the :class:`AgentConfig` in three steps: :func:`resolve`
+takes each option from its first source, :func:`validate` checks the job,
+its nodes, this node and the credentials together, and :func:`discover` asks
+the host (its devices, the script on disk or PATH, its network). An option
+whose value a field takes as it is names that field (:attr:`Option.field`);
+the others feed the fields the later steps work out. The configuration's
+parts for the rendezvous, the reactor and the supervisor come from
+:class:`AgentConfig`'s own methods.
 """
 
 from __future__ import annotations
