@@ -7,8 +7,9 @@ agent cannot ``waitpid`` it. The template reaps it and relays the exit status;
 supervisor uses, so the supervisor does not care how a worker was born.
 
 What to do with the news (when to retire a template, what counts as a
-failure) is the supervisor's; this module only keeps the books of one
-template: the forks it was asked for, the children it has, whether it died.
+failure) is the warm pool's (:mod:`agent.warm_policy`); this module only keeps
+the books of one template: the forks it was asked for, the children it has,
+whether it died.
 """
 
 from __future__ import annotations
