@@ -19,6 +19,7 @@ import time
 import pytest
 
 from agent.supervisor import Entrypoint, WorkerSupervisor, signal_worker
+from elastic.clock import SystemClock
 from elastic.worker.template import TEMPLATE_FD_ENV
 from tests.integration.supervising import REPO, Exits, round_envs
 from tests.waiting import wait_until
@@ -103,6 +104,22 @@ def test_exit_codes_and_signals_are_reported_within_half_a_second(supervise, tmp
     log_text = (tmp_path / "logs" / "round-1" / "rank-12.log").read_text()
     assert "stderr: RuntimeError: a bug in the training script" in log_text
     assert "bootstrap" not in log_text  # the traceback is the script's, as under plain python
+
+
+class _ShiftedClock(SystemClock):
+    """The system's clocks, a day ahead: shows whose clock a timestamp came from."""
+
+    def monotonic(self) -> float:
+        return super().monotonic() + 86400.0
+
+
+def test_exit_times_come_from_the_injected_clock(supervise):
+    sup, exits = supervise("import sys; sys.exit(4)", clock=_ShiftedClock())
+    before = time.monotonic()
+    sup.start_round(1, round_envs(1))
+    got = exits.wait(1)[0]
+    assert got.exit_code == 4
+    assert before + 86400.0 <= got.at <= time.monotonic() + 86400.0
 
 
 def test_stop_kills_term_ignoring_and_sigstopped_workers_and_their_children(supervise,
