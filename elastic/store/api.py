@@ -333,7 +333,6 @@ class Store(abc.ABC):
     ) -> int:
         """Delete the key (or prefix); returns how many keys were deleted."""
 
-    @abc.abstractmethod
     def txn(
         self,
         compares: Sequence[Compare],
@@ -342,7 +341,22 @@ class Store(abc.ABC):
         *,
         timeout_s: float | None = None,
     ) -> TxnResult:
-        """If every compare holds, run ``success``, otherwise ``failure``; atomically."""
+        """If every compare holds, run ``success``, otherwise ``failure``; atomically.
+
+        Raises:
+            TypeError: a compare's operand does not fit its target (checked
+                for every compare before anything is sent), or an op is not
+                a Put, Delete or Get.
+        """
+        for compare in compares:
+            compare.check_operand()
+        return self._run_txn(compares, success, failure, timeout_s)
+
+    def _run_txn(self, compares: Sequence[Compare], success: Sequence[Op],
+                 failure: Sequence[Op], timeout_s: float | None) -> TxnResult:
+        """What a backend does for :meth:`txn`, the compares checked.
+        Not abstract only so that a wrapper may override :meth:`txn` itself."""
+        raise NotImplementedError(f"{type(self).__name__} implements no txn")
 
     @abc.abstractmethod
     def session(self, ttl_s: float) -> Session:

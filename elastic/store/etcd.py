@@ -166,19 +166,13 @@ class EtcdStore(Store):
                                     timeout_s=timeout_s, retry=True)
         return resp.deleted
 
-    def txn(
-        self,
-        compares: Sequence[Compare],
-        success: Sequence[Op],
-        failure: Sequence[Op] = (),
-        *,
-        timeout_s: float | None = None,
-    ) -> TxnResult:
+    def _run_txn(self, compares: Sequence[Compare], success: Sequence[Op],
+                 failure: Sequence[Op], timeout_s: float | None) -> TxnResult:
         """See :meth:`Store.txn`. Never retried. etcd refuses (StoreError) a
         transaction that writes one key twice in a branch.
 
         Raises:
-            TypeError: an op or a compare operand of the wrong type.
+            TypeError: an op that is not a Put, Delete or Get.
         """
         request = rpc_pb2.TxnRequest(
             compare=[compare_pb(c) for c in compares],

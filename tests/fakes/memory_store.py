@@ -262,14 +262,8 @@ class MemoryStore(Store):
             (deleted,) = self._apply_locked([Delete(key, prefix)])
             return deleted
 
-    def txn(
-        self,
-        compares: Sequence[Compare],
-        success: Sequence[Op],
-        failure: Sequence[Op] = (),
-        *,
-        timeout_s: float | None = None,
-    ) -> TxnResult:
+    def _run_txn(self, compares: Sequence[Compare], success: Sequence[Op],
+                 failure: Sequence[Op], timeout_s: float | None) -> TxnResult:
         with self._request("txn"):
             # etcd refuses a request with overlapping writes in either branch
             # before it evaluates anything.
