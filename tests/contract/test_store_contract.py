@@ -29,7 +29,6 @@ import threading
 import time
 import uuid
 from typing import Callable
-from urllib.parse import urlparse
 
 import pytest
 
@@ -964,10 +963,7 @@ class TestEtcdStore(RawEtcdHooks, StoreContract):
         return etcd_store
 
     @pytest.fixture
-    def raw_etcd(self, etcd_endpoint):
-        import grpc
-
-        url = urlparse(etcd_endpoint)
-        channel = grpc.insecure_channel(f"{url.hostname}:{url.port}")
+    def raw_etcd(self, etcd_server):
+        channel = etcd_server.channel()
         yield RawEtcd(channel)
         channel.close()
