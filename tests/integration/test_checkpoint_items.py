@@ -3,7 +3,7 @@ read back), checked item by item as restore reads, and manifests without items (
 checkpoints) still restored and still checked, whole.
 
 One process, no process group (the Checkpointer's single-rank mode), as in
-test_lying_checkpoint.py; resharding across processes is in test_checkpoint.py.
+test_lying_checkpoint.py; resharding across processes is in test_checkpoint_reshard.py.
 """
 
 from __future__ import annotations
