@@ -100,6 +100,12 @@ class Follower:
     def leader_parts(self) -> frozenset[PartName]:
         return frozenset(name for name, part in self._parts.items() if part.leader_only)
 
+    def read_leader_parts(self) -> None:
+        """Mark the leader's parts to be read (unless a read of them is pending
+        already): the next :meth:`resync_pending` loads the leader's view."""
+        if not self.leader_parts() & self.pending:
+            self.pending |= self.leader_parts()
+
     def resync(self, name: PartName) -> None:
         """(Re)load one part and watch it from the revision read. Stays
         pending (read again on the next pass) until it succeeds; raises the

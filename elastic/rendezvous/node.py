@@ -135,7 +135,7 @@ class RendezvousNode:
             self.log, lambda: self._inbox.post(SessionLost()))
         self._rounds = CommittedRound(
             clock, info.node_id, self.log, report_bad,
-            [on_round or (lambda _r: None), self._membership.round_committed])
+            [f for f in (on_round, self._membership.round_committed) if f is not None])
         self._follower = Follower(store, self.keys, info.node_id, clock, self._rounds,
                                   self._inbox.post, report_bad, self.log)
         self._leader = Leader(store, config, info.node_id, clock, self._rounds,
@@ -371,8 +371,8 @@ class RendezvousNode:
         if follower.leader_id is None:
             follower.leader_id = leader.campaign(membership.session.lease_id)
         taking_over = follower.is_leader and not leader.leading
-        if taking_over and not follower.leader_parts() & follower.pending:
-            follower.pending |= follower.leader_parts()  # load the leader's view
+        if taking_over:
+            follower.read_leader_parts()
         try:
             if follower.pending:
                 self._changed = True
