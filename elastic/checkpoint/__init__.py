@@ -127,8 +127,10 @@ first file), ``ckpt.mid_write``, ``ckpt.after_shards_before_commit``,
 ``ckpt.after_rename_before_commit_log``, ``ckpt.after_commit_log_before_marker``,
 ``ckpt.mid_prune`` (a pruned checkpoint renamed to ``.trash-*``, not yet deleted).
 
-Everything but :class:`Checkpointer` imports without torch, so the agent and
-elasticctl can read commit logs and layouts.
+The commit logs (``api``, ``commit``, ``etcd_log``, ``agent_log``) and
+``layout`` import without torch, so the agent and elasticctl can read commit
+logs and layouts; :class:`Checkpointer` and the modules it is made of (see
+:mod:`elastic.checkpoint.checkpointer`) need torch.
 """
 
 from __future__ import annotations
