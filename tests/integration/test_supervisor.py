@@ -195,6 +195,8 @@ def test_warm_worker_deaths_are_not_failures_and_a_broken_pool_goes_cold(supervi
     sup.warm_up()
     first = wait_until(lambda: len(sup.warm_workers()) == 2 and all(
         w.ready for w in sup.warm_workers()) and sup.warm_workers(), 10, "pool warm")
+    # A template becoming ready resets the count of failures in a row: let it first.
+    wait_until(lambda: (t := sup.warm_template()) and t.ready, 10, "template ready")
     os.kill(first[0].pid, signal.SIGKILL)
     wait_until(lambda: first[0].pid not in [w.pid for w in sup.warm_workers()] and
           len(sup.warm_workers()) == 2, 10, "the dead warm worker replaced")
