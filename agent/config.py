@@ -58,7 +58,8 @@ from elastic.failpoints import ENV_VAR as FAILPOINT_ENV
 from elastic.hostport import HostPort
 from elastic.joblog import JobLogger
 from elastic.options import non_negative, positive
-from elastic.rendezvous.api import (
+from elastic.records import cap_text, valid_host, validate_id
+from elastic.rendezvous.config import (
     DEFAULT_EXIT_BARRIER_TIMEOUT_S,
     DEFAULT_JOIN_TIMEOUT_S,
     DEFAULT_LEASE_TTL_S,
@@ -67,10 +68,7 @@ from elastic.rendezvous.api import (
     DEFAULT_SETTLE_S,
     DEFAULT_START_TIMEOUT_S,
     RendezvousConfig,
-    cap_text,
     parse_nnodes,
-    valid_host,
-    validate_id,
 )
 from agent.tls import AgentTLS, agent_tls_from_options
 from elastic.rendezvous.operator import DEFAULT_OPERATOR_RESTART_INTERVAL_S
@@ -419,7 +417,7 @@ class AgentConfig:
     gpu_expectation: GpuExpectation = GpuExpectation()
 
     def rendezvous(self) -> RendezvousConfig:
-        """The rendezvous' settings (:class:`elastic.rendezvous.api.RendezvousConfig`)."""
+        """The rendezvous' settings (:class:`elastic.rendezvous.config.RendezvousConfig`)."""
         return RendezvousConfig(
             job_id=self.job_id, min_nodes=self.min_nodes, max_nodes=self.max_nodes,
             settle_s=self.settle_s, lease_ttl_s=self.lease_ttl_s,

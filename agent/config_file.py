@@ -13,7 +13,7 @@ from typing import Any, Collection
 import yaml
 
 from elastic.errors import ConfigError
-from elastic.rendezvous.api import cap_text
+from elastic.records import cap_text
 
 # A file of options is a few hundred bytes; this much is already no such file.
 MAX_CONFIG_FILE_BYTES = 1 << 20

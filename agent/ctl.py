@@ -77,7 +77,8 @@ from elastic.errors import (
     exit_code_for,
 )
 from elastic.events import Event
-from elastic.rendezvous.api import RestartRequest, Round, cap_text, validate_id
+from elastic.records import cap_text, validate_id
+from elastic.rendezvous.api import RestartRequest, Round
 from elastic.rendezvous.operator import (
     DEFAULT_OPERATOR_RESTART_INTERVAL_S,
     request_operator_restart,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from elastic.errors import ConfigError
-from elastic.rendezvous.api import cap_text
+from elastic.records import cap_text
 
 NPROC_WORDS = ("gpu", "cpu", "auto")
 # torch's other accelerator words: elasticd has no way to count those devices without torch.

@@ -32,7 +32,7 @@ import grpc
 
 from elastic.checkpoint.api import CommitEntry
 from elastic.errors import CheckpointError, InvalidRequestError
-from elastic.rendezvous.api import MAX_NPROC, cap_text
+from elastic.records import MAX_NPROC, cap_text
 from elastic.v1 import agent_pb2
 
 logger = logging.getLogger(__name__)

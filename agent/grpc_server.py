@@ -89,7 +89,7 @@ from elastic.errors import (
     StoreUnavailableError,
 )
 from elastic.loop_thread import LoopThread, acquire_shared, release_shared
-from elastic.rendezvous.api import cap_text
+from elastic.records import cap_text
 from elastic.v1 import agent_pb2, agent_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -26,15 +26,14 @@ import sys
 import threading
 
 from elastic.errors import ElasticError, FencedError, exit_code_for
-from elastic.rendezvous.api import (
+from elastic.records import validate_id
+from elastic.rendezvous.api import NodeInfo, Round
+from elastic.rendezvous.config import (
     DEFAULT_JOIN_TIMEOUT_S,
     DEFAULT_LEASE_TTL_S,
     DEFAULT_SETTLE_S,
-    NodeInfo,
     RendezvousConfig,
-    Round,
     parse_nnodes,
-    validate_id,
 )
 from elastic.rendezvous.node import RendezvousNode
 from elastic.store import open_store

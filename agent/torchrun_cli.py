@@ -34,7 +34,8 @@ from typing import Any, Callable, Mapping, Sequence
 from agent.console import parse_streams
 from elastic.errors import ConfigError
 from elastic.options import positive
-from elastic.rendezvous.api import cap_text, parse_nnodes
+from elastic.records import cap_text
+from elastic.rendezvous.config import parse_nnodes
 from elastic.torchrun.conf import (
     C10D_KEYS,
     CONF_KEYS,

@@ -95,7 +95,7 @@ from bench.recovery import (  # noqa: E402
     wait_for,
 )
 from agent.devices import physical_gpus, visible_gpus  # noqa: E402
-from elastic.rendezvous.api import DEFAULT_LEASE_TTL_S  # noqa: E402
+from elastic.rendezvous.config import DEFAULT_LEASE_TTL_S  # noqa: E402
 from elastic.store.server import EtcdServer  # noqa: E402
 
 NODES = ("a", "b")

@@ -57,7 +57,9 @@ import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from elastic.rendezvous.api import MAX_RECORD_BYTES, NodeInfo, RendezvousConfig  # noqa: E402
+from elastic.records import MAX_RECORD_BYTES  # noqa: E402
+from elastic.rendezvous.api import NodeInfo  # noqa: E402
+from elastic.rendezvous.config import RendezvousConfig  # noqa: E402
 from elastic.rendezvous.node import RendezvousNode  # noqa: E402
 from elastic.store.etcd import EtcdStore  # noqa: E402
 from elastic.store.server import EtcdServer  # noqa: E402

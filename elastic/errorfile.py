@@ -19,7 +19,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from elastic.rendezvous.api import printable_text
+from elastic.records import printable_text
 
 ENV_VAR = "TORCHELASTIC_ERROR_FILE"
 # Enough of the message for a status line; the whole traceback stays in the file.

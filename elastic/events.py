@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 from elastic.clock import Clock
 from elastic.errors import MalformedRecordError
 from elastic.keyspace import JobKeys
-from elastic.rendezvous.api import (
+from elastic.records import (
     cap_text,
     id_field,
     int_field,

@@ -7,7 +7,7 @@ what follows the last colon. A port is a whole number 0-65535 of at most five
 digits; 0 asks for a free one where an address is bound.
 
 This module checks only the shape; whether a host is acceptable in a record
-(:func:`elastic.rendezvous.api.valid_host`) or reachable is for the caller.
+(:func:`elastic.records.valid_host`) or reachable is for the caller.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import math
 from typing import Any, Callable
 
 from elastic.errors import ConfigError
-from elastic.rendezvous.api import cap_text
+from elastic.records import cap_text
 
 Parser = Callable[[str, Any], Any]
 

@@ -65,8 +65,64 @@ nothing another machine compares):
 from __future__ import annotations
 
 import dataclasses
+import enum
 
-from elastic.rendezvous.api import Action, Decision, Observed, RendezvousConfig
+from elastic.rendezvous.api import NodeInfo, RestartRequest, Round
+from elastic.rendezvous.config import RendezvousConfig
+
+
+class Action(enum.Enum):
+    """What the leader does next."""
+
+    WAIT = "wait"  # nothing to commit now; look again at ``wake_at`` or on the next change
+    CLOSE_ROUND = "close_round"  # commit a new round with ``members``
+    FAIL_JOB = "fail_job"  # the restart budget is spent, or the exit barrier timed out
+    SUCCEED_JOB = "succeed_job"  # every member's workers exited 0: commit the job's success
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """The result of a pure decision: an action, its reason for the log, and when
+    to look again even if nothing changes (None: only on the next change)."""
+
+    action: Action
+    reason: str
+    members: tuple[str, ...] = ()
+    wake_at: float | None = None
+    failures: tuple[float, ...] = ()  # the budget history the new round carries
+    # Members that did not start in time: the leader keeps them out for suspect_s.
+    suspects: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Observed:
+    """What the leader knows when it decides.
+
+    ``alive`` lists registered nodes in join order (etcd create revision).
+    ``first_seen`` maps node ids to the leader's clock reading when it first
+    saw them (nodes in the current round need no entry). ``current`` is None
+    before the first round, or when the round key holds garbage.
+    ``started`` maps node ids to the last round they reported starting
+    workers for; ``done`` maps node ids whose workers all exited 0 to (round,
+    the leader's clock when it learnt it); ``suspects`` maps node ids whose
+    agent a peer found unreachable (this registration of it) to the leader's
+    clock when it learnt it. ``registered_since_round`` names the nodes whose
+    registration is newer than ``current`` (an agent that lost its lease, or
+    was restarted, and came back): they are newcomers to that round.
+    ``checkpointed_since`` names the nodes registered before the latest
+    checkpoint commit: a checkpoint was committed since they joined.
+    """
+
+    current: Round | None
+    alive: tuple[NodeInfo, ...]
+    first_seen: dict[str, float] = dataclasses.field(default_factory=dict)
+    restart_requests: tuple[RestartRequest, ...] = ()
+    draining: frozenset[str] = frozenset()
+    started: dict[str, int] = dataclasses.field(default_factory=dict)
+    done: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
+    suspects: dict[str, float] = dataclasses.field(default_factory=dict)
+    registered_since_round: frozenset[str] = frozenset()
+    checkpointed_since: frozenset[str] = frozenset()
 
 
 # How many lease TTLs a leader waits for the workers of lost members to stop.

@@ -14,7 +14,7 @@ from typing import Callable
 from elastic.errors import ConfigError
 from elastic.joblog import JobLogger
 from elastic.keyspace import JobKeys
-from elastic.rendezvous.api import cap_text, validate_id
+from elastic.records import cap_text, validate_id
 from elastic.store.api import Compare, Delete, Get, KeyValue, Put, Store
 
 log = logging.getLogger(__name__)

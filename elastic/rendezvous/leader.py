@@ -23,15 +23,10 @@ from elastic.fence import current_round_number, fenced_txn
 from elastic.joblog import JobLogger
 from elastic.keyspace import JobKeys
 from elastic.rendezvous import decisions
-from elastic.rendezvous.api import (
-    Action,
-    Decision,
-    Member,
-    RendezvousConfig,
-    Round,
-    Standbys,
-)
+from elastic.rendezvous.api import Member, Outcome, Round, Standbys
 from elastic.rendezvous.committed import CommittedRound
+from elastic.rendezvous.config import RendezvousConfig
+from elastic.rendezvous.decisions import Action, Decision
 from elastic.rendezvous.election import Election
 from elastic.rendezvous.follower import BadRecords, Part, value_of
 from elastic.rendezvous.inbox import PartName
@@ -150,7 +145,7 @@ class Leader:
             # what it read, even if no watch event comes to say it changed.
             return None if self._commit_round(decision) else now + FENCE_RETRY_S
         if decision.action in (Action.FAIL_JOB, Action.SUCCEED_JOB) and current is not None:
-            outcome = "failed" if decision.action is Action.FAIL_JOB else "succeeded"
+            outcome = Outcome.FAILED if decision.action is Action.FAIL_JOB else Outcome.SUCCEEDED
             return None if self._end_job(current, outcome, decision) else now + FENCE_RETRY_S
         return decision.wake_at
 
@@ -231,7 +226,7 @@ class Leader:
         self._log.warning("leader: %s; committed as round %d", reason, number)
         return True
 
-    def _end_job(self, current: Round, outcome: str, decision: Decision) -> bool:
+    def _end_job(self, current: Round, outcome: Outcome, decision: Decision) -> bool:
         """Commit the job's final round: the current one with an outcome;
         False if its fence failed."""
         number = current.number + 1

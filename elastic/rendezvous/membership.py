@@ -22,7 +22,9 @@ from typing import Callable
 from elastic.errors import ConfigError, JobEndedError, MalformedRecordError
 from elastic.joblog import JobLogger
 from elastic.keyspace import JobKeys
-from elastic.rendezvous.api import NodeInfo, RendezvousConfig, Round, cap_text
+from elastic.records import cap_text
+from elastic.rendezvous.api import NodeInfo, Outcome, Round
+from elastic.rendezvous.config import RendezvousConfig
 from elastic.store.api import Compare, Get, KeyValue, Put, Session, Store
 
 Takeover = Callable[[NodeInfo], bool]
@@ -214,4 +216,4 @@ class Membership:
             raise JobEndedError(
                 f"job {self.config.job_id} has already {last.outcome} (round {last.number}: "
                 f"{last.reason}); nothing to do (use a new {flag} to run it again)",
-                succeeded=last.outcome == "succeeded")
+                succeeded=last.outcome is Outcome.SUCCEEDED)

@@ -55,15 +55,9 @@ from elastic.fence import fenced_put
 from elastic.joblog import JobLogger
 from elastic.keyspace import JobKeys
 from elastic.net import free_port
-from elastic.rendezvous.api import (
-    NodeInfo,
-    RendezvousConfig,
-    Report,
-    ReportKind,
-    RestartRequest,
-    Round,
-)
+from elastic.rendezvous.api import NodeInfo, Report, ReportKind, RestartRequest, Round
 from elastic.rendezvous.committed import CommittedRound
+from elastic.rendezvous.config import RendezvousConfig
 from elastic.rendezvous.follower import BadRecords, Follower
 from elastic.rendezvous.inbox import (
     Changed,

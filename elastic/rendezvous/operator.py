@@ -29,14 +29,8 @@ from dataclasses import asdict, dataclass
 from elastic.errors import MalformedRecordError, RateLimitedError
 from elastic.joblog import JobLogger
 from elastic.keyspace import JobKeys
-from elastic.rendezvous.api import (
-    RestartRequest,
-    cap_text,
-    int_field,
-    load_object,
-    text_field,
-    time_field,
-)
+from elastic.records import cap_text, int_field, load_object, text_field, time_field
+from elastic.rendezvous.api import RestartRequest
 from elastic.store.api import Compare, Put, Store
 
 log = logging.getLogger(__name__)

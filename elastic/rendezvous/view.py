@@ -15,16 +15,16 @@ from typing import Callable
 
 from elastic.errors import MalformedRecordError
 from elastic.keyspace import JobKeys
+from elastic.records import id_in_key
 from elastic.rendezvous.api import (
+    STANDBY_WITNESSES,
     DrainRequest,
     NodeInfo,
-    Observed,
     Report,
     RestartRequest,
     Round,
-    STANDBY_WITNESSES,
-    id_in_key,
 )
+from elastic.rendezvous.decisions import Observed
 from elastic.store.api import KeyValue
 
 ReportBad = Callable[[MalformedRecordError, int], None]

@@ -28,7 +28,7 @@ import grpc
 
 from elastic.errors import EXIT_BAD_INPUT, EXIT_STORE, ConfigError
 from elastic.keyspace import JobKeys
-from elastic.rendezvous.api import validate_id
+from elastic.records import validate_id
 from elastic.store.etcd_convert import key_range
 from elastic.store.etcdpb import auth_pb2, rpc_pb2, rpc_pb2_grpc
 from elastic.store.security import read_password_file

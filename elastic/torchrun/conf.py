@@ -45,7 +45,8 @@ from typing import Any, Mapping
 
 from elastic.errors import ConfigError
 from elastic.options import Parser, non_negative, positive
-from elastic.rendezvous.api import MIN_LEASE_TTL_S, cap_text
+from elastic.records import cap_text
+from elastic.rendezvous.config import MIN_LEASE_TTL_S
 from elastic.store.security import PASSWORD_ENV
 
 
@@ -166,7 +167,7 @@ def read_rdzv_conf(conf: Mapping[str, Any]) -> dict[Setting, Given]:
         ConfigError: an unknown key (the line lists the known ones), a value
             its key refuses (naming ``--rdzv-conf KEY``), two spellings of one
             setting (``cacert`` and ``ca_cert``), or a lease TTL under
-            :data:`~elastic.rendezvous.api.MIN_LEASE_TTL_S`.
+            :data:`~elastic.rendezvous.config.MIN_LEASE_TTL_S`.
     """
     unknown = sorted((str(k) for k in conf if k not in _BY_NAME and k not in C10D_KEYS))
     if unknown:

@@ -19,14 +19,12 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from elastic.errors import ConfigError
-from elastic.rendezvous.api import (
+from elastic.records import cap_text, valid_host, validate_id
+from elastic.rendezvous.config import (
     DEFAULT_JOIN_TIMEOUT_S,
     DEFAULT_LEASE_TTL_S,
     DEFAULT_SETTLE_S,
     RendezvousConfig,
-    cap_text,
-    valid_host,
-    validate_id,
 )
 from elastic.store.api import DEFAULT_CONNECT_TIMEOUT_S
 from elastic.store.etcd_endpoints import parse_endpoint_urls

@@ -28,7 +28,8 @@ import pytest
 
 from elastic.checkpoint.etcd_log import decode_latest
 from elastic.keyspace import JobKeys
-from elastic.rendezvous.api import MAX_RECORD_BYTES, NodeInfo, Round
+from elastic.records import MAX_RECORD_BYTES
+from elastic.rendezvous.api import NodeInfo, Round
 from elastic.store.etcd import EtcdStore
 from elastic.v1 import agent_pb2, agent_pb2_grpc
 from tests.integration.procs import REPO, AgentProcess

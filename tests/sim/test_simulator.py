@@ -18,7 +18,7 @@ import pytest
 
 from agent import reactor
 from elastic.rendezvous import decisions
-from elastic.rendezvous.api import Action, Decision
+from elastic.rendezvous.decisions import Action, Decision
 from tests.marks import CPU_BOUND
 from tests.sim import cluster
 from tests.sim.faults import Fault

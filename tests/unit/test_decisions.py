@@ -7,18 +7,12 @@ import dataclasses
 import pytest
 
 from elastic.errors import ConfigError
-from elastic.rendezvous.api import (
-    Action,
-    Member,
-    NodeInfo,
-    Observed,
-    RendezvousConfig,
-    RestartRequest,
-    Round,
-    parse_nnodes,
-)
+from elastic.rendezvous.api import Member, NodeInfo, RestartRequest, Round
+from elastic.rendezvous.config import RendezvousConfig, parse_nnodes
 from elastic.rendezvous.decisions import (
     FENCE_PATIENCE_TTLS,
+    Action,
+    Observed,
     decide,
     fence_lost_members,
     takeover_failed,

@@ -31,7 +31,8 @@ import yaml
 
 from agent import config as agent_config
 from elastic.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_JOB_FAILED, EXIT_STORE
-from elastic.rendezvous.api import parse_nnodes, validate_id
+from elastic.records import validate_id
+from elastic.rendezvous.config import parse_nnodes
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

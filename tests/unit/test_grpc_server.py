@@ -30,7 +30,8 @@ from elastic.errors import (
     StoreUnavailableError,
 )
 from elastic.net import free_port
-from elastic.rendezvous.api import MAX_REASON_CHARS, Member, Round
+from elastic.records import MAX_REASON_CHARS
+from elastic.rendezvous.api import Member, Round
 from elastic.v1 import agent_pb2, agent_pb2_grpc
 from elastic.worker.channel import WorkerChannelClient
 from tests.waiting import LOADED_SLACK_S

@@ -1,5 +1,5 @@
 """LeaderView: watch events of ``nodes/`` and ``requests/`` in, the pure
-:class:`~elastic.rendezvous.api.Observed` out. No store: events are applied
+:class:`~elastic.rendezvous.decisions.Observed` out. No store: events are applied
 by hand with explicit revisions and leader clock readings."""
 
 from __future__ import annotations

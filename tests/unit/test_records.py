@@ -14,15 +14,8 @@ from hypothesis import strategies as st
 from elastic.errors import ConfigError, MalformedRecordError
 from elastic.events import Event, event_op
 from elastic.keyspace import JobKeys
-from elastic.rendezvous.api import (
-    MAX_REASON_CHARS,
-    Member,
-    NodeInfo,
-    RestartRequest,
-    Round,
-    cap_text,
-    validate_id,
-)
+from elastic.records import MAX_REASON_CHARS, cap_text, validate_id
+from elastic.rendezvous.api import Member, NodeInfo, RestartRequest, Round
 from tests.fakes.clock import FakeClock
 
 KEYS = JobKeys("job")

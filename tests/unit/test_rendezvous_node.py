@@ -11,7 +11,8 @@ import pytest
 
 from elastic.errors import ConfigError, StoreUnavailableError
 from elastic.keyspace import JobKeys
-from elastic.rendezvous.api import NodeInfo, RendezvousConfig, ReportKind
+from elastic.rendezvous.api import NodeInfo, ReportKind
+from elastic.rendezvous.config import RendezvousConfig
 from elastic.rendezvous.inbox import Changed, Inbox, PartName, WatchEnded
 from elastic.rendezvous.node import SETTLED_CHECK_S, RendezvousNode
 from elastic.store.api import EventType, KeyValue, WatchEvent

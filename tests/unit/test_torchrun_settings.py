@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from elastic.errors import ConfigError
-from elastic.rendezvous.api import DEFAULT_LEASE_TTL_S, DEFAULT_SETTLE_S
+from elastic.rendezvous.config import DEFAULT_LEASE_TTL_S, DEFAULT_SETTLE_S
 from elastic.store.api import DEFAULT_CONNECT_TIMEOUT_S
 from elastic.store.security import PASSWORD_ENV
 from elastic.torchrun.conf import CONF_KEYS
