@@ -39,8 +39,8 @@ from __future__ import annotations
 from typing import Mapping
 
 from agent.netaddr import SYSTEM_NETWORK, HostNetwork, socket_ifname_env
+from elastic import worker_env
 from elastic.rendezvous.api import Round
-from elastic.worker.channel import HEARTBEAT_SOCKET_ENV
 
 
 def worker_envs(round_: Round, node_id: str, *, job_id: str, restart_count: int,
@@ -48,7 +48,8 @@ def worker_envs(round_: Round, node_id: str, *, job_id: str, restart_count: int,
                 hang_timeout_s: float, lease_ttl_s: float = 0.0,
                 role: str = "default", heartbeat_socket: str = "") -> list[dict[str, str]]:
     """The environment of each local worker of ``node_id`` in ``round_``, by local rank
-    (the variables are those of the module docstring).
+    (torchrun's variables are those of the module docstring; elasticd's own,
+    those of :mod:`elastic.worker_env`).
 
     Global ranks are dense and follow node ranks: a node's first rank is the
     number of workers on the nodes before it (nodes may differ in nproc).
@@ -71,19 +72,17 @@ def worker_envs(round_: Round, node_id: str, *, job_id: str, restart_count: int,
         "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
         "TORCHELASTIC_RUN_ID": job_id,
         "TORCHELASTIC_USE_AGENT_STORE": "False",
-        "ELASTIC_ROUND": str(round_.number),
-        "ELASTIC_JOB_ID": job_id,
-        "ELASTIC_NODE_ID": node_id,
-        "ELASTIC_AGENT_SOCKET": agent_socket,
-        "ELASTIC_HANG_TIMEOUT_S": f"{hang_timeout_s:g}",
-        # A worker whose agent has not vouched for its round this long waits
-        # (elastic.step); 0 turns that off.
-        "ELASTIC_LEASE_TTL_S": f"{lease_ttl_s:g}",
+        worker_env.ROUND: str(round_.number),
+        worker_env.JOB_ID: job_id,
+        worker_env.NODE_ID: node_id,
+        worker_env.AGENT_SOCKET: agent_socket,
+        worker_env.HANG_TIMEOUT_S: f"{hang_timeout_s:g}",
+        worker_env.LEASE_TTL_S: f"{lease_ttl_s:g}",
     }
     if heartbeat_socket:
-        common[HEARTBEAT_SOCKET_ENV] = heartbeat_socket
+        common[worker_env.HEARTBEAT_SOCKET] = heartbeat_socket
     if checkpoint_dir:
-        common["ELASTIC_CHECKPOINT_DIR"] = checkpoint_dir
+        common[worker_env.CHECKPOINT_DIR] = checkpoint_dir
     envs = []
     for local_rank in range(me.nproc):
         rank = first_rank + local_rank

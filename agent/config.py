@@ -52,7 +52,7 @@ from agent.gpu_health import GPU_CHECK_MODES, GpuExpectation, expected_gpus
 from agent.netaddr import SYSTEM_NETWORK, HostNetwork, choose_advertise_addr
 from agent.reactor import Settings
 from agent.supervisor import Entrypoint
-from elastic import __version__
+from elastic import __version__, worker_env
 from elastic.errors import EXIT_CODES_HELP, ConfigError
 from elastic.failpoints import ENV_VAR as FAILPOINT_ENV
 from elastic.hostport import HostPort
@@ -74,7 +74,6 @@ from agent.tls import AgentTLS, agent_tls_from_options
 from elastic.rendezvous.operator import DEFAULT_OPERATOR_RESTART_INTERVAL_S
 from elastic.store.api import DEFAULT_CONNECT_TIMEOUT_S
 from elastic.store.security import PASSWORD_ENV, EtcdSecurity, security_from_options
-from elastic.worker.channel import HEARTBEAT_SOCKET_ENV
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +81,9 @@ log = logging.getLogger(__name__)
 # env): the script, its arguments split like a shell, "run it with -m", and
 # "execute it directly, not with python" (torchrun's --no-python).
 SCRIPT_ENV = ("ELASTIC_SCRIPT", "ELASTIC_SCRIPT_ARGS", "ELASTIC_MODULE", "ELASTIC_NO_PYTHON")
-# Variables the agent sets for its workers: not options, never warned about.
-WORKER_ENV = {"ELASTIC_ROUND", "ELASTIC_AGENT_SOCKET", HEARTBEAT_SOCKET_ENV,
-              "ELASTIC_CHECKPOINT_DIR",
-              "ELASTIC_JOB_ID", "ELASTIC_NODE_ID", "ELASTIC_PRELOAD", "ELASTIC_HANG_TIMEOUT_S",
-              "ELASTIC_LEASE_TTL_S", FAILPOINT_ENV,
-              # Read by the workers' Checkpointer, which inherit the agent's environment.
-              "ELASTIC_CHECKPOINT_TRUST", "ELASTIC_CHECKPOINT_MODE"}
+# Variables the agent sets for its workers or they inherit from it
+# (elastic.worker_env), and the failpoints: not options, never warned about.
+WORKER_ENV = worker_env.NOT_OPTIONS | {FAILPOINT_ENV}
 
 
 def _text(name: str, raw: Any) -> str:

@@ -283,7 +283,9 @@ def setup_rank(rank: int, world: int, cfg: Config, tag: str) -> None:
     warnings.filterwarnings("ignore")
     logging.basicConfig(level=logging.INFO if cfg.verbose else logging.WARNING,
                         format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
-    for name in ("ELASTIC_AGENT_SOCKET", "ELASTIC_ROUND", "ELASTIC_CHECKPOINT_DIR"):
+    from elastic import worker_env
+
+    for name in (worker_env.AGENT_SOCKET, worker_env.ROUND, worker_env.CHECKPOINT_DIR):
         os.environ.pop(name, None)  # FileCommitLog beside the checkpoints, round 0
     torch.set_num_threads(cfg.threads)
     dist.init_process_group("gloo", init_method=f"file://{cfg.scratch}/store-{tag}",

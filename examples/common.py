@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 import elastic
 from elastic.data import ElasticSampler, SyntheticDataset
+from elastic.worker_env import WorkerEnv
 
 INPUT_DIM = 16
 HIDDEN_DIM = 64
@@ -66,7 +67,7 @@ def parse_args(description: str) -> argparse.Namespace:
     ap.add_argument("--progress-file", default=None, help="append a JSON line per step and rank")
     ap.add_argument("--result-file", default=None,
                     help="rank 0 writes the final parameter hash and loss here (JSON)")
-    ap.add_argument("--checkpoint-dir", default=os.environ.get("ELASTIC_CHECKPOINT_DIR"),
+    ap.add_argument("--checkpoint-dir", default=WorkerEnv().checkpoint_dir,
                     help="save and resume here (default: $ELASTIC_CHECKPOINT_DIR; none: "
                          "no checkpoints)")
     ap.add_argument("--ckpt-every", type=int, default=10,

@@ -53,6 +53,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 import elastic
 from elastic.data import ElasticSampler, SyntheticDataset
+from elastic.worker_env import WorkerEnv
 
 
 class Net(nn.Module):
@@ -159,7 +160,7 @@ class Trainer:
         self.sampler = ElasticSampler(args.num_samples, args.global_batch, seed=args.seed,
                                       rank=0, world_size=1)
         self.ckpt = None
-        root = args.checkpoint_dir or os.environ.get("ELASTIC_CHECKPOINT_DIR")
+        root = args.checkpoint_dir or WorkerEnv().checkpoint_dir
         if root and args.ckpt_every:
             from elastic.checkpoint import Checkpointer
 

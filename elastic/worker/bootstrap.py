@@ -67,7 +67,7 @@ import time
 import traceback
 import types
 
-from elastic import errorfile
+from elastic import errorfile, worker_env
 from elastic._compat import runpy_main
 from elastic.worker import priority, template
 from elastic.worker.template import TEMPLATE_FD_ENV
@@ -77,9 +77,9 @@ from elastic.worker.template import TEMPLATE_FD_ENV
 # 1.6 s here, a restart's largest cost after torch). DCP for checkpoints.
 DEFAULT_PRELOAD = ("torch,torch.distributed,torch._dynamo,torch.distributed.checkpoint,"
                    "torch.distributed._functional_collectives")
-PRELOAD_ENV = "ELASTIC_PRELOAD"
-STATUS_FD_ENV = "ELASTIC_BOOTSTRAP_STATUS_FD"
-PARENT_PID_ENV = "ELASTIC_BOOTSTRAP_PARENT_PID"
+PRELOAD_ENV = worker_env.PRELOAD
+STATUS_FD_ENV = worker_env.BOOTSTRAP_STATUS_FD
+PARENT_PID_ENV = worker_env.BOOTSTRAP_PARENT_PID
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15

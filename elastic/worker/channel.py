@@ -1,7 +1,7 @@
 """The worker's end of the local channel to its agent: heartbeats over a Unix socket.
 
 Heartbeats go as datagrams to the agent's heartbeat socket when it has one
-(``ELASTIC_AGENT_HEARTBEAT_SOCKET``; the protocol and why:
+(:data:`elastic.worker_env.HEARTBEAT_SOCKET`; the protocol and why:
 :mod:`agent.heartbeat_socket`), else as the gRPC Heartbeat call; everything
 else (checkpoint commits, reports) is gRPC. Does not import torch, so it can
 be used (and tested) without it.
@@ -26,8 +26,6 @@ logger = logging.getLogger(__name__)
 _CHANNEL_OPTIONS = fast_reconnect_options()
 # The agent is restarting or busy: normal, and the next heartbeat will tell.
 _TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-# Where an agent that takes heartbeats as datagrams tells its workers its socket is.
-HEARTBEAT_SOCKET_ENV = "ELASTIC_AGENT_HEARTBEAT_SOCKET"
 # The largest heartbeat datagram the agent reads (agent.heartbeat_socket); a
 # request is well under 100 bytes.
 MAX_HEARTBEAT_DATAGRAM_BYTES = 4096

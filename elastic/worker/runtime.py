@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from elastic.errors import ConfigError
-from elastic.worker.channel import HEARTBEAT_SOCKET_ENV, WorkerChannelClient
+from elastic.worker.channel import WorkerChannelClient
+from elastic.worker_env import WorkerEnv
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,18 @@ def _env_int(name: str, default: int) -> int:
         return default
 
 
+def _round_or_0(env: WorkerEnv) -> int:
+    """The worker's round; 0 when it is not an integer (heartbeats go on)."""
+    try:
+        return env.round
+    except ConfigError:
+        return 0
+
+
+# The heartbeat interval's basis when the agent names no hang timeout.
+_DEFAULT_HANG_TIMEOUT_S = 300.0
+
+
 class _Heartbeat:
     """Background thread that tells the agent this worker is alive and where it is."""
 
@@ -37,7 +50,7 @@ class _Heartbeat:
         self.interval_s = interval_s
         self.rank = _env_int("RANK", 0)
         self.local_rank = _env_int("LOCAL_RANK", 0)
-        self.round = _env_int("ELASTIC_ROUND", 0)
+        self.round = _round_or_0(WorkerEnv())
         self.step = -1
         # Monotonic time the announced save should be over: each heartbeat
         # sends what is left of it (the proto's "for this many seconds from
@@ -113,14 +126,14 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
     if not dist.is_initialized():
         _device = _join_process_group(backend, timeout_s, _env_int("LOCAL_RANK", 0), torch.cuda,
                                       dist.init_process_group)
-    socket_path = os.environ.get("ELASTIC_AGENT_SOCKET")
+    env = WorkerEnv()
+    socket_path = env.agent_socket
     if socket_path and _heartbeat is None:
-        hang_timeout = float(os.environ.get("ELASTIC_HANG_TIMEOUT_S", "300") or 300)
+        hang_timeout = env.hang_timeout_s
+        hang_timeout = _DEFAULT_HANG_TIMEOUT_S if hang_timeout is None else hang_timeout
         interval = min(2.0, max(0.2, hang_timeout / 5)) if hang_timeout > 0 else 2.0
-        # Set by an agent that takes heartbeats as datagrams (agent.heartbeat_socket).
-        _heartbeat = _Heartbeat(socket_path, interval,
-                                os.environ.get(HEARTBEAT_SOCKET_ENV) or None)
-        _hold_after_s = float(os.environ.get("ELASTIC_LEASE_TTL_S", "0") or 0)
+        _heartbeat = _Heartbeat(socket_path, interval, env.heartbeat_socket)
+        _hold_after_s = env.lease_ttl_s or 0.0
         atexit.register(shutdown)
 
 

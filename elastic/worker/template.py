@@ -77,10 +77,11 @@ import sys
 import threading
 import time
 
+from elastic import worker_env
 from elastic._compat import torch_cuda
 from elastic.worker import priority
 
-TEMPLATE_FD_ENV = "ELASTIC_BOOTSTRAP_TEMPLATE_FD"
+TEMPLATE_FD_ENV = worker_env.BOOTSTRAP_TEMPLATE_FD
 # Added to the template's environment by the agent (before the preload runs).
 TEMPLATE_ENV = {torch_cuda.NVML_CHECK_ENV: "1"}
 # The probe child's exit status when torch would refuse CUDA in it.

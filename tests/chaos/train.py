@@ -44,6 +44,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import elastic
+from elastic.worker_env import WorkerEnv
 
 INPUT_DIM = 8
 HIDDEN_DIM = 32
@@ -59,7 +60,7 @@ def parse_args() -> argparse.Namespace:
                          "ends the run when its faults are done)")
     ap.add_argument("--log-dir", required=True, help="one step log per process here")
     ap.add_argument("--result-file", default=None, help="rank 0 writes the final hash here")
-    ap.add_argument("--checkpoint-dir", default=os.environ.get("ELASTIC_CHECKPOINT_DIR"))
+    ap.add_argument("--checkpoint-dir", default=WorkerEnv().checkpoint_dir)
     ap.add_argument("--ckpt-every", type=int, default=10)
     ap.add_argument("--step-time", type=float, default=0.0, help="sleep per step (s)")
     ap.add_argument("--pace-file", default=None,
@@ -124,7 +125,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="find_unused_parameters=True was specified")
     elastic.init(timeout_s=120.0)
     rank, world = dist.get_rank(), dist.get_world_size()
-    round_ = int(os.environ.get("ELASTIC_ROUND", "0"))
+    round_ = WorkerEnv().round
     if GLOBAL_BATCH % world:
         raise SystemExit(f"world size {world} does not divide the global batch {GLOBAL_BATCH}")
 
@@ -148,7 +149,7 @@ def main() -> None:
         ckpt = Checkpointer(args.checkpoint_dir, model=model, optimizer=optimizer, keep=3)
         step = ckpt.restore()
     os.makedirs(args.log_dir, exist_ok=True)
-    node = os.environ.get("ELASTIC_NODE_ID", "node")
+    node = WorkerEnv().node_id or "node"
     fd = os.open(os.path.join(args.log_dir, f"r{round_}-{node}-rank{rank}-{os.getpid()}.log"),
                  os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     print(f"rank {rank} round {round_}: world {world}, from step {step}, torch threads "
