@@ -88,6 +88,7 @@ from elastic.errors import (
     StoreTimeoutError,
     StoreUnavailableError,
 )
+from elastic.hostport import HostPort
 from elastic.loop_thread import LoopThread, acquire_shared, release_shared
 from elastic.records import cap_text
 from elastic.v1 import agent_pb2, agent_pb2_grpc
@@ -476,13 +477,13 @@ async def _stop_servers(servers: list[grpc.aio.Server], dispatches: list[_RunOnP
     await asyncio.gather(*(dispatch.calls_ended() for dispatch in dispatches))
 
 
-def _split_listen(listen: str) -> tuple[str, int]:
-    """("HOST", PORT) of ``listen``; raises ConfigError when it is not HOST:PORT."""
-    host, sep, port_text = listen.rpartition(":")
-    if (not sep or not host or not (port_text.isascii() and port_text.isdigit())
-            or len(port_text) > 5 or int(port_text) > 65535):
-        raise ConfigError(f"--listen must be HOST:PORT (port 0 picks a free one), got {listen!r}")
-    return host, int(port_text)
+def _split_listen(listen: str) -> HostPort:
+    """``listen`` read as HOST:PORT; raises ConfigError when it is not one."""
+    try:
+        return HostPort.parse(listen)
+    except ValueError:
+        raise ConfigError(f"--listen must be HOST:PORT (port 0 picks a free one), "
+                          f"got {listen!r}") from None
 
 
 def _prepare_socket_path(path: str, kind: int = socket.SOCK_STREAM) -> None:
@@ -659,12 +660,12 @@ class AgentServer:
         (None: none). Raises ConfigError on a malformed address, a
         non-positive ``max_workers`` or ``tls`` without what a server needs.
         """
-        self._host, self._port = _split_listen(listen)
+        self._host = _split_listen(listen).host
         if max_workers < 1:
             raise ConfigError(f"max_workers must be at least 1, got {max_workers}")
         if tls is not None and not tls.can_serve:
             raise ConfigError("serving mutual TLS needs --tls-cert, --tls-key and --tls-ca")
-        self._probe_host = _split_listen(probe_listen)[0] if probe_listen else None
+        self._probe_host = _split_listen(probe_listen).host if probe_listen else None
         self._tls = tls
         self._probe_listen = probe_listen
         self._listen = listen
@@ -692,12 +693,13 @@ class AgentServer:
         """``HOST:PORT`` of the TCP endpoint with the port actually bound; after :meth:`start`."""
         if self._bound_port is None:
             raise ElasticError("AgentServer.address is known only after start()")
-        return f"{self._host}:{self._bound_port}"
+        return str(HostPort(self._host, self._bound_port))
 
     @property
     def probe_address(self) -> str | None:
         """``HOST:PORT`` of the read-only probe endpoint after :meth:`start`; None without one."""
-        return None if self._probe_port is None else f"{self._probe_host}:{self._probe_port}"
+        return (None if self._probe_port is None or self._probe_host is None
+                else str(HostPort(self._probe_host, self._probe_port)))
 
     @property
     def worker_socket(self) -> str:

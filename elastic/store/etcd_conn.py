@@ -36,6 +36,7 @@ from elastic.errors import (
     StoreTimeoutError,
     StoreUnavailableError,
 )
+from elastic.hostport import HostPort
 from elastic.store.api import OpCounter
 from elastic.store.etcd_auth import (
     TokenAuth,
@@ -47,12 +48,7 @@ from elastic.store.etcd_auth import (
     request_key,
 )
 from elastic.store.etcd_convert import rpc_error_text
-from elastic.store.etcd_endpoints import (
-    grpc_target,
-    host_port,
-    parse_endpoint_urls,
-    unix_socket_path,
-)
+from elastic.store.etcd_endpoints import grpc_target, parse_endpoint_urls, unix_socket_path
 from elastic.store.etcd_stream import EtcdStreams
 from elastic.store.etcdpb import rpc_pb2, rpc_pb2_grpc
 from elastic.store.retry import call_with_retry
@@ -162,7 +158,7 @@ class EtcdConnection:
         self.tls = scheme == "https" or (scheme is None and self.security.has_tls_files)
         url_scheme = "https" if self.tls else "http"
         self.endpoints = ((f"unix://{socket_path}",) if socket_path is not None else
-                          tuple(f"{url_scheme}://{host_port(h, p)}" for h, p in hostports))
+                          tuple(f"{url_scheme}://{endpoint}" for endpoint in hostports))
         self.where = ",".join(self.endpoints)  # how messages name this etcd
         self.request_timeout_s = float(request_timeout_s)
         self.closed = False  # close() has run: calls raise closed_error()
@@ -173,7 +169,7 @@ class EtcdConnection:
         if self.security.user is not None:
             self._auth = TokenAuth(self.channel, self.security, self.where, self.translate)
 
-    def _open_channel(self, hostports: list[tuple[str, int]], api=grpc, extra_options=()):
+    def _open_channel(self, hostports: list[HostPort], api=grpc, extra_options=()):
         """A channel to the members: ``api`` is ``grpc`` or ``grpc.aio``;
         ``extra_options`` are added to the common ones."""
         target = self._unix_target or grpc_target(hostports)
@@ -182,7 +178,7 @@ class EtcdConnection:
             return api.insecure_channel(target, options=options)
         if len(hostports) > 1:
             # The target is a list of addresses; check certificates against a name.
-            options += (("grpc.ssl_target_name_override", hostports[0][0]),)
+            options += (("grpc.ssl_target_name_override", hostports[0].host),)
         if self.security.cacert is None and api is grpc:
             logger.info("Checking the certificate of etcd at %s against the system's CA "
                         "roots (no --etcd-cacert given).", self.where)

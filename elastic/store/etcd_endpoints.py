@@ -13,6 +13,7 @@ import urllib.parse
 from typing import Sequence
 
 from elastic.errors import ConfigError, StoreUnavailableError
+from elastic.hostport import HostPort
 
 logger = logging.getLogger(__name__)
 
@@ -20,8 +21,8 @@ DEFAULT_PORT = 2379
 _HOST_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a DNS name or IPv4 address; IPv6 goes in [...]
 
 
-def parse_endpoints(endpoints: str | Sequence[str]) -> list[tuple[str, int]]:
-    """``"http://a:2379,b"`` or a list of such -> ``[("a", 2379), ("b", 2379)]``.
+def parse_endpoints(endpoints: str | Sequence[str]) -> list[HostPort]:
+    """``"http://a:2379,b"`` or a list of such -> ``[HostPort("a", 2379), HostPort("b", 2379)]``.
 
     Raises:
         ConfigError: as :func:`parse_endpoint_urls`.
@@ -31,7 +32,7 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[tuple[str, int]]:
 
 def parse_endpoint_urls(
     endpoints: str | Sequence[str],
-) -> tuple[str | None, list[tuple[str, int]]]:
+) -> tuple[str | None, list[HostPort]]:
     """The scheme the endpoints share (``"http"``, ``"https"``, or None when
     every one is a bare ``host[:port]``) and their hosts and ports. A bare
     endpoint beside ``https://`` ones is reached over TLS too.
@@ -52,7 +53,10 @@ def parse_endpoint_urls(
     return (schemes[0] if schemes else None), [hp for _, hp in parsed]
 
 
-def _parse_endpoint(text: str) -> tuple[str | None, tuple[str, int]]:
+def _parse_endpoint(text: str) -> tuple[str | None, HostPort]:
+    """``[scheme://]host[:port]``: the scheme (None without one) and where it
+    points. A URL, so urlsplit reads it: ``host`` alone (port DEFAULT_PORT) and
+    a bracketed IPv6 host without a port are endpoints too, unlike HOST:PORT."""
     rest = text
     scheme = None
     if "://" in text:
@@ -69,7 +73,7 @@ def _parse_endpoint(text: str) -> tuple[str | None, tuple[str, int]]:
     name_ok = bool(_HOST_NAME.fullmatch(host or "")) or (":" in (host or "") and "[" in rest)
     if not name_ok or split.path or split.query or split.fragment or split.username or port == 0:
         raise ConfigError(f"bad etcd endpoint {text!r}: expected [http[s]://]host[:port]")
-    return scheme, (host, port if port is not None else DEFAULT_PORT)
+    return scheme, HostPort(host, port if port is not None else DEFAULT_PORT)
 
 
 def unix_socket_path(endpoints: str | Sequence[str]) -> str | None:
@@ -95,12 +99,7 @@ def unix_socket_path(endpoints: str | Sequence[str]) -> str | None:
     return path
 
 
-def host_port(host: str, port: int) -> str:
-    """``host:port``, with an IPv6 host in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def grpc_target(hostports: list[tuple[str, int]]) -> str:
+def grpc_target(hostports: list[HostPort]) -> str:
     """One endpoint: gRPC's DNS resolver (re-resolved on reconnect). Several:
     their addresses, resolved now, for gRPC's pick_first to fail over between.
 
@@ -108,21 +107,22 @@ def grpc_target(hostports: list[tuple[str, int]]) -> str:
         StoreUnavailableError: one of several endpoints does not resolve.
     """
     if len(hostports) == 1:
-        return host_port(*hostports[0])
+        return str(hostports[0])
     v4: list[str] = []
     v6: list[str] = []
-    for host, port in hostports:
+    for endpoint in hostports:
         try:
-            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            infos = socket.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM)
         except socket.gaierror as exc:
             raise StoreUnavailableError(
-                f"cannot resolve etcd endpoint {host_port(host, port)}: {exc.strerror}"
+                f"cannot resolve etcd endpoint {endpoint}: {exc.strerror}"
             ) from exc
         for family, _, _, _, addr in infos:
-            if family == socket.AF_INET and f"{addr[0]}:{port}" not in v4:
-                v4.append(f"{addr[0]}:{port}")
-            elif family == socket.AF_INET6 and f"[{addr[0]}]:{port}" not in v6:
-                v6.append(f"[{addr[0]}]:{port}")
+            resolved = str(HostPort(addr[0], endpoint.port))
+            if family == socket.AF_INET and resolved not in v4:
+                v4.append(resolved)
+            elif family == socket.AF_INET6 and resolved not in v6:
+                v6.append(resolved)
     # A gRPC address list is of one family; IPv4 is what etcd clusters use.
     if v4:
         if v6:

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from elastic.errors import ConfigError, StoreUnavailableError
+from elastic.hostport import HostPort
 from elastic.store.server_process import ServerProcess, log_tail
 
 logger = logging.getLogger(__name__)
@@ -226,7 +227,7 @@ class EtcdServer:
         if self._client_port is None:
             raise RuntimeError("the etcd server has not been started")
         scheme = "https" if self._tls is not None else "http"
-        return f"{scheme}://{self._host}:{self._client_port}"
+        return f"{scheme}://{HostPort(self._host, self._client_port)}"
 
     @property
     def tls(self) -> ServerTLS | None:
@@ -354,7 +355,7 @@ class EtcdServer:
 
         if self._private:
             return grpc.insecure_channel(f"unix:{self._socket_path(_PRIVATE_CLIENT)}")
-        target = f"{self._host}:{self._client_port}"
+        target = str(HostPort(self._host, self._client_port))
         tls = self._tls
         if tls is None:
             return grpc.insecure_channel(target)
@@ -397,12 +398,13 @@ class EtcdServer:
 
     def _command(self, binary: str) -> list[str]:
         scheme = "https" if self._tls is not None else "http"
-        client_url = f"{scheme}://{self._host}:{self._client_port}"
-        peer_url = f"http://{self._host}:{self._peer_port}"
         if self._private:
             # etcd wants host:port even for unix://; the "host" is the socket's
             # path relative to its working directory (the private one).
             client_url, peer_url = f"unix://{_PRIVATE_CLIENT}", f"unix://{_PRIVATE_PEER}"
+        else:
+            client_url = f"{scheme}://{HostPort(self._host, self._client_port)}"
+            peer_url = f"http://{HostPort(self._host, self._peer_port)}"
         name = "elastic-etcd"
         cmd = [
             binary,

@@ -23,6 +23,8 @@ import socket
 import struct
 import threading
 
+from elastic.hostport import HostPort
+
 _ACCEPT_POLL_S = 0.1
 _CONNECT_TIMEOUT_S = 2.0
 _CHUNK = 65536
@@ -74,14 +76,13 @@ class TcpProxy:
     @classmethod
     def for_url(cls, url: str) -> "TcpProxy":
         """A proxy in front of ``http://host:port``."""
-        hostport = url.split("://", 1)[-1].rstrip("/")
-        host, _, port = hostport.rpartition(":")
-        return cls(host, int(port))
+        target = HostPort.parse(url.split("://", 1)[-1].rstrip("/"))
+        return cls(target.host, target.port)
 
     @property
     def endpoint(self) -> str:
         """The proxy as an etcd client URL."""
-        return f"http://{self.host}:{self.port}"
+        return f"http://{HostPort(self.host, self.port)}"
 
     @property
     def is_cut(self) -> bool:

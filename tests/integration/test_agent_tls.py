@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from agent import ctl, peers
 from agent.tls import AgentTLS
 from elastic.errors import AgentAuthError, RateLimitedError
+from elastic.hostport import HostPort
 from elastic.keyspace import JobKeys
 from elastic.net import free_port
 from elastic.rendezvous.api import NodeInfo, Round
@@ -195,12 +196,12 @@ def test_without_tls_the_agent_binds_the_advertised_address_and_warns_once(
     agent.wait_output("is unauthenticated", 30)
     agent.wait_output(": registered (", 30)  # the warning comes first: its address in etcd next
     addr = agent_addr(etcd_store, job_id, "a")
-    host, port = addr.rsplit(":", 1)
-    assert host == "127.0.0.2"
+    where = HostPort.parse(addr)
+    assert where.host == "127.0.0.2"
     assert peers.query_status(addr, timeout_s=5).node_id == "a"
     # Not bound on every interface: another loopback address finds nothing there.
     with pytest.raises(grpc.RpcError) as refused:
-        health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}")).Check(
+        health_pb2_grpc.HealthStub(grpc.insecure_channel(str(HostPort("127.0.0.1", where.port)))).Check(
             health_pb2.HealthCheckRequest(), timeout=2)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     agent.proc.send_signal(signal.SIGTERM)

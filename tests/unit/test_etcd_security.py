@@ -11,6 +11,7 @@ import pytest
 
 from agent import config
 from elastic.errors import ConfigError, StoreAuthError, StoreError, StoreUnavailableError
+from elastic.hostport import HostPort
 from elastic.store import EtcdSecurity, open_store, register_backend, security_from_options
 from elastic.store.etcd import EtcdStore
 from elastic.store.etcd_auth import (
@@ -110,8 +111,9 @@ def test_tls_files_are_read_at_start_and_a_bad_one_is_named(pem, tmp_path):
 
 
 def test_https_endpoints_are_accepted_and_mixing_schemes_is_not():
-    assert parse_endpoint_urls("https://a:1,b") == ("https", [("a", 1), ("b", 2379)])
-    assert parse_endpoint_urls("a,b:3") == (None, [("a", 2379), ("b", 3)])
+    assert parse_endpoint_urls("https://a:1,b") == ("https", [HostPort("a", 1),
+                                                              HostPort("b", 2379)])
+    assert parse_endpoint_urls("a,b:3") == (None, [HostPort("a", 2379), HostPort("b", 3)])
     with pytest.raises(ConfigError, match="mix http:// and https://"):
         parse_endpoint_urls("http://a,https://b")
 

@@ -29,6 +29,7 @@ from elastic.errors import (
     StoreTimeoutError,
     StoreUnavailableError,
 )
+from elastic.hostport import HostPort
 from elastic.net import free_port
 from elastic.records import MAX_REASON_CHARS
 from elastic.rendezvous.api import Member, Round
@@ -157,8 +158,8 @@ def test_huge_reasons_reach_the_agent_capped(server, control):
 
 
 def test_address_reports_the_bound_port(server):
-    host, port = server.address.rsplit(":", 1)
-    assert host == "127.0.0.1" and int(port) > 0
+    where = HostPort.parse(server.address)
+    assert where.host == "127.0.0.1" and where.port > 0
 
 
 @pytest.mark.parametrize("error, code", [
