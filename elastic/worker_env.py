@@ -67,12 +67,17 @@ NOT_OPTIONS = frozenset({ROUND, JOB_ID, NODE_ID, AGENT_SOCKET, HEARTBEAT_SOCKET,
 
 class WorkerEnv:
     """What a worker reads of its environment (``environ``, default
-    ``os.environ``), typed, each value read when asked for. A variable unset
-    or empty reads as None (``round``: 0, no agent); one that does not parse
-    raises ConfigError naming it."""
+    ``os.environ``), typed. A variable unset or empty reads as None (``round``:
+    0, no agent). Text is read on construction; numbers when asked for, and
+    one that does not parse raises ConfigError naming its variable."""
 
     def __init__(self, environ: Mapping[str, str] | None = None):
         self._environ = os.environ if environ is None else environ
+        self.job_id = self._text(JOB_ID)
+        self.node_id = self._text(NODE_ID)
+        self.agent_socket = self._text(AGENT_SOCKET)
+        self.heartbeat_socket = self._text(HEARTBEAT_SOCKET)
+        self.checkpoint_dir = self._text(CHECKPOINT_DIR)
 
     def _text(self, name: str) -> str | None:
         return self._environ.get(name) or None
@@ -96,29 +101,9 @@ class WorkerEnv:
             raise ConfigError(f"{ROUND} must be an integer: {exc}") from exc
 
     @property
-    def job_id(self) -> str | None:
-        return self._text(JOB_ID)
-
-    @property
-    def node_id(self) -> str | None:
-        return self._text(NODE_ID)
-
-    @property
-    def agent_socket(self) -> str | None:
-        return self._text(AGENT_SOCKET)
-
-    @property
-    def heartbeat_socket(self) -> str | None:
-        return self._text(HEARTBEAT_SOCKET)
-
-    @property
     def hang_timeout_s(self) -> float | None:
         return self._seconds(HANG_TIMEOUT_S)
 
     @property
     def lease_ttl_s(self) -> float | None:
         return self._seconds(LEASE_TTL_S)
-
-    @property
-    def checkpoint_dir(self) -> str | None:
-        return self._text(CHECKPOINT_DIR)
