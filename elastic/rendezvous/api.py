@@ -47,7 +47,12 @@ from elastic.records import (
 #   (MAX_REASON_CHARS)
 # MAX_NPROC, cap_text, int_field, load_object, text_field and typed_field are imported above
 # for this module's own use as well; the names below only for those files.
-from elastic.records import MAX_REASON_CHARS, MAX_RECORD_BYTES, id_in_key, printable_text  # noqa: F401, E501
+from elastic.records import (  # noqa: F401
+    MAX_REASON_CHARS,
+    MAX_RECORD_BYTES,
+    id_in_key,
+    printable_text,
+)
 from elastic.rendezvous.config import RendezvousConfig  # noqa: F401
 
 
