@@ -8,16 +8,14 @@ A worker of an older round (a zombie that outlived its group) is refused with
 from __future__ import annotations
 
 import logging
-import os
 
 from elastic.checkpoint.api import CommitEntry, CommitLog
 from elastic.checkpoint.commit import FileCommitLog
 from elastic.errors import AgentUnreachableError, FencedError
 from elastic.worker.channel import WorkerChannelClient
+from elastic.worker_env import WorkerEnv
 
 log = logging.getLogger(__name__)
-
-AGENT_SOCKET_ENV = "ELASTIC_AGENT_SOCKET"
 
 
 class AgentCommitLog(CommitLog):
@@ -65,5 +63,5 @@ class AgentCommitLog(CommitLog):
 def default_commit_log(root: str, file_mode: int = 0o600) -> CommitLog:
     """The agent's fenced log under elasticd, a file beside the checkpoints otherwise
     (torchrun, or no launcher), of mode ``file_mode``."""
-    socket_path = os.environ.get(AGENT_SOCKET_ENV)
+    socket_path = WorkerEnv().agent_socket
     return AgentCommitLog(socket_path) if socket_path else FileCommitLog(root, file_mode)

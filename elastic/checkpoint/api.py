@@ -24,7 +24,7 @@ import re
 from typing import Any
 
 from elastic.errors import CheckpointError
-from elastic.rendezvous.api import cap_text
+from elastic.records import cap_text
 
 log = logging.getLogger(__name__)
 

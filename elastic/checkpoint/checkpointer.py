@@ -38,7 +38,6 @@ from torch import nn
 from elastic.checkpoint import environment, layout, state, trust
 from elastic.checkpoint.agent_log import default_commit_log
 from elastic.checkpoint.api import CommitLog
-from elastic.checkpoint.environment import ENV_CHECKPOINT_DIR, ENV_CHECKPOINT_MODE
 from elastic.checkpoint.failures import describe_failure
 from elastic.checkpoint.group import CheckpointGroup
 from elastic.checkpoint.restore import Restorer
@@ -48,7 +47,7 @@ from elastic.checkpoint.snapshot import SnapshotTaker
 from elastic.checkpoint.staging import CudaOps, Stager
 from elastic.errors import CheckpointCorruptError, CheckpointError, ConfigError
 
-__all__ = ["Checkpointer", "ENV_CHECKPOINT_DIR", "ENV_CHECKPOINT_MODE", "describe_failure"]
+__all__ = ["Checkpointer", "describe_failure"]
 
 
 class Checkpointer:

@@ -12,46 +12,43 @@ from typing import Callable, Sequence
 
 import torch
 
+from elastic import worker_env
 from elastic.checkpoint import layout, state
 from elastic.checkpoint.staging import local_tensor
 from elastic.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-ENV_CHECKPOINT_DIR = "ELASTIC_CHECKPOINT_DIR"
-ENV_CHECKPOINT_MODE = "ELASTIC_CHECKPOINT_MODE"
-
 
 def root_from_env(root: str | None) -> str:
     """``root``, else ``$ELASTIC_CHECKPOINT_DIR``, made absolute. Raises
     ConfigError when neither is set."""
-    root = root or os.environ.get(ENV_CHECKPOINT_DIR)
+    root = root or worker_env.WorkerEnv().checkpoint_dir
     if not root:
-        raise ConfigError(f"no checkpoint directory: pass root= or set {ENV_CHECKPOINT_DIR}")
+        raise ConfigError(f"no checkpoint directory: pass root= or set "
+                          f"{worker_env.CHECKPOINT_DIR}")
     return os.path.abspath(root)
 
 
 def mode_from_env() -> int:
     """``$ELASTIC_CHECKPOINT_MODE`` (octal, e.g. 750) or the private default.
     Raises ConfigError for a value that is not octal digits."""
-    raw = os.environ.get(ENV_CHECKPOINT_MODE, "").strip()
+    name = worker_env.CHECKPOINT_MODE
+    raw = os.environ.get(name, "").strip()
     if not raw:
         return layout.DIR_MODE
     try:
         return int(raw.removeprefix("0o"), 8)
     except ValueError:
-        raise ConfigError(f"{ENV_CHECKPOINT_MODE}={raw[:20]!r}: expected an octal mode such "
-                          f"as 700 or 750") from None
+        raise ConfigError(f"{name}={raw[:20]!r}: expected an octal mode such as 700 or "
+                          f"750") from None
 
 
 def round_from_env() -> int:
     """The agent's round (``$ELASTIC_ROUND``, 0 without an agent): it names
     temporaries and is the fencing token of commits. Raises ConfigError for a
     value that is not an integer."""
-    try:
-        return int(os.environ.get("ELASTIC_ROUND", "0") or 0)
-    except ValueError as exc:
-        raise ConfigError(f"ELASTIC_ROUND must be an integer: {exc}") from exc
+    return worker_env.WorkerEnv().round
 
 
 def default_on_saving() -> Callable[[float], None]:

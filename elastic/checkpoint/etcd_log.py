@@ -25,7 +25,7 @@ from elastic.events import event_op
 from elastic.fence import current_round_number, fenced_txn
 from elastic.joblog import JobLogger
 from elastic.keyspace import JobKeys
-from elastic.rendezvous.api import load_object
+from elastic.records import load_object
 from elastic.store.api import Put, Store
 
 log = logging.getLogger(__name__)

@@ -63,7 +63,7 @@ from typing import Iterable
 
 from elastic.checkpoint.api import CommitEntry
 from elastic.errors import CheckpointError, ConfigError
-from elastic.rendezvous.api import cap_text
+from elastic.records import cap_text
 
 try:  # the same CRC-32 (polynomial, values) as zlib's, several times faster
     from zlib_ng.zlib_ng import crc32

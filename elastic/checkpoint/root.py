@@ -12,7 +12,8 @@ import os
 import shutil
 import uuid
 
-from elastic.checkpoint import layout, trust
+from elastic import worker_env
+from elastic.checkpoint import layout
 from elastic.checkpoint.api import CommitEntry
 from elastic.errors import CheckpointWriteError, FencedError
 from elastic.failpoints import failpoint
@@ -52,7 +53,7 @@ class CheckpointRoot:
         if trusted:
             log.warning("Rank 0 restores checkpoints under %s trusting them: their pickles "
                         "may run code (trust_checkpoint / %s); only for a directory that "
-                        "nobody untrusted can write.", self.path, trust.ENV_CHECKPOINT_TRUST)
+                        "nobody untrusted can write.", self.path, worker_env.CHECKPOINT_TRUST)
         exposure = layout.root_exposure(self.path)
         if exposure is not None:
             log.warning("Rank 0: the checkpoint root %s %s: whoever can write it can "

@@ -47,8 +47,7 @@ import torch
 
 from elastic._compat import torch_checkpoint as compat
 from elastic.errors import CheckpointError, ConfigError
-
-ENV_CHECKPOINT_TRUST = "ELASTIC_CHECKPOINT_TRUST"
+from elastic.worker_env import CHECKPOINT_TRUST
 
 
 class LoadPolicy:
@@ -96,7 +95,7 @@ class LoadPolicy:
             f"file); if the type is yours and harmless, allow it with "
             f"Checkpointer(..., safe_globals=[...]); to load everything as "
             f"torch.load(weights_only=False) would, for a checkpoint directory that nobody "
-            f"untrusted can write, pass trust_checkpoint=True or set {ENV_CHECKPOINT_TRUST}=1")
+            f"untrusted can write, pass trust_checkpoint=True or set {CHECKPOINT_TRUST}=1")
 
 
 DEFAULT_POLICY = LoadPolicy()
@@ -106,12 +105,12 @@ def trust_from_env(environ: Any = None) -> bool:
     """``$ELASTIC_CHECKPOINT_TRUST`` as a flag: 1/true/yes/on, 0/false/no/off or
     unset (False). Raises ConfigError for anything else."""
     environ = os.environ if environ is None else environ
-    raw = environ.get(ENV_CHECKPOINT_TRUST, "").strip().lower()
+    raw = environ.get(CHECKPOINT_TRUST, "").strip().lower()
     if raw in ("", "0", "false", "no", "off"):
         return False
     if raw in ("1", "true", "yes", "on"):
         return True
-    raise ConfigError(f"{ENV_CHECKPOINT_TRUST}={raw[:40]!r}: expected 1/true/yes/on or "
+    raise ConfigError(f"{CHECKPOINT_TRUST}={raw[:40]!r}: expected 1/true/yes/on or "
                       f"0/false/no/off")
 
 

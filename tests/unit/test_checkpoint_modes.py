@@ -11,9 +11,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from elastic.checkpoint import layout  # noqa: E402
-from elastic.checkpoint.checkpointer import ENV_CHECKPOINT_MODE, Checkpointer  # noqa: E402
+from elastic.checkpoint.checkpointer import Checkpointer  # noqa: E402
 from elastic.checkpoint.commit import FileCommitLog  # noqa: E402
 from elastic.errors import ConfigError  # noqa: E402
+from elastic.worker_env import CHECKPOINT_MODE  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -59,7 +60,7 @@ def check(found: dict[str, tuple[bool, int]], dir_mode: int, file_mode: int) -> 
 
 def test_a_save_under_an_open_umask_creates_only_private_paths(tmp_path, open_umask,
                                                                monkeypatch):
-    monkeypatch.delenv(ENV_CHECKPOINT_MODE, raising=False)
+    monkeypatch.delenv(CHECKPOINT_MODE, raising=False)
     root = str(tmp_path / "ckpt")
     save_twice(root)
     found = modes(root)
@@ -68,19 +69,19 @@ def test_a_save_under_an_open_umask_creates_only_private_paths(tmp_path, open_um
 
 
 def test_the_operator_chooses_a_group_mode(tmp_path, open_umask, monkeypatch):
-    monkeypatch.delenv(ENV_CHECKPOINT_MODE, raising=False)
+    monkeypatch.delenv(CHECKPOINT_MODE, raising=False)
     root = str(tmp_path / "ckpt")
     save_twice(root, mode=0o750)
     check(modes(root), 0o750, 0o640)
 
 
 def test_the_mode_from_the_environment_and_the_argument_over_it(tmp_path, monkeypatch):
-    monkeypatch.setenv(ENV_CHECKPOINT_MODE, "750")
+    monkeypatch.setenv(CHECKPOINT_MODE, "750")
     model = torch.nn.Linear(3, 2)
     assert Checkpointer(str(tmp_path / "a"), model=model).mode == 0o750
     assert Checkpointer(str(tmp_path / "b"), model=model, mode=0o700).mode == 0o700
-    monkeypatch.setenv(ENV_CHECKPOINT_MODE, "rwx")
-    with pytest.raises(ConfigError, match=ENV_CHECKPOINT_MODE):
+    monkeypatch.setenv(CHECKPOINT_MODE, "rwx")
+    with pytest.raises(ConfigError, match=CHECKPOINT_MODE):
         Checkpointer(str(tmp_path / "c"), model=model)
 
 

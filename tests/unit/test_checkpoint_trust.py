@@ -14,6 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from elastic import worker_env  # noqa: E402
 from elastic.checkpoint import layout, state, trust  # noqa: E402
 from elastic.checkpoint.checkpointer import Checkpointer  # noqa: E402
 from elastic.checkpoint.trust import LoadPolicy  # noqa: E402
@@ -66,7 +67,7 @@ def marker(tmp_path):
 def _refused(excinfo, name: str) -> None:
     message = str(excinfo.value)
     assert name in message and "safe_globals" in message
-    assert "trust_checkpoint=True" in message and trust.ENV_CHECKPOINT_TRUST in message
+    assert "trust_checkpoint=True" in message and worker_env.CHECKPOINT_TRUST in message
 
 
 # --- rank-<r>.pt ------------------------------------------------------------------------------
@@ -247,12 +248,12 @@ def test_safe_globals_must_be_named_things():
 @pytest.mark.parametrize("raw, expected", [("", False), ("0", False), ("off", False),
                                            ("1", True), ("TRUE", True), ("yes", True)])
 def test_trust_from_the_environment(raw, expected):
-    assert trust.trust_from_env({trust.ENV_CHECKPOINT_TRUST: raw}) is expected
+    assert trust.trust_from_env({worker_env.CHECKPOINT_TRUST: raw}) is expected
 
 
 def test_a_bad_trust_value_is_a_config_error():
-    with pytest.raises(ConfigError, match=trust.ENV_CHECKPOINT_TRUST):
-        trust.trust_from_env({trust.ENV_CHECKPOINT_TRUST: "maybe"})
+    with pytest.raises(ConfigError, match=worker_env.CHECKPOINT_TRUST):
+        trust.trust_from_env({worker_env.CHECKPOINT_TRUST: "maybe"})
 
 
 def _checkpointer(root, **kwargs) -> Checkpointer:
@@ -263,7 +264,7 @@ def _checkpointer(root, **kwargs) -> Checkpointer:
 
 
 def test_a_checkpointer_refuses_a_users_type_unless_told(tmp_path, monkeypatch):
-    monkeypatch.delenv(trust.ENV_CHECKPOINT_TRUST, raising=False)
+    monkeypatch.delenv(worker_env.CHECKPOINT_TRUST, raising=False)
     saver = _checkpointer(tmp_path)
     saver.save(1, extras=Note("kept"), async_=False)
     saver.close()
@@ -272,7 +273,7 @@ def test_a_checkpointer_refuses_a_users_type_unless_told(tmp_path, monkeypatch):
     _refused(excinfo, f"{__name__}.Note")
     restorer = _checkpointer(tmp_path, safe_globals=[Note])
     assert restorer.restore() == 2 and restorer.extras == Note("kept")
-    monkeypatch.setenv(trust.ENV_CHECKPOINT_TRUST, "1")
+    monkeypatch.setenv(worker_env.CHECKPOINT_TRUST, "1")
     restorer = _checkpointer(tmp_path)
     assert restorer.policy.trusted and restorer.restore() == 2
     # The argument wins over the environment.
@@ -282,7 +283,7 @@ def test_a_checkpointer_refuses_a_users_type_unless_told(tmp_path, monkeypatch):
 
 def test_a_checkpointer_refuses_a_poisoned_metadata_in_one_plain_line(tmp_path, marker,
                                                                       monkeypatch):
-    monkeypatch.delenv(trust.ENV_CHECKPOINT_TRUST, raising=False)
+    monkeypatch.delenv(worker_env.CHECKPOINT_TRUST, raising=False)
     saver = _checkpointer(tmp_path)
     saver.save(1, async_=False)
     saver.close()
