@@ -21,8 +21,9 @@ What is measured:
    every save. Per save the slowest rank counts (the next collective waits for it);
    the row is the median. Target: ours <= 10% of the reference. Also: the time from
    ``save()`` returning to ``ckpt.wait()`` returning (the write, verification and
-   commit in the background, nothing else running), and breakdowns from timers that
-   this script wraps around the Checkpointer's internals (in its own processes only):
+   commit in the background, nothing else running), and breakdowns from the phases
+   the checkpoint code reports to a recorder (``elastic.checkpoint.timing``, installed
+   in this script's own processes only):
    collect (DCP state-dict helpers) / stage (copy to CPU) in the blocked part;
    prepare / write (dcp.save, whose stream computes the CRC-32s of files and items as
    it writes: "of which CRC-32" is the time in ``layout.crc32``; nothing is read back)
@@ -85,9 +86,9 @@ says whether all restored states equal the saved ones.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -101,7 +102,7 @@ import time
 import warnings
 import zlib
 from collections import defaultdict
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -132,31 +133,27 @@ class Config:
 
 
 class Probe:
-    """Wall-time totals of wrapped calls, keyed by call path ("persist.write.crc"),
-    per thread, so that a CRC inside the write and one inside the verify stay apart."""
+    """A recorder of the checkpoint code's phases (``elastic.checkpoint.timing``):
+    wall-time totals keyed by call path ("persist.write.dcp_save.crc"), per
+    thread, so that a CRC inside the write and one inside the verify stay apart."""
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = defaultdict(float)
         self._local = threading.local()
         self._lock = threading.Lock()
 
-    def wrap(self, name: str, fn: Callable) -> Callable:
-        probe = self
-
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            stack = probe._local.__dict__.setdefault("stack", [])
-            key = ".".join([*stack, name])
-            stack.append(name)
-            started = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                stack.pop()
-                with probe._lock:
-                    probe.totals[key] += time.perf_counter() - started
-
-        return wrapper
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        stack = self._local.__dict__.setdefault("stack", [])
+        key = ".".join([*stack, name])
+        stack.append(name)
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            stack.pop()
+            with self._lock:
+                self.totals[key] += time.perf_counter() - started
 
     def take(self) -> dict[str, float]:
         with self._lock:
@@ -165,33 +162,12 @@ class Probe:
         return out
 
 
-class _DcpProxy:
-    """Stands in for ``torch.distributed.checkpoint`` inside checkpointer.py only, so
-    its dcp.save / dcp.load are timed while the reference calls the real ones."""
+def instrument(probe: Probe) -> None:
+    """Make ``probe`` hear the checkpoint code's phases (this process only; the
+    reference's calls are timed by hand)."""
+    from elastic.checkpoint import timing
 
-    def __init__(self, real: Any, probe: Probe):
-        self._real = real
-        self.save = probe.wrap("dcp_save", real.save)
-        self.load = probe.wrap("dcp_load", real.load)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
-
-
-def instrument(ckpt: Any, probe: Probe) -> None:
-    """Wrap the Checkpointer's internals with timers (this process only)."""
-    import elastic.checkpoint.checkpointer as ck
-
-    if not isinstance(ck.dcp, _DcpProxy):
-        ck.dcp = _DcpProxy(ck.dcp, probe)
-        ck.state.collect = probe.wrap("collect", ck.state.collect)
-        ck.state.apply = probe.wrap("apply", ck.state.apply)
-        ck.layout.verify_structure = probe.wrap("verify", ck.layout.verify_structure)
-        # Every CRC-32 (as written, as read, whole files) goes through layout.crc32.
-        ck.layout.crc32 = probe.wrap("crc", ck.layout.crc32)
-    ckpt._stager.stage = probe.wrap("stage", ckpt._stager.stage)
-    for name in ("persist", "prepare", "write", "commit", "choose", "load"):
-        setattr(ckpt, f"_{name}", probe.wrap(name, getattr(ckpt, f"_{name}")))
+    timing.install(probe)
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -483,7 +459,7 @@ def rank_world2(rank: int, world: int, cfg: Config) -> None:
     ref_root = os.path.join(cfg.scratch, "plain")
     os.makedirs(ref_root, exist_ok=True)
     ckpt = Checkpointer(ours_root, model=model, optimizer=opt, keep=3)
-    instrument(ckpt, probe)
+    instrument(probe)
     shard = shard_bytes(model, opt)
     result: dict[str, Any] = {"rank": rank, "shard_bytes": shard, "ours": [], "plain": []}
     step = 0
@@ -559,7 +535,6 @@ def rank_world2(rank: int, world: int, cfg: Config) -> None:
     ref_dir = result["plain"][-1]["dir"]
     ckpt_nv = Checkpointer(ours_root, model=model, optimizer=opt, keep=3,
                            verify_checksums=False)
-    instrument(ckpt_nv, probe)
     result["restore"] = _restore_rounds(cfg, rank, model, opt, ckpt, ckpt_nv, ref_dir,
                                         ours_dir, probe, expect_ours, expect_ref)
     result.update(expect_ours=expect_ours, expect_ref=expect_ref, ours_dir=ours_dir,
@@ -587,8 +562,7 @@ def rank_world1(rank: int, world: int, cfg: Config) -> None:
     ckpt = Checkpointer(ours_root, model=model, optimizer=opt, keep=3)
     ckpt_nv = Checkpointer(ours_root, model=model, optimizer=opt, keep=3,
                            verify_checksums=False)
-    instrument(ckpt, probe)
-    instrument(ckpt_nv, probe)
+    instrument(probe)
     result = {"rank": rank, "shard_bytes": shard_bytes(model, opt)}
     result["restore"] = _restore_rounds(cfg, rank, model, opt, ckpt, ckpt_nv,
                                         saved["ref_dir"], saved["ours_dir"], probe,

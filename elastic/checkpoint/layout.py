@@ -61,15 +61,16 @@ import stat
 import time
 from typing import Iterable
 
+from elastic.checkpoint import timing
 from elastic.checkpoint.api import CommitEntry
 from elastic.errors import CheckpointError, ConfigError
 from elastic.records import cap_text
 
 try:  # the same CRC-32 (polynomial, values) as zlib's, several times faster
-    from zlib_ng.zlib_ng import crc32
+    from zlib_ng.zlib_ng import crc32 as _crc32
     CRC32_IMPLEMENTATION = "zlib-ng"
 except ImportError:
-    from zlib import crc32
+    from zlib import crc32 as _crc32
     CRC32_IMPLEMENTATION = "zlib"
 
 METADATA_FILE = ".metadata"
@@ -284,6 +285,14 @@ def check_bytes(path: str, data: bytes, expected: FileDigest) -> Problem | None:
     if actual != expected.crc32:
         return Problem(path, f"corrupt: CRC-32 {actual}, expected {expected.crc32}")
     return None
+
+
+def crc32(data: bytes | memoryview, value: int = 0) -> int:
+    """``zlib.crc32(data, value)``, by :data:`CRC32_IMPLEMENTATION`: every CRC-32
+    of a checkpoint's bytes (as written, as read, whole files) is computed here
+    (the ``crc`` phase of :mod:`elastic.checkpoint.timing`)."""
+    with timing.phase("crc"):
+        return _crc32(data, value)
 
 
 # CRC-32 arithmetic (zlib's crc32_combine, which Python's zlib does not expose):
@@ -539,6 +548,7 @@ def verify(directory: str, *, checksums: bool = True, part: int = 0,
     return problems
 
 
+@timing.timed("verify")
 def verify_structure(directory: str, *, part: int = 0, parts: int = 1,
                      manifests: tuple[list[Manifest], list[Problem]] | None = None
                      ) -> tuple[list[Problem], list[tuple[str, FileDigest]]]:

@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic._compat import torch_checkpoint as compat
-from elastic.checkpoint import layout, state, trust
+from elastic.checkpoint import layout, state, timing, trust
 from elastic.checkpoint.api import CommitLog
 from elastic.checkpoint.dcp_io import LoadPlanner, VerifyingReader
 from elastic.checkpoint.failures import describe_failure
@@ -104,6 +104,7 @@ class Restorer:
                 "round %d; starting from step 0.", rank, self._root.path, round_)
         return None
 
+    @timing.timed("choose")
     def _choose(self) -> list[str]:
         """Rank 0 lists the candidates in order and broadcasts them, so every rank
         tries the same ones in the same order (see :meth:`_load`)."""
@@ -123,6 +124,7 @@ class Restorer:
                                   f"{self._root.path}: {listing}")
         return listing
 
+    @timing.timed("load")
     def _load(self, name: str, fallback: str) -> Restored | None:
         """Verify and load one candidate; None when it fails verification.
 
@@ -185,9 +187,10 @@ class Restorer:
             if self._checksums and whole:
                 crc = self._executor.submit(layout.verify_checksums, whole)
             tensors = state.collect(self._chunks)
-            dcp.load(tensors.state_dict, storage_reader=reader,
-                     planner=LoadPlanner(policy=self._policy), process_group=self._group.pg,
-                     **compat.single_process(self._group.pg is None))
+            with timing.phase("dcp_load"):
+                dcp.load(tensors.state_dict, storage_reader=reader,
+                         planner=LoadPlanner(policy=self._policy), process_group=self._group.pg,
+                         **compat.single_process(self._group.pg is None))
             state.apply(self._chunks, tensors)
             same_world = manifests[0].world_size == self._group.size
             local_name = layout.rank_state_name(rank if same_world else 0)

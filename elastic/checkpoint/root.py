@@ -13,7 +13,7 @@ import shutil
 import uuid
 
 from elastic import worker_env
-from elastic.checkpoint import layout
+from elastic.checkpoint import layout, timing
 from elastic.checkpoint.api import CommitEntry
 from elastic.errors import CheckpointWriteError, FencedError
 from elastic.failpoints import failpoint
@@ -64,6 +64,7 @@ class CheckpointRoot:
     def join(self, name: str) -> str:
         return os.path.join(self.path, name)
 
+    @timing.timed("prepare")
     def make_temporary(self, tmp: str, step: int) -> None:
         """Remove stale temporaries (this job's saves are serialized, so no save in
         flight owns them) and create ``tmp``, this save's directory, afresh.

@@ -17,7 +17,7 @@ import time
 import torch.distributed.checkpoint as dcp
 
 from elastic._compat import torch_checkpoint as compat
-from elastic.checkpoint import layout
+from elastic.checkpoint import layout, timing
 from elastic.checkpoint.api import CommitEntry, CommitLog
 from elastic.checkpoint.dcp_io import ChecksummingWriter
 from elastic.checkpoint.environment import SavingNotice
@@ -55,6 +55,7 @@ class SavePipeline:
         self._snapshots = snapshots
         self._notice = notice
 
+    @timing.timed("persist")
     def persist(self, snapshot: Snapshot) -> None:
         """Every rank: finish the snapshot's copy, write, verify and commit it; the
         saving hook hears 0 at the end, whatever the outcome.
@@ -124,11 +125,13 @@ class SavePipeline:
         if self._group.rank == 0:
             self._root.discard(tmp)
 
+    @timing.timed("write")
     def _write(self, snapshot: Snapshot, tmp: str) -> None:
         """Every rank: DCP shards, then this rank's state file and manifest, all fsynced."""
         writer = RecordingWriter(tmp, self._root.mode)
-        dcp.save(snapshot.state_dict, storage_writer=writer, process_group=self._group.pg,
-                 **compat.single_process(self._group.pg is None))
+        with timing.phase("dcp_save"):
+            dcp.save(snapshot.state_dict, storage_writer=writer, process_group=self._group.pg,
+                     **compat.single_process(self._group.pg is None))
         rank = self._group.rank
         local_name = layout.rank_state_name(rank)
         layout.write_durably(os.path.join(tmp, local_name), snapshot.local, self._root.file_mode)
@@ -141,6 +144,7 @@ class SavePipeline:
             files=files), self._root.file_mode)
         layout.fsync_dir(tmp)
 
+    @timing.timed("commit")
     def _commit(self, snapshot: Snapshot, tmp: str) -> None:
         """Rank 0: rename into place, record in the commit log, mark, prune.
 

@@ -33,6 +33,8 @@ from typing import Any, Protocol
 import torch
 from torch.distributed.tensor import DTensor
 
+from elastic.checkpoint import timing
+
 log = logging.getLogger(__name__)
 
 Path = tuple  # a value's place in the state dict: the keys and indices leading to it
@@ -145,6 +147,7 @@ class Stager:
             return None
         return self._cuda.mark(self.device)
 
+    @timing.timed("stage")
     def stage(self, state_dict: Any, *, after: Any = None, prefix: Path = ()) -> Any:
         """A CPU copy of ``state_dict`` (same structure; tensors in this stager's
         buffers, other values deep-copied), complete when this returns. CUDA

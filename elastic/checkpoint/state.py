@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from elastic.checkpoint import trust
+from elastic.checkpoint import timing, trust
 from elastic.errors import CheckpointError
 
 try:  # numpy is optional here (torch's object collectives need it, see checkpointer.py)
@@ -100,6 +100,7 @@ class TensorState:
     keys: list[tuple[list[str], list[str]]]  # per chunk: (model keys, optimizer keys)
 
 
+@timing.timed("collect")
 def collect(chunks: Sequence[Chunk]) -> TensorState:
     """The live, FQN-keyed state of every chunk (tensors are the live ones, not copies).
 
@@ -125,6 +126,7 @@ def collect(chunks: Sequence[Chunk]) -> TensorState:
     return TensorState({"model": model_sd, "optim": optim_sd}, keys)
 
 
+@timing.timed("apply")
 def apply(chunks: Sequence[Chunk], state: TensorState) -> None:
     """Load a state filled in by ``dcp.load`` back into the chunks (strict keys)."""
     for chunk, (model_keys, optim_keys) in zip(chunks, state.keys):
