@@ -240,8 +240,9 @@ def test_giving_up_the_warm_pool_ends_the_warm_workers_still_importing(supervise
 
     # The template's death and the two warm workers': three in a row, while their
     # replacements (a new template, spawned warm workers) fail or hang in `badpre`.
-    # The warm workers die once a replacement has started: all three deaths at once
-    # could be judged before the spawner started any (seen under load).
+    # The warm workers die once a replacement has started: the test needs the three
+    # deaths judged while replacements are being made, and three at once may all be
+    # judged before the spawner starts any.
     first = {template.pid, *(w.pid for w in warm)}
     os.kill(template.pid, signal.SIGKILL)
     wait_until(lambda: [pid for pid in sup.pids() if pid not in first], 15,

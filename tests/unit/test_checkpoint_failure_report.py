@@ -125,8 +125,8 @@ def test_the_checkpointer_reports_its_failed_save_through_the_agent(node, socket
 def test_a_save_replaces_a_malformed_latest_record_instead_of_failing(node, socket_path,
                                                                       monkeypatch, tmp_path,
                                                                       caplog):
-    # Garbage in checkpoint/latest used to fail every save (rank 0 reads the
-    # latest entry before its commit) until someone mended the key by hand.
+    # Rank 0 reads the latest entry before its commit: garbage there is replaced by
+    # the fenced commit, never a reason to fail every save until someone mends the key.
     from torch import nn
 
     from elastic.checkpoint.checkpointer import Checkpointer
