@@ -23,7 +23,7 @@ from elastic.errors import AgentAuthError, RateLimitedError
 from elastic.hostport import HostPort
 from elastic.keyspace import JobKeys
 from elastic.net import free_port
-from elastic.rendezvous.api import NodeInfo, Round
+from elastic.rendezvous.api import NodeInfo, Outcome, Round
 from elastic.v1 import agent_pb2, agent_pb2_grpc
 from tests.integration.procs import REPO, AgentProcess
 from tests.tls_certs import make_certs
@@ -179,7 +179,7 @@ def test_mutual_tls_agents_train_recover_and_take_control_only_from_the_ca(
                poll_s=0.1, context=output_of(a))
     hold.unlink()
     assert a.wait_exit(40) == 0, a.text
-    assert current_round(etcd_store, job_id).outcome == "succeeded"
+    assert current_round(etcd_store, job_id).outcome is Outcome.SUCCEEDED
     assert "killed by signal 9" in a.text + b.text
     assert "unauthenticated" not in a.text + b.text
 

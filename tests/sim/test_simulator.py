@@ -18,6 +18,7 @@ import pytest
 
 from agent import reactor
 from elastic.rendezvous import decisions
+from elastic.rendezvous.api import Outcome
 from elastic.rendezvous.decisions import Action, Decision
 from tests.marks import CPU_BOUND
 from tests.sim import cluster
@@ -171,6 +172,6 @@ def test_garbage_over_the_round_key_restarts_no_worker():
     sim = cluster.Cluster(3)
     sim.schedule = [Fault(at, "garbage_round", "*") for at in (4.0, 4.1, 7.0)]
     result = sim.run()
-    assert result.ok and result.outcome == "succeeded", result.violations
+    assert result.ok and result.outcome == Outcome.SUCCEEDED, result.violations
     assert {w.round for w, _ in sim.workers.exits} == {1}
     assert len(sim.continuations - {sim.final.number}) == 3 and result.steps_committed > 0

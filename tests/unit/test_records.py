@@ -15,7 +15,7 @@ from elastic.errors import ConfigError, MalformedRecordError
 from elastic.events import Event, event_op
 from elastic.keyspace import JobKeys
 from elastic.records import MAX_REASON_CHARS, cap_text, validate_id
-from elastic.rendezvous.api import Member, NodeInfo, RestartRequest, Round
+from elastic.rendezvous.api import Member, NodeInfo, Outcome, RestartRequest, Round
 from tests.fakes.clock import FakeClock
 
 KEYS = JobKeys("job")
@@ -64,7 +64,7 @@ def assert_valid_round(rnd, version):
     assert type(rnd.master_addr) is str and _is_int(rnd.master_port, 0, 65535)
     assert _is_text(rnd.reason) and (rnd.leader == "" or _is_id(rnd.leader))
     assert _is_time(rnd.created_at) and all(_is_time(t) for t in rnd.failures)
-    assert rnd.outcome in ("", "succeeded", "failed")
+    assert isinstance(rnd.outcome, Outcome)
 
 
 def assert_valid_request(req):
