@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from agent.template_link import ForkedProcess
+from elastic import worker_env
 from elastic.clock import Clock
 from elastic.errors import WorkerSpawnError
 from elastic.joblog import JobLogger
-# Neither imports torch (nor anything heavy): the agent stays light.
-from elastic.worker.bootstrap import PARENT_PID_ENV, PRELOAD_ENV, STATUS_FD_ENV
-from elastic.worker.template import TEMPLATE_ENV, TEMPLATE_FD_ENV
+# It imports no torch (nor anything heavy): the agent stays light.
+from elastic.worker.template import TEMPLATE_ENV
 
 BOOTSTRAP_MODULE = "elastic.worker.bootstrap"
 KILL_WAIT_S = 3.0  # after SIGKILL: only a process stuck in the kernel takes longer
@@ -252,10 +252,11 @@ def spawn_worker(python: str, cwd: str, env: dict[str, str],
     default (a warm worker); "" imports nothing ahead (a cold one). Raises
     WorkerSpawnError."""
     read_fd, write_fd = os.pipe()
-    child_env = {**env, STATUS_FD_ENV: str(write_fd), PARENT_PID_ENV: str(os.getpid())}
+    child_env = {**env, worker_env.BOOTSTRAP_STATUS_FD: str(write_fd),
+                 worker_env.BOOTSTRAP_PARENT_PID: str(os.getpid())}
     startup_env = dict(env)
     if preload is not None:
-        child_env[PRELOAD_ENV] = startup_env[PRELOAD_ENV] = preload
+        child_env[worker_env.PRELOAD] = startup_env[worker_env.PRELOAD] = preload
     try:
         proc = popen_bootstrap(python, cwd, child_env, stdin=subprocess.PIPE, pass_fd=write_fd)
     except WorkerSpawnError:
@@ -273,8 +274,8 @@ def spawn_template(python: str, cwd: str,
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     # TEMPLATE_ENV keeps torch.cuda.is_available() in the preload off the CUDA
     # driver, whose use would make every fork unable to use CUDA.
-    child_env = {**env, **TEMPLATE_ENV, TEMPLATE_FD_ENV: str(theirs.fileno()),
-                 PARENT_PID_ENV: str(os.getpid())}
+    child_env = {**env, **TEMPLATE_ENV, worker_env.BOOTSTRAP_TEMPLATE_FD: str(theirs.fileno()),
+                 worker_env.BOOTSTRAP_PARENT_PID: str(os.getpid())}
     try:
         proc = popen_bootstrap(python, cwd, child_env, stdin=subprocess.DEVNULL,
                                pass_fd=theirs.fileno())

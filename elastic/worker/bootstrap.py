@@ -2,7 +2,7 @@
 
     python -u -m elastic.worker.bootstrap
 
-The node agent's supervisor starts workers through this module so that a
+The node agent starts workers through this module so that a
 restart does not pay for ``import torch`` (seconds) on its critical path: a
 *warm* worker imports the modules in ``ELASTIC_PRELOAD`` ahead of need, on a
 thread at the lowest CPU and I/O priority (:mod:`elastic.worker.priority`)
@@ -11,9 +11,10 @@ thread blocks on stdin until the agent hands it a round's assignment. Taken
 before its import finished, the worker raises the import back to normal
 priority where it may, waits for it, and runs the script.
 
-Protocol (the agent's side is ``agent.supervisor``):
+Protocol (the agent's side is :mod:`agent.spawn`; the variables are named in
+:mod:`elastic.worker_env`):
 
-- Environment at start (set by the supervisor, not seen by the script):
+- Environment at start (set by the agent, not seen by the script):
   ``ELASTIC_PRELOAD``: comma-separated modules to import ahead of time
   (default ``torch,torch.distributed``; empty for a cold start, where
   preloading would only delay the script); ``ELASTIC_BOOTSTRAP_STATUS_FD``:
@@ -37,15 +38,16 @@ death by SIGINT for an uncaught ``KeyboardInterrupt``, 2 for a script file
 that cannot be opened). An uncaught exception is also written to
 ``TORCHELASTIC_ERROR_FILE`` when that is set (:mod:`elastic.errorfile`). Environment variables read only when the interpreter
 or torch starts (``PYTHONPATH``, ``OMP_NUM_THREADS``, ...) are those of the
-warm process, not of the assignment; the supervisor starts a worker cold when
-they differ. The worker gets SIGKILL when the thread of the agent that spawned
+warm process, not of the assignment; the agent starts a worker cold when
+they differ (:mod:`agent.warm_policy`). The worker gets SIGKILL when the thread of the agent that spawned
 it dies (``PR_SET_PDEATHSIG``), so no worker outlives a killed agent.
 
 Template mode: with ``ELASTIC_BOOTSTRAP_TEMPLATE_FD`` (a Unix socket) the
 process preloads the same way but then serves fork requests
 (:mod:`elastic.worker.template`); each fork continues here as a warm worker
 whose preload is already done, with the same protocol and promises, its
-stdin/stdout/stderr passed by the agent, and PDEATHSIG to the template.
+stdin/stdout/stderr passed by the agent (:mod:`agent.warm_pool`, through
+:mod:`agent.template_link`), and PDEATHSIG to the template.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A template process: preload once, then fork warm workers on the agent's request.
 
-The supervisor (``agent.supervisor``) starts one ``python -u -m
+The agent (:mod:`agent.spawn`, for :mod:`agent.warm_pool`) starts one ``python -u -m
 elastic.worker.bootstrap`` with ``ELASTIC_BOOTSTRAP_TEMPLATE_FD`` set: a Unix
 ``SOCK_SEQPACKET`` socket it inherited. It preloads exactly as a warm worker
 does (idle-priority thread, PDEATHSIG to the agent's spawner thread) and then,
@@ -9,7 +9,8 @@ warm worker that has paid nothing for ``import torch`` (about 0.01 CPU-second
 against 2.5-4 for an import) and goes on through the bootstrap's usual path:
 assignment on stdin, script, exit status.
 
-Protocol (one JSON object per datagram):
+Protocol (one JSON object per datagram; the agent's end is
+:mod:`agent.template_link`):
 
 - template -> agent: ``{"ready": true, "pid": P}`` once it may fork;
   ``{"unsafe": reason}`` instead when forking is not safe (then it exits 0);

@@ -20,7 +20,7 @@ import pytest
 
 from agent.supervisor import Entrypoint, WorkerSupervisor, signal_worker
 from elastic.clock import SystemClock
-from elastic.worker.template import TEMPLATE_FD_ENV
+from elastic.worker_env import BOOTSTRAP_TEMPLATE_FD
 from tests.integration.supervising import REPO, Exits, round_envs
 from tests.waiting import wait_until
 from tests.proctable import alive, parent, state
@@ -266,7 +266,7 @@ def test_a_second_warm_set_serves_a_restart_while_the_template_imports_and_it_fo
     release = tmp_path / "release"
     (tmp_path / "slowpre.py").write_text(
         f"import os, time\n"
-        f"while os.environ.get({TEMPLATE_FD_ENV!r}) and not os.path.exists({str(release)!r}):\n"
+        f"while os.environ.get({BOOTSTRAP_TEMPLATE_FD!r}) and not os.path.exists({str(release)!r}):\n"
         f"    time.sleep(0.05)\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.setenv("ELASTIC_PRELOAD", "slowpre")
