@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import threading
+import time
+from pathlib import Path
 
 from agent.supervisor import WorkerExit
 
@@ -33,3 +36,26 @@ class Exits:
             if not self._cond.wait_for(lambda: len(self.seen) >= n, timeout_s):
                 raise AssertionError(f"expected {n} exits within {timeout_s} s, got {self.seen}")
             return sorted(self.seen, key=lambda e: e.local_rank)
+
+
+def check_exits_reported(got: list[WorkerExit], marks: Path, modes: list[str], hang_pid: int,
+                         killed_at: float) -> None:
+    """Four ranks' exits, by local rank: status 0, 3, 1 (an uncaught exception) and a
+    SIGKILL of ``hang_pid`` at ``killed_at``, each reported within half a second of
+    the end: ``marks/<mode>`` holds the monotonic time at which the first three
+    (``modes``) were about to exit."""
+    assert [(e.local_rank, e.exit_code, e.signal, e.stopped) for e in got] == [
+        (0, 0, None, False), (1, 3, None, False), (2, 1, None, False),
+        (3, 128 + signal.SIGKILL, signal.SIGKILL, False)]
+    for e, mode in zip(got[:3], modes):
+        exited_at = float((marks / mode).read_text())
+        assert e.at - exited_at < 0.5, f"{mode}: reported {e.at - exited_at:.3f} s after exit"
+    assert got[3].at - killed_at < 0.5
+    assert got[3].pid == hang_pid
+
+
+def kill(pid: int) -> float:
+    """SIGKILL ``pid``; the monotonic time just before."""
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    return killed_at
