@@ -1,4 +1,5 @@
-"""Worker health: what the agent knows of each worker, and the pure hang verdict.
+"""Health: what the agent knows of each worker, the pure hang verdict, a node's
+progress, and a peer agent's health as seen from here.
 
 A worker is judged only once it has spoken: a script that never sends a
 heartbeat (plain torch, no ``elastic`` library) is never called hung. Once it
@@ -11,11 +12,32 @@ has, it is hung when
   checkpoint save that is still within its announced time.
 
 A worker that said it is exiting (its script ended) is not judged any more.
+
+A node's progress is its newest worker's step and its slowest worker's rate
+(:func:`node_progress`): what the status record, the status RPC and the
+metrics report.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import threading
 from dataclasses import dataclass, field
+from typing import Iterable
+
+
+class PeerHealth(enum.StrEnum):
+    """A peer agent's health as seen from here; the values are plain strings."""
+
+    SERVING = "SERVING"
+    """The agent and its workers are healthy."""
+    NOT_SERVING = "NOT_SERVING"
+    """The agent answers but reports itself unhealthy (workers failed, stopping, starting)."""
+    UNREACHABLE = "UNREACHABLE"
+    """No answer within the timeout, or the connection or watch stream broke."""
+    UNKNOWN = "UNKNOWN"
+    """The agent answered without a usable status (service not registered, other error)."""
 
 
 @dataclass
@@ -49,6 +71,46 @@ class WorkerHealth:
             return 0.0
         (t0, s0), (t1, s1) = self.steps[0], self.steps[-1]
         return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+def node_progress(workers: Iterable[tuple[int, float]]) -> tuple[int, float]:
+    """A node's progress from its workers' ``(step, steps per second)``: the
+    newest step (-1 without workers) and the slowest rate (0.0 without)."""
+    pairs = list(workers)
+    return max((s for s, _ in pairs), default=-1), min((r for _, r in pairs), default=0.0)
+
+
+class WorkerTable:
+    """The health records of the workers of the round running here: replaced
+    by the agent's loop for each round it starts, fed by the worker channel's
+    threads (heartbeats), read by anyone as copies."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._workers: dict[int, WorkerHealth] = {}
+
+    def reset(self, ranks: Iterable[int], now: float) -> None:
+        """Fresh records for a round whose local rank ``i`` has global rank ``ranks[i]``."""
+        with self._lock:
+            self._workers = {i: WorkerHealth(local_rank=i, rank=rank, started_at=now)
+                             for i, rank in enumerate(ranks)}
+
+    def beat(self, local_rank: int, now: float, step: int, saving_for_s: float,
+             exiting: bool) -> tuple[int, float] | None:
+        """Record a heartbeat of ``local_rank``; the node's progress after it
+        (:func:`node_progress`), None when that rank has no record."""
+        with self._lock:
+            w = self._workers.get(local_rank)
+            if w is None:
+                return None
+            w.on_heartbeat(now, step, saving_for_s, exiting)
+            return node_progress([(x.step, x.step_rate()) for x in self._workers.values()])
+
+    def snapshot(self) -> list[WorkerHealth]:
+        """Copies of the records, by local rank."""
+        with self._lock:
+            return [dataclasses.replace(w, steps=list(w.steps))
+                    for _, w in sorted(self._workers.items())]
 
 
 def last_sign_of_life(w: WorkerHealth, now: float, hang_timeout_s: float) -> float | None:

@@ -1,4 +1,5 @@
-"""The agent's lifecycle: one state machine, one place that changes state.
+"""The agent's lifecycle: its states, the table of allowed transitions, and
+the checker and publisher of the transitions the reactor decides.
 
 ::
 
@@ -6,8 +7,11 @@
                                                RUNNING -> DONE -> SUCCEEDED | FAILED
     any live state -> DRAINING -> (exit)   any state -> FAILED
 
-Every transition is checked against the table below, logged with its reason,
-and handed to the publisher (status key and event in etcd).
+The agent's state is the reactor's (:attr:`agent.reactor.AgentView.state`).
+Each reaction's Transition commands are checked against the table before
+any is applied (:func:`check_path`: they must lead from the state before to
+the state after), then each is logged with its reason and handed to the
+publisher (status key and event in etcd) as the loop applies it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import enum
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 from elastic.clock import SYSTEM_CLOCK, Clock
 from elastic.joblog import JobLogger
@@ -66,11 +70,28 @@ class Transition:
 
 
 class IllegalTransition(RuntimeError):
-    """A bug: the agent tried a transition the table does not allow."""
+    """A bug: the reactor decided a transition the table does not allow."""
+
+
+def check_path(before: AgentState, states: Iterable[AgentState], after: AgentState) -> None:
+    """Check that moving from ``before`` through ``states`` in order follows
+    the table and ends in ``after``. Raises IllegalTransition (a bug, never
+    bad input)."""
+    at = before
+    for state in states:
+        if state not in ALLOWED[at]:
+            raise IllegalTransition(f"{at.value} -> {state.value}")
+        at = state
+    if at is not after:
+        raise IllegalTransition(f"the transitions end in {at.value}, the state in {after.value}")
 
 
 class Lifecycle:
-    """Holds the agent's state; :meth:`to` is the only way to change it."""
+    """Publishes the reactor's transitions in order, each checked against the table.
+
+    :attr:`published` is the last state published: the reactor's state as far
+    as the loop has applied its commands (STOPPING while a stop is under way),
+    what the status RPC reports. Nothing decides on it."""
 
     def __init__(self, job_id: str, node_id: str,
                  publish: Callable[[Transition], None] | None = None,
@@ -80,22 +101,22 @@ class Lifecycle:
         self._log = JobLogger(log, job_id, node_id)
         self._publish = publish
         self._clock = clock
-        self._state = AgentState.INIT
+        self._published = AgentState.INIT
         self._lock = threading.Lock()
         self.history: list[Transition] = []
 
     @property
-    def state(self) -> AgentState:
-        return self._state
+    def published(self) -> AgentState:
+        return self._published
 
-    def to(self, after: AgentState, reason: str, round_number: int = 0) -> Transition:
-        """Move to ``after``; log and publish it. Raises IllegalTransition for a
-        move the table does not allow (a bug, never bad input)."""
+    def publish(self, after: AgentState, reason: str, round_number: int = 0) -> Transition:
+        """Log and publish the move from the last published state to ``after``.
+        Raises IllegalTransition for a move the table does not allow."""
         with self._lock:
-            before = self._state
+            before = self._published
             if after not in ALLOWED[before]:
                 raise IllegalTransition(f"{before.value} -> {after.value} ({reason})")
-            self._state = after
+            self._published = after
             t = Transition(before, after, reason, round_number, self._clock.wall())
             self.history.append(t)
         self._log.at_round(round_number).info("%s -> %s: %s", before.value, after.value, reason)

@@ -1,8 +1,8 @@
 """The agent's Prometheus metrics: every metric name is defined here, once.
 
 :class:`AgentMetrics` is fed by the agent's loop (:mod:`agent.daemon`) with
-what it already has in hand: each typed event with the view before and after
-:func:`agent.reactor.react` and the commands it returned, at the loop's
+what it already has in hand: each typed event with the view
+:func:`agent.reactor.react` returned and its commands, at the loop's
 monotonic ``now``; each lifecycle transition; the workers' heartbeats; the
 checkpoint commits and restores its workers report; and the etcd errors its
 loop retries. It never reads a clock, so tests drive it with explicit times
@@ -16,8 +16,8 @@ Prometheus sets ``job`` on every scraped series to the scrape job's name and
 would rename ours to ``exported_job``.
 
 Restarts are counted where this node's workers are stopped for a new round
-(once per stop), with a bounded ``reason`` classified from the typed event
-that caused the stop, never from free text:
+(once per reaction), with a bounded ``reason``: the value of the stop's typed
+cause (:class:`agent.reactor.StopCause`), never read from free text:
 
 =================  ===========================================================
 ``worker_exit``    a worker of this node exited non-zero or was killed
@@ -30,13 +30,14 @@ that caused the stop, never from free text:
 ``requested``      a new round, same members, no failure (``elasticctl
                    restart``, a node back from a cut-off, an agent registered
                    again)
-``other``          anything else that stopped the workers for a new round
+``other``          kept at 0 for dashboards that query it: every stop has
+                   one of the causes above
 =================  ===========================================================
 
-Time to detect (``elasticd_detect_seconds``) is observed where this node
-judged the fault and the evidence's time is known: 0 for a worker's exit (the
-supervisor reaps it at once), the silence before a hang verdict, the time the
-peer was NOT_SERVING, the time the lease went unconfirmed. Time to recover
+Time to detect (``elasticd_detect_seconds``) is the stop's ``detect_s``, known
+where this node judged the fault: 0 for a worker's exit (the supervisor reaps
+it at once), the silence before a hang verdict, the time the peer was
+NOT_SERVING, the time the lease went unconfirmed. Time to recover
 (``elasticd_recover_seconds``) runs from the first stop of the workers to the
 first step of every worker of a later round (``Tick.workers_stepped``);
 restarts in between (a crash loop) do not reset it, and a node left out of
@@ -66,12 +67,12 @@ from agent.gpu_health import PROBLEMS as GPU_PROBLEMS
 from agent.gpu_health import GpuAction
 from agent.lifecycle import AgentState
 from elastic.errors import ConfigError
+from elastic.joblog import JobLogger
 
 log = logging.getLogger(__name__)
 
-RESTART_REASONS = ("worker_exit", "worker_hang", "peer_unhealthy", "store_cut_off",
-                   "node_left", "peer_failure", "node_joined", "requested", "other")
-# What the status RPC reports per worker (agent/daemon.py's _worker_rows).
+RESTART_REASONS = tuple(c.value for c in reactor.StopCause if c.restart) + ("other",)
+# What the status record reports per worker (agent.publishing.status_of).
 WORKER_STATES = ("starting", "running", "succeeded")
 # Where the loop met an etcd error it retries (Agent.step and Agent.flush) or
 # passed on to a worker (a checkpoint commit).
@@ -94,12 +95,10 @@ class NoMetrics:
     ``observe_transition`` are called from the agent's loop only; the others
     from any thread (gRPC handlers, the HTTP server's)."""
 
-    def observe(self, before: reactor.AgentView, event: reactor.Event,
-                after: reactor.AgentView, commands: Sequence[reactor.Command],
-                now: float) -> None:
-        """The loop reacted to ``event`` at monotonic ``now``: ``before`` and
-        ``after`` are the views around :func:`agent.reactor.react`, ``commands``
-        what it returned."""
+    def observe(self, event: reactor.Event, after: reactor.AgentView,
+                commands: Sequence[reactor.Command], now: float) -> None:
+        """The loop reacted to ``event`` at monotonic ``now``: ``after`` is the
+        view :func:`agent.reactor.react` returned, ``commands`` its commands."""
 
     def observe_transition(self, state: AgentState, now: float) -> None:
         """The lifecycle entered ``state`` at monotonic ``now``."""
@@ -141,22 +140,21 @@ class AgentMetrics(NoMetrics):
         self.job_id = job_id
         self.node_id = node_id
         self.registry = registry if registry is not None else CollectorRegistry()
+        self._log = JobLogger(log, job_id, node_id)
         ids = (job_id, node_id)
         r = self.registry
-        self._rounds_started = Counter(
-            "elasticd_rounds_started", "Rounds this node started workers in.",
-            _LABELS, registry=r).labels(*ids)
-        self._round = Gauge(
-            "elasticd_round", "The round this node's workers belong to (0: none yet).",
-            _LABELS, registry=r).labels(*ids)
-        self._world_size = Gauge(
-            "elasticd_world_size", "World size of that round.", _LABELS, registry=r).labels(*ids)
-        self._state = Gauge(
-            "elasticd_agent_state", "The agent's lifecycle state: 1 for the current one.",
-            _LABELS + ("state",), registry=r)
-        self._restarts = Counter(
-            "elasticd_restarts", "Stops of this node's workers for a new round, by reason.",
-            _LABELS + ("reason",), registry=r)
+        self._rounds_started = _series(r, ids, Counter, "elasticd_rounds_started",
+                                       "Rounds this node started workers in.")
+        self._round = _series(r, ids, Gauge, "elasticd_round",
+                              "The round this node's workers belong to (0: none yet).")
+        self._world_size = _series(r, ids, Gauge, "elasticd_world_size",
+                                   "World size of that round.")
+        self._state = Gauge("elasticd_agent_state",
+                            "The agent's lifecycle state: 1 for the current one.",
+                            _LABELS + ("state",), registry=r)
+        self._restarts = Counter("elasticd_restarts",
+                                 "Stops of this node's workers for a new round, by reason.",
+                                 _LABELS + ("reason",), registry=r)
         self._detect = Histogram(
             "elasticd_detect_seconds",
             "From the evidence of a fault to this agent's reaction, by reason.",
@@ -166,51 +164,14 @@ class AgentMetrics(NoMetrics):
             "From the stop of the workers to the first step of every worker of a later "
             "round, by the stop's reason.",
             _LABELS + ("reason",), buckets=_RECOVER_BUCKETS_S, registry=r)
-        self._rendezvous = Histogram(
-            "elasticd_rendezvous_seconds", "From entering JOINING to STARTING a round.",
-            _LABELS, buckets=_RENDEZVOUS_BUCKETS_S, registry=r).labels(*ids)
-        self._step = Gauge(
-            "elasticd_step", "The newest step this node's workers reported.",
-            _LABELS, registry=r).labels(*ids)
-        self._step_rate = Gauge(
-            "elasticd_step_rate", "Steps per second of this node's slowest worker.",
-            _LABELS, registry=r).labels(*ids)
-        self._heartbeats = Counter(
-            "elasticd_worker_heartbeats", "Heartbeats received from this node's workers.",
-            _LABELS, registry=r).labels(*ids)
-        self._save_seconds = Histogram(
-            "elasticd_checkpoint_save_seconds",
-            "Checkpoint saves committed through this agent: from save() to the commit.",
-            _LABELS, buckets=_CHECKPOINT_BUCKETS_S, registry=r).labels(*ids)
-        self._save_bytes = Counter(
-            "elasticd_checkpoint_save_bytes",
-            "Bytes of the checkpoints committed through this agent (all ranks' files).",
-            _LABELS, registry=r).labels(*ids)
-        self._checkpoint_step = Gauge(
-            "elasticd_checkpoint_step", "The step of the last checkpoint committed here.",
-            _LABELS, registry=r).labels(*ids)
-        self._restore_seconds = Histogram(
-            "elasticd_checkpoint_restore_seconds",
-            "Checkpoint restores reported by this node's rank 0.",
-            _LABELS, buckets=_CHECKPOINT_BUCKETS_S, registry=r).labels(*ids)
-        self._restore_bytes = Counter(
-            "elasticd_checkpoint_restore_bytes",
-            "Bytes of the checkpoints restored by this node's rank 0 (all ranks' files).",
-            _LABELS, registry=r).labels(*ids)
-        self._store_errors = Counter(
-            "elasticd_etcd_errors", "etcd errors met by the agent's loop, by operation.",
-            _LABELS + ("op",), registry=r)
-        self._gpu_checks = Counter(
-            "elasticd_gpu_checks", "GPU checks before a round, by verdict (pass, warn, leave).",
-            _LABELS + ("result",), registry=r)
-        self._gpu_problems = Counter(
-            "elasticd_gpu_check_problems", "Problems found by the GPU checks, by kind.",
-            _LABELS + ("problem",), registry=r)
-        self._gpu_check_seconds = Histogram(
-            "elasticd_gpu_check_seconds",
-            "From the start of a round on this node to the GPU check's verdict (mostly the "
-            "wait for the last round's processes to release GPU memory).",
-            _LABELS, buckets=_GPU_CHECK_BUCKETS_S, registry=r).labels(*ids)
+        self._rendezvous = _series(r, ids, Histogram, "elasticd_rendezvous_seconds",
+                                   "From entering JOINING to STARTING a round.",
+                                   buckets=_RENDEZVOUS_BUCKETS_S)
+        self._store_errors = Counter("elasticd_etcd_errors",
+                                     "etcd errors met by the agent's loop, by operation.",
+                                     _LABELS + ("op",), registry=r)
+        self._define_worker_series(r, ids)
+        self._define_gpu_series(r, ids)
         self._states_source: Callable[[], Iterable[str]] = tuple
         r.register(_WorkersCollector("elasticd_workers",
                                      "This node's workers of the running round, by state.",
@@ -220,10 +181,6 @@ class AgentMetrics(NoMetrics):
             self._restarts.labels(*ids, reason)
         for op in STORE_OPS:
             self._store_errors.labels(*ids, op)
-        for result in GPU_CHECK_RESULTS:
-            self._gpu_checks.labels(*ids, result)
-        for problem in GPU_PROBLEMS:
-            self._gpu_problems.labels(*ids, problem)
         for state in AgentState:
             self._state.labels(*ids, state.value).set(0)
         self._joining_since: float | None = None
@@ -232,11 +189,52 @@ class AgentMetrics(NoMetrics):
         self._server = None
         self._thread = None
 
+    def _define_worker_series(self, r: CollectorRegistry, ids: tuple[str, str]) -> None:
+        """The series fed by the workers: steps, heartbeats, checkpoints."""
+        self._step = _series(r, ids, Gauge, "elasticd_step",
+                             "The newest step this node's workers reported.")
+        self._step_rate = _series(r, ids, Gauge, "elasticd_step_rate",
+                                  "Steps per second of this node's slowest worker.")
+        self._heartbeats = _series(r, ids, Counter, "elasticd_worker_heartbeats",
+                                   "Heartbeats received from this node's workers.")
+        self._save_seconds = _series(
+            r, ids, Histogram, "elasticd_checkpoint_save_seconds",
+            "Checkpoint saves committed through this agent: from save() to the commit.",
+            buckets=_CHECKPOINT_BUCKETS_S)
+        self._save_bytes = _series(
+            r, ids, Counter, "elasticd_checkpoint_save_bytes",
+            "Bytes of the checkpoints committed through this agent (all ranks' files).")
+        self._checkpoint_step = _series(r, ids, Gauge, "elasticd_checkpoint_step",
+                                        "The step of the last checkpoint committed here.")
+        self._restore_seconds = _series(r, ids, Histogram, "elasticd_checkpoint_restore_seconds",
+                                        "Checkpoint restores reported by this node's rank 0.",
+                                        buckets=_CHECKPOINT_BUCKETS_S)
+        self._restore_bytes = _series(
+            r, ids, Counter, "elasticd_checkpoint_restore_bytes",
+            "Bytes of the checkpoints restored by this node's rank 0 (all ranks' files).")
+
+    def _define_gpu_series(self, r: CollectorRegistry, ids: tuple[str, str]) -> None:
+        """The series of the GPU checks before a round (``--gpu-check``)."""
+        self._gpu_checks = Counter(
+            "elasticd_gpu_checks", "GPU checks before a round, by verdict (pass, warn, leave).",
+            _LABELS + ("result",), registry=r)
+        self._gpu_problems = Counter(
+            "elasticd_gpu_check_problems", "Problems found by the GPU checks, by kind.",
+            _LABELS + ("problem",), registry=r)
+        self._gpu_check_seconds = _series(
+            r, ids, Histogram, "elasticd_gpu_check_seconds",
+            "From the start of a round on this node to the GPU check's verdict (mostly the "
+            "wait for the last round's processes to release GPU memory).",
+            buckets=_GPU_CHECK_BUCKETS_S)
+        for result in GPU_CHECK_RESULTS:
+            self._gpu_checks.labels(*ids, result)
+        for problem in GPU_PROBLEMS:
+            self._gpu_problems.labels(*ids, problem)
+
     # ------------------------------------------------------------ the loop
 
-    def observe(self, before: reactor.AgentView, event: reactor.Event,
-                after: reactor.AgentView, commands: Sequence[reactor.Command],
-                now: float) -> None:
+    def observe(self, event: reactor.Event, after: reactor.AgentView,
+                commands: Sequence[reactor.Command], now: float) -> None:
         ids = (self.job_id, self.node_id)
         for command in commands:
             if isinstance(command, reactor.StartWorkers):
@@ -248,19 +246,20 @@ class AgentMetrics(NoMetrics):
             self._gpu_check_seconds.observe(event.decision.waited_s)
         self._round.set(after.round_number)
         self._world_size.set(after.round.world_size if after.round is not None else 0)
-        stopped = any(isinstance(c, reactor.StopWorkers) for c in commands)
-        if stopped and not after.state.final and after.state is not AgentState.DRAINING:
-            reason, detect_s = restart_reason(before, event, commands, now)
+        restart = next((c for c in commands
+                        if isinstance(c, reactor.StopWorkers) and c.cause.restart), None)
+        if restart is not None:
+            reason = restart.cause.value
             self._restarts.labels(*ids, reason).inc()
-            if detect_s is not None:
-                self._detect.labels(*ids, reason).observe(max(0.0, detect_s))
+            if restart.detect_s is not None:
+                self._detect.labels(*ids, reason).observe(max(0.0, restart.detect_s))
             if self._unrecovered is None:
                 self._unrecovered = (reason, now)
         unrecovered = self._unrecovered
         if unrecovered is None:
             return
         reason, stopped_at = unrecovered
-        if after.state in (AgentState.STANDBY, AgentState.DRAINING) or after.state.final:
+        if after.state is AgentState.STANDBY or after.state.final:
             self._unrecovered = None  # the job goes on (or ends) without this node
         elif (isinstance(event, reactor.Tick) and event.workers_stepped
               and after.state is AgentState.RUNNING):
@@ -323,8 +322,7 @@ class AgentMetrics(NoMetrics):
             raise ConfigError(f"--metrics-port {port}: cannot serve metrics on {host}: "
                               f"{exc}") from exc
         url = f"http://{host if ':' not in addr else f'[{addr}]'}:{port}/metrics"
-        log.info("Job %s node %s serves Prometheus metrics at %s.", self.job_id, self.node_id,
-                 url)
+        self._log.info("serves Prometheus metrics at %s.", url)
         return url
 
     def close(self) -> None:
@@ -334,35 +332,11 @@ class AgentMetrics(NoMetrics):
             server.server_close()
 
 
-def restart_reason(before: reactor.AgentView, event: reactor.Event,
-                   commands: Sequence[reactor.Command], now: float
-                   ) -> tuple[str, float | None]:
-    """Why ``event`` stopped this node's workers for a new round (one of
-    RESTART_REASONS), and how long the fault went undetected (None: not
-    measurable here). Reads only typed fields: never a reason's text."""
-    if isinstance(event, reactor.WorkerExited):
-        return "worker_exit", 0.0  # the supervisor reaps a worker at once
-    if isinstance(event, reactor.Tick):
-        if event.hung:
-            since = event.hung_since
-            return "worker_hang", None if since is None else now - since
-        if any(isinstance(c, reactor.RequestRestart) and not c.failure for c in commands):
-            return "store_cut_off", event.lease_unconfirmed_s
-        if before.peer_unhealthy is not None:
-            return "peer_unhealthy", now - before.peer_unhealthy[1]
-        return "other", None
-    if isinstance(event, reactor.LeaseState):
-        return "store_cut_off", event.unconfirmed_s
-    if isinstance(event, reactor.RoundCommitted) and before.round is not None:
-        old, new = before.round, event.round
-        if set(old.node_ids) - set(new.node_ids):
-            return "node_left", None
-        if set(new.failures) - set(old.failures):
-            return "peer_failure", None
-        if set(new.node_ids) - set(old.node_ids):
-            return "node_joined", None
-        return "requested", None
-    return "other", None
+def _series(registry: CollectorRegistry, ids: tuple[str, str], kind, name: str,
+            documentation: str, **options):
+    """The one series of metric ``name`` (a Counter, Gauge or Histogram) for
+    this node: labelled ``job_id`` and ``node_id`` only."""
+    return kind(name, documentation, _LABELS, registry=registry, **options).labels(*ids)
 
 
 class _WorkersCollector:

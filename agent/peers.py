@@ -14,7 +14,6 @@ its watch streams within seconds instead of never.
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +22,7 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from agent.health import PeerHealth
 from agent.tls import AgentTLS, handshake_problem
 from elastic.errors import (
     AgentAuthError,
@@ -58,19 +58,6 @@ _CHANNEL_OPTIONS = [
 ]
 # Codes that mean "cannot reach the agent now", not "the agent said no".
 _UNREACHABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-
-
-class PeerHealth(enum.StrEnum):
-    """A peer agent's health as seen from here; the values are plain strings."""
-
-    SERVING = "SERVING"
-    """The agent and its workers are healthy."""
-    NOT_SERVING = "NOT_SERVING"
-    """The agent answers but reports itself unhealthy (workers failed, stopping, starting)."""
-    UNREACHABLE = "UNREACHABLE"
-    """No answer within the timeout, or the connection or watch stream broke."""
-    UNKNOWN = "UNKNOWN"
-    """The agent answered without a usable status (service not registered, other error)."""
 
 
 _channels: dict[tuple[str, AgentTLS | None], grpc.Channel] = {}
@@ -250,7 +237,7 @@ class HealthWatcher:
     def __init__(
         self,
         addr: str,
-        on_change: Callable[[str], None],
+        on_change: Callable[[PeerHealth], None],
         *,
         service: str = "",
         initial_backoff_s: float = 0.1,
@@ -295,7 +282,7 @@ class HealthWatcher:
             return
         # Peers flip to NOT_SERVING and back at every round change: only
         # losing a peer is worth an operator's attention.
-        logger.log(logging.WARNING if status == PeerHealth.UNREACHABLE else logging.DEBUG,
+        logger.log(logging.WARNING if status is PeerHealth.UNREACHABLE else logging.DEBUG,
                    "Health of the agent at %s changed from %s to %s.",
                    self._addr, self._status or "nothing seen", status)
         self._status = status

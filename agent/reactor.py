@@ -5,6 +5,11 @@ reads, no threads. The agent's loop (:mod:`agent.daemon`) turns what happens
 into typed events, calls :func:`react`, and applies the commands in order;
 tests and the fault simulator (``tests/sim``) drive it with explicit times.
 
+The view's ``state`` is the agent's one state. Each state it moves through on
+the way is a :class:`Transition` command, in order: the loop has
+:class:`agent.lifecycle.Lifecycle` check that they lead from the state before
+to the state after along its table, and publish each as it is applied.
+
 The rules:
 
 * A committed round that includes this node replaces the round its workers
@@ -53,6 +58,12 @@ The rules:
   note), or leaves the job (LEAVE): it announces a drain (its peers' failures
   are the leave's doing, not failures), leaves the rendezvous and ends FAILED
   with exit code 6 (:data:`elastic.errors.EXIT_NODE_UNFIT`).
+* Every stop of the workers carries its typed cause (:class:`StopCause`): why
+  they stopped, whether that is a restart, and how long the fault went
+  undetected; metrics count restarts by it, never by a reason's text.
+
+The loop's other threads answer from the view through pure rules too
+(:func:`heartbeat_reply`, :func:`store_health`, :func:`reports_for_new_lease`).
 """
 
 from __future__ import annotations
@@ -64,9 +75,10 @@ from dataclasses import dataclass
 from typing import Union
 
 from agent.gpu_health import GpuAction, GpuDecision
+from agent.health import PeerHealth
 from agent.lifecycle import AgentState
 from elastic.errors import EXIT_NODE_UNFIT, ElasticError, RendezvousTimeoutError
-from elastic.rendezvous.api import ReportKind, Round
+from elastic.rendezvous.api import Outcome, ReportKind, Round
 from elastic.store.api import KEEPALIVE_TTL_FRACTION
 
 S = AgentState
@@ -78,6 +90,21 @@ STOP_AT_TTL_FRACTION = 0.7
 
 
 # ------------------------------------------------------------------ events
+
+@dataclass(frozen=True)
+class Joined:
+    """The agent registered with the rendezvous (or joined it without a
+    registration, ``reason`` says why): its first transition, INIT -> JOINING."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class GaveUp:
+    """The agent cannot go on (an error its loop raised): it ends FAILED."""
+
+    reason: str
+
 
 @dataclass(frozen=True)
 class RoundCommitted:
@@ -102,9 +129,11 @@ class WorkerExited:
 
 
 @dataclass(frozen=True)
-class PeerHealth:
+class PeerHealthChanged:
+    """The ring peer ``node_id``'s agent now reports ``health``."""
+
     node_id: str
-    status: str  # "SERVING", "NOT_SERVING", "UNREACHABLE" (agent.peers.PeerHealth)
+    health: PeerHealth
 
 
 @dataclass(frozen=True)
@@ -156,8 +185,8 @@ class GpuChecked:
     decision: GpuDecision
 
 
-Event = Union[RoundCommitted, WorkerExited, PeerHealth, LeaseState, DrainRequested, Signalled,
-              Tick, GpuChecked]
+Event = Union[Joined, GaveUp, RoundCommitted, WorkerExited, PeerHealthChanged, LeaseState,
+              DrainRequested, Signalled, Tick, GpuChecked]
 
 
 # ---------------------------------------------------------------- commands
@@ -183,10 +212,36 @@ class StopGrace(enum.Enum):
     NONE = "none"  # SIGKILL at once: the lease may expire before any grace ends
 
 
+class StopCause(enum.Enum):
+    """Why this node's workers are stopped. The value of a restart's cause is
+    the ``reason`` label of ``elasticd_restarts`` (:mod:`agent.metrics`)."""
+
+    WORKER_EXIT = "worker_exit"  # a worker of this node exited non-zero or was killed
+    WORKER_HANG = "worker_hang"  # a worker of this node made no progress (or went silent)
+    PEER_UNHEALTHY = "peer_unhealthy"  # the ring peer was NOT_SERVING for a lease TTL
+    STORE_CUT_OFF = "store_cut_off"  # this node was cut off from etcd (the partition rule)
+    NODE_LEFT = "node_left"  # a new round without some members (lease lost, drained)
+    PEER_FAILURE = "peer_failure"  # a new round, same members, a failure counted elsewhere
+    NODE_JOINED = "node_joined"  # a new round with more members (scale up)
+    REQUESTED = "requested"  # a new round, same members, no failure (an operator, a node back)
+    JOB_ENDED = "job_ended"  # the job succeeded or failed: not a restart
+    LEAVING = "leaving"  # this node leaves the job (drain, signal): not a restart
+
+    @property
+    def restart(self) -> bool:
+        """Whether the workers stop for a new round (the job goes on with this node)."""
+        return self not in (StopCause.JOB_ENDED, StopCause.LEAVING)
+
+
 @dataclass(frozen=True)
 class StopWorkers:
+    """Stop this node's workers. ``detect_s``: how long the fault behind a
+    restart went undetected here (None: not known on this node)."""
+
     reason: str
-    grace: StopGrace = StopGrace.DRAIN
+    grace: StopGrace
+    cause: StopCause
+    detect_s: float | None = None
 
     @property
     def fast(self) -> bool:
@@ -295,7 +350,13 @@ class Settings:
 
 @dataclass(frozen=True)
 class AgentView:
-    """What the agent knows; replaced, never mutated. Times are monotonic."""
+    """What the agent knows; replaced, never mutated. Times are monotonic.
+
+    ``state`` is the agent's state: where each reaction leaves it. STOPPING
+    and DRAINING are passed through within one reaction (its Transition
+    commands), never left in. An agent starts in INIT (:class:`Joined` moves
+    it on); a view built without a state, as the rules' tests build it, has
+    joined."""
 
     state: AgentState = S.JOINING
     round: Round | None = None  # the round this node's workers belong to
@@ -321,6 +382,12 @@ class AgentView:
     def round_number(self) -> int:
         return self.round.number if self.round else 0
 
+    @property
+    def running_round(self) -> int:
+        """The round whose workers run here (0: none). Not while STARTING:
+        the GPU check comes before the workers."""
+        return self.round_number if self.state in (S.RUNNING, S.DONE) else 0
+
 
 Result = tuple[AgentView, list[Command]]
 
@@ -339,11 +406,18 @@ def react(view: AgentView, event: Event, now: float, settings: Settings) -> Resu
     """The agent's reaction to ``event`` at monotonic time ``now``."""
     if view.state.final:
         return view, []
+    if isinstance(event, Joined):
+        if view.state is not S.INIT:
+            return view, []
+        return dataclasses.replace(view, state=S.JOINING), [Transition(S.JOINING, event.reason, 0)]
+    if isinstance(event, GaveUp):
+        return (dataclasses.replace(view, state=S.FAILED, outcome_reason=event.reason),
+                [Transition(S.FAILED, event.reason, view.round_number)])
     if isinstance(event, RoundCommitted):
         return _on_round(view, event, now, settings)
     if isinstance(event, WorkerExited):
         return _on_exit(view, event, now, settings)
-    if isinstance(event, PeerHealth):
+    if isinstance(event, PeerHealthChanged):
         return _on_peer(view, event, now)
     if isinstance(event, LeaseState):
         return _on_lease(view, event, now, settings)
@@ -364,37 +438,47 @@ def react(view: AgentView, event: Event, now: float, settings: Settings) -> Resu
     raise TypeError(f"not an agent event: {event!r}")
 
 
-def _stop(view: AgentView, reason: str, grace: StopGrace) -> Result:
+def _stop(view: AgentView, reason: str, grace: StopGrace, cause: StopCause,
+          detect_s: float | None = None) -> Result:
     """Stop this node's workers and wait for the next round."""
     number = view.round_number
     return (dataclasses.replace(view, state=S.JOINING, peer_unhealthy=None),
             [Transition(S.STOPPING, reason, number), WatchPeer(None),
-             StopWorkers(reason, grace), Transition(S.JOINING, "workers stopped", number)])
+             StopWorkers(reason, grace, cause, detect_s),
+             Transition(S.JOINING, "workers stopped", number)])
 
 
-def _replacement_grace(old: Round | None, new: Round) -> StopGrace:
-    """The drain's grace only for a planned scale-up: a round that keeps every
-    member, adds some and counts no new failure (a script that saves a
-    checkpoint on SIGTERM gets its time). Anything else (a member lost,
-    drained, restarted or left out; a restart after a failure or asked by an
-    operator) may leave survivors stuck in a collective: the failure's grace."""
-    if old is None or set(new.failures) - set(old.failures) \
-            or not set(old.node_ids) < set(new.node_ids):
-        return StopGrace.FAILURE
-    return StopGrace.DRAIN
+def _replacement_cause(old: Round, new: Round) -> StopCause:
+    """Why ``new`` replaces the round ``old`` this node's workers run in, from
+    its members and failures (never its reason's text): someone left, else a
+    failure counted elsewhere, else someone joined, else it was requested."""
+    if set(old.node_ids) - set(new.node_ids):
+        return StopCause.NODE_LEFT
+    if set(new.failures) - set(old.failures):
+        return StopCause.PEER_FAILURE
+    if set(new.node_ids) - set(old.node_ids):
+        return StopCause.NODE_JOINED
+    return StopCause.REQUESTED
+
+
+def _replacement_grace(cause: StopCause) -> StopGrace:
+    """The drain's grace only for a planned scale-up (every member kept, some
+    added, no new failure): a script that saves a checkpoint on SIGTERM gets
+    its time. Anything else (a member lost, drained, restarted or left out; a
+    restart after a failure or asked by an operator) may leave survivors stuck
+    in a collective: the failure's grace."""
+    return StopGrace.DRAIN if cause is StopCause.NODE_JOINED else StopGrace.FAILURE
 
 
 def _on_round(view: AgentView, event: RoundCommitted, now: float, settings: Settings) -> Result:
     r = event.round
-    if view.state is S.DRAINING:
-        return view, []
     if r.outcome:
         commands: list[Command] = []
         if view.state in (S.RUNNING, S.STARTING, S.DONE):
-            grace = StopGrace.DRAIN if r.outcome == "succeeded" else StopGrace.FAILURE
+            grace = StopGrace.DRAIN if r.outcome is Outcome.SUCCEEDED else StopGrace.FAILURE
             commands += [Transition(S.STOPPING, f"job {r.outcome}", r.number), WatchPeer(None),
-                         StopWorkers(f"job {r.outcome}", grace)]
-        final = S.SUCCEEDED if r.outcome == "succeeded" else S.FAILED
+                         StopWorkers(f"job {r.outcome}", grace, StopCause.JOB_ENDED)]
+        final = S.SUCCEEDED if r.outcome is Outcome.SUCCEEDED else S.FAILED
         commands.append(Transition(final, f"job {r.outcome}: {r.reason}", r.number))
         return dataclasses.replace(view, state=final, outcome_reason=r.reason), commands
     if view.round is not None and r.number <= view.round.number:
@@ -409,10 +493,13 @@ def _on_round(view: AgentView, event: RoundCommitted, now: float, settings: Sett
         # The leader forms a new round for what this node requested or reported.
         return view, []
     commands = []
-    if view.state in (S.RUNNING, S.STARTING, S.DONE):
-        view, commands = _stop(view, f"round {r.number} replaces round {view.round_number}: "
-                                     f"{r.reason}", _replacement_grace(view.round, r))
     me = r.member(settings.node_id)
+    if view.state in (S.RUNNING, S.STARTING, S.DONE):
+        cause = _replacement_cause(view.round, r)
+        view, commands = _stop(view, f"round {r.number} replaces round {view.round_number}: "
+                                     f"{r.reason}", _replacement_grace(cause),
+                               StopCause.LEAVING if me is None and event.drain_requested
+                               else cause)
     if me is None:
         if event.drain_requested:
             view, more = _drain(view, "drain requested")
@@ -479,12 +566,13 @@ def _leave_unfit(view: AgentView, reason: str, settings: Settings) -> Result:
                                                    f"round {number}", number)]
 
 
-def _fail_round(view: AgentView, reason: str) -> Result:
+def _fail_round(view: AgentView, reason: str, cause: StopCause,
+                detect_s: float | None) -> Result:
     """A local failure: stop this node's workers at once, then ask for a new
     round (counted against the budget); the request is retried until it lands."""
     number = view.round_number
     view, commands = _stop(dataclasses.replace(view, last_failure=reason), reason,
-                           StopGrace.FAILURE)
+                           StopGrace.FAILURE, cause, detect_s)
     return view, [Note(f"{reason}; requesting a restart")] + commands + [
         RequestRestart(number, reason, failure=True)]
 
@@ -499,7 +587,9 @@ def _on_exit(view: AgentView, e: WorkerExited, now: float, settings: Settings) -
         how = f"was killed by signal {e.signal}" if e.signal else f"exited with {e.exit_code}"
         cause = f": {e.cause}" if e.cause else ""
         log = f" (log: {e.log_path})" if e.log_path else ""
-        return _fail_round(view, f"worker rank {e.rank} (pid {e.pid}) {how}{cause}{log}")
+        # The supervisor reaps a worker as it exits: detected at once.
+        return _fail_round(view, f"worker rank {e.rank} (pid {e.pid}) {how}{cause}{log}",
+                           StopCause.WORKER_EXIT, 0.0)
     exited = view.exited_ok | {e.local_rank}
     view = dataclasses.replace(view, exited_ok=exited)
     if len(exited) < settings.nproc:
@@ -513,16 +603,16 @@ def _on_exit(view: AgentView, e: WorkerExited, now: float, settings: Settings) -
     ]
 
 
-def _on_peer(view: AgentView, event: PeerHealth, now: float) -> Result:
+def _on_peer(view: AgentView, event: PeerHealthChanged, now: float) -> Result:
     if view.state is not S.RUNNING or view.round is None:
         return view, []
-    if event.status == "NOT_SERVING":
+    if event.health is PeerHealth.NOT_SERVING:
         # Agents are briefly NOT_SERVING at every round change while their
         # workers restart: only a peer that stays so for a lease TTL is unhealthy.
         return dataclasses.replace(view, peer_unhealthy=view.peer_unhealthy
                                    or (event.node_id, now)), []
     view = dataclasses.replace(view, peer_unhealthy=None)
-    if event.status == "UNREACHABLE" and event.node_id not in view.suspected:
+    if event.health is PeerHealth.UNREACHABLE and event.node_id not in view.suspected:
         view = dataclasses.replace(view, suspected=view.suspected | {event.node_id})
         return view, [Note(f"the agent of peer {event.node_id} does not answer; reporting it "
                            "to the leader (its lease still decides)"),
@@ -537,17 +627,19 @@ def _peers_to_ask(r: Round, node_id: str, standby_addrs: tuple[str, ...]) -> tup
 def _on_tick(view: AgentView, tick: Tick, now: float, settings: Settings) -> Result:
     if view.state is S.RUNNING:
         if tick.hung:
-            return _fail_round(view, "; ".join(tick.hung))
+            return _fail_round(view, "; ".join(tick.hung), StopCause.WORKER_HANG,
+                               None if tick.hung_since is None else now - tick.hung_since)
         if view.peer_unhealthy is not None:
             peer, since = view.peer_unhealthy
             if now - since > settings.lease_ttl_s:
                 return _fail_round(view, f"peer {peer} has reported its workers unhealthy "
-                                         f"(NOT_SERVING) for over {settings.lease_ttl_s:g} s")
+                                         f"(NOT_SERVING) for over {settings.lease_ttl_s:g} s",
+                                   StopCause.PEER_UNHEALTHY, now - since)
     if view.state is S.RUNNING and view.cut_off_since is not None:
         # Not since the lease was last confirmed, if that is later (it came back).
         cut_off_s = min(now - view.cut_off_since, tick.lease_unconfirmed_s)
         if cut_off_s >= STOP_AT_TTL_FRACTION * settings.lease_ttl_s:
-            return _stop_cut_off(view, cut_off_s)
+            return _stop_cut_off(view, cut_off_s, tick.lease_unconfirmed_s)
     commands: list[Command] = []
     if view.state is S.RUNNING and tick.lease_unconfirmed_s > settings.lease_ttl_s / 2:
         # Ask again every quarter TTL while the lease stays unconfirmed.
@@ -618,7 +710,7 @@ def _on_lease(view: AgentView, event: LeaseState, now: float, settings: Settings
         view = dataclasses.replace(view, cut_off=why, cut_off_since=since)
         if now - since < STOP_AT_TTL_FRACTION * settings.lease_ttl_s:
             return view, []  # maybe a reconnect to another member: the tick decides
-        return _stop_cut_off(view, now - since)
+        return _stop_cut_off(view, now - since, event.unconfirmed_s)
     if view.store_down_noted:
         return view, []
     keepalive_s = KEEPALIVE_TTL_FRACTION * settings.lease_ttl_s
@@ -648,22 +740,90 @@ def peers_with_store(event: LeaseState, lease_ttl_s: float) -> tuple[str, ...]:
     return tuple(addr for addr, age in event.peer_ages if 0 <= age < newer_than)
 
 
-def _stop_cut_off(view: AgentView, cut_off_s: float) -> Result:
+def _stop_cut_off(view: AgentView, cut_off_s: float, unconfirmed_s: float) -> Result:
+    """Stop the workers of a node cut off from etcd for ``cut_off_s`` (its
+    lease unconfirmed for ``unconfirmed_s``: how long the fault went undetected)."""
     number = view.round_number
     reason = (f"cut off from etcd for {cut_off_s:.1f} s while {view.cut_off}: stopping "
               "the workers before this node's lease can expire")
     view, commands = _stop(dataclasses.replace(view, cut_off="", cut_off_since=None), reason,
-                           StopGrace.NONE)
+                           StopGrace.NONE, StopCause.STORE_CUT_OFF, unconfirmed_s)
     # Not a failure of the job: when this node is back, its peers and it need
     # a new round (unless its lease expired, which makes one anyway).
     return view, commands + [RequestRestart(number, reason, failure=False)]
 
 
 def _drain(view: AgentView, reason: str) -> Result:
-    if view.state is S.DRAINING:
-        return view, []
     number = view.round_number
     view = dataclasses.replace(view, state=S.SUCCEEDED, outcome_reason=f"drained: {reason}")
     return view, [Transition(S.DRAINING, reason, number), AnnounceDrain(reason), WatchPeer(None),
-                  StopWorkers(reason, StopGrace.DRAIN), Leave(reason),
+                  StopWorkers(reason, StopGrace.DRAIN, StopCause.LEAVING), Leave(reason),
                   Transition(S.SUCCEEDED, "left the job after draining", number)]
+
+
+# ------------------------------------------ answers to the agent's other threads
+
+def lease_unconfirmed_s(confirmed_at: float | None, now: float) -> float:
+    """How long this node's lease has gone unconfirmed at ``now`` (0: never
+    confirmed yet, or confirmed since)."""
+    return 0.0 if confirmed_at is None else max(0.0, now - confirmed_at)
+
+
+@dataclass(frozen=True)
+class HeartbeatReply:
+    """The answer to a worker's heartbeat. ``current``: the worker belongs to
+    the round whose workers run here (its heartbeat counts); ``stop``: it
+    should stop; ``hold``: it should not start another step yet."""
+
+    current: bool
+    stop: bool
+    hold: bool
+
+
+def heartbeat_reply(view: AgentView, worker_round: int, lease_confirmed_at: float | None,
+                    now: float, settings: Settings) -> HeartbeatReply:
+    """A worker of ``worker_round`` sent a heartbeat at ``now``. A worker of
+    another round, or one heard while nothing runs here, is told to stop.
+    Workers hold while this node's lease has gone unconfirmed for half a TTL
+    and no etcd outage is proven: a node resumed after a freeze longer than
+    its lease must not let its workers step before it learns whether a newer
+    round has formed meanwhile."""
+    current = view.round is not None and worker_round == view.round.workers_round
+    hold = (view.state is S.RUNNING and not view.store_down_noted
+            and lease_unconfirmed_s(lease_confirmed_at, now) > settings.lease_ttl_s / 2)
+    return HeartbeatReply(current, not current or view.state not in (S.RUNNING, S.DONE), hold)
+
+
+@dataclass(frozen=True)
+class StoreHealthReply:
+    """The answer to a peer's StoreHealth: whether etcd confirmed this node's
+    lease within half a TTL, how long ago (-1: never), whether its workers
+    run (or are about to). ``cut_off``: the event to post to the loop when
+    the asker proves this node cut off (None: it does not)."""
+
+    reachable: bool
+    lease_age_s: float
+    running: bool
+    cut_off: LeaseState | None = None
+
+
+def store_health(view: AgentView, registered: bool, lease_confirmed_at: float | None,
+                 asker_has_store: bool, asker: str, now: float,
+                 settings: Settings) -> StoreHealthReply:
+    """The fencing signal: a peer that says it reaches etcd (it confirmed its
+    lease just now: it forms rounds) while this node's lease goes unconfirmed
+    proves this node the one cut off, and the loop stops the workers."""
+    age = -1.0 if lease_confirmed_at is None else max(0.0, now - lease_confirmed_at)
+    reachable = registered and 0 <= age <= settings.lease_ttl_s / 2
+    running = view.state in (S.STARTING, S.RUNNING)
+    cut_off = None
+    if asker_has_store and not reachable and running:
+        cut_off = LeaseState(age, ((asker or "a peer", 0.0),), 1)
+    return StoreHealthReply(reachable, age, running, cut_off)
+
+
+def reports_for_new_lease(view: AgentView) -> list[Report]:
+    """Reports live under this node's lease: when it has a new one (the old
+    ran out), the report the leader still waits for is made again: this
+    node's DONE, or the leader would wait for it at the exit barrier."""
+    return [Report(ReportKind.DONE, view.round_number)] if view.state is S.DONE else []

@@ -12,29 +12,20 @@ shows those that did not pass, including a node's that left the job for it.
 from __future__ import annotations
 
 import json
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from agent.gpu_health import EVENT_KINDS as GPU_EVENT_KINDS
 from agent.gpu_health import GpuAction
+from agent.status_record import StatusRecord
 from elastic.checkpoint.etcd_log import decode_latest
 from elastic.errors import MalformedRecordError
 from elastic.events import Event
-from elastic.rendezvous.api import (
-    MAX_NPROC,
-    NodeInfo,
-    Round,
-    cap_text,
-    id_in_key,
-    int_field,
-    load_object,
-    text_field,
-    typed_field,
-)
 from elastic.keyspace import JobKeys
-from elastic.store.api import Store
+from elastic.records import cap_text, id_in_key
+from elastic.rendezvous.api import Member, NodeInfo, Round
+from elastic.store.api import KeyValue, Store
 
 if TYPE_CHECKING:
     from agent.tls import AgentTLS
@@ -54,73 +45,7 @@ def _agent_from_grpc(addr: str, timeout_s: float,
         return None, None
     if resp is None:
         return None, None
-    # The answer is another process's word: its text is made printable and capped.
-    workers = [{"local_rank": w.local_rank, "rank": w.rank, "pid": w.pid,
-                "state": cap_text(w.state, 32), "last_step": w.last_step,
-                "step_rate": w.step_rate, "heartbeat_age_s": w.heartbeat_age_s,
-                "exit_code": w.exit_code}
-               for w in resp.workers[:MAX_NPROC]]
-    return {"source": "agent", "state": cap_text(resp.state, 32), "round": resp.round,
-            "node_rank": resp.node_rank if resp.node_rank >= 0 else None,
-            "workers": workers, "restarts": resp.restarts,
-            "last_failure": cap_text(resp.last_failure),
-            "last_step": max((w["last_step"] for w in workers), default=-1),
-            "step_rate": min((w["step_rate"] for w in workers), default=0.0)}, None
-
-
-def status_record(key: str, raw: bytes) -> dict:
-    """A ``status/<node>`` record as an agent publishes it (``Agent._status_record``),
-    every field checked and its text made printable and capped, so that a
-    record anyone wrote renders (or prints as JSON) without surprises.
-
-    Raises MalformedRecordError naming the key and the field when it is not a
-    JSON object, a count is not an integer in range, a rate or an age is not
-    a finite number, or ``workers`` is not a list of worker objects."""
-    obj = load_object(key, raw)
-    rows = typed_field(key, obj, "workers", list, [])
-    if len(rows) > MAX_NPROC:
-        raise MalformedRecordError(key, f"field 'workers' lists {len(rows)} workers")
-    workers = []
-    for i, row in enumerate(rows):
-        if not isinstance(row, dict):
-            raise MalformedRecordError(key, f"field 'workers[{i}]' is not an object")
-        named = {f"workers[{i}].{name}": value for name, value in row.items()}
-
-        def field(name: str) -> str:
-            return f"workers[{i}].{name}"  # noqa: B023 - used at once, in this iteration
-
-        workers.append({
-            "local_rank": int_field(key, named, field("local_rank"), 0, default=0),
-            "rank": int_field(key, named, field("rank"), 0, default=0),
-            "pid": int_field(key, named, field("pid"), 0, default=0),
-            "state": text_field(key, named, field("state"), "?", limit=32),
-            "last_step": int_field(key, named, field("last_step"), -1, default=-1),
-            "step_rate": _number(key, named, field("step_rate")),
-            "heartbeat_age_s": _number(key, named, field("heartbeat_age_s"), low=-1.0),
-            "exit_code": int_field(key, named, field("exit_code"), -255, 255, default=0),
-        })
-    node_rank = typed_field(key, obj, "node_rank", (int, type(None)), None)
-    if node_rank is not None:
-        node_rank = int_field(key, obj, "node_rank", 0)
-    return {"state": text_field(key, obj, "state", "?", limit=32),
-            "round": int_field(key, obj, "round", 0, default=0), "node_rank": node_rank,
-            "workers": workers, "last_step": int_field(key, obj, "last_step", -1, default=-1),
-            "step_rate": _number(key, obj, "step_rate"),
-            "restarts": int_field(key, obj, "restarts", 0, default=0),
-            "last_failure": text_field(key, obj, "last_failure")}
-
-
-def _number(key: str, obj: dict, name: str, low: float = 0.0) -> float:
-    """A finite number >= ``low`` (0.0 when absent); MalformedRecordError otherwise."""
-    value = typed_field(key, obj, name, (int, float), 0.0)
-    try:
-        number = float(value)
-    except OverflowError:
-        number = math.inf
-    if not math.isfinite(number) or number < low:
-        raise MalformedRecordError(key, f"field {name!r} is {number!r}, expected a finite "
-                                        f"number >= {low:g}")
-    return number
+    return StatusRecord.from_pb(resp).summary("agent"), None
 
 
 # What each GPU check event kind says, in status.
@@ -166,86 +91,90 @@ def collect(store: Store, job_id: str, query_agents: bool = True,
     kvs, revision = store.get_prefix(keys.prefix)
     by_key = {kv.key: kv for kv in kvs}
     problems: list[str] = []
-
-    current = None
-    round_kv = by_key.get(keys.round)
-    if round_kv is not None:
-        try:
-            current = Round.from_json(round_kv.key, round_kv.value, round_kv.version)
-        except MalformedRecordError as exc:
-            problems.append(str(exc))
-
-    registered: dict[str, NodeInfo] = {}
-    for kv in kvs:
-        if kv.key.startswith(keys.nodes):
-            try:
-                info = NodeInfo.from_json(kv.key, kv.value)
-                registered[info.node_id] = info
-            except MalformedRecordError as exc:
-                problems.append(str(exc))
-
-    published: dict[str, dict] = {}
-    for kv in kvs:
-        if kv.key.startswith(keys.status):
-            try:
-                node_id = id_in_key(kv.key, keys.status)
-                published[node_id] = {"source": "etcd", **status_record(kv.key, kv.value)}
-            except MalformedRecordError as exc:
-                problems.append(str(exc))
-    live: dict[str, dict | None] = {}
-    addrs = {n: i.addr for n, i in registered.items() if i.addr}
-    if query_agents and addrs:
-        with ThreadPoolExecutor(max_workers=min(16, len(addrs))) as pool:
-            answers = list(pool.map(lambda a: _agent_from_grpc(a, agent_timeout_s, tls),
-                                    addrs.values()))
-        live = {node: answer for node, (answer, _) in zip(addrs, answers)}
-        problems.extend(f"node {node}: {problem}" for node, (_, problem) in zip(addrs, answers)
-                        if problem)
-
-    checkpoint = None
-    ckpt_kv = by_key.get(keys.checkpoint_latest)
-    if ckpt_kv is not None:
-        try:
-            checkpoint = decode_latest(ckpt_kv.key, ckpt_kv.value).to_dict()
-        except MalformedRecordError as exc:
-            problems.append(str(exc))
-
+    current = _parsed(by_key.get(keys.round), problems,
+                      lambda kv: Round.from_json(kv.key, kv.value, kv.version))
+    registered = {info.node_id: info for info in _parsed_under(
+        kvs, keys.nodes, problems, lambda kv: NodeInfo.from_json(kv.key, kv.value))}
+    published = {node_id: record.summary("etcd") for node_id, record in _parsed_under(
+        kvs, keys.status, problems, lambda kv: (id_in_key(kv.key, keys.status),
+                                                StatusRecord.from_json(kv.key, kv.value)))}
+    live = _live(registered, agent_timeout_s, tls, problems) if query_agents else {}
+    checkpoint = _parsed(by_key.get(keys.checkpoint_latest), problems,
+                         lambda kv: decode_latest(kv.key, kv.value).to_dict())
     leader_kv = by_key.get(keys.leader)
-    nodes = []
     members = {m.node_id: m for m in current.members} if current else {}
-    for node_id in sorted(set(registered) | set(members),
-                          key=lambda n: (members[n].node_rank if n in members else 1 << 30, n)):
-        info, member = registered.get(node_id), members.get(node_id)
-        nodes.append({
-            "node_id": node_id,
-            "node_rank": member.node_rank if member else None,
-            "host": info.host if info else (member.host if member else ""),
-            "nproc": info.nproc if info else (member.nproc if member else 0),
-            "addr": info.addr if info else "",
-            "role": ("member" if info else "gone") if member else "standby",
-            "agent": live.get(node_id) or published.get(node_id),
-        })
     return {
         "job_id": job_id,
         "revision": revision,
         "leader": (cap_text(leader_kv.value.decode(errors="replace"), 128) if leader_kv
                    else None),
-        "round": None if current is None else {
-            "number": current.number,
-            "world_size": current.world_size,
-            "nnodes": len(current.members),
-            "master_addr": current.master_addr,
-            "master_port": current.master_port,
-            "reason": current.reason,
-            "created_at": current.created_at,
-            "members": list(current.node_ids),
-            "outcome": current.outcome,
-            "failures": len(current.failures),
-        },
-        "nodes": nodes,
+        "round": None if current is None else _round_summary(current),
+        "nodes": [_node_summary(node_id, registered.get(node_id), members.get(node_id),
+                                live.get(node_id) or published.get(node_id))
+                  for node_id in sorted(set(registered) | set(members), key=lambda n: (
+                      members[n].node_rank if n in members else 1 << 30, n))],
         "gpu_checks": _gpu_checks(keys, kvs, current, set(registered) | set(members)),
         "checkpoint": checkpoint,
         "problems": problems,
+    }
+
+
+def _parsed(kv: KeyValue | None, problems: list[str], parse):
+    """``parse(kv)``; None when there is no ``kv``, or when it is malformed
+    (then the problem is added to ``problems``)."""
+    if kv is None:
+        return None
+    try:
+        return parse(kv)
+    except MalformedRecordError as exc:
+        problems.append(str(exc))
+        return None
+
+
+def _parsed_under(kvs: list[KeyValue], prefix: str, problems: list[str], parse) -> list:
+    """:func:`_parsed` for each record under ``prefix``, the malformed left out."""
+    parsed = (_parsed(kv, problems, parse) for kv in kvs if kv.key.startswith(prefix))
+    return [record for record in parsed if record is not None]
+
+
+def _live(registered: dict[str, NodeInfo], timeout_s: float, tls: AgentTLS | None,
+          problems: list[str]) -> dict[str, dict | None]:
+    """Each registered agent's live status (None: it did not answer), asked in parallel."""
+    addrs = {n: i.addr for n, i in registered.items() if i.addr}
+    if not addrs:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(16, len(addrs))) as pool:
+        answers = list(pool.map(lambda a: _agent_from_grpc(a, timeout_s, tls), addrs.values()))
+    problems.extend(f"node {node}: {problem}" for node, (_, problem) in zip(addrs, answers)
+                    if problem)
+    return {node: answer for node, (answer, _) in zip(addrs, answers)}
+
+
+def _round_summary(current: Round) -> dict:
+    return {
+        "number": current.number,
+        "world_size": current.world_size,
+        "nnodes": len(current.members),
+        "master_addr": current.master_addr,
+        "master_port": current.master_port,
+        "reason": current.reason,
+        "created_at": current.created_at,
+        "members": list(current.node_ids),
+        "outcome": current.outcome,
+        "failures": len(current.failures),
+    }
+
+
+def _node_summary(node_id: str, info: NodeInfo | None, member: Member | None,
+                  agent: dict | None) -> dict:
+    return {
+        "node_id": node_id,
+        "node_rank": member.node_rank if member else None,
+        "host": info.host if info else (member.host if member else ""),
+        "nproc": info.nproc if info else (member.nproc if member else 0),
+        "addr": info.addr if info else "",
+        "role": ("member" if info else "gone") if member else "standby",
+        "agent": agent,
     }
 
 

@@ -401,7 +401,7 @@ class Cluster:
                 proc.agent.fail(exc)
                 self.exited(node, exit_code_for(exc), str(exc))
                 continue
-            if proc.agent.lifecycle.state.final:
+            if proc.agent.state.final:
                 self.exited(node, proc.agent.exit_code, proc.agent.outcome_reason)
         self.workers.advance(self.now())
 
@@ -501,10 +501,10 @@ class Cluster:
         if self.final is None:
             v.append(f"no outcome {HORIZON_S:.0f} s in (faults ended at {self.quiet_at:.1f} s): "
                      f"round {self.result.rounds}, committed step {self.result.steps_committed}, "
-                     f"agents {[(p.node_id, p.agent.lifecycle.state.value) for p in self.live_procs()]}")
+                     f"agents {[(p.node_id, p.agent.state.value) for p in self.live_procs()]}")
         elif self.live_procs():
             v.append(f"job {self.final.outcome} but agents still run: "
-                     f"{[(p.node_id, p.agent.lifecycle.state.value) for p in self.live_procs()]}")
+                     f"{[(p.node_id, p.agent.state.value) for p in self.live_procs()]}")
 
 
 def run(seed: int, *, verbose: bool = False, profile: str = "mixed") -> Result:

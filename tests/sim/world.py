@@ -260,7 +260,8 @@ class FakeMesh:
         if self.network.health(self.node_id, addr) == "UNREACHABLE":
             return None
         agent = self.network.servers[addr][1].agent
-        return agent.store_health(asker_has_store, self.node_id) if agent is not None else None
+        return (agent.service.store_health(asker_has_store, self.node_id) if agent is not None
+                else None)
 
     def check_store(self, addrs, on_answer) -> None:
         answers = [self._ask(a, asker_has_store=False) for a in addrs]
@@ -452,7 +453,7 @@ class Workers:
         if agent is None:
             return
         w.reported, w.heartbeat_at = (g.step, g.finishing), now + self.heartbeat_s
-        agent.heartbeat(agent_pb2.WorkerChannelHeartbeatRequest(
+        agent.channel.heartbeat(agent_pb2.WorkerChannelHeartbeatRequest(
             rank=w.rank, local_rank=w.local_rank, round=w.round, step=g.step,
             exiting=g.finishing))
 
@@ -482,7 +483,7 @@ class Workers:
             if stopped_at is not None and (now - stopped_at > self.grace_s or not w.stopped):
                 continue
             try:
-                save.agent.commit_checkpoint(save.entry)
+                save.agent.channel.commit_checkpoint(save.entry)
             except StoreError:
                 pass  # the save fails; training goes on and the next one tries again
 

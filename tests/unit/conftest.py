@@ -18,7 +18,8 @@ def socket_path(node):
     # Not tmp_path: a Unix socket path must stay under 108 bytes.
     directory = tempfile.mkdtemp(prefix="elastic-test-", dir="/tmp")
     server = AgentServer("127.0.0.1:0", os.path.join(directory, "worker.sock"),
-                         control=node.agent, heartbeats=node.agent, max_workers=2)
+                         control=node.agent.service, heartbeats=node.agent.channel,
+                         max_workers=2)
     server.start()
     try:
         yield server.worker_socket

@@ -8,9 +8,10 @@ import json
 import queue
 import random
 
-from agent.daemon import STATUS_PROGRESS_S, STEADY_TICK_S, TICK_S, Agent, RoundChanged
+from agent.daemon import STEADY_TICK_S, TICK_S, Agent, RoundChanged
 from agent.lifecycle import AgentState as S
 from agent.metrics import NO_METRICS
+from agent.publishing import STATUS_PROGRESS_S
 from elastic.errors import StoreUnavailableError
 from elastic.rendezvous.api import NodeInfo, Round
 from elastic.rendezvous.node import RendezvousNode
@@ -72,7 +73,7 @@ class OneNode:
 def test_status_is_rewritten_at_once_for_a_change_of_meaning_and_for_progress_alone_every_30_s():
     node = OneNode()
     node.run(5)
-    assert node.agent.lifecycle.state is S.RUNNING
+    assert node.agent.state is S.RUNNING
     settled = node.status_writes
     node.run(STATUS_PROGRESS_S - 6)  # steps and heartbeats only: the record's step may lag
     assert node.status_writes == settled, "status rewritten for progress alone within 30 s"
@@ -94,11 +95,11 @@ def test_a_crash_stops_the_workers_at_once_even_while_etcd_refuses_the_restart_r
     node.store.fail_next("put", BLIP, times=6)  # the restart request fails six times
     node.workers.end(crashed, 1, node.clock.monotonic())
     node.run(0.25)
-    assert node.agent.lifecycle.state is not S.RUNNING
+    assert node.agent.state is not S.RUNNING
     assert not any(w.alive for w in node.supervisor.current), "workers left running"
     node.run(5)  # the request is retried until etcd takes it, and a new round forms
     assert node.round().number == first + 1
-    assert node.agent.lifecycle.state is S.RUNNING
+    assert node.agent.state is S.RUNNING
 
 
 def test_job_end_is_retried_through_store_errors_and_never_kills_a_worker():
@@ -106,7 +107,7 @@ def test_job_end_is_retried_through_store_errors_and_never_kills_a_worker():
     node.run(2)
     node.store.fail_next("txn", BLIP, times=4)  # the final round's commit fails at first
     node.run(10)
-    assert node.agent.lifecycle.state is S.SUCCEEDED
+    assert node.agent.state is S.SUCCEEDED
     final = node.round()
     assert final.outcome == "succeeded"
     assert all(w.exit_code == 0 and not w.stopped for w, _ in node.workers.exits)
@@ -121,16 +122,16 @@ def test_workers_are_told_to_hold_while_the_lease_is_unconfirmed():
     node.run(3)
     beat = agent_pb2.WorkerChannelHeartbeatRequest(rank=0, local_rank=0, round=node.round().number,
                                                    step=1)
-    assert node.agent.heartbeat(beat) == (False, False)
+    assert node.agent.channel.heartbeat(beat) == (False, False)
     node.store.suspend_keepalive(node.rdzv.lease_id)  # etcd stops confirming the lease
     node.clock.advance(1.6)  # more than half the 3 s TTL
-    assert node.agent.heartbeat(beat) == (False, True)
+    assert node.agent.channel.heartbeat(beat) == (False, True)
 
 
 def test_a_steady_agent_sleeps_to_its_next_deadline_and_ticks_again_once_the_lease_is_in_doubt():
     node = OneNode(lease_ttl_s=12.0)  # keep-alives every 4 s; peers asked after 6 s without
     node.run(5)
-    assert node.agent.lifecycle.state is S.RUNNING
+    assert node.agent.state is S.RUNNING
     # Lease confirmed, workers stepping, nothing to write: the longest sleep.
     assert node.agent.next_pass_in() == STEADY_TICK_S
     node.store.suspend_keepalive(node.rdzv.lease_id)  # etcd stops confirming the lease

@@ -183,7 +183,7 @@ class GpuNode:
 
     def run(self, seconds, dt=0.25):
         for _ in range(int(seconds / dt)):
-            if self.agent.lifecycle.state.final:
+            if self.agent.state.final:
                 return
             self.store.deliver_pending()
             self.rdzv.pump()
@@ -212,7 +212,7 @@ class TestAgent:
     def test_fit_gpus_start_the_workers_and_record_the_check(self):
         n = GpuNode(FakeGpuReader([node(2)]))
         n.run(3)
-        assert n.agent.lifecycle.state is S.RUNNING and len(n.running()) == 2
+        assert n.agent.state is S.RUNNING and len(n.running()) == 2
         [(kind, message)] = n.gpu_events()
         assert kind == "gpu_ok" and message.startswith("2 GPUs fit (2 GPUs expected)")
         assert n.metric("elasticd_gpu_checks_total", result="pass") == 1
@@ -233,10 +233,10 @@ class TestAgent:
         dead.update(pid=crashed.pid, reads_held=3)
         n.workers.end(crashed, -9, n.clock.monotonic())
         n.run(0.75)
-        assert n.agent.lifecycle.state is S.STARTING, "a replacement started on a held GPU"
+        assert n.agent.state is S.STARTING, "a replacement started on a held GPU"
         assert not n.running()
         n.run(3)
-        assert n.agent.lifecycle.state is S.RUNNING
+        assert n.agent.state is S.RUNNING
         assert not first & {w.pid for w in n.running()}
         kind, message = n.gpu_events()[-1]
         assert kind == "gpu_ok" and "let go after" in message
@@ -249,7 +249,7 @@ class TestAgent:
         bad = node(2, g1={"ecc_uncorrected_volatile": 3})
         n = GpuNode(FakeGpuReader([node(2), bad] if mode == "enforce" else [bad]), mode=mode)
         n.run(3)
-        assert n.agent.lifecycle.state is state
+        assert n.agent.state is state
         [(recorded, message)] = n.gpu_events()
         assert recorded == kind and "3 uncorrectable ECC errors" in message
         assert n.metric("elasticd_gpu_check_problems_total", problem="ecc") == 1
@@ -257,7 +257,7 @@ class TestAgent:
     def test_enforce_leaves_the_job_with_its_reason_visible_in_status_and_events(self):
         n = GpuNode(FakeGpuReader([node(2), node(1)]))  # a GPU lost after joining
         n.run(3)
-        assert n.agent.lifecycle.state is S.FAILED
+        assert n.agent.state is S.FAILED
         assert n.agent.exit_code == EXIT_NODE_UNFIT
         assert n.rdzv.lease_id is None, "still registered"
         states = [e.message for e in read_events(n.store, n.rdzv.keys) if e.kind == "state"]
@@ -274,7 +274,7 @@ class TestAgent:
     def test_no_nvml_with_gpus_expected_keeps_the_node_out(self):
         n = GpuNode(FakeGpuReader([GpuUnavailableError("pynvml is not installed")]), mode="warn")
         n.run(3)
-        assert n.agent.lifecycle.state is S.RUNNING
+        assert n.agent.state is S.RUNNING
         [(kind, message)] = n.gpu_events()
         assert kind == "gpu_warning"
         assert message.endswith("NVML cannot be read: pynvml is not installed")
@@ -292,7 +292,7 @@ class TestAgent:
         n = GpuNode(reader)
         assert n.sleeps == [0.5, 0.5, 0.5]  # read four times, 0.5 s apart
         n.run(3)
-        assert n.agent.lifecycle.state is S.RUNNING
+        assert n.agent.state is S.RUNNING
 
     def test_enforce_does_not_join_while_the_gpus_stay_held(self):
         reader = FakeGpuReader([node(2, g0=held_by(4242))])
@@ -305,7 +305,7 @@ class TestAgent:
         reader = FakeGpuReader([GpuUnavailableError("no NVML")])
         n = GpuNode(reader, expected=GpuExpectation((), False, "no GPUs expected"))
         n.run(3)
-        assert n.agent.lifecycle.state is S.RUNNING and reader.reads == 0
+        assert n.agent.state is S.RUNNING and reader.reads == 0
         assert n.gpu_events() == []
 
     def test_a_worker_that_survives_sigkill_makes_the_node_leave_not_crash(self):
@@ -315,9 +315,9 @@ class TestAgent:
         n.supervisor.survivors = frozenset({stuck.pid})
         n.workers.end(other, 1, n.clock.monotonic())  # a failure: the node restarts its round
         n.run(RELEASE_WAIT_S - 1)
-        assert n.agent.lifecycle.state is S.STARTING  # waiting for it to go
+        assert n.agent.state is S.STARTING  # waiting for it to go
         n.run(3)
-        assert n.agent.lifecycle.state is S.FAILED
+        assert n.agent.state is S.FAILED
         assert n.agent.exit_code == EXIT_NODE_UNFIT
         assert f"(pid {stuck.pid}) are still alive after SIGKILL" in n.agent.view.last_failure
         assert not n.running()

@@ -13,7 +13,13 @@ import time
 
 import pytest
 
-from agent.health import WorkerHealth, hung_workers, next_hang_verdict_at
+from agent.health import (
+    WorkerHealth,
+    WorkerTable,
+    hung_workers,
+    next_hang_verdict_at,
+    node_progress,
+)
 
 TIMEOUT_S = 30.0
 EPSILON = 0.5
@@ -330,3 +336,33 @@ class TestHang:
         for i in range(5):
             w.on_heartbeat(float(i), i * 10, 0.0)
         assert w.step_rate() == pytest.approx(10.0)
+
+
+class TestNodeProgress:
+    def test_a_node_is_at_its_newest_worker_s_step_and_its_slowest_worker_s_rate(self):
+        assert node_progress([(7, 2.5), (9, 1.5), (8, 3.0)]) == (9, 1.5)
+
+    def test_a_node_without_workers_has_no_step_and_no_rate(self):
+        assert node_progress([]) == (-1, 0.0)
+
+
+class TestWorkerTable:
+    def test_heartbeats_of_known_ranks_are_recorded_and_give_the_node_s_progress(self):
+        table = WorkerTable()
+        table.reset([4, 5], now=0.0)
+        assert table.beat(0, 1.0, 3, 0.0, False) == (3, 0.0)
+        assert table.beat(1, 1.0, 2, 0.0, False) == (3, 0.0)
+        assert table.beat(1, 2.0, 4, 0.0, False) == (4, 0.0)  # rank 0's rate still unknown
+        assert table.beat(2, 2.0, 9, 0.0, False) is None  # no such local rank
+        assert [(w.local_rank, w.rank, w.step) for w in table.snapshot()] == [(0, 4, 3),
+                                                                            (1, 5, 4)]
+
+    def test_a_snapshot_is_a_copy_and_a_reset_starts_afresh(self):
+        table = WorkerTable()
+        table.reset([0], now=0.0)
+        table.beat(0, 1.0, 1, 0.0, False)
+        before = table.snapshot()
+        table.beat(0, 2.0, 2, 0.0, False)
+        assert before[0].step == 1 and before[0].steps == [(1.0, 1)]
+        table.reset([7], now=5.0)
+        assert [(w.rank, w.step, w.started_at) for w in table.snapshot()] == [(7, -1, 5.0)]

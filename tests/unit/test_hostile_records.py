@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from agent import config as agent_config
 from agent.netaddr import HostNetwork
-from agent.status import status_record
+from agent.status_record import StatusRecord
 from elastic.checkpoint import layout
 from elastic.checkpoint.api import CommitEntry
 from elastic.checkpoint.etcd_log import decode_latest
@@ -184,7 +184,7 @@ PARSERS = {
     "standbys": (KEYS.standbys, standbys, Standbys.from_json),
     "checkpoint/latest": (KEYS.checkpoint_latest, latest, decode_latest),
     "config": (KEYS.config, settings_record, RendezvousConfig.settings_from_json),
-    "status/<id>": (KEYS.status_of("a"), status, status_record),
+    "status/<id>": (KEYS.status_of("a"), status, StatusRecord.from_json),
 }
 
 

@@ -9,29 +9,40 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from agent.gpu_health import GpuAction, GpuDecision
+from agent.health import PeerHealth
 from agent.lifecycle import AgentState as S
+from agent.lifecycle import check_path
 from agent.reactor import (
     AgentView,
     CheckPeersStore,
     DrainRequested,
     Fail,
+    GaveUp,
+    GpuChecked,
+    HeartbeatReply,
+    Joined,
     LeaseState,
     Leave,
-    PeerHealth,
+    PeerHealthChanged,
     Report,
     RequestRestart,
     RoundCommitted,
     Settings,
     Signalled,
     StartWorkers,
+    StopCause,
     StopGrace,
     StopWorkers,
     Tick,
     Transition,
     WatchPeer,
     WorkerExited,
+    heartbeat_reply,
     next_tick_at,
     react,
+    reports_for_new_lease,
+    store_health,
 )
 from elastic.errors import RendezvousTimeoutError
 from elastic.rendezvous.api import Member, ReportKind, Round
@@ -51,6 +62,11 @@ def running(number=3, *ids, **extra):
     """A view of node "a" whose workers run in round ``number``."""
     return AgentView(state=S.RUNNING, round=round_of(number, *(ids or ("a", "b"))),
                      started_at=100.0, rounds_started=1, **extra)
+
+
+def peer(health):
+    """Ring peer b's agent now reports ``health``."""
+    return PeerHealthChanged("b", health)
 
 
 def kinds(commands):
@@ -146,7 +162,7 @@ class TestRounds:
                                                                    outcome="failed")), 10.0,
                                SETTINGS)
         assert view.state is S.FAILED
-        assert StopWorkers("job failed", StopGrace.FAILURE) in commands
+        assert StopWorkers("job failed", StopGrace.FAILURE, StopCause.JOB_ENDED) in commands
 
 
 class TestWorkerExits:
@@ -179,7 +195,7 @@ class TestTicks:
         assert RequestRestart(3, "rank 0 sent no heartbeat", failure=True) in commands
 
     def test_a_peer_not_serving_for_longer_than_a_ttl_fails_the_round(self):
-        view, _ = react(running(3), PeerHealth("b", "NOT_SERVING"), 10.0, SETTINGS)
+        view, _ = react(running(3), peer(PeerHealth.NOT_SERVING), 10.0, SETTINGS)
         assert react(view, Tick(), 14.0, SETTINGS)[1] == []
         view, commands = react(view, Tick(), 14.1, SETTINGS)
         assert view.state is S.JOINING
@@ -190,7 +206,7 @@ class TestTicks:
         # from the first report, not the latest.
         view = running(3)
         for now in (10.0, 11.0, 12.0, 13.0, 14.0):
-            view, commands = react(view, PeerHealth("b", "NOT_SERVING"), now, SETTINGS)
+            view, commands = react(view, peer(PeerHealth.NOT_SERVING), now, SETTINGS)
             assert commands == []
         assert view.peer_unhealthy == ("b", 10.0)
         view, commands = react(view, Tick(), 14.1, SETTINGS)
@@ -198,17 +214,17 @@ class TestTicks:
         assert any(isinstance(c, RequestRestart) and "NOT_SERVING" in c.reason for c in commands)
 
     def test_a_peer_serving_again_restarts_the_clock(self):
-        view, _ = react(running(3), PeerHealth("b", "NOT_SERVING"), 10.0, SETTINGS)
-        view, _ = react(view, PeerHealth("b", "SERVING"), 12.0, SETTINGS)
-        view, _ = react(view, PeerHealth("b", "NOT_SERVING"), 13.0, SETTINGS)
+        view, _ = react(running(3), peer(PeerHealth.NOT_SERVING), 10.0, SETTINGS)
+        view, _ = react(view, peer(PeerHealth.SERVING), 12.0, SETTINGS)
+        view, _ = react(view, peer(PeerHealth.NOT_SERVING), 13.0, SETTINGS)
         assert react(view, Tick(), 16.0, SETTINGS)[1] == []
         assert react(view, Tick(), 17.1, SETTINGS)[0].state is S.JOINING
 
     def test_an_unreachable_peer_is_reported_once_as_a_suspect(self):
-        view, commands = react(running(3), PeerHealth("b", "UNREACHABLE"), 10.0, SETTINGS)
+        view, commands = react(running(3), peer(PeerHealth.UNREACHABLE), 10.0, SETTINGS)
         assert Report(ReportKind.SUSPECT, 3, about="b") in commands
         assert view.state is S.RUNNING  # the lease, not this, decides who is gone
-        assert react(view, PeerHealth("b", "UNREACHABLE"), 11.0, SETTINGS)[1] == []
+        assert react(view, peer(PeerHealth.UNREACHABLE), 11.0, SETTINGS)[1] == []
 
     def test_never_included_within_the_join_timeout_fails_naming_the_registration_problem(self):
         view = AgentView(state=S.JOINING, waiting_since=0.0)
@@ -456,8 +472,190 @@ class TestStopGrace:
 @pytest.mark.parametrize("grace,seconds", [(StopGrace.DRAIN, 90.0), (StopGrace.FAILURE, 3.0),
                                            (StopGrace.NONE, 0.0)])
 def test_each_grace_in_seconds(grace, seconds):
-    assert StopWorkers("why", grace).grace_s(90.0, 3.0) == seconds
+    assert StopWorkers("why", grace, StopCause.REQUESTED).grace_s(90.0, 3.0) == seconds
 
 
 def test_a_failure_never_waits_longer_than_a_drain():
-    assert StopWorkers("why", StopGrace.FAILURE).grace_s(1.0, 3.0) == 1.0
+    assert StopWorkers("why", StopGrace.FAILURE, StopCause.WORKER_EXIT).grace_s(1.0, 3.0) == 1.0
+
+
+class TestStopCauses:
+    """Each stop carries why (a restart or not) and how long the fault went
+    undetected here: what the metrics count, never read from a reason's text."""
+
+    @staticmethod
+    def stop(commands):
+        (stop,) = [c for c in commands if isinstance(c, StopWorkers)]
+        return stop.cause, stop.detect_s
+
+    def test_a_worker_exit_is_detected_at_once(self):
+        _, commands = react(running(3), WorkerExited(3, 1, 1, 99, 1), 10.0, SETTINGS)
+        assert self.stop(commands) == (StopCause.WORKER_EXIT, 0.0)
+
+    def test_a_hang_is_detected_from_the_last_sign_of_life_when_known(self):
+        _, commands = react(running(3), Tick(hung=("rank 1",), hung_since=8.5), 40.0, SETTINGS)
+        assert self.stop(commands) == (StopCause.WORKER_HANG, 31.5)
+        _, commands = react(running(3), Tick(hung=("rank 1",)), 40.0, SETTINGS)
+        assert self.stop(commands) == (StopCause.WORKER_HANG, None)
+
+    def test_an_unhealthy_peer_is_detected_from_its_first_not_serving(self):
+        view = running(3, peer_unhealthy=("b", 10.0))
+        _, commands = react(view, Tick(), 14.5, SETTINGS)
+        assert self.stop(commands) == (StopCause.PEER_UNHEALTHY, 4.5)
+
+    def test_a_cut_off_is_detected_from_the_lease_last_confirmed(self):
+        _, commands = react(running(3), LeaseState(3.0, (("b:1", 0.1),), 1), 10.0, SETTINGS)
+        assert self.stop(commands) == (StopCause.STORE_CUT_OFF, 3.0)
+        early, _ = react(running(3), LeaseState(2.5, (("b:1", 0.4),), 1), 10.0, SETTINGS)
+        _, commands = react(early, Tick(lease_unconfirmed_s=2.9), 10.3, SETTINGS)
+        assert self.stop(commands) == (StopCause.STORE_CUT_OFF, 2.9)
+
+    @pytest.mark.parametrize("members,failures,cause", [
+        (("a",), (), StopCause.NODE_LEFT),
+        (("a", "c"), (9.0,), StopCause.NODE_LEFT),  # someone left: whatever else changed
+        (("a", "b"), (9.0,), StopCause.PEER_FAILURE),
+        (("a", "b", "c"), (9.0,), StopCause.PEER_FAILURE),
+        (("a", "b", "c"), (), StopCause.NODE_JOINED),
+        (("b", "a"), (), StopCause.REQUESTED),
+    ])
+    def test_a_new_round_is_classified_by_its_members_and_failures(self, members, failures,
+                                                                   cause):
+        new = dataclasses.replace(round_of(4, *members), failures=failures)
+        _, commands = react(running(3), RoundCommitted(new), 10.0, SETTINGS)
+        assert self.stop(commands) == (cause, None) and cause.restart
+
+    def test_the_reason_s_text_never_decides(self):
+        a = round_of(4, "a")
+        b = dataclasses.replace(a, reason="restart requested by b: worker exited with 1")
+        assert self.stop(react(running(3), RoundCommitted(a), 10.0, SETTINGS)[1]) == \
+            self.stop(react(running(3), RoundCommitted(b), 10.0, SETTINGS)[1])
+
+    @pytest.mark.parametrize("event,cause", [
+        (RoundCommitted(round_of(4, "a", "b", outcome="succeeded")), StopCause.JOB_ENDED),
+        (RoundCommitted(round_of(4, "a", "b", outcome="failed")), StopCause.JOB_ENDED),
+        (DrainRequested("maintenance"), StopCause.LEAVING),
+        (Signalled(15), StopCause.LEAVING),
+        (RoundCommitted(round_of(4, "b"), drain_requested=True), StopCause.LEAVING),
+    ])
+    def test_the_end_of_the_job_and_leaving_it_are_no_restarts(self, event, cause):
+        _, commands = react(running(3), event, 10.0, SETTINGS)
+        causes = [c.cause for c in commands if isinstance(c, StopWorkers)]
+        assert causes and set(causes) == {cause} and not cause.restart
+
+
+class TestJoiningAndGivingUp:
+    def test_an_agent_starts_in_init_and_joins_once(self):
+        view, commands = react(AgentView(state=S.INIT), Joined("registered"), 1.0, SETTINGS)
+        assert view.state is S.JOINING and commands == [Transition(S.JOINING, "registered", 0)]
+        assert react(view, Joined("again"), 2.0, SETTINGS) == (view, [])
+
+    def test_giving_up_ends_failed_with_the_reason(self):
+        view, commands = react(running(3), GaveUp("etcd refused"), 1.0, SETTINGS)
+        assert view.state is S.FAILED and view.outcome_reason == "etcd refused"
+        assert commands == [Transition(S.FAILED, "etcd refused", 3)]
+        assert react(view, GaveUp("later"), 2.0, SETTINGS) == (view, [])
+
+
+class TestAnswers:
+    """What the agent's other threads answer from the view, with ``now`` passed in."""
+
+    def test_a_heartbeat_of_the_running_round_counts_one_of_another_round_is_told_to_stop(self):
+        assert heartbeat_reply(running(3), 3, 9.0, 10.0, SETTINGS) == HeartbeatReply(
+            current=True, stop=False, hold=False)
+        stale = heartbeat_reply(running(3), 2, 9.0, 10.0, SETTINGS)
+        assert not stale.current and stale.stop
+
+    def test_workers_of_a_node_not_running_are_told_to_stop_those_of_a_done_one_are_not(self):
+        stopped = dataclasses.replace(running(3), state=S.JOINING)
+        assert heartbeat_reply(stopped, 3, 9.0, 10.0, SETTINGS).stop
+        done = dataclasses.replace(running(3), state=S.DONE)
+        assert not heartbeat_reply(done, 3, 9.0, 10.0, SETTINGS).stop
+
+    def test_workers_hold_while_the_lease_is_unconfirmed_for_half_a_ttl(self):
+        # TTL 4: hold once the lease has gone unconfirmed for over 2 s.
+        assert not heartbeat_reply(running(3), 3, 8.0, 10.0, SETTINGS).hold
+        assert heartbeat_reply(running(3), 3, 7.9, 10.0, SETTINGS).hold
+        assert not heartbeat_reply(running(3), 3, None, 10.0, SETTINGS).hold  # never confirmed
+        # ... unless etcd is proven down for everyone: training goes on.
+        down = running(3, store_down_noted=True)
+        assert not heartbeat_reply(down, 3, 7.0, 10.0, SETTINGS).hold
+
+    def test_a_peer_with_etcd_proves_a_node_with_an_unconfirmed_lease_cut_off(self):
+        reply = store_health(running(3), True, 7.0, True, "b", 10.0, SETTINGS)
+        assert (reply.reachable, reply.lease_age_s, reply.running) == (False, 3.0, True)
+        assert reply.cut_off == LeaseState(3.0, (("b", 0.0),), 1)
+
+    @pytest.mark.parametrize("view,registered,confirmed_at,asker_has_store", [
+        (running(3), True, 9.0, True),  # reachable: nothing proven
+        (running(3), True, 7.0, False),  # the asker does not reach etcd either
+        (AgentView(state=S.JOINING), True, 7.0, True),  # no workers to stop
+    ])
+    def test_nothing_else_proves_it(self, view, registered, confirmed_at, asker_has_store):
+        reply = store_health(view, registered, confirmed_at, asker_has_store, "b", 10.0,
+                             SETTINGS)
+        assert reply.cut_off is None
+
+    def test_an_unregistered_or_never_confirmed_node_does_not_reach_etcd(self):
+        assert not store_health(running(3), False, 9.0, False, "", 10.0, SETTINGS).reachable
+        never = store_health(running(3), True, None, True, "", 10.0, SETTINGS)
+        assert never.lease_age_s == -1.0 and never.cut_off == LeaseState(-1.0,
+                                                                          (("a peer", 0.0),), 1)
+
+    def test_a_new_lease_reports_done_again(self):
+        done = dataclasses.replace(running(3), state=S.DONE)
+        assert reports_for_new_lease(done) == [Report(ReportKind.DONE, 3)]
+        assert reports_for_new_lease(running(3)) == []
+
+
+# -- The reactor's transitions follow the lifecycle table ------------------------------
+
+_MEMBERS = st.lists(st.sampled_from("abc"), min_size=1, max_size=3, unique=True)
+_EVENT = st.one_of(
+    st.tuples(st.just("round"), _MEMBERS, st.sampled_from(["", "", "", "succeeded", "failed"]),
+              st.booleans(), st.booleans()),
+    st.tuples(st.just("exit"), st.integers(0, 1), st.sampled_from([0, 0, 1]), st.booleans()),
+    st.tuples(st.just("peer"), st.sampled_from(list(PeerHealth))),
+    st.tuples(st.just("lease"), st.floats(0.0, 4.0), st.floats(-1.0, 4.0), st.integers(0, 2)),
+    st.tuples(st.just("tick"), st.booleans(), st.floats(0.0, 4.0)),
+    st.tuples(st.just("gpus"), st.sampled_from(list(GpuAction))),
+    st.tuples(st.just("drain"),), st.tuples(st.just("signal"), st.sampled_from([2, 15])),
+    st.tuples(st.just("give up"),))
+
+
+def _event(view, spec, number):
+    kind = spec[0]
+    if kind == "round":
+        _, members, outcome, drain, again = spec
+        if again and view.round is not None:  # the workers' round written again
+            return RoundCommitted(view.round.continued(number, "again", members[0], 1.0))
+        return RoundCommitted(round_of(number, *members, outcome=outcome), drain_requested=drain)
+    if kind == "exit":
+        _, rank, code, stopped = spec
+        return WorkerExited(view.round_number, rank, rank, 9, code, stopped=stopped)
+    if kind == "peer":
+        return PeerHealthChanged("b", spec[1])
+    if kind == "lease":
+        return LeaseState(spec[1], (("b:1", spec[2]),), 1 + spec[3] % 2, peers_answered=spec[3])
+    if kind == "tick":
+        return Tick(hung=("rank 0",) if spec[1] else (), lease_unconfirmed_s=spec[2])
+    if kind == "gpus":
+        return GpuChecked(view.round_number, GpuDecision(spec[1], "r", wake_at=None))
+    if kind == "drain":
+        return DrainRequested("maintenance")
+    if kind == "signal":
+        return Signalled(spec[1])
+    return GaveUp("an error")
+
+
+@given(events=st.lists(_EVENT, max_size=25), gpu_check=st.sampled_from(["off", "enforce"]))
+def test_every_reaction_moves_along_the_lifecycle_table(events, gpu_check):
+    settings = dataclasses.replace(SETTINGS, gpu_check=gpu_check)
+    view, now = AgentView(state=S.INIT), 0.0
+    for i, spec in enumerate([("joined",)] + events):
+        now += 0.7
+        event = Joined("registered") if spec[0] == "joined" else _event(view, spec, i + 1)
+        after, commands = react(view, event, now, settings)
+        check_path(view.state, [c.to for c in commands if isinstance(c, Transition)],
+                   after.state)
+        assert after.state not in (S.STOPPING, S.DRAINING), "a state passed through was kept"
+        view = after

@@ -1,0 +1,166 @@
+"""The status record: what an agent says about itself, in etcd and over gRPC.
+
+An agent writes its :class:`StatusRecord` under ``status/<node>`` (with its
+lease, :mod:`agent.publishing`) and answers the ``Status`` RPC with the same
+record as protobuf; ``elasticctl status`` (:mod:`agent.status`) reads either
+back. ``last_step`` and ``step_rate`` are the node's progress
+(:func:`agent.health.node_progress`): the newest step of its workers and the
+slowest rate.
+
+A record read back is another process's word: :meth:`StatusRecord.from_json`
+and :meth:`StatusRecord.from_pb` check every field and make its text
+printable and capped, so that a record anyone wrote renders without surprises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from agent.health import node_progress
+from elastic.errors import MalformedRecordError
+from elastic.records import (
+    MAX_NPROC,
+    cap_text,
+    int_field,
+    load_object,
+    text_field,
+    typed_field,
+)
+from elastic.v1 import agent_pb2
+
+# Worker states (``WorkerRow.state``) and agent states are short words.
+_STATE_CHARS = 32
+_NODE_ID_CHARS = 128
+
+
+@dataclass(frozen=True)
+class WorkerRow:
+    """One worker of the round running on the node."""
+
+    local_rank: int
+    rank: int
+    pid: int
+    state: str  # "starting", "running", "succeeded"
+    last_step: int = -1
+    step_rate: float = 0.0  # steps per second over its recent heartbeats
+    heartbeat_age_s: float = -1.0  # seconds since its last heartbeat, -1 if none yet
+    exit_code: int = 0
+
+    @classmethod
+    def from_dict(cls, key: str, i: int, row: Any) -> "WorkerRow":
+        """Row ``i`` of the record at ``key``; MalformedRecordError naming the field."""
+        if not isinstance(row, dict):
+            raise MalformedRecordError(key, f"field 'workers[{i}]' is not an object")
+        named = {f"workers[{i}].{name}": value for name, value in row.items()}
+
+        def field(name: str) -> str:
+            return f"workers[{i}].{name}"
+
+        return cls(
+            local_rank=int_field(key, named, field("local_rank"), 0, default=0),
+            rank=int_field(key, named, field("rank"), 0, default=0),
+            pid=int_field(key, named, field("pid"), 0, default=0),
+            state=text_field(key, named, field("state"), "?", limit=_STATE_CHARS),
+            last_step=int_field(key, named, field("last_step"), -1, default=-1),
+            step_rate=_number(key, named, field("step_rate")),
+            heartbeat_age_s=_number(key, named, field("heartbeat_age_s"), low=-1.0),
+            exit_code=int_field(key, named, field("exit_code"), -255, 255, default=0))
+
+    @classmethod
+    def from_pb(cls, w: agent_pb2.WorkerStatus) -> "WorkerRow":
+        return cls(local_rank=w.local_rank, rank=w.rank, pid=w.pid,
+                   state=cap_text(w.state, _STATE_CHARS), last_step=w.last_step,
+                   step_rate=w.step_rate, heartbeat_age_s=w.heartbeat_age_s,
+                   exit_code=w.exit_code)
+
+
+@dataclass(frozen=True)
+class StatusRecord:
+    """An agent's status: its state, its round, its workers and its progress."""
+
+    node_id: str
+    state: str  # the agent's lifecycle state, e.g. "RUNNING"
+    round: int
+    node_rank: int | None  # None: not a member of the round
+    workers: tuple[WorkerRow, ...]
+    last_step: int
+    step_rate: float
+    restarts: int  # rounds this agent started workers in, minus one
+    last_failure: str
+
+    @classmethod
+    def of(cls, node_id: str, state: str, round_number: int, node_rank: int | None,
+           workers: Iterable[WorkerRow], restarts: int, last_failure: str) -> "StatusRecord":
+        """The record of these workers, with the node's progress worked out from them."""
+        rows = tuple(workers)
+        last_step, step_rate = node_progress((w.last_step, w.step_rate) for w in rows)
+        return cls(node_id, state, round_number, node_rank, rows, last_step, step_rate,
+                   restarts, last_failure)
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, key: str, raw: bytes) -> "StatusRecord":
+        """Parse the record at ``key`` (``.../status/<node>``).
+
+        Raises MalformedRecordError naming the key and the field when it is not
+        a JSON object, a count is not an integer in range, a rate or an age is
+        not a finite number, or ``workers`` is not a list of worker objects."""
+        obj = load_object(key, raw)
+        rows = typed_field(key, obj, "workers", list, [])
+        if len(rows) > MAX_NPROC:
+            raise MalformedRecordError(key, f"field 'workers' lists {len(rows)} workers")
+        workers = tuple(WorkerRow.from_dict(key, i, row) for i, row in enumerate(rows))
+        node_rank = typed_field(key, obj, "node_rank", (int, type(None)), None)
+        if node_rank is not None:
+            node_rank = int_field(key, obj, "node_rank", 0)
+        return cls(node_id=text_field(key, obj, "node_id", limit=_NODE_ID_CHARS),
+                   state=text_field(key, obj, "state", "?", limit=_STATE_CHARS),
+                   round=int_field(key, obj, "round", 0, default=0), node_rank=node_rank,
+                   workers=workers, last_step=int_field(key, obj, "last_step", -1, default=-1),
+                   step_rate=_number(key, obj, "step_rate"),
+                   restarts=int_field(key, obj, "restarts", 0, default=0),
+                   last_failure=text_field(key, obj, "last_failure"))
+
+    def to_pb(self, job_id: str, world_size: int, version: str
+              ) -> agent_pb2.AgentStatusResponse:
+        """The answer to the ``Status`` RPC."""
+        return agent_pb2.AgentStatusResponse(
+            job_id=job_id, node_id=self.node_id, state=self.state, round=self.round,
+            node_rank=-1 if self.node_rank is None else self.node_rank, world_size=world_size,
+            workers=[agent_pb2.WorkerStatus(**dataclasses.asdict(w)) for w in self.workers],
+            restarts=self.restarts, last_failure=self.last_failure, version=version)
+
+    @classmethod
+    def from_pb(cls, resp: agent_pb2.AgentStatusResponse) -> "StatusRecord":
+        """The record in an agent's answer to the ``Status`` RPC, its text made
+        printable and capped."""
+        return cls.of(cap_text(resp.node_id, _NODE_ID_CHARS), cap_text(resp.state, _STATE_CHARS),
+                      resp.round, resp.node_rank if resp.node_rank >= 0 else None,
+                      (WorkerRow.from_pb(w) for w in resp.workers[:MAX_NPROC]),
+                      resp.restarts, cap_text(resp.last_failure))
+
+    def summary(self, source: str) -> dict:
+        """What ``elasticctl status`` shows of the node's agent; ``source``:
+        "agent" (asked live) or "etcd" (the record it last published)."""
+        fields = dataclasses.asdict(self)
+        del fields["node_id"]
+        return {"source": source, **fields, "workers": list(fields["workers"])}
+
+
+def _number(key: str, obj: dict, name: str, low: float = 0.0) -> float:
+    """A finite number >= ``low`` (0.0 when absent); MalformedRecordError otherwise."""
+    value = typed_field(key, obj, name, (int, float), 0.0)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or number < low:
+        raise MalformedRecordError(key, f"field {name!r} is {number!r}, expected a finite "
+                                        f"number >= {low:g}")
+    return number

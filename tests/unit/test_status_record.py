@@ -1,0 +1,77 @@
+"""The status record (agent/status_record.py): what an agent writes to etcd and
+answers over gRPC, read back by elasticctl status. One shape, both ways."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agent.status_record import StatusRecord, WorkerRow
+from elastic.errors import MalformedRecordError
+from elastic.rendezvous.api import MAX_REASON_CHARS
+
+KEY = "/elastic/j/status/a"
+ROWS = (WorkerRow(0, 4, 101, "running", 9, 2.5, 0.3),
+        WorkerRow(1, 5, 102, "succeeded", 12, 1.25, 1.0))
+
+
+def record(**overrides) -> StatusRecord:
+    fields = dict(node_id="a", state="RUNNING", round_number=3, node_rank=1, workers=ROWS,
+                  restarts=2, last_failure="worker rank 3 exited with 1")
+    fields.update(overrides)
+    return StatusRecord.of(**fields)
+
+
+def test_the_node_is_at_its_newest_step_and_its_slowest_rate():
+    assert (record().last_step, record().step_rate) == (12, 1.25)
+    assert (record(workers=()).last_step, record(workers=()).step_rate) == (-1, 0.0)
+
+
+def test_the_json_record_keeps_its_fields_and_reads_back_the_same():
+    raw = record().to_json()
+    obj = json.loads(raw)
+    assert sorted(obj) == ["last_failure", "last_step", "node_id", "node_rank", "restarts",
+                           "round", "state", "step_rate", "workers"]
+    assert obj["workers"][1] == {"local_rank": 1, "rank": 5, "pid": 102, "state": "succeeded",
+                                 "last_step": 12, "step_rate": 1.25, "heartbeat_age_s": 1.0,
+                                 "exit_code": 0}
+    assert raw == json.dumps(obj, sort_keys=True).encode()
+    assert StatusRecord.from_json(KEY, raw) == record()
+    assert StatusRecord.from_json(KEY, record(node_rank=None).to_json()).node_rank is None
+
+
+@pytest.mark.parametrize("obj,field", [
+    ({"workers": [{"step_rate": "x"}]}, "workers[0].step_rate"),
+    ({"workers": [5]}, "workers[0]"),
+    ({"last_step": "y"}, "last_step"),
+    ({"node_rank": -1}, "node_rank"),
+    ({"step_rate": 1e400}, "step_rate"),
+])
+def test_a_malformed_record_is_refused_naming_the_field(obj, field):
+    with pytest.raises(MalformedRecordError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        StatusRecord.from_json(KEY, json.dumps(obj).encode())
+
+
+def test_the_grpc_answer_carries_the_same_record():
+    resp = record().to_pb("j", 8, "1.0")
+    assert (resp.job_id, resp.world_size, resp.version, resp.node_rank) == ("j", 8, "1.0", 1)
+    assert StatusRecord.from_pb(resp) == record()
+    assert record(node_rank=None).to_pb("j", 0, "").node_rank == -1
+    assert StatusRecord.from_pb(record(node_rank=None).to_pb("j", 0, "")).node_rank is None
+
+
+def test_an_answer_s_text_is_made_printable_and_capped():
+    resp = record(state="RUNNING\x1b[2J", last_failure="x" * 5000,
+                  workers=(WorkerRow(0, 0, 1, "\x1b" * 100),)).to_pb("j", 1, "")
+    read = StatusRecord.from_pb(resp)
+    assert "\x1b" not in read.state and len(read.state) <= 32
+    assert len(read.last_failure) <= MAX_REASON_CHARS
+    assert "\x1b" not in read.workers[0].state and len(read.workers[0].state) <= 32
+
+
+def test_the_summary_is_what_elasticctl_status_shows():
+    summary = record().summary("etcd")
+    assert list(summary) == ["source", "state", "round", "node_rank", "workers", "last_step",
+                             "step_rate", "restarts", "last_failure"]
+    assert summary["source"] == "etcd" and summary["workers"][0]["pid"] == 101
