@@ -33,26 +33,13 @@ from elastic.records import (
     valid_addr,
 )
 
-# moved: re-exported until agent/status.py imports from elastic.records (cap_text, id_in_key)
-# moved: re-exported until agent/status_record.py imports from elastic.records (MAX_NPROC,
-#   cap_text, int_field, load_object, text_field, typed_field)
-# moved: re-exported until elastic/checkpoint/api.py imports from elastic.records (cap_text)
-# moved: re-exported until elastic/checkpoint/layout.py imports from elastic.records (cap_text)
-# moved: re-exported until elastic/checkpoint/etcd_log.py imports from elastic.records
-#   (load_object)
 # moved: re-exported until tests/unit/test_hostile_records.py imports from elastic.records
 #   (MAX_REASON_CHARS, MAX_RECORD_BYTES, cap_text, printable_text) and from
 #   elastic.rendezvous.config (RendezvousConfig)
 # moved: re-exported until tests/unit/test_status_record.py imports from elastic.records
 #   (MAX_REASON_CHARS)
-# MAX_NPROC, cap_text, int_field, load_object, text_field and typed_field are imported above
-# for this module's own use as well; the names below only for those files.
-from elastic.records import (  # noqa: F401
-    MAX_REASON_CHARS,
-    MAX_RECORD_BYTES,
-    id_in_key,
-    printable_text,
-)
+# cap_text is imported above for this module's own use as well.
+from elastic.records import MAX_REASON_CHARS, MAX_RECORD_BYTES, printable_text  # noqa: F401
 from elastic.rendezvous.config import RendezvousConfig  # noqa: F401
 
 
