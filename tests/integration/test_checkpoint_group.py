@@ -37,15 +37,7 @@ def _rank(rank: int, store: str, out: str) -> None:
 def test_object_collectives_deliver_small_and_large_payloads(tmp_path):
     from elastic.checkpoint.group import FRAME_BYTES
 
-    context = multiprocessing.get_context("spawn")
-    store = str(tmp_path / "store")
-    outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
-    procs = [context.Process(target=_rank, args=(r, store, outs[r])) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(90)
-        assert proc.exitcode == 0
+    outs = _run_two_ranks(_rank, tmp_path)
     big = ["x" * (3 * FRAME_BYTES) + str(r) for r in range(2)]
     for rank, out in enumerate(outs):
         with open(out) as f:
@@ -97,17 +89,22 @@ def _rank_with_callers_group(rank: int, store: str, out: str) -> None:
 
 
 def test_a_callers_group_is_not_shared_with_the_background_collectives(tmp_path):
+    for out in _run_two_ranks(_rank_with_callers_group, tmp_path):
+        with open(out) as f:
+            assert json.load(f) == {"own group": True, "same ranks": True, "backend": "gloo",
+                                    "sums right": True, "gathered right": True}
+
+
+def _run_two_ranks(target, tmp_path) -> list[str]:
+    """Run ``target(rank, store, out)`` in two spawned processes, each rank writing
+    its results to ``out``; the two paths, once both ended well."""
     context = multiprocessing.get_context("spawn")
     store = str(tmp_path / "store")
     outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
-    procs = [context.Process(target=_rank_with_callers_group, args=(r, store, outs[r]))
-             for r in range(2)]
+    procs = [context.Process(target=target, args=(r, store, outs[r])) for r in range(2)]
     for proc in procs:
         proc.start()
     for proc in procs:
         proc.join(90)
         assert proc.exitcode == 0
-    for out in outs:
-        with open(out) as f:
-            assert json.load(f) == {"own group": True, "same ranks": True, "backend": "gloo",
-                                    "sums right": True, "gathered right": True}
+    return outs

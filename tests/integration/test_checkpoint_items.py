@@ -107,6 +107,16 @@ def _flip(path: str, offset: int) -> None:
     assert os.path.getsize(path) == size
 
 
+def _flipped_file_falls_back(root: str, path: str, weights: dict, caplog) -> None:
+    """A byte flipped in the middle of ``path``, a file of the newest checkpoint:
+    restore refuses it, naming the file, and falls back to the previous one."""
+    _flip(path, os.path.getsize(path) // 2)
+    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.restore"):
+        start, restored, _ = _restore(root)
+    assert start == 2 and _equal(restored, weights[1])
+    assert any(path in r and "corrupt: CRC-32" in r for r in _refusals(caplog, NEWEST))
+
+
 def _strip_items(directory: str) -> None:
     """Rewrite the manifest as a save did before items existed."""
     path = os.path.join(directory, layout.manifest_name(0))
@@ -177,12 +187,8 @@ def test_a_flipped_byte_inside_an_item_falls_back_to_the_previous_checkpoint(
 
 def test_a_flipped_byte_in_the_rank_state_falls_back(saved, root, caplog):
     _, weights = saved
-    path = os.path.join(root, NEWEST, layout.rank_state_name(0))
-    _flip(path, os.path.getsize(path) // 2)
-    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.restore"):
-        start, restored, _ = _restore(root)
-    assert start == 2 and _equal(restored, weights[1])
-    assert any(path in r and "corrupt: CRC-32" in r for r in _refusals(caplog, NEWEST))
+    _flipped_file_falls_back(root, os.path.join(root, NEWEST, layout.rank_state_name(0)),
+                             weights, caplog)
 
 
 def test_checkpoints_whose_manifests_have_no_items_still_restore(saved, root):
@@ -197,12 +203,7 @@ def test_without_items_a_flipped_byte_is_caught_by_the_whole_file_check(saved, r
     _, weights = saved
     for name in (PREVIOUS, NEWEST):
         _strip_items(os.path.join(root, name))
-    path = os.path.join(root, NEWEST, SHARD)
-    _flip(path, os.path.getsize(path) // 2)
-    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.restore"):
-        start, restored, _ = _restore(root)
-    assert start == 2 and _equal(restored, weights[1])
-    assert any(path in r and "corrupt: CRC-32" in r for r in _refusals(caplog, NEWEST))
+    _flipped_file_falls_back(root, os.path.join(root, NEWEST, SHARD), weights, caplog)
 
 
 def test_sizes_only_restore_checks_no_crc(saved, root):

@@ -3,6 +3,7 @@ one process, DCP without a process group, real files, no Checkpointer."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import zlib
@@ -176,16 +177,26 @@ def test_reads_around_the_checks_fail_the_load(saved, monkeypatch):
                for failure in caught.value.failures.values())
 
 
-@pytest.fixture
-def one_item(tmp_path):
-    """A 200 KB file that is one item, open for reading."""
-    data = bytes(range(256)) * 800
+@contextlib.contextmanager
+def item_file(tmp_path, data: bytes):
+    """``data`` as a file that is one item, open for reading: its path, the
+    descriptor and the item's digest."""
     path = str(tmp_path / "item")
     with open(path, "wb") as f:
         f.write(data)
     fd = os.open(path, os.O_RDONLY)
-    yield path, fd, data, layout.ItemDigest(0, len(data), f"{zlib.crc32(data):08x}")
-    os.close(fd)
+    try:
+        yield path, fd, layout.ItemDigest(0, len(data), f"{zlib.crc32(data):08x}")
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def one_item(tmp_path):
+    """A 200 KB file that is one item, open for reading."""
+    data = bytes(range(256)) * 800
+    with item_file(tmp_path, data) as (path, fd, item):
+        yield path, fd, data, item
 
 
 def test_a_view_serves_reads_in_any_order_and_checks_them(one_item):
@@ -294,22 +305,15 @@ def test_a_tensor_saved_as_part_of_a_larger_storage_is_placed(tmp_path):
 
     whole = torch.arange(40, dtype=torch.float64)
     data = _saved_bytes(whole.view(4, 10)[1:3])
-    path = str(tmp_path / "item")
-    with open(path, "wb") as f:
-        f.write(data)
     from types import SimpleNamespace
 
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        view = dcp_io.VerifyingView(fd, path, layout.ItemDigest(0, len(data),
-                                                                 f"{zlib.crc32(data):08x}"))
+    with item_file(tmp_path, data) as (path, fd, item):
+        view = dcp_io.VerifyingView(fd, path, item)
         target = torch.zeros(2, 10, dtype=torch.float64)
         wanted = SimpleNamespace(storage_offsets=[0, 0], lengths=[2, 10], storage_index=None)
         assert dcp_io.load_tensor(view, wanted, target)
         assert torch.equal(target, whole.view(4, 10)[1:3])
         assert view.finish() is None
-    finally:
-        os.close(fd)
     assert torch.equal(torch.load(io.BytesIO(data), weights_only=True), target)
 
 
@@ -344,18 +348,10 @@ def test_the_tensor_unpickler_runs_no_code_of_the_files_choosing():
 
 
 def test_an_item_that_is_not_one_plain_tensor_is_left_to_torch_load(tmp_path):
-    data = _saved_bytes({"not": "a tensor"})
-    path = str(tmp_path / "item")
-    with open(path, "wb") as f:
-        f.write(data)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        view = dcp_io.VerifyingView(fd, path, layout.ItemDigest(0, len(data),
-                                                                 f"{zlib.crc32(data):08x}"))
+    with item_file(tmp_path, _saved_bytes({"not": "a tensor"})) as (path, fd, item):
+        view = dcp_io.VerifyingView(fd, path, item)
         assert view.describe() is None and view.tell() == 0
         assert view.finish() is None
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.parametrize("obj", [0.001, (0.9, 0.999), "adam", None, [1, {"a": True}],
