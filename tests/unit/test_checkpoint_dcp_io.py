@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
+from elastic._compat import torch_checkpoint as compat  # noqa: E402
 from elastic.checkpoint import dcp_io, layout  # noqa: E402
 from elastic.errors import CheckpointError  # noqa: E402
 
@@ -165,11 +166,10 @@ def test_shard_files_without_items_are_read_unchecked(saved):
 
 
 def test_reads_around_the_checks_fail_the_load(saved, monkeypatch):
-    # A torch whose reader no longer asks _slice_file: nothing vouches for the items.
+    # A torch whose reader no longer asks the hook: nothing vouches for the items.
     directory, files = saved
-    monkeypatch.setattr(dcp_io.VerifyingReader, "_slice_file",
-                        lambda self, file, sinfo: dcp.FileSystemReader._slice_file(
-                            self, file, sinfo))
+    monkeypatch.setattr(dcp_io.VerifyingReader, compat.SLICE_FILE_HOOK,
+                        getattr(dcp.FileSystemReader, compat.SLICE_FILE_HOOK))
     with pytest.raises(CheckpointException) as caught:
         load(directory, files)
     assert "reads around the checks" in str(caught.value)
