@@ -43,11 +43,11 @@ from agent.metrics import NO_METRICS, AgentMetrics, NoMetrics
 from agent.nvml import NvmlReader
 from agent.peers import GrpcPeerMesh
 from agent.publishing import Publisher, status_of, summary_line
-from agent.reactor import AgentView, Settings
+from agent.reactor import AgentView
 from agent.sdnotify import SystemdNotifier
 from agent.services import AgentService, WorkerChannel
 from agent.status_record import StatusRecord
-from agent.supervisor import Entrypoint, WorkerExit, WorkerSupervisor
+from agent.supervisor import WorkerExit, WorkerSupervisor
 from elastic import __version__, errorfile
 from elastic.checkpoint.etcd_log import EtcdCommitLog
 from elastic.clock import SYSTEM_CLOCK, Clock
@@ -61,6 +61,7 @@ from elastic.errors import (
     StoreError,
     exit_code_for,
 )
+from elastic.hostport import HostPort
 from elastic.joblog import JobLogger
 from elastic.net import free_port, relax_grpc_blocking_waits
 from elastic.rendezvous.api import NodeInfo, Round
@@ -144,11 +145,7 @@ class Agent:
         self.socket_path = socket_path
         self.heartbeat_socket = heartbeat_socket
         self.clock = clock
-        self.settings = Settings(node_id=config.node_id, nproc=config.nproc_per_node,
-                                 lease_ttl_s=config.lease_ttl_s,
-                                 join_timeout_s=config.join_timeout_s, job_id=config.job_id,
-                                 drain_exit_code=config.drain_exit_code,
-                                 gpu_check=config.gpu_check)
+        self.settings = config.reactor_settings()
         self.view = AgentView(state=S.INIT, waiting_since=clock.monotonic())
         self.log = JobLogger(logging.getLogger("elasticd"), config.job_id, config.node_id,
                              lambda: self.view.round_number)
@@ -187,7 +184,7 @@ class Agent:
         metrics: NoMetrics = NO_METRICS
         if config.metrics_port:
             metrics = AgentMetrics(config.job_id, config.node_id)
-            metrics.serve(config.listen.rpartition(":")[0], config.metrics_port)
+            metrics.serve(HostPort.parse(config.listen).host, config.metrics_port)
         server = AgentServer(config.listen, files.socket_path,
                              control=_Later(lambda: built[0].service if built else None),
                              heartbeats=_Later(lambda: built[0].channel if built else None),
@@ -196,7 +193,7 @@ class Agent:
         server.start()
         peers = GrpcPeerMesh(config.tls)
         host = config.advertise_addr
-        addr = f"{host}:{server.address.rsplit(':', 1)[1]}"
+        addr = str(HostPort(host, HostPort.parse(server.address).port))
         info = NodeInfo(node_id=config.node_id, host=host, nproc=config.nproc_per_node,
                         addr=addr, master_port=free_port(host), version=__version__)
         rendezvous = RendezvousNode(
@@ -209,15 +206,11 @@ class Agent:
             fence=lambda addrs: peers.fence(addrs, config.node_id),
             running_round=lambda: built[0].view.running_round if built else 0)
         supervisor = WorkerSupervisor(
-            job_id=config.job_id, node_id=config.node_id, nproc=config.nproc_per_node,
-            entrypoint=Entrypoint(script=config.script, module=config.module,
-                                  args=config.script_args, no_python=config.no_python),
-            log_dir=files.log_dir, stop_grace_s=config.stop_grace_s,
-            prestart=config.prestart, warm_sets=config.warm_sets,
+            **config.supervisor_options(), log_dir=files.log_dir,
             on_exit=lambda e: inbox.put(_exit_event(e)),
             worker_env=startup_env(config.nproc_per_node, dict(os.environ),
                                    config.advertise_addr),
-            console=config.console)
+            clock=clock)
         built.append(cls(config, store, rendezvous, supervisor, server, peers, inbox=inbox,
                          socket_path=files.socket_path,
                          heartbeat_socket=server.heartbeat_socket or "", clock=clock,

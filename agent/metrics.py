@@ -67,6 +67,7 @@ from agent.gpu_health import PROBLEMS as GPU_PROBLEMS
 from agent.gpu_health import GpuAction
 from agent.lifecycle import AgentState
 from elastic.errors import ConfigError
+from elastic.hostport import HostPort
 from elastic.joblog import JobLogger
 
 log = logging.getLogger(__name__)
@@ -321,7 +322,7 @@ class AgentMetrics(NoMetrics):
         except OSError as exc:
             raise ConfigError(f"--metrics-port {port}: cannot serve metrics on {host}: "
                               f"{exc}") from exc
-        url = f"http://{host if ':' not in addr else f'[{addr}]'}:{port}/metrics"
+        url = f"http://{HostPort(addr, port)}/metrics"
         self._log.info("serves Prometheus metrics at %s.", url)
         return url
 
