@@ -35,6 +35,7 @@ import uuid
 
 import pytest
 
+from elastic import worker_env
 from elastic.checkpoint.api import CommitLog
 
 TORCH_VERSION = tuple(int(part) for part in
@@ -52,10 +53,10 @@ def _process_entry(rank: int, world_size: int, store: str, tasks: list[dict], ou
     """The forked worker's first code: its own stdout/stderr files and environment."""
     for fd, path in ((1, out_path), (2, err_path)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-    for name in ("ELASTIC_FAILPOINT", "ELASTIC_AGENT_SOCKET", "ELASTIC_CHECKPOINT_DIR"):
+    for name in ("ELASTIC_FAILPOINT", worker_env.AGENT_SOCKET, worker_env.CHECKPOINT_DIR):
         os.environ.pop(name, None)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), CKPT_TEST_STORE=store,
-                      ELASTIC_ROUND=str(round_number))
+                      **{worker_env.ROUND: str(round_number)})
     import torch
 
     torch.set_num_threads(1)  # 2 cores, several ranks

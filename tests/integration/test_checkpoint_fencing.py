@@ -11,6 +11,7 @@ import os
 
 import pytest
 
+from elastic import worker_env
 from elastic.checkpoint.api import CommitEntry, CommitLog
 from tests.integration.checkpointing import (BOTH_LOGS, Worker, commit_log,  # noqa: F401
                                              run, seed_all)
@@ -26,14 +27,14 @@ def task_fenced(w: Worker, root, log):
 
     model, opt, sched = w.ddp()
     seed_all(w.rank)
-    os.environ["ELASTIC_ROUND"] = "3"
+    os.environ[worker_env.ROUND] = "3"
     current = w.checkpointer(root, model, opt, sched, log=log)
     w.train(model, opt, sched)
     current.save(1, async_=False)
     digest = w.ddp_digest(model, opt, sched)
     current.close()
 
-    os.environ["ELASTIC_ROUND"] = "2"
+    os.environ[worker_env.ROUND] = "2"
     zombie = w.checkpointer(root, model, opt, sched, log=log)
     w.train(model, opt, sched)
     fenced_error = None
@@ -47,7 +48,7 @@ def task_fenced(w: Worker, root, log):
     zombie_dir = os.path.join(root, layout.step_dir_name(2))
     marked = layout.read_marker(zombie_dir) is not None if os.path.isdir(zombie_dir) else None
 
-    os.environ["ELASTIC_ROUND"] = "3"
+    os.environ[worker_env.ROUND] = "3"
     model2, opt2, sched2 = w.ddp(init_seed=5)
     again = w.checkpointer(root, model2, opt2, sched2, log=log)
     start = again.restore()
@@ -110,13 +111,13 @@ def task_zombie(w: Worker, root, log):
 
     model, opt, sched = w.ddp()
     seed_all(w.rank)
-    os.environ["ELASTIC_ROUND"] = "3"
+    os.environ[worker_env.ROUND] = "3"
     current_log = UnknownOutcomeLog(w.commit_log(root, log))
     current = w.checkpointer(root, model, opt, sched, commit_log=current_log)
     for step in (1, 2):
         w.train(model, opt, sched)
         current.save(step, async_=False)
-    os.environ["ELASTIC_ROUND"] = "2"
+    os.environ[worker_env.ROUND] = "2"
     zombie = w.checkpointer(root, model, opt, sched, log=log)
 
     def attempt(step: int) -> dict:
@@ -145,7 +146,7 @@ def task_zombie(w: Worker, root, log):
     zombie.close()
     current.close()
 
-    os.environ["ELASTIC_ROUND"] = "3"
+    os.environ[worker_env.ROUND] = "3"
     model2, opt2, sched2 = w.ddp(init_seed=5)
     again = w.checkpointer(root, model2, opt2, sched2, log=log)
     results["restored_start"] = again.restore()

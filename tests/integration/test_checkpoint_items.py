@@ -18,6 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from elastic import worker_env  # noqa: E402
 from elastic.checkpoint import checkpointer as checkpointer_module  # noqa: E402
 from elastic.checkpoint import layout  # noqa: E402
 from elastic.checkpoint.checkpointer import Checkpointer  # noqa: E402
@@ -46,7 +47,7 @@ def _equal(a: dict, b: dict) -> bool:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Two committed checkpoints (steps 1 and 2) and the weights of each."""
-    os.environ.pop("ELASTIC_AGENT_SOCKET", None)  # the file commit log, no agent
+    os.environ.pop(worker_env.AGENT_SOCKET, None)  # the file commit log, no agent
     root = str(tmp_path_factory.mktemp("saved") / "ckpt")
     model = _model(0)
     opt = torch.optim.Adam(model.parameters())

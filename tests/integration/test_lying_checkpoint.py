@@ -22,6 +22,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from elastic import worker_env  # noqa: E402
 from elastic.checkpoint import layout  # noqa: E402
 from elastic.checkpoint.checkpointer import Checkpointer  # noqa: E402
 from elastic.errors import CheckpointCorruptError  # noqa: E402
@@ -130,7 +131,7 @@ LIES = [wrong_crc, wrong_size, missing_shard, shard_outside, shard_is_a_link, hu
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Two committed checkpoints (steps 1 and 2) and the weights of each."""
-    os.environ.pop("ELASTIC_AGENT_SOCKET", None)  # the file commit log, no agent
+    os.environ.pop(worker_env.AGENT_SOCKET, None)  # the file commit log, no agent
     root = str(tmp_path_factory.mktemp("saved") / "ckpt")
     model = _model(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

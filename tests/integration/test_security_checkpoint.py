@@ -26,6 +26,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from elastic import worker_env  # noqa: E402
 from elastic.checkpoint import layout  # noqa: E402
 from elastic.checkpoint.checkpointer import Checkpointer  # noqa: E402
 
@@ -99,7 +100,7 @@ class RunsCommand:
 @pytest.fixture
 def root(tmp_path, monkeypatch):
     """Two committed checkpoints (steps 1 and 2) of the worker's model."""
-    monkeypatch.delenv("ELASTIC_CHECKPOINT_TRUST", raising=False)
+    monkeypatch.delenv(worker_env.CHECKPOINT_TRUST, raising=False)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     ckpt = Checkpointer(str(tmp_path / "ckpt"), model=model,
@@ -140,9 +141,9 @@ def poison_metadata(directory: str, command: str) -> None:
 
 def restore_in_a_worker(root: str, **env: str) -> subprocess.CompletedProcess:
     environ = dict(os.environ, PYTHONPATH=REPO, **env)
-    for name in ("ELASTIC_AGENT_SOCKET", "ELASTIC_CHECKPOINT_DIR", "ELASTIC_FAILPOINT"):
+    for name in (worker_env.AGENT_SOCKET, worker_env.CHECKPOINT_DIR, "ELASTIC_FAILPOINT"):
         environ.pop(name, None)
-    environ.setdefault("ELASTIC_CHECKPOINT_TRUST", "0")
+    environ.setdefault(worker_env.CHECKPOINT_TRUST, "0")
     return subprocess.run([sys.executable, "-c", WORKER, root], env=environ, cwd=REPO,
                           capture_output=True, text=True, timeout=90)
 
@@ -178,7 +179,7 @@ def run_group(root: str, command: str, tmp_path) -> list[subprocess.CompletedPro
     store = str(tmp_path / "store")
     environ = dict(os.environ, PYTHONPATH=REPO, ELASTIC_CHECKPOINT_TRUST="0",
                    OMP_NUM_THREADS="1")
-    for name in ("ELASTIC_AGENT_SOCKET", "ELASTIC_CHECKPOINT_DIR", "ELASTIC_FAILPOINT"):
+    for name in (worker_env.AGENT_SOCKET, worker_env.CHECKPOINT_DIR, "ELASTIC_FAILPOINT"):
         environ.pop(name, None)
     procs = [subprocess.Popen([sys.executable, "-c", GROUP_WORKER, root, command, str(rank),
                                store], env=environ, cwd=REPO, stdout=subprocess.PIPE,

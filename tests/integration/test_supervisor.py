@@ -20,7 +20,7 @@ import pytest
 
 from agent.supervisor import Entrypoint, WorkerSupervisor, signal_worker
 from elastic.clock import SystemClock
-from elastic.worker_env import BOOTSTRAP_TEMPLATE_FD
+from elastic import worker_env
 from tests.integration.supervising import REPO, Exits, check_exits_reported, kill, round_envs
 from tests.waiting import wait_until
 from tests.proctable import alive, parent, state
@@ -180,7 +180,7 @@ def test_a_warm_restart_starts_the_script_faster_than_a_cold_one(supervise, tmp_
 
 def test_warm_worker_deaths_are_not_failures_and_a_broken_pool_goes_cold(supervise, tmp_path,
                                                                          monkeypatch):
-    monkeypatch.setenv("ELASTIC_PRELOAD", "json")  # warm in milliseconds
+    monkeypatch.setenv(worker_env.PRELOAD, "json")  # warm in milliseconds
     sup, exits = supervise("import os; print('ran', os.environ['RANK'])", nproc=2,
                            prestart=True)
     sup.warm_up()
@@ -195,7 +195,7 @@ def test_warm_worker_deaths_are_not_failures_and_a_broken_pool_goes_cold(supervi
     assert exits.seen == []
 
     # Preloading fails from now on: three deaths in a row, then rounds start cold.
-    monkeypatch.setenv("ELASTIC_PRELOAD", "no_such_module_for_elastic_tests")
+    monkeypatch.setenv(worker_env.PRELOAD, "no_such_module_for_elastic_tests")
     for w in sup.warm_workers():
         os.kill(w.pid, signal.SIGKILL)
     wait_until(lambda: not sup.warm_enabled, 15, "warm workers given up")
@@ -221,7 +221,7 @@ def test_giving_up_the_warm_pool_ends_the_warm_workers_still_importing(supervise
                 raise SystemExit("broken preload")
         """))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    monkeypatch.setenv("ELASTIC_PRELOAD", "badpre")
+    monkeypatch.setenv(worker_env.PRELOAD, "badpre")
     sup, exits = supervise("print('ran')", nproc=2, prestart=True)
     sup.warm_up()
     warm = wait_until(lambda: len(sup.warm_workers()) == 2 and all(
@@ -257,10 +257,10 @@ def test_a_second_warm_set_serves_a_restart_while_the_template_imports_and_it_fo
     release = tmp_path / "release"
     (tmp_path / "slowpre.py").write_text(
         f"import os, time\n"
-        f"while os.environ.get({BOOTSTRAP_TEMPLATE_FD!r}) and not os.path.exists({str(release)!r}):\n"
+        f"while os.environ.get({worker_env.BOOTSTRAP_TEMPLATE_FD!r}) and not os.path.exists({str(release)!r}):\n"
         f"    time.sleep(0.05)\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    monkeypatch.setenv("ELASTIC_PRELOAD", "slowpre")
+    monkeypatch.setenv(worker_env.PRELOAD, "slowpre")
     sup, exits = supervise("import time\nwhile True: time.sleep(0.05)", prestart=True,
                            warm_sets=2)
     sup.warm_up()
@@ -302,7 +302,7 @@ def test_warm_workers_import_at_idle_priority_and_the_script_runs_at_normal_prio
             time.sleep(0.01)
     """))
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{REPO}")
-    monkeypatch.setenv("ELASTIC_PRELOAD", "idlepre")
+    monkeypatch.setenv(worker_env.PRELOAD, "idlepre")
     sup, exits = supervise("""
         import json, os
         from elastic.worker import priority
@@ -332,7 +332,7 @@ def test_warm_workers_import_at_idle_priority_and_the_script_runs_at_normal_prio
 
 def test_a_round_sets_startup_variables_so_it_starts_cold_and_the_next_set_learns_them(
         supervise, tmp_path, monkeypatch):
-    monkeypatch.setenv("ELASTIC_PRELOAD", "json")
+    monkeypatch.setenv(worker_env.PRELOAD, "json")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     sup, exits = supervise("import os; print('omp', os.environ['OMP_NUM_THREADS'])",
                            prestart=True)
@@ -350,7 +350,7 @@ def test_a_round_sets_startup_variables_so_it_starts_cold_and_the_next_set_learn
 
 
 def test_shutdown_leaves_no_process_and_is_idempotent(supervise, tmp_path, monkeypatch):
-    monkeypatch.setenv("ELASTIC_PRELOAD", "json")
+    monkeypatch.setenv(worker_env.PRELOAD, "json")
     sup, exits = supervise("import time\nwhile True: time.sleep(0.05)", nproc=2, prestart=True)
     sup.warm_up()
     sup.start_round(1, round_envs(2))
@@ -426,7 +426,7 @@ def test_a_killed_agent_takes_its_workers_along(tmp_path):
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER.format(repo=REPO, script=str(script), logs=str(tmp_path / "logs")))
     proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE,
-                            env={**os.environ, "ELASTIC_PRELOAD": "json"}, text=True)
+                            env={**os.environ, worker_env.PRELOAD: "json"}, text=True)
     try:
         seen = json.loads(proc.stdout.readline())
         pids = seen["pids"]

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from elastic import worker_env
 from tests.integration.supervising import REPO, check_exits_reported, kill, round_envs
 from tests.waiting import wait_until
 from tests.proctable import alive, parent
@@ -37,7 +38,7 @@ def counted_preload(tmp_path, monkeypatch):
     """ELASTIC_PRELOAD is `countpre`, which appends the importing pid to tmp_path/imports."""
     (tmp_path / "countpre.py").write_text(PRELOAD.format(dir=str(tmp_path)))
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{REPO}")
-    monkeypatch.setenv("ELASTIC_PRELOAD", "countpre")
+    monkeypatch.setenv(worker_env.PRELOAD, "countpre")
 
 
 def _forked_pool(sup, nproc: int):
@@ -176,7 +177,7 @@ def test_a_template_whose_preload_starts_a_thread_falls_back_to_spawning(
         threading.Thread(target=time.sleep, args=(1000,), daemon=True).start()
         """))
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{REPO}")
-    monkeypatch.setenv("ELASTIC_PRELOAD", "threadpre")
+    monkeypatch.setenv(worker_env.PRELOAD, "threadpre")
     caplog.set_level(logging.INFO, logger="agent.supervisor")
     sup, exits = supervise("print('ran')", nproc=2, prestart=True)
     sup.warm_up()
@@ -231,7 +232,7 @@ def cuda_preload(tmp_path, monkeypatch):
     """ELASTIC_PRELOAD is the torch stand-in, then ``cudapre``, a module the test writes."""
     (tmp_path / "faketorch.py").write_text(FAKE_TORCH)
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{REPO}")
-    monkeypatch.setenv("ELASTIC_PRELOAD", "faketorch,cudapre")
+    monkeypatch.setenv(worker_env.PRELOAD, "faketorch,cudapre")
     monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
     return tmp_path / "cudapre.py"
 

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from elastic import worker_env
 from elastic.checkpoint.agent_log import AgentCommitLog
 from elastic.checkpoint.api import CommitEntry
 from elastic.events import read_events
@@ -89,7 +90,7 @@ def test_the_checkpointer_reports_its_failed_save_through_the_agent(node, socket
     from elastic.errors import CheckpointWriteError
 
     round_ = node.round().number
-    monkeypatch.setenv("ELASTIC_ROUND", str(round_))
+    monkeypatch.setenv(worker_env.ROUND, str(round_))
     model = nn.Linear(2, 2)
     ckpt = Checkpointer(str(tmp_path / "ckpt"), model=model, commit_log=AgentCommitLog(socket_path),
                         on_saving=lambda seconds: None)
@@ -131,7 +132,7 @@ def test_a_save_replaces_a_malformed_latest_record_instead_of_failing(node, sock
 
     from elastic.checkpoint.checkpointer import Checkpointer
 
-    monkeypatch.setenv("ELASTIC_ROUND", str(node.round().number))
+    monkeypatch.setenv(worker_env.ROUND, str(node.round().number))
     node.store.put(node.rdzv.keys.checkpoint_latest, b"garbage")
     ckpt = Checkpointer(str(tmp_path / "ckpt"), model=nn.Linear(2, 2),
                         commit_log=AgentCommitLog(socket_path), on_saving=lambda seconds: None)

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from agent.metrics import AgentMetrics
+from elastic import worker_env
 from elastic.checkpoint import layout
 from elastic.checkpoint.agent_log import AgentCommitLog
 from elastic.checkpoint.api import CommitEntry
@@ -56,7 +57,7 @@ def test_a_save_and_a_restore_are_counted_by_the_agent(node, socket_path, monkey
 
     from elastic.checkpoint.checkpointer import Checkpointer
 
-    monkeypatch.setenv("ELASTIC_ROUND", str(node.round().number))
+    monkeypatch.setenv(worker_env.ROUND, str(node.round().number))
     root = str(tmp_path / "ckpt")
     get = node.agent.metrics.registry.get_sample_value
     ckpt = Checkpointer(root, model=nn.Linear(64, 64), commit_log=AgentCommitLog(socket_path),
