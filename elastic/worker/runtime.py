@@ -42,11 +42,20 @@ def _round_or_0(env: WorkerEnv) -> int:
 _DEFAULT_HANG_TIMEOUT_S = 300.0
 
 
-class _Heartbeat:
-    """Background thread that tells the agent this worker is alive and where it is."""
+class Heartbeat:
+    """A background thread that tells the agent, every ``interval_s`` seconds
+    and at once on the first step and on each save announced, that this worker
+    is alive and where it is (rank, round and step from the environment and
+    :meth:`report`).
 
-    def __init__(self, socket_path: str, interval_s: float, heartbeat_socket: str | None = None):
-        self.client = WorkerChannelClient(socket_path, heartbeat_socket=heartbeat_socket)
+    ``client`` is the channel to the agent (a
+    :class:`~elastic.worker.channel.WorkerChannelClient`, or anything with its
+    ``heartbeat``, ``confirmed_at`` and ``close``); the heartbeat owns it from
+    then on and closes it in :meth:`close`. The thread starts at construction.
+    """
+
+    def __init__(self, client: WorkerChannelClient, interval_s: float):
+        self.client = client
         self.interval_s = interval_s
         self.rank = _env_int("RANK", 0)
         self.local_rank = _env_int("LOCAL_RANK", 0)
@@ -86,6 +95,9 @@ class _Heartbeat:
             self._stop.wait(0.05)
 
     def report(self, step: int, saving_for_s: float | None = None) -> None:
+        """Record ``step`` as this worker's latest; with ``saving_for_s``, a save
+        that lasts up to that long from now (0: the save is over). The first
+        step and each save are sent at once, the rest with the next beat."""
         first = self.step < 0
         self.step = step
         if saving_for_s is not None:
@@ -94,6 +106,8 @@ class _Heartbeat:
             self._wake.set()  # the agent hears at once about the first step and saves
 
     def close(self) -> None:
+        """Stop the thread (waiting up to 2 s for it), tell the agent this
+        worker is exiting, and close the client."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=2)
@@ -104,7 +118,7 @@ class _Heartbeat:
         self.client.close()
 
 
-_heartbeat: _Heartbeat | None = None
+_heartbeat: Heartbeat | None = None
 _device: torch.device | None = None  # the GPU init() bound this process to
 _step = -1
 # The agent's lease TTL (set by elasticd): a worker whose agent has not vouched
@@ -117,14 +131,14 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
 
     ``backend`` defaults to nccl when CUDA is available, gloo otherwise. With
     any backend that uses NCCL (``"nccl"``, ``"cpu:gloo,cuda:nccl"``) each
-    process is bound to the GPU of its LOCAL_RANK (:func:`_join_process_group`).
+    process is bound to the GPU of its LOCAL_RANK (:func:`join_process_group`).
     Safe to call twice. Raises ConfigError when LOCAL_RANK has no GPU, and
     whatever ``init_process_group`` raises when the group cannot form within
     ``timeout_s``.
     """
     global _heartbeat, _hold_after_s, _device
     if not dist.is_initialized():
-        _device = _join_process_group(backend, timeout_s, _env_int("LOCAL_RANK", 0), torch.cuda,
+        _device = join_process_group(backend, timeout_s, _env_int("LOCAL_RANK", 0), torch.cuda,
                                       dist.init_process_group)
     env = WorkerEnv()
     socket_path = env.agent_socket
@@ -132,7 +146,9 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
         hang_timeout = env.hang_timeout_s
         hang_timeout = _DEFAULT_HANG_TIMEOUT_S if hang_timeout is None else hang_timeout
         interval = min(2.0, max(0.2, hang_timeout / 5)) if hang_timeout > 0 else 2.0
-        _heartbeat = _Heartbeat(socket_path, interval, env.heartbeat_socket)
+        _heartbeat = Heartbeat(WorkerChannelClient(socket_path,
+                                                   heartbeat_socket=env.heartbeat_socket),
+                               interval)
         _hold_after_s = env.lease_ttl_s or 0.0
         atexit.register(shutdown)
 
@@ -143,7 +159,7 @@ def uses_nccl(backend: str) -> bool:
     return any(part.rpartition(":")[2].strip().lower() == "nccl" for part in backend.split(","))
 
 
-def _join_process_group(backend: str | None, timeout_s: float, local_rank: int, cuda,
+def join_process_group(backend: str | None, timeout_s: float, local_rank: int, cuda,
                         init_process_group) -> torch.device | None:
     """``init_process_group`` for ``backend`` (None: nccl when ``cuda`` has a
     GPU, else gloo), bound to GPU ``local_rank`` when the backend uses NCCL and
@@ -176,7 +192,7 @@ def _join_process_group(backend: str | None, timeout_s: float, local_rank: int, 
     return device
 
 
-def _device_for(backend: str, cuda) -> torch.device:
+def device_for(backend: str, cuda) -> torch.device:
     """The device of a process whose group runs ``backend``: the current CUDA
     device when the backend uses NCCL and CUDA is available, else the CPU."""
     if uses_nccl(backend) and cuda.is_available():
@@ -193,7 +209,7 @@ def device() -> torch.device:
         return _device
     if not dist.is_initialized():
         raise RuntimeError("elastic.device() needs a process group: call elastic.init() first")
-    return _device_for(str(dist.get_backend()), torch.cuda)
+    return device_for(str(dist.get_backend()), torch.cuda)
 
 
 def step(n: int | None = None) -> int:

@@ -644,7 +644,8 @@ def test_the_workers_heartbeat_thread_sends_datagrams(server, sink):
     pytest.importorskip("torch")
     from elastic.worker import runtime
 
-    beat = runtime._Heartbeat("/nonexistent/agent.sock", 0.05, server.heartbeat_socket)
+    beat = runtime.Heartbeat(WorkerChannelClient("/nonexistent/agent.sock",
+                                                 heartbeat_socket=server.heartbeat_socket), 0.05)
     try:
         deadline = time.monotonic() + 10
         while len(sink.requests) < 3 and time.monotonic() < deadline:

@@ -201,8 +201,7 @@ def test_a_zero_timeout_turns_detection_off():
 class RecordingClient:
     """Stands in for the worker's channel to its agent; records each heartbeat."""
 
-    def __init__(self, socket_path: str, heartbeat_socket: str | None = None):
-        self.heartbeat_socket = heartbeat_socket
+    def __init__(self):
         self.sent: list[float] = []
         self.cond = threading.Condition()
         self.confirmed_at = time.monotonic()
@@ -221,12 +220,11 @@ class RecordingClient:
 # Regression: the heartbeat thread used to re-send the whole announced save
 # time with every beat, so the agent moved the deadline forward at each one and
 # a worker stuck in a save was never judged hung.
-def test_the_heartbeats_of_a_save_count_its_time_down(monkeypatch):
+def test_the_heartbeats_of_a_save_count_its_time_down():
     pytest.importorskip("torch")
     from elastic.worker import runtime
 
-    monkeypatch.setattr(runtime, "WorkerChannelClient", RecordingClient)
-    beat = runtime._Heartbeat("/nonexistent/agent.sock", interval_s=0.02)
+    beat = runtime.Heartbeat(RecordingClient(), interval_s=0.02)
     try:
         beat.report(7, saving_for_s=SAVE_S)
         with beat.client.cond:
@@ -235,21 +233,18 @@ def test_the_heartbeats_of_a_save_count_its_time_down(monkeypatch):
                 "the heartbeat thread sent fewer than 3 heartbeats in 30 s"
             during = [s for s in beat.client.sent if s > 0][:3]
     finally:
-        beat._stop.set()
-        beat._wake.set()
-        beat._thread.join(timeout=5)
+        beat.close()
     # each heartbeat a little later says a little less time is left
     assert during[0] <= SAVE_S and during[0] > during[1] > during[2], during
 
 
-def test_a_worker_waits_for_its_agent_to_vouch_for_the_round_before_its_next_step(monkeypatch):
+def test_a_worker_waits_for_its_agent_to_vouch_for_the_round_before_its_next_step():
     # What a worker resumed after a freeze longer than the lease does: no step
     # until its agent confirms the round (or stops it).
     pytest.importorskip("torch")
     from elastic.worker import runtime
 
-    monkeypatch.setattr(runtime, "WorkerChannelClient", RecordingClient)
-    beat = runtime._Heartbeat("/nonexistent/agent.sock", interval_s=0.02)
+    beat = runtime.Heartbeat(RecordingClient(), interval_s=0.02)
     try:
         beat.client.confirmed_at = time.monotonic() - 10.0  # last vouched 10 s ago
         done = threading.Event()
@@ -260,9 +255,7 @@ def test_a_worker_waits_for_its_agent_to_vouch_for_the_round_before_its_next_ste
         assert done.wait(5.0)
         beat.wait_until_confirmed(0.0)  # 0: never waits
     finally:
-        beat._stop.set()
-        beat._wake.set()
-        beat._thread.join(timeout=5)
+        beat.close()
 
 
 def test_the_next_verdict_comes_at_the_earliest_of_silence_and_stall_not_before():

@@ -45,7 +45,7 @@ class RecordingInit:
 
 def join(backend, local_rank, gpus):
     cuda, init = FakeCuda(gpus), RecordingInit()
-    runtime._join_process_group(backend, 30.0, local_rank, cuda, init)
+    runtime.join_process_group(backend, 30.0, local_rank, cuda, init)
     assert len(init.calls) == 1
     return cuda.current, init.calls[0]
 
@@ -105,10 +105,10 @@ def test_the_device_of_a_rank_follows_its_group_s_backend(backend, gpus, expecte
     cuda = CurrentCuda(gpus)
     if gpus:
         cuda.set_device(5)
-    assert runtime._device_for(backend, cuda) == expected
+    assert runtime.device_for(backend, cuda) == expected
 
 
 def test_join_returns_the_gpu_it_bound():
     cuda, init = FakeCuda(4), RecordingInit()
-    assert runtime._join_process_group("nccl", 1.0, 2, cuda, init) == torch.device("cuda", 2)
-    assert runtime._join_process_group("gloo", 1.0, 2, cuda, init) is None
+    assert runtime.join_process_group("nccl", 1.0, 2, cuda, init) == torch.device("cuda", 2)
+    assert runtime.join_process_group("gloo", 1.0, 2, cuda, init) is None
