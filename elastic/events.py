@@ -71,11 +71,13 @@ class Event:
         )
 
 
-class _WriterSlots:
-    """The next ring slot of each (job, node) writing from this process.
+class WriterSlots:
+    """The next ring slot of each (job, node) writing from one process.
 
-    Shared by everything in the process that writes as one node (the agent
-    and its rendezvous), so they never overwrite each other's newest events.
+    One is shared by everything in the process that writes as one node (the
+    agent and its rendezvous: :func:`event_op`'s default), so they never
+    overwrite each other's newest events. A new one is what a restarted
+    process has: its first slot follows the wall clock, not slot 0.
     """
 
     def __init__(self) -> None:
@@ -83,6 +85,7 @@ class _WriterSlots:
         self._next: dict[tuple[str, str], int] = {}
 
     def take(self, job_id: str, node_id: str, now: float) -> int:
+        """The slot for ``node_id``'s next event in ``job_id`` at wall time ``now``."""
         with self._lock:
             # A restarted agent starts where the wall clock points rather than at
             # slot 0, so an agent that restarts often does not overwrite the same
@@ -92,18 +95,19 @@ class _WriterSlots:
             return slot
 
 
-_SLOTS = _WriterSlots()
+_SLOTS = WriterSlots()
 
 
 def event_op(keys: JobKeys, clock: Clock, node_id: str, round_number: int, kind: str,
-             message: str) -> Put:
+             message: str, slots: WriterSlots | None = None) -> Put:
     """A Put that records one event in ``node_id``'s ring (overwriting its oldest
     event once the ring is full); put it in the transaction whose effect it
     describes, so the history never claims what did not happen. ``message`` is
-    capped at MAX_REASON_CHARS (by :class:`Event`)."""
+    capped at MAX_REASON_CHARS (by :class:`Event`). ``slots``: whose ring
+    positions to take (None: this process's)."""
     now = clock.wall()
     event = Event(time=now, node_id=node_id, round=round_number, kind=kind, message=message)
-    slot = _SLOTS.take(keys.job_id, node_id, now)
+    slot = (_SLOTS if slots is None else slots).take(keys.job_id, node_id, now)
     return Put(f"{keys.events}{node_id}/{slot:04d}", event.to_json())
 
 

@@ -88,8 +88,9 @@ def single_process(no_dist: bool) -> dict[str, bool]:
     return {"no_dist": no_dist} if _takes_no_dist() else {}
 
 
-# What DCP's .metadata pickles, by module (every torch of the matrix has them all).
-_DCP_METADATA_CLASSES = {
+# What DCP's .metadata pickles, by module: the names dcp_metadata_globals looks
+# up, which every torch of the matrix has (tests/unit/test_compat.py pins them).
+DCP_METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": (
         "Metadata", "StorageMeta", "MetadataIndex", "ChunkStorageMetadata", "TensorProperties",
         "TensorStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"),
@@ -117,7 +118,7 @@ def dcp_metadata_globals() -> dict[tuple[str, str], Any]:
     up besides builtins, ``torch.Size`` and dtypes: DCP's metadata classes that
     this torch has, and a layout's lookup by name (ours, with the same result)."""
     table: dict[tuple[str, str], Any] = {("torch.serialization", "_get_layout"): _layout}
-    for module_name, names in _DCP_METADATA_CLASSES.items():
+    for module_name, names in DCP_METADATA_CLASSES.items():
         module = importlib.import_module(module_name)
         for name in names:
             value = getattr(module, name, None)

@@ -190,7 +190,7 @@ def test_dcps_metadata_classes_and_the_layout_lookup_are_found_on_this_torch():
     from elastic._compat import torch_checkpoint
 
     table = torch_checkpoint.dcp_metadata_globals()
-    wanted = {(module, name) for module, names in torch_checkpoint._DCP_METADATA_CLASSES.items()
+    wanted = {(module, name) for module, names in torch_checkpoint.DCP_METADATA_CLASSES.items()
               for name in names}
     assert wanted <= set(table), "DCP moved a metadata class: see dcp_metadata_globals"
     # torch.save still pickles a layout as a call of _get_layout with its name.

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import uuid
 
-from elastic import events
-from elastic.events import EVENTS_PER_WRITER, event_op, prune, read_events
+from elastic.events import EVENTS_PER_WRITER, WriterSlots, event_op, prune, read_events
 from elastic.keyspace import JobKeys
 from tests.fakes.clock import FakeClock
 from tests.fakes.memory_store import MemoryStore
@@ -52,12 +51,12 @@ def test_writers_interleave_in_time_order_each_within_its_own_ring():
     assert [e.message for e in history] == [f"{n}{i}" for i in newest for n in ("a", "b")]
 
 
-def test_a_restarted_writer_does_not_start_at_slot_zero_every_time(monkeypatch):
+def test_a_restarted_writer_does_not_start_at_slot_zero_every_time():
     clock, keys = FakeClock(), fresh_keys()
     first_slots = []
     for _ in range(3):
-        monkeypatch.setattr(events, "_SLOTS", events._WriterSlots())  # a new agent process
-        first_slots.append(event_op(keys, clock, "a", 1, "state", "started").key)
+        process = WriterSlots()  # a new agent process
+        first_slots.append(event_op(keys, clock, "a", 1, "state", "started", process).key)
         clock.advance(17)
 
     assert all(key.startswith(keys.events + "a/") for key in first_slots)
