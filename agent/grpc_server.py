@@ -54,7 +54,6 @@ gRPC status :func:`grpc_code_for` picks, with the error's message as details.
 from __future__ import annotations
 
 import asyncio
-import errno
 import inspect
 import logging
 import os
@@ -76,6 +75,7 @@ from agent.grpc_input import (
     check_restore_report,
 )
 from agent.heartbeat_socket import HeartbeatSocket, datagram_path
+from agent.localfiles import prepare_socket_path
 from agent.tls import AgentTLS, verified_client, verified_common_name
 from elastic import aio_fork
 from elastic.errors import (
@@ -103,9 +103,6 @@ HEALTH_SERVICES = (health.OVERALL_HEALTH, AGENT_SERVICE)
 # SERVING while the agent's main loop turns, whatever the job is doing (joining,
 # restarting): a liveness probe (Kubernetes: grpc.service: elastic.v1.Liveness).
 LIVENESS_SERVICE = "elastic.v1.Liveness"
-
-# sun_path is 108 bytes on Linux, including the terminating NUL.
-_MAX_UNIX_PATH_BYTES = 107
 
 _SERVER_OPTIONS = [
     # gRPC sets SO_REUSEPORT by default; without this a second agent on the same
@@ -184,22 +181,23 @@ def grpc_code_for(exc: BaseException) -> grpc.StatusCode:
     operator restart too soon after the last, RESOURCE_EXHAUSTED. Any other
     error, ``ElasticError`` itself included, is a bug: INTERNAL.
     """
-    if isinstance(exc, ConfigError):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, NotAuthorisedError):
-        return grpc.StatusCode.PERMISSION_DENIED
-    if isinstance(exc, RateLimitedError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(exc, StoreTimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-    if isinstance(exc, StoreUnavailableError):
-        return grpc.StatusCode.UNAVAILABLE
-    if isinstance(exc, StoreError):
-        # Lease lost, compacted watch: the agent recovers from these by itself.
-        return grpc.StatusCode.UNAVAILABLE
-    if isinstance(exc, RendezvousError):  # FencedError among them
-        return grpc.StatusCode.FAILED_PRECONDITION
+    for kind, code in _STATUS_CODES:
+        if isinstance(exc, kind):
+            return code
     return grpc.StatusCode.INTERNAL
+
+
+# First match wins: a subclass before its base.
+_STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotAuthorisedError, grpc.StatusCode.PERMISSION_DENIED),
+    (RateLimitedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (StoreTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (StoreUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    # Lease lost, compacted watch: the agent recovers from these by itself.
+    (StoreError, grpc.StatusCode.UNAVAILABLE),
+    (RendezvousError, grpc.StatusCode.FAILED_PRECONDITION),  # FencedError among them
+)
 
 
 _T = TypeVar("_T")
@@ -486,49 +484,6 @@ def _split_listen(listen: str) -> HostPort:
                           f"got {listen!r}") from None
 
 
-def _prepare_socket_path(path: str, kind: int = socket.SOCK_STREAM) -> None:
-    """Make ``path`` bindable: create its directory, remove a stale socket left by a dead agent.
-
-    Raises ConfigError when the path is too long for a Unix socket, is not a
-    socket, is another user's, or another live process is serving on it.
-    ``kind``: the socket type (a stream socket cannot probe a datagram one).
-    """
-    if len(os.fsencode(path)) > _MAX_UNIX_PATH_BYTES:
-        raise ConfigError(
-            f"worker socket path {path!r} is longer than {_MAX_UNIX_PATH_BYTES} bytes, "
-            "the limit of a Unix socket address"
-        )
-    # 0o700: nobody else may reach the socket in the window before it is chmod-ed.
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(info.st_mode):
-        raise ConfigError(
-            f"worker socket path {path!r} exists and is not a socket; refusing to remove it"
-        )
-    if info.st_uid != os.geteuid():
-        raise ConfigError(f"worker socket path {path!r} is a socket of another user (uid "
-                          f"{info.st_uid}); refusing to use or remove it")
-    with socket.socket(socket.AF_UNIX, kind) as probe:
-        try:
-            probe.connect(path)
-        except OSError as exc:
-            if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
-                raise ConfigError(f"cannot probe worker socket {path!r}: {exc}") from exc
-        else:
-            raise ConfigError(
-                f"worker socket {path!r} is in use by another process (another agent on this node?)"
-            )
-    logger.info("Removing the stale worker socket %s left by an earlier agent.", path)
-    try:
-        os.unlink(path)
-    except OSError as exc:
-        raise ConfigError(f"cannot remove the stale worker socket {path!r}: "
-                          f"{exc.strerror}") from exc
-
-
 def _bind_tcp(server: grpc.aio.Server, listen: str, flag: str,
               credentials: grpc.ServerCredentials | None) -> int:
     """Bind ``server`` to ``listen`` (TLS with ``credentials``); returns the
@@ -806,7 +761,7 @@ class AgentServer:
         port = _bind_tcp(tcp, self._listen, "--listen", credentials)
         probe_port = (_bind_tcp(probe, self._probe_listen, "--probe-listen", None)
                       if probe is not None and self._probe_listen else None)
-        _prepare_socket_path(self._socket_path)
+        prepare_socket_path(self._socket_path)
         try:
             bound = unix.add_insecure_port(f"unix:{self._socket_path}")
         except RuntimeError as exc:
@@ -816,7 +771,7 @@ class AgentServer:
         if bound == 0:
             raise ConfigError(f"cannot listen on worker socket {self._socket_path!r}")
         if self._datagrams is not None:
-            _prepare_socket_path(self._datagrams.path, socket.SOCK_DGRAM)
+            prepare_socket_path(self._datagrams.path, socket.SOCK_DGRAM)
             try:
                 self._datagrams.bind()
             except OSError as exc:

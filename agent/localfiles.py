@@ -32,7 +32,9 @@ A Unix socket's path has at most 107 bytes (``sun_path``). When
 of this user under ``$XDG_RUNTIME_DIR`` (``elasticd/``) or else the temp
 directory (``elasticd-<uid>/``), with the same checks (such a directory in
 the shared ``/tmp`` that another user created first is refused, never used),
-named by a hash of job and node; the log says so.
+named by a hash of job and node; the log says so. Before the agent binds a
+socket there, :func:`prepare_socket_path` removes a stale one of this user
+that no process serves (a dead agent's), and refuses anything else.
 
 An explicit ``--log-dir`` is the operator's choice: its missing directories
 are created with mode 0700, and it may be a link (to a larger disk), but the
@@ -47,6 +49,7 @@ import errno
 import hashlib
 import logging
 import os
+import socket
 import stat
 import tempfile
 from dataclasses import dataclass
@@ -294,3 +297,46 @@ def _refusal(path: str, what: str, exc: OSError) -> PrivateDirError:
 def _replace(old_fd: int, new_fd: int) -> int:
     os.close(old_fd)
     return new_fd
+
+
+def prepare_socket_path(path: str, kind: int = socket.SOCK_STREAM) -> None:
+    """Make ``path`` bindable: create its directory, remove a stale socket left by a dead agent.
+
+    Raises ConfigError when the path is too long for a Unix socket, is not a
+    socket, is another user's, or another live process is serving on it.
+    ``kind``: the socket type (a stream socket cannot probe a datagram one).
+    """
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
+        raise ConfigError(
+            f"worker socket path {path!r} is longer than {MAX_SOCKET_PATH_BYTES} bytes, "
+            "the limit of a Unix socket address"
+        )
+    # 0o700: nobody else may reach the socket in the window before it is chmod-ed.
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode):
+        raise ConfigError(
+            f"worker socket path {path!r} exists and is not a socket; refusing to remove it"
+        )
+    if info.st_uid != os.geteuid():
+        raise ConfigError(f"worker socket path {path!r} is a socket of another user (uid "
+                          f"{info.st_uid}); refusing to use or remove it")
+    with socket.socket(socket.AF_UNIX, kind) as probe:
+        try:
+            probe.connect(path)
+        except OSError as exc:
+            if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+                raise ConfigError(f"cannot probe worker socket {path!r}: {exc}") from exc
+        else:
+            raise ConfigError(
+                f"worker socket {path!r} is in use by another process (another agent on this node?)"
+            )
+    log.info("Removing the stale worker socket %s left by an earlier agent.", path)
+    try:
+        os.unlink(path)
+    except OSError as exc:
+        raise ConfigError(f"cannot remove the stale worker socket {path!r}: "
+                          f"{exc.strerror}") from exc

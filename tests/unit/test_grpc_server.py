@@ -16,7 +16,7 @@ import time
 import grpc
 import pytest
 
-from agent import grpc_server, peers
+from agent import peers
 from agent.assign import worker_envs
 from agent.grpc_server import AgentServer, grpc_code_for
 from agent.peers import HealthWatcher, PeerHealth
@@ -306,7 +306,8 @@ def test_health_watcher_reports_changes_and_reconnects(sock_dir, control, sink):
         started = time.monotonic()
         watcher.stop()
         assert time.monotonic() - started < 0.5 + LOADED_SLACK_S
-        assert not watcher._thread.is_alive()
+        assert not [t for t in threading.enumerate()
+                    if t.name == f"health-watch-{first.address}"], "the watch thread lives on"
         first.stop(grace_s=0)
         if second is not None:
             second.stop(grace_s=0)
@@ -488,18 +489,25 @@ def test_grpc_modules_do_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
 
 
-@pytest.mark.parametrize("ours,generated", [
-    (grpc_server._AgentServicer, agent_pb2_grpc.AgentServicer),
-    (grpc_server._WorkerChannelServicer, agent_pb2_grpc.WorkerChannelServicer),
-])
-def test_servicers_implement_every_rpc_of_the_proto(ours, generated):
-    # protoc's generated base classes answer UNIMPLEMENTED (their
-    # `raise NotImplementedError`); an RPC added to the proto but not to the
-    # agent would silently fall back to them.
-    rpcs = [name for name in vars(generated) if not name.startswith("_")]
-    assert rpcs, "the generated servicer lists no RPCs"
-    missing = [name for name in rpcs if getattr(ours, name) is getattr(generated, name)]
-    assert missing == []
+@pytest.mark.parametrize("service", ["Agent", "WorkerChannel"])
+def test_the_server_implements_every_rpc_of_the_proto(server, service):
+    # protoc's generated base classes answer UNIMPLEMENTED; an RPC added to
+    # the proto but not to the agent would silently fall back to them. An
+    # empty request is every method's message with its defaults: whatever
+    # the agent answers to it (a refusal included), it is not UNIMPLEMENTED.
+    descriptor = agent_pb2.DESCRIPTOR.services_by_name[service]
+    assert descriptor.methods, "the proto lists no RPCs"
+    target = server.address if service == "Agent" else f"unix:{server.worker_socket}"
+    unimplemented = []
+    with grpc.insecure_channel(target) as channel:
+        for method in descriptor.methods:
+            call = channel.unary_unary(f"/{descriptor.full_name}/{method.name}")
+            try:
+                call(b"", timeout=5)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    unimplemented.append(method.name)
+    assert unimplemented == []
 
 
 # --- Worker heartbeats as datagrams (agent.heartbeat_socket) --------------------------------------
@@ -563,17 +571,26 @@ def test_a_silent_or_refusing_agent_is_no_answer_and_the_socket_keeps_serving(se
     assert any("step" in m for m in refusals)
 
 
-def test_only_the_agent_can_answer_a_workers_heartbeat(server, sink):
+def test_only_the_agent_can_answer_a_workers_heartbeat(sock_dir):
     # The client's socket is connected to the agent's: a forged "stop" from
-    # another process never reaches it.
-    with _datagram_client(server) as client:
-        client.heartbeat(0, 0, 1, 1, 1)
-        address = client._datagrams._sock.getsockname()
+    # another process never reaches it. This test plays the agent's end.
+    agent_path = os.path.join(sock_dir, "agent.hb.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as agent, \
+            WorkerChannelClient("/nonexistent/agent.sock", timeout_s=5.0,
+                                heartbeat_socket=agent_path) as client:
+        agent.bind(agent_path)
+        agent.settimeout(5.0)
+        answers: queue.Queue[bool] = queue.Queue()
+        beat = threading.Thread(target=lambda: answers.put(client.heartbeat(0, 0, 1, 1, 1)))
+        beat.start()
+        _, address = agent.recvfrom(4096)
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as stranger:
             forged = agent_pb2.WorkerChannelHeartbeatResponse(stop_requested=True)
             with pytest.raises(PermissionError):
                 stranger.sendto(forged.SerializeToString(), address)
-        assert client.heartbeat(0, 0, 1, 1, 2) is False
+        agent.sendto(agent_pb2.WorkerChannelHeartbeatResponse().SerializeToString(), address)
+        beat.join(timeout=5)
+        assert answers.get(timeout=5) is False
 
 
 def test_heartbeat_datagrams_reach_a_restarted_agent_at_the_same_path(sock_dir, control, sink):

@@ -17,7 +17,6 @@ import tempfile
 import pytest
 
 from agent import localfiles
-from agent.grpc_server import _prepare_socket_path
 from elastic.errors import ConfigError
 
 OTHER_UID = 4242
@@ -245,7 +244,7 @@ def test_a_file_at_the_socket_path_is_refused_not_removed(tmp_path):
     path = tmp_path / "agent.sock"
     path.write_text("keep me")
     with pytest.raises(ConfigError, match="not a socket"):
-        _prepare_socket_path(str(path))
+        localfiles.prepare_socket_path(str(path))
     assert path.read_text() == "keep me"
 
 
@@ -253,7 +252,7 @@ def test_a_stale_socket_of_ours_is_removed(tmp_path):
     path = str(tmp_path / "agent.sock")
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(path)  # bound, never listening: what a dead agent leaves
-    _prepare_socket_path(path)
+    localfiles.prepare_socket_path(path)
     assert not os.path.lexists(path)
 
 
@@ -263,7 +262,7 @@ def test_a_live_socket_is_refused(tmp_path):
         s.bind(path)
         s.listen(1)
         with pytest.raises(ConfigError, match="in use by another process"):
-            _prepare_socket_path(path)
+            localfiles.prepare_socket_path(path)
 
 
 @as_root
@@ -273,5 +272,5 @@ def test_a_stale_socket_of_another_user_is_refused(tmp_path):
         s.bind(path)
     os.lchown(path, OTHER_UID, OTHER_UID)
     with pytest.raises(ConfigError, match=f"another user \\(uid {OTHER_UID}\\)"):
-        _prepare_socket_path(path)
+        localfiles.prepare_socket_path(path)
     assert os.path.lexists(path)

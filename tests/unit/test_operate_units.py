@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 import socket
+import tempfile
 
+import grpc
 import pytest
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent import daemon
-from agent.grpc_server import LIVENESS_SERVICE, _Health
+from agent.grpc_server import LIVENESS_SERVICE, AgentServer
 from agent.sdnotify import SystemdNotifier
 from elastic import errorfile
 from elastic.errors import EXIT_INTERNAL
@@ -151,16 +155,25 @@ def test_json_log_lines_carry_job_node_and_round_without_the_text_prefix():
 
 def test_liveness_answers_from_the_loop_while_readiness_is_set_by_the_agent():
     alive = [True]
-    servicer = _Health(lambda: alive[0])
-    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    sock_dir = tempfile.mkdtemp(prefix="elastic-test-", dir="/tmp")  # short: a socket path
+    server = AgentServer("127.0.0.1:0", os.path.join(sock_dir, "agent.sock"), control=None,
+                         heartbeats=None, liveness=lambda: alive[0])
+    server.start()
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
 
-    def check(service: str) -> int:
-        return servicer.Check(health_pb2.HealthCheckRequest(service=service), None).status
+            def check(service: str) -> int:
+                return stub.Check(health_pb2.HealthCheckRequest(service=service),
+                                  timeout=5).status
 
-    assert check(LIVENESS_SERVICE) == health_pb2.HealthCheckResponse.SERVING
-    assert check("") == health_pb2.HealthCheckResponse.NOT_SERVING  # joining: not ready
-    alive[0] = False
-    assert check(LIVENESS_SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert check(LIVENESS_SERVICE) == health_pb2.HealthCheckResponse.SERVING
+            assert check("") == health_pb2.HealthCheckResponse.NOT_SERVING  # joining: not ready
+            alive[0] = False
+            assert check(LIVENESS_SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        server.stop(grace_s=0)
+        shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 def test_an_unexpected_exception_exits_with_the_internal_error_code(monkeypatch, caplog):
