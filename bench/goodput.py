@@ -72,9 +72,7 @@ import random
 import signal
 import statistics
 import sys
-import tempfile
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,19 +80,18 @@ sys.path.insert(0, ROOT)
 
 from bench.recovery import (  # noqa: E402
     SCRIPT,
-    TAG_ENV,
+    BenchBase,
     BenchError,
     Run,
-    _job_id,
-    _signal,
-    _state,
-    _torch_version,
     descendants,
     free_port,
+    new_job_id,
+    process_state,
+    signal_all,
     tagged,
+    torch_version,
     wait_for,
 )
-from agent.devices import physical_gpus, visible_gpus  # noqa: E402
 from elastic.rendezvous.config import DEFAULT_LEASE_TTL_S  # noqa: E402
 from elastic.store.server import EtcdServer  # noqa: E402
 
@@ -282,7 +279,7 @@ class GoodputRun(Run):
         if self.bench.launcher == "elasticd":
             if self.etcd is None:
                 self.etcd = EtcdServer().start()
-                self.job = _job_id()
+                self.job = new_job_id()
             common = ["--etcd", self.etcd.endpoint, "--job-id", self.job, "--nnodes", "1:2",
                       "--nproc-per-node", "2", "--max-restarts", "1000000",
                       "--lease-ttl", f"{a.lease_ttl:g}", "--checkpoint-dir", self.ckpt_dir,
@@ -297,7 +294,7 @@ class GoodputRun(Run):
         else:
             port = free_port()
             common = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                      "--rdzv-id", _job_id(), "--nnodes", "1:2", "--nproc-per-node", "2",
+                      "--rdzv-id", new_job_id(), "--nnodes", "1:2", "--nproc-per-node", "2",
                       "--max-restarts", "1000000", "--local-addr", "127.0.0.1"]
             env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
             self.torchrun(names[0], [*common, "--rdzv-conf", "is_host=1"], env)
@@ -310,10 +307,10 @@ class GoodputRun(Run):
 
     def stop_job(self) -> None:
         """Thaw, SIGTERM the launchers, SIGKILL what is left (not etcd)."""
-        _signal(self.frozen, signal.SIGCONT)
+        signal_all(self.frozen, signal.SIGCONT)
         self.frozen = []
         live = [ln for ln in self.nodes() if ln.proc.poll() is None]
-        _signal([ln.pid for ln in live], signal.SIGTERM)
+        signal_all([ln.pid for ln in live], signal.SIGTERM)
         deadline = time.monotonic() + self.bench.args.stop_grace
         while time.monotonic() < deadline and any(ln.proc.poll() is None for ln in live):
             time.sleep(0.05)
@@ -323,7 +320,7 @@ class GoodputRun(Run):
             left += [ln.pid for ln in live if ln.proc.poll() is None]
             if not left:
                 break
-            _signal(left, signal.SIGKILL, groups=True)
+            signal_all(left, signal.SIGKILL, groups=True)
             time.sleep(0.1)
         for ln in live:
             try:
@@ -361,8 +358,8 @@ class Tracker:
         out = {}
         for rank in range(world):
             r = self.latest.get(rank)
-            if r is None or r["t"] <= since or r["world"] != world or _state(r["pid"]) in (
-                    None, "Z", "X"):
+            if r is None or r["t"] <= since or r["world"] != world \
+                    or process_state(r["pid"]) in (None, "Z", "X"):
                 return None
             out[rank] = r["pid"]
         return out
@@ -449,16 +446,16 @@ class Chaos:
     def freeze(self, launcher_pid: int) -> list[int]:
         """SIGSTOP a launcher, then (twice) everything below it."""
         frozen = [launcher_pid]
-        _signal([launcher_pid], signal.SIGSTOP)
+        signal_all([launcher_pid], signal.SIGSTOP)
         for _ in range(2):
             more = [p for p in descendants(launcher_pid) if p not in frozen]
-            _signal(more, signal.SIGSTOP)
+            signal_all(more, signal.SIGSTOP)
             frozen += more
         self.run.frozen = frozen
         return frozen
 
     def thaw(self, f: Fault, now: float, why: str) -> None:
-        _signal(self.run.frozen, signal.SIGCONT)
+        signal_all(self.run.frozen, signal.SIGCONT)
         self.run.frozen = []
         f.thawed_at = now
         self.event(now)
@@ -564,35 +561,19 @@ def run_launcher(bench: "Bench", faults: list[Fault]) -> dict:
     except BenchError as exc:
         out["error"] = str(exc)
     finally:
-        run.close()
-        out["stray"] = run.stray
-        out["dir"] = run.dir
+        run.close_into(out)
     return out
 
 
 # ---------------------------------------------------------------- the benchmark
 
 
-class Bench:
-    """What recovery.py's Run needs of its bench, and the launcher now running."""
+class Bench(BenchBase):
+    """recovery.py's bench, and the launcher now running."""
 
     def __init__(self, args: argparse.Namespace):
-        self.args = args
-        self.tag = uuid.uuid4().hex
-        self.scratch = tempfile.mkdtemp(prefix="bench-goodput-")
-        self.python, self.torchrun = args.python, args.torchrun
-        pythonpath = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-        self.env = {**os.environ, TAG_ENV: self.tag, "PYTHONPATH": pythonpath,
-                    "GLOO_SOCKET_IFNAME": "lo"}
-        self.env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-        # Each node's CUDA_VISIBLE_DEVICES is cut from these (recovery.py's Run.launch):
-        # on a GPU host the two nodes need 2 GPUs each.
-        self.visible_gpus = visible_gpus(physical_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        super().__init__(args, "bench-goodput-")
         self.launcher = ""
-
-    def log(self, msg: str) -> None:
-        if not self.args.quiet:
-            print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def _stats(values: list[float]) -> dict | None:
@@ -757,7 +738,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"meta": {
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "host": platform.node(), "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()[0],
-        "torch": _torch_version(args.python), "args": vars(args),
+        "torch": torch_version(args.python), "args": vars(args),
         "planned": [asdict(f) for f in faults]}, "runs": {}}
 
     def _terminate(signum, _frame):
@@ -780,7 +761,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         left = tagged(bench.tag)
-        _signal(left, signal.SIGKILL, groups=True)
+        signal_all(left, signal.SIGKILL, groups=True)
         results["cleanup"] = {"left": left}
         if not args.keep:
             import shutil

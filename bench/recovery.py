@@ -184,7 +184,7 @@ def tagged(tag: str) -> list[int]:
             with open(f"/proc/{name}/environ", "rb") as f:
                 if needle not in f.read().split(b"\0"):
                     continue
-            if _state(int(name)) in ("Z", "X", None):
+            if process_state(int(name)) in ("Z", "X", None):
                 continue
         except OSError:
             continue
@@ -192,7 +192,8 @@ def tagged(tag: str) -> list[int]:
     return found
 
 
-def _state(pid: int) -> str | None:
+def process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` in /proc (R, S, T, Z...); None when it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
@@ -201,7 +202,9 @@ def _state(pid: int) -> str | None:
         return None
 
 
-def _signal(pids, sig: int, groups: bool = False) -> None:
+def signal_all(pids, sig: int, groups: bool = False) -> None:
+    """Send ``sig`` to each of ``pids`` (with ``groups``, to its process group
+    first, unless that is this bench's own); a process already gone is skipped."""
     mine = os.getpgid(0)
     for pid in pids:
         if groups:
@@ -373,7 +376,8 @@ def _nproc(argv: list[str]) -> int:
     return 1
 
 
-def _job_id() -> str:
+def new_job_id() -> str:
+    """A job id of its own for one measurement."""
     return f"bench-{uuid.uuid4().hex[:12]}"
 
 
@@ -441,8 +445,8 @@ class Run:
         tag = self.bench.tag
         for ln in self.launchers:
             if ln.proc.poll() is None:
-                _signal([ln.pid], signal.SIGTERM)
-        _signal(self.frozen, signal.SIGCONT)
+                signal_all([ln.pid], signal.SIGTERM)
+        signal_all(self.frozen, signal.SIGCONT)
         deadline = time.monotonic() + self.bench.args.stop_grace
         while time.monotonic() < deadline and any(ln.proc.poll() is None for ln in self.launchers):
             time.sleep(0.05)
@@ -454,8 +458,8 @@ class Run:
                     left.append(ln.pid)
             if not left:
                 break
-            _signal(left, signal.SIGKILL, groups=True)
-            _signal(left, signal.SIGCONT)
+            signal_all(left, signal.SIGKILL, groups=True)
+            signal_all(left, signal.SIGCONT)
             time.sleep(0.1)
         for ln in self.launchers:
             try:
@@ -466,6 +470,14 @@ class Run:
         if self.etcd is not None:
             self.etcd.stop()
         self.stray = len(tagged(tag))
+
+    def close_into(self, out: dict) -> dict:
+        """:meth:`close`, then note in ``out`` how many tagged processes were
+        left (``stray``) and where this run's files are (``dir``); returns it."""
+        self.close()
+        out["stray"] = self.stray
+        out["dir"] = self.dir
+        return out
 
 
 # ---------------------------------------------------------------- measurements
@@ -552,8 +564,8 @@ def crash_run(bench: "Bench", launcher: str, bound_s: float, case: str = "steady
     try:
         started = time.time()
         if launcher == "elasticd":
-            ln = run.elasticd("agent", ["--standalone", "--job-id", _job_id(), "--nnodes", "1",
-                                        "--nproc-per-node", "2"], script=path)
+            ln = run.elasticd("agent", ["--standalone", "--job-id", new_job_id(),
+                                        "--nnodes", "1", "--nproc-per-node", "2"], script=path)
         else:
             env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if launcher == "torchrun" else {}
             ln = run.torchrun("torchrun", ["--standalone", "--nnodes", "1", "--nproc-per-node",
@@ -593,9 +605,7 @@ def crash_run(bench: "Bench", launcher: str, bound_s: float, case: str = "steady
         out["error"] = str(exc)
         out["recovery_s"] = None
     finally:
-        run.close()
-        out["stray"] = run.stray
-        out["dir"] = run.dir
+        run.close_into(out)
     return out
 
 
@@ -642,7 +652,7 @@ def frozen_run(bench: "Bench", launcher: str, lease_ttl: float, bound_s: float,
     out: dict = {"launcher": launcher, "fault": fault,
                  "lease_ttl_s": lease_ttl if launcher == "elasticd" else None}
     try:
-        job = _job_id()
+        job = new_job_id()
         if launcher == "elasticd":
             run.etcd = EtcdServer().start()
             common = ["--etcd", run.etcd.endpoint, "--job-id", job, "--nnodes", "1:2",
@@ -675,10 +685,10 @@ def frozen_run(bench: "Bench", launcher: str, lease_ttl: float, bound_s: float,
         frozen_at = time.time()
         if fault == "kill":
             run.killed.add(b.name)
-            _signal([b.pid], signal.SIGKILL)
+            signal_all([b.pid], signal.SIGKILL)
         else:
             run.frozen = [b.pid, *b_tree]
-            _signal(run.frozen, signal.SIGSTOP)
+            signal_all(run.frozen, signal.SIGSTOP)
             out["frozen_pids"] = run.frozen
         deadline = time.monotonic() + bound_s
         first = None
@@ -702,10 +712,8 @@ def frozen_run(bench: "Bench", launcher: str, lease_ttl: float, bound_s: float,
         out["error"] = str(exc)
         out["recovery_s"] = None
     finally:
-        _signal(run.frozen, signal.SIGKILL)
-        run.close()
-        out["stray"] = run.stray
-        out["dir"] = run.dir
+        signal_all(run.frozen, signal.SIGKILL)
+        run.close_into(out)
     return out
 
 
@@ -744,8 +752,8 @@ def footprint_run(bench: "Bench", launcher: str, workload: str) -> dict:
             with open(script, "w") as f:
                 f.write(SLEEPER)
         if launcher == "elasticd":
-            ln = run.elasticd("agent", ["--standalone", "--job-id", _job_id(), "--nnodes", "1",
-                                        "--nproc-per-node", "2"], script=script)
+            ln = run.elasticd("agent", ["--standalone", "--job-id", new_job_id(),
+                                        "--nnodes", "1", "--nproc-per-node", "2"], script=script)
         else:
             ln = run.torchrun("torchrun", ["--standalone", "--nnodes", "1", "--nproc-per-node",
                                            "2", "--max-restarts", "3"],
@@ -775,20 +783,24 @@ def footprint_run(bench: "Bench", launcher: str, workload: str) -> dict:
     except (BenchError, OSError, KeyError) as exc:
         out["error"] = str(exc)
     finally:
-        run.close()
-        out["stray"] = run.stray
-        out["dir"] = run.dir
+        run.close_into(out)
     return out
 
 
 # ---------------------------------------------------------------- the benchmark
 
 
-class Bench:
-    def __init__(self, args: argparse.Namespace):
+class BenchBase:
+    """What a :class:`Run` needs of its bench: the arguments (``python``,
+    ``torchrun``, ``step_time``, ``stop_grace``, ``quiet``), the tag that finds
+    its processes, a scratch directory named ``<scratch_prefix>...``, the
+    environment every launcher gets, the GPUs launchers are given, and
+    :meth:`log`."""
+
+    def __init__(self, args: argparse.Namespace, scratch_prefix: str):
         self.args = args
         self.tag = uuid.uuid4().hex
-        self.scratch = tempfile.mkdtemp(prefix="bench-recovery-")
+        self.scratch = tempfile.mkdtemp(prefix=scratch_prefix)
         self.python = args.python
         self.torchrun = args.torchrun
         pythonpath = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
@@ -797,13 +809,20 @@ class Bench:
         self.env = {**os.environ, TAG_ENV: self.tag, "PYTHONPATH": pythonpath,
                     "GLOO_SOCKET_IFNAME": "lo"}
         self.env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-        # What each launcher's CUDA_VISIBLE_DEVICES is cut from (none: the CPU).
+        # What each launcher's CUDA_VISIBLE_DEVICES is cut from (none: the CPU);
+        # Run.launch gives each node its share.
         self.visible_gpus = visible_gpus(physical_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES"))
-        self.results: dict = {"crash": [], "frozen": [], "footprint": []}
 
     def log(self, msg: str) -> None:
+        """``msg`` on stderr with the time, unless ``--quiet``."""
         if not self.args.quiet:
             print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class Bench(BenchBase):
+    def __init__(self, args: argparse.Namespace):
+        super().__init__(args, "bench-recovery-")
+        self.results: dict = {"crash": [], "frozen": [], "footprint": []}
 
     def _show(self, r: dict) -> str:
         if r.get("error"):
@@ -822,7 +841,7 @@ class Bench:
         meta = {"started": datetime.datetime.now().isoformat(timespec="seconds"),
                 "host": platform.node(), "cpus": os.cpu_count(),
                 "loadavg_start": os.getloadavg()[0], "python": self.python,
-                "torch": _torch_version(self.python), "args": vars(a)}
+                "torch": torch_version(self.python), "args": vars(a)}
         self.results["meta"] = meta
         t_start = time.monotonic()
         if "crash" in only:
@@ -879,7 +898,7 @@ class Bench:
         """Kill anything tagged that is left (there should be nothing) and report."""
         left = tagged(self.tag)
         if left:
-            _signal(left, signal.SIGKILL, groups=True)
+            signal_all(left, signal.SIGKILL, groups=True)
             time.sleep(0.5)
         pgrep = subprocess.run(["pgrep", "-f", self.scratch], capture_output=True, text=True)
         check = {"tagged_left_at_end": left, "killed": left,
@@ -893,7 +912,8 @@ class Bench:
         return check
 
 
-def _torch_version(python: str) -> str:
+def torch_version(python: str) -> str:
+    """The torch version ``python`` has installed; "?" when it cannot tell."""
     try:
         # From the package metadata: importing torch here would cost seconds.
         out = subprocess.run([python, "-c", "import importlib.metadata as m; "
