@@ -33,15 +33,6 @@ from elastic.records import (
     valid_addr,
 )
 
-# moved: re-exported until tests/unit/test_hostile_records.py imports from elastic.records
-#   (MAX_REASON_CHARS, MAX_RECORD_BYTES, cap_text, printable_text) and from
-#   elastic.rendezvous.config (RendezvousConfig)
-# moved: re-exported until tests/unit/test_status_record.py imports from elastic.records
-#   (MAX_REASON_CHARS)
-# cap_text is imported above for this module's own use as well.
-from elastic.records import MAX_REASON_CHARS, MAX_RECORD_BYTES, printable_text  # noqa: F401
-from elastic.rendezvous.config import RendezvousConfig  # noqa: F401
-
 
 @dataclass(frozen=True)
 class NodeInfo:

@@ -34,19 +34,16 @@ from elastic.checkpoint.etcd_log import decode_latest
 from elastic.errors import CheckpointError, ElasticError, MalformedRecordError
 from elastic.events import Event
 from elastic.keyspace import JobKeys
+from elastic.records import MAX_REASON_CHARS, MAX_RECORD_BYTES, cap_text, printable_text
 from elastic.rendezvous.api import (
-    MAX_RECORD_BYTES,
-    MAX_REASON_CHARS,
     DrainRequest,
     NodeInfo,
-    RendezvousConfig,
     Report,
     RestartRequest,
     Round,
     Standbys,
-    cap_text,
-    printable_text,
 )
+from elastic.rendezvous.config import RendezvousConfig
 from elastic.rendezvous.election import leader_in
 from elastic.store.api import KeyValue
 

@@ -9,7 +9,7 @@ import pytest
 
 from agent.status_record import StatusRecord, WorkerRow
 from elastic.errors import MalformedRecordError
-from elastic.rendezvous.api import MAX_REASON_CHARS
+from elastic.records import MAX_REASON_CHARS
 
 KEY = "/elastic/j/status/a"
 ROWS = (WorkerRow(0, 4, 101, "running", 9, 2.5, 0.3),
