@@ -36,8 +36,18 @@ class Streams:
         return dict(self.by_rank).get(local_rank, self.every)
 
 
+def _small_int(text: str, largest: int) -> int | None:
+    """``text`` as a whole number from 0 to ``largest``, or None. Its length is
+    checked before ``int`` reads it: Python refuses to convert very long digit
+    strings (ValueError), and no such number is valid here anyway."""
+    if not (text.isascii() and text.isdigit()) or len(text.lstrip("0")) > len(str(largest)):
+        return None
+    number = int(text)
+    return number if number <= largest else None
+
+
 def _std_value(name: str, raw: str, text: str) -> frozenset[str]:
-    if not (text.isascii() and text.isdigit()) or int(text) not in _STREAMS:
+    if _small_int(text, max(_STREAMS)) not in _STREAMS:
         raise ConfigError(f"--{name} {raw!r}: expected 0 (none), 1 (stdout), 2 (stderr) or "
                           "3 (both), or LOCAL_RANK:VALUE,... e.g. 0:3,1:2")
     return _STREAMS[int(text)]
@@ -54,7 +64,7 @@ def parse_streams(name: str, raw: Any) -> Streams:
     by_rank: dict[int, frozenset[str]] = {}
     for item in text.split(","):
         rank, sep, value = (part.strip() for part in item.partition(":"))
-        if not sep or not (rank.isascii() and rank.isdigit()) or int(rank) > _MAX_LOCAL_RANK:
+        if not sep or _small_int(rank, _MAX_LOCAL_RANK) is None:
             raise ConfigError(f"--{name} {raw!r}: expected LOCAL_RANK:VALUE,... e.g. 0:3,1:2")
         if int(rank) in by_rank:
             raise ConfigError(f"--{name} {raw!r}: local rank {int(rank)} is given twice")
@@ -70,7 +80,7 @@ def parse_local_ranks(name: str, raw: Any) -> frozenset[int] | None:
     if not text:
         return None
     ranks = [r.strip() for r in text.split(",")]
-    if not all(r.isascii() and r.isdigit() and int(r) <= _MAX_LOCAL_RANK for r in ranks):
+    if not all(_small_int(r, _MAX_LOCAL_RANK) is not None for r in ranks):
         raise ConfigError(f"--{name} {raw!r}: expected comma-separated local ranks, "
                           "e.g. 0 or 0,1,2")
     return frozenset(int(r) for r in ranks)

@@ -511,7 +511,7 @@ def main() -> None:
     finally:
         # The script is done: nothing it allocated needs collecting any more,
         # yet interpreter shutdown would walk torch's millions of objects for
-        # seconds (seen: 2-5 s per worker, delaying every round's end).
+        # seconds per worker, and every round's end waits for the slowest.
         gc.freeze()
 
 

@@ -430,6 +430,10 @@ class TestConsole:
     @pytest.mark.parametrize("parse, written", [
         (parse_streams, "5"), (parse_streams, "0:1,0:2"), (parse_streams, "a:1"),
         (parse_local_ranks, "0,x"), (parse_local_ranks, "-1"),
+        # longer than int() converts: still a ConfigError, not Python's ValueError
+        (parse_streams, "9" * 5000), (parse_streams, "0:" + "1" * 5000),
+        (parse_streams, "1" * 5000 + ":1"), (parse_local_ranks, "0," + "2" * 5000),
+        (parse_local_ranks, "65537"),
     ])
     def test_bad_specs_are_refused(self, parse, written):
         with pytest.raises(ConfigError, match="--opt"):
