@@ -7,8 +7,8 @@ that thread, when the last one is deallocated. A child made by ``fork()``
 the parent's aio objects but none of its threads. If the child's garbage
 collector frees the last of them (one the parent had dropped but not yet
 collected), the shutdown waits forever for a thread that does not exist
-there: the simulator's process pool hung so, in a test process that had
-closed etcd stores before.
+there: any process that closed a store and then forks (a process pool, a
+warm worker) can hang in its child.
 
 Every aio channel and server this project makes goes through :func:`track`.
 A child that inherits any of them takes one more reference on grpc's aio

@@ -151,8 +151,9 @@ def read_progress(path) -> list[dict]:
         return []
 
 
-# A job's first steps wait for its workers' `import torch`: at the start of `make test` the
-# chaos campaign's agents import beside them on the same 2 cores (seen: over 60 s).
+# A job's first steps wait for its workers' `import torch`, which shares two cores with
+# every other job `make test` runs at the same time (the chaos campaign's agents among them):
+# a minute is within reason, so the bound is twice that.
 PROGRESS_TIMEOUT_S = 120.0
 
 
