@@ -48,7 +48,8 @@ The rules:
   round can form anywhere, and training goes on. A peer that does not answer
   might have etcd, so the node then stops its workers as if cut off. A leader about to
   leave out members whose lease expired tells them it reaches etcd, which
-  stops them too (:meth:`elastic.rendezvous.node.RendezvousNode`'s fence).
+  stops them too (the fence of :class:`elastic.rendezvous.leader.Leader`, its
+  rule :func:`elastic.rendezvous.decisions.fence_lost_members`).
 * A node never included in a round within the join timeout gives up.
 * With ``--gpu-check warn`` or ``enforce`` (``Settings.gpu_check``), a round
   that includes this node first has its GPUs checked (:class:`CheckGpus`,

@@ -13,6 +13,7 @@ import logging
 import socket
 import threading
 import time
+from typing import Any
 
 import grpc
 
@@ -143,27 +144,18 @@ class WorkerChannelClient:
         entry = agent_pb2.CheckpointEntry(step=step, round=round, world_size=world_size,
                                           path=path, time=time, save_s=save_s,
                                           size_bytes=size_bytes)
-        try:
-            resp = self._stub.CommitCheckpoint(
-                agent_pb2.WorkerChannelCommitCheckpointRequest(entry=entry),
-                timeout=max(self._timeout_s, 10.0))
-        except (grpc.RpcError, ValueError) as exc:
-            raise AgentUnreachableError(
-                f"cannot commit checkpoint of step {step} through the agent at "
-                f"{self._target}: {_describe(exc)}") from exc
+        resp = self._ask(self._stub.CommitCheckpoint,
+                         agent_pb2.WorkerChannelCommitCheckpointRequest(entry=entry),
+                         max(self._timeout_s, 10.0), f"commit checkpoint of step {step} through")
         return resp.committed, resp.message
 
     def latest_checkpoint(self) -> dict | None:
         """The job's latest committed checkpoint as a dict (step, round,
         world_size, path, time), None when there is none. Raises
         AgentUnreachableError when the agent cannot be asked."""
-        try:
-            resp = self._stub.LatestCheckpoint(agent_pb2.WorkerChannelLatestCheckpointRequest(),
-                                               timeout=max(self._timeout_s, 10.0))
-        except (grpc.RpcError, ValueError) as exc:
-            raise AgentUnreachableError(
-                f"cannot read the latest checkpoint from the agent at {self._target}: "
-                f"{_describe(exc)}") from exc
+        resp = self._ask(self._stub.LatestCheckpoint,
+                         agent_pb2.WorkerChannelLatestCheckpointRequest(),
+                         max(self._timeout_s, 10.0), "read the latest checkpoint from")
         if not resp.found:
             return None
         e = resp.entry
@@ -180,12 +172,8 @@ class WorkerChannelClient:
         """
         request = agent_pb2.WorkerChannelReportCheckpointFailureRequest(
             step=step, round=round, rank=rank, message=message)
-        try:
-            self._stub.ReportCheckpointFailure(request, timeout=timeout_s)
-        except (grpc.RpcError, ValueError) as exc:
-            raise AgentUnreachableError(
-                f"cannot report the failed save of checkpoint step {step} to the agent at "
-                f"{self._target}: {_describe(exc)}") from exc
+        self._ask(self._stub.ReportCheckpointFailure, request, timeout_s,
+                  f"report the failed save of checkpoint step {step} to")
 
     def report_restore(self, *, step: int, round: int, rank: int,  # noqa: A002
                        restore_s: float, size_bytes: int, timeout_s: float = 2.0) -> None:
@@ -198,12 +186,18 @@ class WorkerChannelClient:
         """
         request = agent_pb2.WorkerChannelReportRestoreRequest(
             step=step, round=round, rank=rank, restore_s=restore_s, size_bytes=size_bytes)
+        self._ask(self._stub.ReportRestore, request, timeout_s,
+                  f"report the restore of checkpoint step {step} to")
+
+    def _ask(self, rpc: Any, request: Any, timeout_s: float, what: str) -> Any:
+        """``rpc(request)`` within ``timeout_s``; raises AgentUnreachableError
+        ("cannot <what> the agent at ...") when the agent cannot be asked or
+        answers with an error."""
         try:
-            self._stub.ReportRestore(request, timeout=timeout_s)
-        except (grpc.RpcError, ValueError) as exc:
+            return rpc(request, timeout=timeout_s)
+        except (grpc.RpcError, ValueError) as exc:  # ValueError: the channel is closed
             raise AgentUnreachableError(
-                f"cannot report the restore of checkpoint step {step} to the agent at "
-                f"{self._target}: {_describe(exc)}") from exc
+                f"cannot {what} the agent at {self._target}: {_describe(exc)}") from exc
 
     def close(self) -> None:
         """Close the channel; later heartbeats return False. Idempotent."""
