@@ -135,6 +135,13 @@ _METRICS = {
 }
 
 
+def write_json(path: str | None, data) -> None:
+    """``data`` as indented JSON in ``path`` (--json); nothing without one."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2)
+
+
 def etcd_metrics(endpoint: str) -> dict[str, float]:
     """Sums of the server-side counters in ``_METRICS``, from etcd's /metrics."""
     with urllib.request.urlopen(endpoint + "/metrics", timeout=10) as resp:
@@ -293,9 +300,7 @@ def main() -> int:
     print()
     for line in model(largest):
         print(line)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, results)
     return 0
 
 

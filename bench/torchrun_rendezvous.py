@@ -37,7 +37,6 @@ polling) and the scheduler decide the numbers, not the protocols.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -49,7 +48,7 @@ import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.rendezvous import etcd_metrics  # noqa: E402
+from bench.rendezvous import etcd_metrics, write_json  # noqa: E402
 from elastic.net import free_port  # noqa: E402
 from elastic.store.server import EtcdServer  # noqa: E402
 
@@ -188,9 +187,7 @@ def main() -> int:
                       f"{medians['etcd3'] / medians['c10d']:.2f}", flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(runs, f, indent=2)
+    write_json(args.json, runs)
     return 0
 
 
