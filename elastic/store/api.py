@@ -352,11 +352,13 @@ class Store(abc.ABC):
             compare.check_operand()
         return self._run_txn(compares, success, failure, timeout_s)
 
+    @abc.abstractmethod
     def _run_txn(self, compares: Sequence[Compare], success: Sequence[Op],
                  failure: Sequence[Op], timeout_s: float | None) -> TxnResult:
-        """What a backend does for :meth:`txn`, the compares checked.
-        Not abstract only so that a wrapper may override :meth:`txn` itself."""
-        raise NotImplementedError(f"{type(self).__name__} implements no txn")
+        """The backend's hook for :meth:`txn` (a backend implements it; callers
+        call :meth:`txn`): run the transaction, its compares already checked.
+        Raises the store's errors, and TypeError for an op that is not a Put,
+        Delete or Get."""
 
     @abc.abstractmethod
     def session(self, ttl_s: float) -> Session:
@@ -399,11 +401,12 @@ class Store(abc.ABC):
             raise ValueError(f"start_revision must be >= 1, got {start_revision}")
         return self._start_watch(key, prefix, start_revision, on_events, on_error)
 
+    @abc.abstractmethod
     def _start_watch(self, key: str, prefix: bool, start_revision: int | None,
                      on_events: EventsCallback, on_error: ErrorCallback | None) -> Watch:
-        """What a backend does for :meth:`watch`, its arguments checked.
-        Not abstract only so that a wrapper may override :meth:`watch` itself."""
-        raise NotImplementedError(f"{type(self).__name__} implements no watch")
+        """The backend's hook for :meth:`watch` (a backend implements it;
+        callers call :meth:`watch`): start the watch, its arguments already
+        checked. Raises the store's errors."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -41,7 +41,7 @@ from agent.config import AgentConfig
 from agent.daemon import TICK_S, Agent, RoundChanged
 from elastic.errors import ElasticError, MalformedRecordError, exit_code_for
 from elastic.keyspace import JobKeys
-from elastic.rendezvous.api import NodeInfo, Round
+from elastic.rendezvous.api import NodeInfo, Outcome, Round
 from elastic.rendezvous.node import SESSION_CHECK_S, RendezvousNode
 from tests.fakes.clock import FakeClock
 from tests.fakes.memory_store import MemoryStore
@@ -103,7 +103,7 @@ class Node:
 class Result:
     seed: int
     violations: list[str] = field(default_factory=list)
-    outcome: str = ""
+    outcome: Outcome = Outcome.NONE
     reason: str = ""
     ended_at: float | None = None
     rounds: int = 0
@@ -463,11 +463,11 @@ class Cluster:
     def check_budget(self, r: Round) -> None:
         """Failures are counted within the whole run (the window is an hour)."""
         spent = len(r.failures) > self.max_restarts
-        if spent and r.outcome != "failed":
+        if spent and r.outcome is not Outcome.FAILED:
             self.result.violations.append(
                 f"round {r.number} ({r.outcome or 'no outcome'}) counts {len(r.failures)} "
                 f"failures, over the budget of {self.max_restarts}")
-        elif r.outcome == "failed" and "restart budget spent" in r.reason \
+        elif r.outcome is Outcome.FAILED and "restart budget spent" in r.reason \
                 and len(r.failures) != self.max_restarts + 1:
             self.result.violations.append(
                 f"the job failed for its budget ({self.max_restarts}) counting "
@@ -475,7 +475,7 @@ class Cluster:
 
     def check_outcome(self, final: Round) -> None:
         v = self.result.violations
-        if final.outcome == "failed":
+        if final.outcome is Outcome.FAILED:
             if not final.reason:
                 v.append("the job failed without a reason")
             return

@@ -46,7 +46,7 @@ def _every_schedule_passes(seeds: int, profile: str = "mixed"):
 def test_every_schedule_keeps_every_invariant():
     summary = _every_schedule_passes(SEEDS)
     # The schedules reach both ends: most jobs succeed, some spend their budget.
-    assert summary.outcomes["succeeded"] > SEEDS // 2
+    assert summary.outcomes[Outcome.SUCCEEDED] > SEEDS // 2
 
 
 @CPU_BOUND
@@ -55,7 +55,7 @@ def test_more_failures_than_the_budget_fail_the_job_and_every_agent_exits():
     # The job-failure path: restart budgets of 1 to 3, one to three failures more.
     summary = _every_schedule_passes(PROFILE_SEEDS, "budget")
     # Some failures strike while a round forms (no worker to crash): those jobs succeed.
-    assert summary.outcomes["failed"] > PROFILE_SEEDS * 2 // 3
+    assert summary.outcomes[Outcome.FAILED] > PROFILE_SEEDS * 2 // 3
     spent = [cluster.run(seed, profile="budget") for seed in range(5)]
     assert any("restart budget spent" in r.reason for r in spent), [r.reason for r in spent]
 

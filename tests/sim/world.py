@@ -111,8 +111,8 @@ class NodeStore(Store):
         self._check()
         return self.store.delete(key, prefix=prefix)
 
-    def txn(self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = (),
-            *, timeout_s=None) -> TxnResult:
+    def _run_txn(self, compares: Sequence[Compare], success: Sequence[Op],
+                 failure: Sequence[Op], timeout_s: float | None) -> TxnResult:
         self._check()
         result = self.store.txn(compares, success, failure)
         self._ambiguous()
@@ -139,7 +139,8 @@ class NodeStore(Store):
         self._check()
         self.store.revoke_lease(lease_id)
 
-    def watch(self, key, on_events, *, prefix=False, start_revision=None, on_error=None):
+    def _start_watch(self, key: str, prefix: bool, start_revision: int | None,
+                     on_events, on_error) -> Watch:
         self._check()
         held = _HeldWatch(self, on_events, on_error)
         held.inner = self.store.watch(key, held.events, prefix=prefix,
