@@ -14,6 +14,7 @@ import uuid
 import pytest
 
 from elastic.net import no_grpc_fork_handlers
+from tests.local_etcd import running_etcd
 
 no_grpc_fork_handlers()  # tests fork agents and etcd while their own gRPC clients run
 # Agents started by tests keep their rank logs in a temporary state directory,
@@ -31,24 +32,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def etcd_server(tmp_path_factory):
-    """A single-member etcd on loopback, shared by the whole session.
-
-    Its data directory and log live under pytest's temporary directory, so
-    the log of a failed run can be read afterwards.
-    """
-    from elastic.store.server import EtcdServer
-
-    workdir = tmp_path_factory.mktemp("etcd")
-    server = EtcdServer(
-        data_dir=str(workdir / "data"),
-        log_path=str(workdir / "etcd.log"),
-        unsafe_no_fsync=True,  # tests do not survive power loss; fsync only slows them
-    )
-    server.start(timeout_s=20.0)
-    try:
+    """The etcd shared by the whole session."""
+    with running_etcd(tmp_path_factory.mktemp("etcd")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import pytest
 from agent.config import OPTIONS
 from agent.supervisor import Entrypoint, WorkerSupervisor
 from tests.integration.supervising import Exits
+from tests.local_etcd import running_etcd
 from tests.proctable import alive
 
 # Every agent these tests start keeps one warm set, not the default two: until
@@ -33,15 +34,8 @@ def one_warm_set_per_agent():
 @pytest.fixture
 def own_etcd(tmp_path):
     """An etcd of the test's own, free to be restarted or frozen (the session's is shared)."""
-    from elastic.store.server import EtcdServer
-
-    server = EtcdServer(data_dir=str(tmp_path / "data"), log_path=str(tmp_path / "etcd.log"),
-                        unsafe_no_fsync=True)
-    server.start(timeout_s=20.0)
-    try:
+    with running_etcd(tmp_path) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

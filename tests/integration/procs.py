@@ -14,6 +14,27 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+
+def end_process(proc: subprocess.Popen, grace_s: float) -> None:
+    """End ``proc`` if it still runs, even when stopped (SIGSTOP): SIGCONT, then
+    SIGTERM and up to ``grace_s`` to exit, then SIGKILL; reaped on return."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.kill(proc.pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+    if grace_s > 0:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    proc.kill()
+    proc.wait()
+
+
 class MemberProcess:
     """``python -m agent.member`` as a child process; its JSON lines are collected."""
 
@@ -71,17 +92,7 @@ class MemberProcess:
         self.proc.send_signal(sig)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.kill(self.proc.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end_process(self.proc, grace_s=5.0)
 
 
 class AgentProcess:
@@ -133,13 +144,7 @@ class AgentProcess:
         return code
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.kill(self.proc.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-            self.proc.kill()
-            self.proc.wait()
+        end_process(self.proc, grace_s=0.0)
 
 
 def read_progress(path) -> list[dict]:

@@ -59,6 +59,18 @@ def train_args(tmp_path, steps=40, step_time=0.05, extra=()):
                       "--progress-file", str(progress), *extra]
 
 
+def two_nodes_training(agents, tmp_path):
+    """Nodes a and b (b never restarts workers itself) train 60 steps on 4 workers;
+    returns once they made step 3 together: the progress file, both agents, and the
+    pids of b's workers."""
+    progress, args = train_args(tmp_path, steps=60)
+    a = agents("a", args, nnodes="1:2")
+    b = agents("b", args, nnodes="1:2", extra=NO_RESTART_HERE)
+    records = wait_progress(progress, lambda rs: any(r["step"] >= 3 and r["world"] == 4
+                                                     for r in rs))
+    return progress, a, b, {r["pid"] for r in records if r["world"] == 4 and r["rank"] >= 2}
+
+
 def test_worker_sigkill_restarts_the_group_and_the_job_completes(agents, tmp_path, etcd_store,
                                                                   job_id):
     progress, args = train_args(tmp_path)
@@ -96,12 +108,7 @@ def test_worker_sigstop_is_detected_as_a_hang(agents, tmp_path, job_id):
 
 
 def test_agent_sigkill_survivor_reforms_alone_and_no_worker_is_left(agents, tmp_path, job_id):
-    progress, args = train_args(tmp_path, steps=60)
-    a = agents("a", args, nnodes="1:2")
-    b = agents("b", args, nnodes="1:2", extra=NO_RESTART_HERE)
-    records = wait_progress(progress, lambda rs: any(r["step"] >= 3 and r["world"] == 4
-                                                     for r in rs))
-    b_pids = {r["pid"] for r in records if r["world"] == 4 and r["rank"] >= 2}
+    progress, a, b, b_pids = two_nodes_training(agents, tmp_path)
     b.proc.kill()  # the agent: its workers must die with it
     deadline = time.monotonic() + 3
     while any(alive(p) for p in b_pids) and time.monotonic() < deadline:
@@ -115,12 +122,7 @@ def test_agent_sigkill_survivor_reforms_alone_and_no_worker_is_left(agents, tmp_
 
 
 def test_frozen_node_survivor_reforms(agents, tmp_path, job_id):
-    progress, args = train_args(tmp_path, steps=60)
-    a = agents("a", args, nnodes="1:2")
-    b = agents("b", args, nnodes="1:2", extra=NO_RESTART_HERE)
-    records = wait_progress(progress, lambda rs: any(r["step"] >= 3 and r["world"] == 4
-                                                     for r in rs))
-    b_pids = {r["pid"] for r in records if r["world"] == 4 and r["rank"] >= 2}
+    progress, a, b, b_pids = two_nodes_training(agents, tmp_path)
     frozen = [b.proc.pid, *b_pids]
     for pid in frozen:  # the whole node: agent and workers
         os.kill(pid, signal.SIGSTOP)

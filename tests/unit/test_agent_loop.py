@@ -5,51 +5,26 @@ a fake clock. Each test: a scenario, a fault, what the agent must do."""
 from __future__ import annotations
 
 import json
-import queue
-import random
 
-from agent.daemon import STEADY_TICK_S, TICK_S, Agent, RoundChanged
+from agent.daemon import STEADY_TICK_S, TICK_S
 from agent.lifecycle import AgentState as S
 from agent.metrics import NO_METRICS
 from agent.publishing import STATUS_PROGRESS_S
 from elastic.errors import StoreUnavailableError
-from elastic.rendezvous.api import NodeInfo, Round
-from elastic.rendezvous.node import RendezvousNode
+from elastic.rendezvous.api import Round
 from elastic.store.api import EventType
 from tests.fakes.agent_config import one_node_config
-from tests.fakes.clock import FakeClock
-from tests.fakes.memory_store import MemoryStore
-from tests.sim.world import FakeMesh, FakeServer, FakeSupervisor, Network, Workers
+from tests.sim.one_node import OneNode as OneNodeHarness
 
 BLIP = StoreUnavailableError("etcd did not answer (injected)")
 
 
-class OneNode:
+class OneNode(OneNodeHarness):
     """One agent with two fake workers; ``run(seconds)`` moves everything."""
 
     def __init__(self, total_steps=1000, metrics=NO_METRICS, lease_ttl_s=3.0):
-        self.clock = FakeClock()
-        self.store = MemoryStore(clock=self.clock, synchronous=True)
-        network = Network()
-        self.workers = Workers(network, step_s=0.5, total_steps=total_steps, ckpt_every=10,
-                               init_timeout_s=30.0, crash_delay_s=0.5, form_s=0.5,
-                               rng=random.Random(0),
-                               latest_step=lambda: (0, 0))
-        config = one_node_config(lease_ttl_s=lease_ttl_s)
-        inbox: queue.Queue = queue.Queue()
-        server = FakeServer("a:1")
-        network.servers["a:1"] = ("a", server)
-        self.rdzv = RendezvousNode(self.store, config.rendezvous(),
-                                   NodeInfo(node_id="a", host="h", nproc=2, addr="a:1"),
-                                   clock=self.clock, on_round=lambda _r: inbox.put(RoundChanged()),
-                                   port_picker=lambda _h: 1)
-        self.supervisor = FakeSupervisor(self.workers, "a", self.clock.monotonic)
-        self.agent = Agent(config, self.store, self.rdzv, self.supervisor, server,
-                           FakeMesh(network, "a"), inbox=inbox, clock=self.clock,
-                           metrics=metrics)
-        server.agent = self.agent
-        self.workers.agents["a"] = self.agent
-        self.workers.on_exit["a"] = inbox.put
+        super().__init__(one_node_config(lease_ttl_s=lease_ttl_s), total_steps=total_steps,
+                         metrics=metrics)
         self.status_writes = 0
         self.store.watch(self.rdzv.keys.status_of("a"), self._count, start_revision=1)
         self.agent.start(threaded=False)

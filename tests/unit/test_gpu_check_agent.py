@@ -4,14 +4,10 @@ reader (tests/fakes/gpus.py) and a fake clock."""
 
 from __future__ import annotations
 
-import queue
-import random
-
 import pytest
 from prometheus_client import CollectorRegistry
 
 from agent import status as job_status
-from agent.daemon import Agent, RoundChanged
 from agent.gpu_health import RELEASE_WAIT_S, GpuAction, GpuDecision, GpuExpectation, GpuProcess
 from agent.lifecycle import AgentState as S
 from agent.metrics import AgentMetrics
@@ -34,13 +30,11 @@ from agent.reactor import (
 from agent.supervisor import WorkerStatus
 from elastic.errors import EXIT_NODE_UNFIT, GpuUnavailableError, NodeUnfitError, exit_code_for
 from elastic.events import read_events
-from elastic.rendezvous.api import Member, NodeInfo, ReportKind, Round
-from elastic.rendezvous.node import RendezvousNode
+from elastic.rendezvous.api import Member, ReportKind, Round
 from tests.fakes.agent_config import one_node_config
-from tests.fakes.clock import FakeClock
 from tests.fakes.gpus import MIB, FakeGpuReader, node
-from tests.fakes.memory_store import MemoryStore
-from tests.sim.world import FakeMesh, FakeServer, FakeSupervisor, Network, Workers
+from tests.sim.one_node import OneNode
+from tests.sim.world import FakeSupervisor
 
 ENFORCE = Settings(node_id="a", nproc=2, lease_ttl_s=4.0, join_timeout_s=60.0, job_id="j",
                    gpu_check="enforce")
@@ -150,35 +144,17 @@ class SurvivingSupervisor(FakeSupervisor):
                 for w in self.current]
 
 
-class GpuNode:
+class GpuNode(OneNode):
     """One agent with two fake workers, a scripted GPU reader and a fake clock."""
 
     def __init__(self, reader, mode="enforce",
                  expected=GpuExpectation(("0", "1"), True, "2 GPUs expected")):
-        self.clock = FakeClock()
-        self.store = MemoryStore(clock=self.clock, synchronous=True)
-        network = Network()
-        self.workers = Workers(network, step_s=0.5, total_steps=1000, ckpt_every=10,
-                               init_timeout_s=30.0, crash_delay_s=0.5, form_s=0.5,
-                               rng=random.Random(0), latest_step=lambda: (0, 0))
-        config = one_node_config(gpu_check=mode, gpu_expectation=expected)
-        inbox: queue.Queue = queue.Queue()
-        server = FakeServer("a:1")
-        network.servers["a:1"] = ("a", server)
-        self.rdzv = RendezvousNode(self.store, config.rendezvous(),
-                                   NodeInfo(node_id="a", host="h", nproc=2, addr="a:1"),
-                                   clock=self.clock, on_round=lambda _r: inbox.put(RoundChanged()),
-                                   port_picker=lambda _h: 1)
-        self.supervisor = SurvivingSupervisor(self.workers, "a", self.clock.monotonic)
         self.metrics = AgentMetrics("j", "a", registry=CollectorRegistry())
         self.reader = reader
         self.sleeps: list[float] = []
-        self.agent = Agent(config, self.store, self.rdzv, self.supervisor, server,
-                           FakeMesh(network, "a"), inbox=inbox, clock=self.clock,
-                           metrics=self.metrics, gpus=reader, sleep=self.sleeps.append)
-        server.agent = self.agent
-        self.workers.agents["a"] = self.agent
-        self.workers.on_exit["a"] = inbox.put
+        super().__init__(one_node_config(gpu_check=mode, gpu_expectation=expected),
+                         supervisor=SurvivingSupervisor, metrics=self.metrics, gpus=reader,
+                         sleep=self.sleeps.append)
         self.agent.start(threaded=False)
 
     def run(self, seconds, dt=0.25):
