@@ -34,8 +34,15 @@ from elastic.records import (
 )
 
 
+class _FieldsAsJson:
+    """A dataclass record whose JSON is its fields, keys sorted."""
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+
 @dataclass(frozen=True)
-class NodeInfo:
+class NodeInfo(_FieldsAsJson):
     """What an agent registers about itself under ``nodes/<node_id>`` (with its lease)."""
 
     node_id: str
@@ -47,9 +54,6 @@ class NodeInfo:
     # The round whose workers this agent still runs when it registers (again,
     # after its lease ran out during an etcd outage); 0 when it runs none.
     running_round: int = 0
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, key: str, raw: bytes) -> "NodeInfo":
@@ -269,7 +273,7 @@ STANDBY_WITNESSES = 8
 
 
 @dataclass(frozen=True)
-class DrainRequest:
+class DrainRequest(_FieldsAsJson):
     """``requests/drain/<node_id>``: take that node out at the next round
     (written by the node itself on SIGTERM, or by ``elasticctl drain``)."""
 
@@ -278,9 +282,6 @@ class DrainRequest:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "reason", cap_text(self.reason))
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, key: str, raw: bytes) -> "DrainRequest":
@@ -291,7 +292,7 @@ class DrainRequest:
 
 
 @dataclass(frozen=True)
-class RestartRequest:
+class RestartRequest(_FieldsAsJson):
     """Someone asks for a new round with the same members (e.g. a worker failed)."""
 
     node_id: str  # who asks: a node id, or "elasticctl"
@@ -301,9 +302,6 @@ class RestartRequest:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "reason", cap_text(self.reason))
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, key: str, raw: bytes) -> "RestartRequest":
@@ -328,14 +326,11 @@ class ReportKind(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Report:
+class Report(_FieldsAsJson):
     """A node's report to the leader, written under the reporter's lease."""
 
     round: int
     by: str
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, key: str, raw: bytes) -> "Report":
