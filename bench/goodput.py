@@ -83,9 +83,12 @@ from bench.recovery import (  # noqa: E402
     BenchBase,
     BenchError,
     Run,
+    add_launcher_args,
+    bench_parser,
     descendants,
     free_port,
     new_job_id,
+    parse_launcher_args,
     process_state,
     signal_all,
     tagged,
@@ -685,12 +688,7 @@ def render(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    venv_bin = os.path.join(ROOT, ".venv", "bin")
-    default_python = os.path.join(venv_bin, "python")
-    if not os.path.exists(default_python):
-        default_python = sys.executable
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__)
     ap.add_argument("--duration", type=float, default=600.0,
                     help="seconds of training per launcher, from its first step at world 4 (600)")
     ap.add_argument("--mean-interval", type=float, default=30.0,
@@ -723,16 +721,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="bound on a launcher's start until it trains at world 4 (180)")
     ap.add_argument("--stop-grace", type=float, default=5.0,
                     help="SIGKILL what is left this long after SIGTERM (5)")
-    ap.add_argument("--python", default=default_python, help="interpreter for elasticd")
-    ap.add_argument("--torchrun", default=None, help="torchrun (next to --python)")
     ap.add_argument("--json", metavar="FILE", help="write every fault and the summary here")
-    ap.add_argument("--keep", action="store_true", help="keep the scratch directory (logs)")
-    ap.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    args = ap.parse_args(argv)
+    add_launcher_args(ap, "no progress on stderr")
+    args = parse_launcher_args(ap, argv)
     if args.freeze_s is None:
         args.freeze_s = args.lease_ttl + 3.0
-    if args.torchrun is None:
-        args.torchrun = os.path.join(os.path.dirname(args.python), "torchrun")
     bench = Bench(args)
     faults = schedule(args.seed, args.duration, args.mean_interval, args.freeze_share)
     results: dict = {"meta": {

@@ -1122,13 +1122,37 @@ def render(results: dict, summary: dict, args: argparse.Namespace) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    venv_bin = os.path.join(ROOT, ".venv", "bin")
-    default_python = os.path.join(venv_bin, "python")
+def bench_parser(doc: str) -> argparse.ArgumentParser:
+    """The parser of a bench whose module docstring is ``doc``: described by
+    its first line, the help text shown as written."""
+    return argparse.ArgumentParser(description=doc.split("\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_launcher_args(ap: argparse.ArgumentParser, quiet_help: str) -> None:
+    """The arguments of a bench that starts launchers: --python (this
+    repository's .venv, else this interpreter), --torchrun (None: next to
+    --python, see :func:`parse_launcher_args`), --keep and --quiet."""
+    default_python = os.path.join(ROOT, ".venv", "bin", "python")
     if not os.path.exists(default_python):
         default_python = sys.executable
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--python", default=default_python, help="interpreter for elasticd")
+    ap.add_argument("--torchrun", default=None, help="torchrun (next to --python)")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch directory (logs)")
+    ap.add_argument("--quiet", action="store_true", help=quiet_help)
+
+
+def parse_launcher_args(ap: argparse.ArgumentParser, argv: list[str] | None
+                        ) -> argparse.Namespace:
+    """``ap.parse_args(argv)`` with --torchrun defaulted next to --python."""
+    args = ap.parse_args(argv)
+    if args.torchrun is None:
+        args.torchrun = os.path.join(os.path.dirname(args.python), "torchrun")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = bench_parser(__doc__)
     ap.add_argument("--runs", type=int, default=3,
                     help="worker-crash runs per launcher, case and script (3)")
     ap.add_argument("--cases", default=",".join(CASES),
@@ -1168,11 +1192,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="pause between 'ready' and the fault (1 s)")
     ap.add_argument("--stop-grace", type=float, default=10.0,
                     help="after SIGTERM to the launchers, SIGKILL what is left after this (10 s)")
-    ap.add_argument("--python", default=default_python, help="interpreter for elasticd")
-    ap.add_argument("--torchrun", default=None, help="torchrun (next to --python)")
-    ap.add_argument("--keep", action="store_true", help="keep the scratch directory (logs)")
-    ap.add_argument("--quiet", action="store_true", help="no per-run progress on stderr")
-    args = ap.parse_args(argv)
+    add_launcher_args(ap, "no per-run progress on stderr")
+    args = parse_launcher_args(ap, argv)
     if args.quick:
         args.runs = min(args.runs, 1)
         args.frozen_runs = 1
@@ -1195,8 +1216,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"recovery.py: unknown case or script {', '.join(unknown)} (cases: "
               f"{', '.join(CASES)}; scripts: {', '.join(SCRIPTS)})", file=sys.stderr)
         return 2
-    if args.torchrun is None:
-        args.torchrun = os.path.join(os.path.dirname(args.python), "torchrun")
     for exe in (args.python, args.torchrun):
         if not os.access(exe, os.X_OK):
             print(f"recovery.py: {exe} is not executable (see --python, --torchrun)",
