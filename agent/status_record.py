@@ -15,7 +15,6 @@ printable and capped, so that a record anyone wrote renders without surprises.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -24,7 +23,9 @@ from agent.health import node_progress
 from elastic.errors import MalformedRecordError
 from elastic.records import (
     MAX_NPROC,
+    FieldsAsJson,
     cap_text,
+    element_fields,
     int_field,
     load_object,
     text_field,
@@ -53,13 +54,7 @@ class WorkerRow:
     @classmethod
     def from_dict(cls, key: str, i: int, row: Any) -> "WorkerRow":
         """Row ``i`` of the record at ``key``; MalformedRecordError naming the field."""
-        if not isinstance(row, dict):
-            raise MalformedRecordError(key, f"field 'workers[{i}]' is not an object")
-        named = {f"workers[{i}].{name}": value for name, value in row.items()}
-
-        def field(name: str) -> str:
-            return f"workers[{i}].{name}"
-
+        named, field = element_fields(key, "workers", i, row)
         return cls(
             local_rank=int_field(key, named, field("local_rank"), 0, default=0),
             rank=int_field(key, named, field("rank"), 0, default=0),
@@ -79,7 +74,7 @@ class WorkerRow:
 
 
 @dataclass(frozen=True)
-class StatusRecord:
+class StatusRecord(FieldsAsJson):
     """An agent's status: its state, its round, its workers and its progress."""
 
     node_id: str
@@ -100,9 +95,6 @@ class StatusRecord:
         last_step, step_rate = node_progress((w.last_step, w.step_rate) for w in rows)
         return cls(node_id, state, round_number, node_rank, rows, last_step, step_rate,
                    restarts, last_failure)
-
-    def to_json(self) -> bytes:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, key: str, raw: bytes) -> "StatusRecord":

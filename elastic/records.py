@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any
+from dataclasses import asdict
+from typing import Any, Callable
 
 from elastic.errors import ConfigError, MalformedRecordError
 from elastic.hostport import MAX_PORT, HostPort
@@ -137,6 +138,30 @@ def load_object(key: str, raw: bytes) -> dict[str, Any]:
 
 
 _MISSING = object()
+
+
+class FieldsAsJson:
+    """A dataclass record whose JSON is its fields (nested dataclasses included), keys sorted."""
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()  # type: ignore[call-overload]
+
+
+def element_fields(key: str, list_name: str, index: int,
+                   obj: Any) -> tuple[dict[str, Any], Callable[[str], str]]:
+    """Element ``index`` of the list field ``list_name`` of the record at ``key``,
+    its fields renamed as they sit in the record (``members[2].nproc``), and the
+    function that names one of them: so that the field readers' errors name the
+    field where a reader finds it. Raises MalformedRecordError when the element
+    is not an object."""
+    where = f"{list_name}[{index}]"
+    if not isinstance(obj, dict):
+        raise MalformedRecordError(key, f"field '{where}' is not an object")
+
+    def name(field_name: str) -> str:
+        return f"{where}.{field_name}"
+
+    return {name(field_name): value for field_name, value in obj.items()}, name
 
 
 def typed_field(key: str, obj: dict, name: str, kind: type | tuple[type, ...],

@@ -20,8 +20,10 @@ from typing import Any
 from elastic.errors import MalformedRecordError
 from elastic.records import (
     MAX_NPROC,
+    FieldsAsJson,
     addr_field,
     cap_text,
+    element_fields,
     host_field,
     id_field,
     int_field,
@@ -34,15 +36,8 @@ from elastic.records import (
 )
 
 
-class _FieldsAsJson:
-    """A dataclass record whose JSON is its fields, keys sorted."""
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
-
-
 @dataclass(frozen=True)
-class NodeInfo(_FieldsAsJson):
+class NodeInfo(FieldsAsJson):
     """What an agent registers about itself under ``nodes/<node_id>`` (with its lease)."""
 
     node_id: str
@@ -218,14 +213,7 @@ _OUTCOME_VALUES = tuple(outcome.value for outcome in Outcome)
 
 def _member(key: str, index: int, obj: Any) -> Member:
     """Member ``index`` of the round record at ``key``; MalformedRecordError if invalid."""
-    if not isinstance(obj, dict):
-        raise MalformedRecordError(key, f"field 'members[{index}]' is not an object")
-    # Renamed so that errors name the field as it sits in the record: members[2].nproc.
-    named = {f"members[{index}].{name}": value for name, value in obj.items()}
-
-    def name(field_name: str) -> str:
-        return f"members[{index}].{field_name}"
-
+    named, name = element_fields(key, "members", index, obj)
     return Member(
         node_id=id_field(key, named, name("node_id")),
         node_rank=int_field(key, named, name("node_rank"), 0),
@@ -273,7 +261,7 @@ STANDBY_WITNESSES = 8
 
 
 @dataclass(frozen=True)
-class DrainRequest(_FieldsAsJson):
+class DrainRequest(FieldsAsJson):
     """``requests/drain/<node_id>``: take that node out at the next round
     (written by the node itself on SIGTERM, or by ``elasticctl drain``)."""
 
@@ -292,7 +280,7 @@ class DrainRequest(_FieldsAsJson):
 
 
 @dataclass(frozen=True)
-class RestartRequest(_FieldsAsJson):
+class RestartRequest(FieldsAsJson):
     """Someone asks for a new round with the same members (e.g. a worker failed)."""
 
     node_id: str  # who asks: a node id, or "elasticctl"
@@ -326,7 +314,7 @@ class ReportKind(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Report(_FieldsAsJson):
+class Report(FieldsAsJson):
     """A node's report to the leader, written under the reporter's lease."""
 
     round: int
