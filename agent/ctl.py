@@ -218,13 +218,7 @@ def _events(store: Store, args) -> str:
 
 def _events_of(keys: JobKeys, kvs: list[KeyValue]) -> list[Event]:
     """The events in ``kvs``, in their order; unreadable ones are logged and skipped."""
-    parsed = []
-    for kv in kvs:
-        try:
-            parsed.append(Event.from_json(kv.key, kv.value))
-        except MalformedRecordError as exc:
-            log.warning("Skipping an unreadable event of job %s: %s", keys.job_id, exc)
-    return parsed
+    return [event for _, event in events.parse_events(keys, kvs)[0]]
 
 
 def _event_writer(out: TextIO, as_json: bool,

@@ -27,7 +27,7 @@ from elastic.records import (
     time_field,
     typed_field,
 )
-from elastic.store.api import Delete, Put, Store
+from elastic.store.api import Delete, KeyValue, Put, Store
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +111,9 @@ def event_op(keys: JobKeys, clock: Clock, node_id: str, round_number: int, kind:
     return Put(f"{keys.events}{node_id}/{slot:04d}", event.to_json())
 
 
-def _parse_all(store: Store, keys: JobKeys) -> tuple[list[tuple[str, Event]], list[str]]:
-    """(key, event) of every readable event, oldest first, and the unreadable keys."""
-    kvs, _ = store.get_prefix(keys.events)
+def parse_events(keys: JobKeys, kvs: list[KeyValue]) -> tuple[list[tuple[str, Event]], list[str]]:
+    """(key, event) of each readable event in ``kvs``, in their order, and the
+    keys of the unreadable ones (each logged once, as skipped)."""
     parsed, unreadable = [], []
     for kv in kvs:
         try:
@@ -121,6 +121,12 @@ def _parse_all(store: Store, keys: JobKeys) -> tuple[list[tuple[str, Event]], li
         except MalformedRecordError as exc:
             log.warning("Skipping an unreadable event of job %s: %s", keys.job_id, exc)
             unreadable.append(kv.key)
+    return parsed, unreadable
+
+
+def _parse_all(store: Store, keys: JobKeys) -> tuple[list[tuple[str, Event]], list[str]]:
+    """(key, event) of every readable event, oldest first, and the unreadable keys."""
+    parsed, unreadable = parse_events(keys, store.get_prefix(keys.events)[0])
     parsed.sort(key=lambda item: (item[1].time, item[1].node_id))
     return parsed, unreadable
 
