@@ -368,9 +368,9 @@ def test_shutdown_leaves_no_process_and_is_idempotent(supervise, tmp_path, monke
 
 def test_a_worker_forked_a_moment_ago_is_signalled_before_it_has_a_group_of_its_own():
     # A template answers a fork before the child's setsid(): until then the
-    # worker's pid names no process group. Signalling only the group missed it
-    # (under load, shutdown right after a fork left a warm worker alive until
-    # its template died: a zombie where PID 1 does not reap).
+    # worker's pid names no process group, so the pid itself is signalled too;
+    # signalling only the group would leave a worker forked just before a
+    # shutdown alive until its template dies (a zombie where PID 1 does not reap).
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # our group
     try:
         signal_worker(proc.pid, signal.SIGKILL)

@@ -217,9 +217,9 @@ class RecordingClient:
         pass
 
 
-# Regression: the heartbeat thread used to re-send the whole announced save
-# time with every beat, so the agent moved the deadline forward at each one and
-# a worker stuck in a save was never judged hung.
+# A save's announced time counts down from beat to beat: re-sending the whole
+# announced time with every beat would move the agent's deadline forward at
+# each one, and a worker stuck in a save would never be judged hung.
 def test_the_heartbeats_of_a_save_count_its_time_down():
     pytest.importorskip("torch")
     from elastic.worker import runtime

@@ -296,10 +296,10 @@ class TestPartition:
         assert view.state is S.JOINING and "1 of 2 peers still reach it" in str(commands)
 
     def test_a_peer_confirmed_within_a_keepalive_is_asked_again_not_taken_for_an_outage(self):
-        # Seen in the partition test: this node cut off 2.2 s ago (TTL 4, keep-alive
-        # 1.33 s); peer c, which never lost etcd, last renewed 1.0 s ago. That proves
-        # neither an outage nor c's etcd: taken for an outage, c's next renewal
-        # passed for etcd's return and the workers stopped past the lease's expiry.
+        # This node cut off 2.2 s ago (TTL 4, keep-alive 1.33 s); peer c, which never
+        # lost etcd, last renewed 1.0 s ago. That proves neither an outage nor c's
+        # etcd: taken for an outage, c's next renewal would pass for etcd's return
+        # and the workers would stop past the lease's expiry.
         view, commands = react(running(3), LeaseState(2.2, (("b:1", 2.0), ("c:1", 1.0)), 2),
                                10.0, SETTINGS)
         assert view.state is S.RUNNING and commands == [] and not view.store_down_noted

@@ -21,8 +21,8 @@ from tests.fakes.memory_store import MemoryStore
 
 
 def test_a_node_joining_after_compaction_watches_from_the_present(caplog):
-    # etcd compacts old history; a node whose job keys were never written must
-    # not ask for revisions that are gone (it used to watch from revision 1).
+    # etcd compacts old history; a node whose job keys were never written
+    # watches from the present, never from revisions that are gone.
     store = MemoryStore()
     for i in range(20):
         store.put(f"/other/{i}", b"x")
@@ -301,10 +301,10 @@ def test_watch_events_are_applied_in_the_order_they_arrived():
 
 
 def test_a_garbage_round_event_delivered_after_the_leaders_commit_does_not_stall_later_rounds():
-    # Seen in CI: garbage written to the round key; its watch event arrived
-    # after the leader had re-read the key and committed a round on top. The
-    # late event set the version the leader fences on back by one, and every
-    # later round failed its fence: a restart request was never served.
+    # Garbage written to the round key, its watch event arriving after the
+    # leader re-read the key and committed a round on top: a late event must
+    # not set back the version the leader fences on, or every later round
+    # fails its fence and a restart request is never served.
     c = Cluster("a")
     c.settle()
     node, keys = c.nodes["a"], c.nodes["a"].keys
@@ -352,7 +352,7 @@ def test_garbage_over_the_round_is_overwritten_by_the_same_round_and_restarts_no
 
 
 @pytest.mark.parametrize("stored", [
-    b"[" * 50_000 + b"]" * 50_000,  # used to raise RecursionError out of start()
+    b"[" * 50_000 + b"]" * 50_000,  # nested past the parser's recursion limit: malformed
     b"\xff\xfe",
     b'{"min_nodes": "1", "max_nodes": [], "max_restarts": NaN}',
     b'"a string"',
