@@ -8,6 +8,7 @@ Tests that use ``etcd_server`` (directly or through ``etcd_endpoint`` or
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import uuid
 
@@ -59,3 +60,13 @@ def etcd_store(etcd_endpoint):
 def job_id() -> str:
     """A job id no other test uses, so tests sharing one etcd never see each other's keys."""
     return "test-" + uuid.uuid4().hex[:8]
+
+
+@pytest.fixture
+def sock_dir():
+    # Not tmp_path: a Unix socket path must stay under 108 bytes.
+    path = tempfile.mkdtemp(prefix="elastic-test-", dir="/tmp")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

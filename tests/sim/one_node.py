@@ -44,3 +44,17 @@ class OneNode:
         server.agent = self.agent
         self.workers.agents["a"] = self.agent
         self.workers.on_exit["a"] = inbox.put
+
+    def run(self, seconds: float, dt: float = 0.25, *, until_final: bool = False) -> None:
+        """Move the store, the rendezvous, the agent, the workers and the clock
+        forward for ``seconds`` in steps of ``dt`` (stopping early once the agent
+        reaches a final state, if ``until_final``)."""
+        for _ in range(int(seconds / dt)):
+            if until_final and self.agent.state.final:
+                return
+            self.store.deliver_pending()
+            self.rdzv.pump()
+            self.store.deliver_pending()
+            self.agent.step(0)
+            self.workers.advance(self.clock.monotonic())
+            self.clock.advance(dt)

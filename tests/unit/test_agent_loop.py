@@ -32,15 +32,6 @@ class OneNode(OneNodeHarness):
     def _count(self, events):
         self.status_writes += sum(e.type is EventType.PUT for e in events)
 
-    def run(self, seconds, dt=0.25):
-        for _ in range(int(seconds / dt)):
-            self.store.deliver_pending()
-            self.rdzv.pump()
-            self.store.deliver_pending()
-            self.agent.step(0)
-            self.workers.advance(self.clock.monotonic())
-            self.clock.advance(dt)
-
     def round(self) -> Round | None:
         return self.rdzv.latest_round
 

@@ -71,15 +71,6 @@ def certs():
         shutil.rmtree(directory, ignore_errors=True)
 
 
-@pytest.fixture
-def sock_dir():
-    path = tempfile.mkdtemp(prefix="elastic-test-", dir="/tmp")
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 def server_tls(certs) -> AgentTLS:
     return AgentTLS(cert=certs.agent.cert, key=certs.agent.key, ca=certs.ca)
 

@@ -158,15 +158,7 @@ class GpuNode(OneNode):
         self.agent.start(threaded=False)
 
     def run(self, seconds, dt=0.25):
-        for _ in range(int(seconds / dt)):
-            if self.agent.state.final:
-                return
-            self.store.deliver_pending()
-            self.rdzv.pump()
-            self.store.deliver_pending()
-            self.agent.step(0)
-            self.workers.advance(self.clock.monotonic())
-            self.clock.advance(dt)
+        super().run(seconds, dt, until_final=True)
 
     def running(self):
         return [w for w in self.supervisor.current if w.alive]

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import os
 import queue
-import shutil
 import socket
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -89,16 +87,6 @@ class RecordingSink:
         if self.error is not None:
             raise self.error
         return self.stop_requested, self.hold
-
-
-@pytest.fixture
-def sock_dir():
-    # Not tmp_path: a Unix socket path must stay under 108 bytes.
-    path = tempfile.mkdtemp(prefix="elastic-test-", dir="/tmp")
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import socket
-import tempfile
 
 import grpc
 import pytest
@@ -153,9 +151,8 @@ def test_json_log_lines_carry_job_node_and_round_without_the_text_prefix():
     assert "OSError: disk" in failed["exc"] and failed["time"].endswith("Z")
 
 
-def test_liveness_answers_from_the_loop_while_readiness_is_set_by_the_agent():
+def test_liveness_answers_from_the_loop_while_readiness_is_set_by_the_agent(sock_dir):
     alive = [True]
-    sock_dir = tempfile.mkdtemp(prefix="elastic-test-", dir="/tmp")  # short: a socket path
     server = AgentServer("127.0.0.1:0", os.path.join(sock_dir, "agent.sock"), control=None,
                          heartbeats=None, liveness=lambda: alive[0])
     server.start()
@@ -173,7 +170,6 @@ def test_liveness_answers_from_the_loop_while_readiness_is_set_by_the_agent():
             assert check(LIVENESS_SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         server.stop(grace_s=0)
-        shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 def test_an_unexpected_exception_exits_with_the_internal_error_code(monkeypatch, caplog):
