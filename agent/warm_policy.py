@@ -134,6 +134,8 @@ class TemplateReadied:
 
 @dataclass(frozen=True)
 class TemplateFoundUnsafe:
+    """The template found forking unsafe in its process (``reason``): no more forks."""
+
     pid: int
     reason: str
 
