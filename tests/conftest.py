@@ -13,10 +13,15 @@ import tempfile
 import uuid
 
 import pytest
+from hypothesis import settings
 
 from elastic.net import no_grpc_fork_handlers
 from tests.local_etcd import running_etcd
 
+# Property tests run on two shared cores beside agents and etcd: an example's time says
+# how busy the machine is, not whether the code is right, so no example has a deadline.
+settings.register_profile("shared-cores", deadline=None)
+settings.load_profile("shared-cores")
 no_grpc_fork_handlers()  # tests fork agents and etcd while their own gRPC clients run
 # Agents started by tests keep their rank logs in a temporary state directory,
 # never in /var/lib/elasticd (the default for root).
