@@ -21,7 +21,7 @@ from: the worker would then wait for the agent's SIGKILL. Skipping the
 clean-up loses nothing, since the process ends. A value in the agent's
 environment still reaches the workers (they inherit it).
 ``TORCHELASTIC_ERROR_FILE`` is set by the supervisor, per rank and round
-(:func:`agent.supervisor.rank_files`); ``CUDA_VISIBLE_DEVICES`` is inherited.
+(:func:`agent.worker_output.rank_files`); ``CUDA_VISIBLE_DEVICES`` is inherited.
 
 What differs: ``TORCHELASTIC_RESTART_COUNT`` is the number of rounds this
 node started workers in before this one, whatever ended them (a failure, a

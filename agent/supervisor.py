@@ -48,7 +48,7 @@ from typing import Callable, Mapping, NamedTuple
 import elastic
 from agent import localfiles
 from agent.console import ConsoleFilter
-from agent.spawn import Launcher, SpawnerThread, WorkerProcess, signal_worker, stop_groups
+from agent.spawn import Launcher, SpawnerThread, WorkerProcess, stop_groups
 from agent.warm_policy import WarmPolicy, startup_differences
 from agent.warm_pool import WarmPool, WarmStatus
 from agent.worker_output import WorkerOutput, close_log, rank_files
@@ -57,8 +57,7 @@ from elastic.clock import SYSTEM_CLOCK, Clock
 from elastic.errors import ConfigError, WorkerSpawnError
 from elastic.joblog import JobLogger
 
-__all__ = ["Entrypoint", "WarmStatus", "WorkerExit", "WorkerStatus", "WorkerSupervisor",
-           "rank_files", "signal_worker"]
+__all__ = ["Entrypoint", "WorkerExit", "WorkerStatus", "WorkerSupervisor"]
 
 log = logging.getLogger(__name__)
 

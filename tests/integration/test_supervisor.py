@@ -18,7 +18,8 @@ import time
 
 import pytest
 
-from agent.supervisor import Entrypoint, WorkerSupervisor, signal_worker
+from agent.spawn import signal_worker
+from agent.supervisor import Entrypoint, WorkerSupervisor
 from elastic.clock import SystemClock
 from elastic import worker_env
 from tests.integration.supervising import REPO, Exits, check_exits_reported, kill, round_envs
