@@ -18,6 +18,9 @@ Written for each worker of a round by :func:`agent.assign.worker_envs`:
   long waits before its next step (0: never).
 * :data:`CHECKPOINT_DIR`: the checkpoint root, set when the agent has one.
   Read by the Checkpointer and by scripts.
+* :data:`MEMORY_DIR`: this node's memory-tier directory (on a tmpfs, owned,
+  replicated and freed by the agent), set when the agent runs with the memory
+  tier on. Read by the Checkpointer (:mod:`elastic.checkpoint.memory`).
 
 Set by the agent when it starts a worker process (:mod:`agent.spawn`), for
 the worker bootstrap (:mod:`elastic.worker.bootstrap`):
@@ -48,6 +51,7 @@ HEARTBEAT_SOCKET = "ELASTIC_AGENT_HEARTBEAT_SOCKET"
 HANG_TIMEOUT_S = "ELASTIC_HANG_TIMEOUT_S"
 LEASE_TTL_S = "ELASTIC_LEASE_TTL_S"
 CHECKPOINT_DIR = "ELASTIC_CHECKPOINT_DIR"
+MEMORY_DIR = "ELASTIC_MEMORY_DIR"
 
 PRELOAD = "ELASTIC_PRELOAD"
 BOOTSTRAP_STATUS_FD = "ELASTIC_BOOTSTRAP_STATUS_FD"
@@ -61,7 +65,7 @@ CHECKPOINT_MODE = "ELASTIC_CHECKPOINT_MODE"
 # the variables it sets for workers and those its workers inherit from it.
 # The bootstrap's are left out: they are set in a worker's process only.
 NOT_OPTIONS = frozenset({ROUND, JOB_ID, NODE_ID, AGENT_SOCKET, HEARTBEAT_SOCKET, HANG_TIMEOUT_S,
-                         LEASE_TTL_S, CHECKPOINT_DIR, PRELOAD, CHECKPOINT_TRUST,
+                         LEASE_TTL_S, CHECKPOINT_DIR, MEMORY_DIR, PRELOAD, CHECKPOINT_TRUST,
                          CHECKPOINT_MODE})
 
 
@@ -78,6 +82,7 @@ class WorkerEnv:
         self.agent_socket = self._text(AGENT_SOCKET)
         self.heartbeat_socket = self._text(HEARTBEAT_SOCKET)
         self.checkpoint_dir = self._text(CHECKPOINT_DIR)
+        self.memory_dir = self._text(MEMORY_DIR)
 
     def _text(self, name: str) -> str | None:
         return self._environ.get(name) or None

@@ -1,0 +1,344 @@
+"""The memory tier's files: a node's memory directory, its slots, and their manifests.
+
+No torch here: the agent (which owns the directory, replicates it and frees
+it) and the workers (which write and restore snapshots) both read it.
+
+A node's memory directory (``$ELASTIC_MEMORY_DIR``, created by the node's
+agent on a tmpfs, ``/dev/shm`` by default) holds::
+
+    own/<slot>/                     snapshots this node's workers wrote
+    replicas/<source node id>/<slot>/   snapshots a buddy node replicated here
+
+A slot is named ``round-<round:010d>.rank-<rank:06d>.slot-<0|1>``: the round
+the snapshot was taken in (its fencing token), the writer's global rank in
+that round, and which of the writer's two alternating slots it is. A slot
+directory holds the files its manifest lists (``data.bin``: every tensor's
+bytes; ``objects.pt`` and ``local.pt``: torch-saved non-tensor values and the
+rank's own state) and ``manifest.json``.
+
+The slot protocol (every writer, workers and replication alike):
+
+1. :func:`begin_write` removes ``manifest.json``: from here on the slot is
+   incomplete, so no reader takes it while its files change;
+2. the writer (re)writes the files;
+3. :func:`finish_write` writes ``manifest.json`` through a temporary file and
+   a rename: the slot is complete again, with its new content.
+
+A slot is complete exactly when its manifest parses and every file it lists
+has the listed size (:func:`read_slot`). A reader that copies a slot (the
+replicator, a restore sending it to a peer) checks :func:`still_same` after
+the copy and drops the copy when the manifest changed or vanished meanwhile:
+the writer removes the manifest before it touches a file, so an unchanged
+manifest means the bytes copied were the ones it vouches for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Any, Iterator
+
+from elastic.errors import ConfigError
+from elastic.records import cap_text, validate_id
+
+FORMAT = 1
+OWN = "own"
+REPLICAS = "replicas"
+MANIFEST = "manifest.json"
+DATA = "data.bin"
+OBJECTS = "objects.pt"
+LOCAL = "local.pt"
+SLOTS_PER_RANK = 2
+# A manifest lists every tensor of one rank's state; far more than a real model's.
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_WORLD_SIZE = 1 << 20
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+_MAX_INT64 = 2**63 - 1
+_SLOT = re.compile(r"round-(\d{10})\.rank-(\d{6})\.slot-([01])")
+_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")
+_DTYPE = re.compile(r"[a-z0-9_]{1,32}")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class SlotKey:
+    """Which snapshot slot: the round it was taken in, the writer's rank, slot 0 or 1."""
+
+    round: int
+    rank: int
+    slot: int
+
+    @property
+    def name(self) -> str:
+        return f"round-{self.round:010d}.rank-{self.rank:06d}.slot-{self.slot}"
+
+
+def parse_slot_name(name: str) -> SlotKey | None:
+    """The key a slot directory's name encodes, or None for any other name."""
+    match = _SLOT.fullmatch(name)
+    if match is None:
+        return None
+    return SlotKey(int(match.group(1)), int(match.group(2)), int(match.group(3)))
+
+
+def own_dir(memory_dir: str) -> str:
+    return os.path.join(memory_dir, OWN)
+
+
+def replica_dir(memory_dir: str, source_node_id: str) -> str:
+    """Where replicas of node ``source_node_id``'s snapshots live; raises ConfigError
+    for a node id that is not a valid id (it becomes a path component)."""
+    return os.path.join(memory_dir, REPLICAS, validate_id("node id", source_node_id))
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorItem:
+    """One tensor (or one shard of it) in ``data.bin``.
+
+    ``fqn`` is its state-dict key (``model.<fqn>``, ``optim.state.<fqn>.<name>``);
+    ``global_shape`` the whole tensor's shape; ``offsets`` and ``shape`` where this
+    chunk sits in it and its size (the whole tensor for a replicated one);
+    ``offset`` and ``nbytes`` where its bytes lie in ``data.bin`` (contiguous,
+    row-major); ``dtype`` torch's name without the prefix (``float32``).
+    """
+
+    fqn: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    def to_record(self) -> dict[str, Any]:
+        return {"fqn": self.fqn, "dtype": self.dtype, "global_shape": list(self.global_shape),
+                "offsets": list(self.offsets), "shape": list(self.shape),
+                "offset": self.offset, "nbytes": self.nbytes}
+
+    @classmethod
+    def from_record(cls, record: object) -> "TensorItem":
+        """Raises ValueError naming what is wrong."""
+        if not isinstance(record, dict):
+            raise ValueError(f"a tensor item is {_shown(record)}, not an object")
+        fqn = record.get("fqn")
+        if not isinstance(fqn, str) or not fqn or len(fqn) > 4096:
+            raise ValueError(f"a tensor item's fqn is {_shown(fqn)}")
+        dtype = record.get("dtype")
+        if not isinstance(dtype, str) or not _DTYPE.fullmatch(dtype):
+            raise ValueError(f"tensor {fqn}: dtype {_shown(dtype)}")
+        global_shape = _dims(record, "global_shape", fqn)
+        offsets, shape = _dims(record, "offsets", fqn), _dims(record, "shape", fqn)
+        if not len(global_shape) == len(offsets) == len(shape):
+            raise ValueError(f"tensor {fqn}: global_shape, offsets and shape differ in length")
+        if any(o + s > g for o, s, g in zip(offsets, shape, global_shape)):
+            raise ValueError(f"tensor {fqn}: the chunk lies outside the tensor")
+        return cls(fqn, dtype, global_shape, offsets, shape, _int(record, "offset", 0, _MAX_INT64),
+                   _int(record, "nbytes", 0, _MAX_INT64))
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """What one slot holds: one rank's state as of ``step`` in ``round``.
+
+    ``files`` maps each file of the slot to its size in bytes; ``tensors`` lie in
+    ``data.bin``; ``objects`` names the state-dict keys whose values are not
+    tensors (kept in ``objects.pt``). ``node_id`` is the node whose worker wrote
+    it (a replica keeps its writer's). ``written_at`` is the writer's wall time.
+    """
+
+    job_id: str
+    node_id: str
+    round: int
+    step: int
+    rank: int
+    world_size: int
+    files: dict[str, int]
+    tensors: tuple[TensorItem, ...] = ()
+    objects: tuple[str, ...] = ()
+    written_at: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        """The slot's bytes, manifest aside."""
+        return sum(self.files.values())
+
+    def to_json(self) -> bytes:
+        record = {"format": FORMAT, "job_id": self.job_id, "node_id": self.node_id,
+                  "round": self.round, "step": self.step, "rank": self.rank,
+                  "world_size": self.world_size, "files": dict(sorted(self.files.items())),
+                  "tensors": [t.to_record() for t in self.tensors],
+                  "objects": list(self.objects), "written_at": self.written_at}
+        return json.dumps(record, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "Manifest":
+        """Raises ValueError naming what is wrong: not a JSON object of format
+        FORMAT, an id that is not a valid id, a number out of range (``rank``
+        below ``world_size``), a file name that is not a plain name, a tensor
+        item that is malformed or lies outside ``data.bin``."""
+        try:
+            record = json.loads(data)
+        except RecursionError:
+            raise ValueError("JSON nested too deeply") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"not a JSON object but a {type(record).__name__}")
+        if record.get("format") != FORMAT:
+            raise ValueError(f"unknown memory snapshot format {_shown(record.get('format'))}")
+        world_size = _int(record, "world_size", 1, MAX_WORLD_SIZE)
+        files = _files(record.get("files"))
+        tensors = record.get("tensors", [])
+        objects = record.get("objects", [])
+        if not isinstance(tensors, list) or not isinstance(objects, list):
+            raise ValueError("'tensors' and 'objects' must be lists")
+        items = tuple(TensorItem.from_record(t) for t in tensors)
+        data_size = files.get(DATA, 0)
+        if any(t.offset + t.nbytes > data_size for t in items):
+            raise ValueError(f"a tensor's bytes lie outside {DATA} ({data_size} bytes)")
+        if not all(isinstance(o, str) and o for o in objects):
+            raise ValueError("'objects' must be non-empty strings")
+        written_at = record.get("written_at", 0.0)
+        if isinstance(written_at, bool) or not isinstance(written_at, (int, float)):
+            raise ValueError(f"field 'written_at' is {_shown(written_at)}")
+        try:
+            job_id = validate_id("job id", record.get("job_id"))
+            node_id = validate_id("node id", record.get("node_id"))
+        except ConfigError as exc:  # a record is input here, not configuration
+            raise ValueError(str(exc)) from None
+        return cls(job_id=job_id, node_id=node_id, round=_int(record, "round", 0, _MAX_INT64),
+                   step=_int(record, "step", 0, _MAX_INT64),
+                   rank=_int(record, "rank", 0, world_size - 1), world_size=world_size,
+                   files=files, tensors=items, objects=tuple(objects),
+                   written_at=float(written_at))
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotInfo:
+    """A complete slot found on this node.
+
+    ``holder`` is ``OWN`` for this node's own snapshots, else the node id of the
+    replica's source. ``stamp`` identifies the manifest file read (device,
+    inode, modification time, size) for :func:`still_same`.
+    """
+
+    path: str
+    key: SlotKey
+    manifest: Manifest
+    holder: str
+    stamp: tuple[int, int, int, int]
+
+
+def begin_write(slot_dir: str) -> None:
+    """Make the slot incomplete before its files change (creating it if needed)."""
+    os.makedirs(slot_dir, mode=DIR_MODE, exist_ok=True)
+    try:
+        os.unlink(os.path.join(slot_dir, MANIFEST))
+    except FileNotFoundError:
+        pass
+
+
+def finish_write(slot_dir: str, manifest: Manifest) -> None:
+    """Make the slot complete with ``manifest`` (temporary file, then rename).
+    No fsync: the memory tier lives on a tmpfs and dies with the machine."""
+    tmp = os.path.join(slot_dir, f".{MANIFEST}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
+    with open(fd, "wb") as f:
+        f.write(manifest.to_json())
+    os.replace(tmp, os.path.join(slot_dir, MANIFEST))
+
+
+def read_slot(slot_dir: str, holder: str = OWN) -> SlotInfo | None:
+    """The slot at ``slot_dir`` if it is complete (its name parses, its manifest
+    parses and agrees with the name, every listed file has its size), else None.
+    Never raises for what a slot holds: an incomplete or damaged slot is one
+    nobody may use."""
+    key = parse_slot_name(os.path.basename(slot_dir))
+    if key is None:
+        return None
+    path = os.path.join(slot_dir, MANIFEST)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with open(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+        if len(data) > MAX_MANIFEST_BYTES:
+            return None
+        manifest = Manifest.from_json(data)
+    except (OSError, ValueError):
+        return None
+    if (manifest.round, manifest.rank) != (key.round, key.rank):
+        return None
+    for name, size in manifest.files.items():
+        try:
+            if os.lstat(os.path.join(slot_dir, name)).st_size != size:
+                return None
+        except OSError:
+            return None
+    return SlotInfo(slot_dir, key, manifest, holder,
+                    (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
+
+
+def still_same(info: SlotInfo) -> bool:
+    """Whether the slot's manifest is still the one ``info`` was read from."""
+    try:
+        st = os.lstat(os.path.join(info.path, MANIFEST))
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size) == info.stamp
+
+
+def list_slots(memory_dir: str) -> list[SlotInfo]:
+    """Every complete slot in a node's memory directory, own and replicas."""
+    found = [s for s in _slots_in(own_dir(memory_dir), OWN)]
+    replicas = os.path.join(memory_dir, REPLICAS)
+    for source in _names(replicas):
+        found.extend(_slots_in(os.path.join(replicas, source), source))
+    return found
+
+
+def _slots_in(directory: str, holder: str) -> Iterator[SlotInfo]:
+    for name in _names(directory):
+        info = read_slot(os.path.join(directory, name), holder)
+        if info is not None:
+            yield info
+
+
+def _names(directory: str) -> list[str]:
+    try:
+        return sorted(os.listdir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _files(files: object) -> dict[str, int]:
+    if not isinstance(files, dict):
+        raise ValueError(f"field 'files' is {_shown(files)}, not an object")
+    out = {}
+    for name, size in files.items():
+        if not _FILE.fullmatch(name) or name == MANIFEST:
+            raise ValueError(f"file name {_shown(name)} is not a plain name inside the slot")
+        if type(size) is not int or not 0 <= size <= _MAX_INT64:
+            raise ValueError(f"the size of {name} is {_shown(size)}")
+        out[name] = size
+    return out
+
+
+def _dims(record: dict, name: str, fqn: str) -> tuple[int, ...]:
+    value = record.get(name)
+    if not isinstance(value, list) or len(value) > 64 or not all(
+            type(v) is int and 0 <= v <= _MAX_INT64 for v in value):
+        raise ValueError(f"tensor {fqn}: {name} is {_shown(value)}")
+    return tuple(value)
+
+
+def _int(record: dict, name: str, low: int, high: int) -> int:
+    value = record.get(name)
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"field {name!r} is {_shown(value)}, expected an integer {low}..{high}")
+    return value
+
+
+def _shown(value: object) -> str:
+    return cap_text(repr(value), 80)
