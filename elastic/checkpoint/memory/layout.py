@@ -239,13 +239,15 @@ def begin_write(slot_dir: str) -> None:
         pass
 
 
-def finish_write(slot_dir: str, manifest: Manifest) -> None:
-    """Make the slot complete with ``manifest`` (temporary file, then rename).
-    No fsync: the memory tier lives on a tmpfs and dies with the machine."""
+def finish_write(slot_dir: str, manifest: Manifest | bytes) -> None:
+    """Make the slot complete with ``manifest`` (temporary file, then rename);
+    ``bytes``: a manifest's JSON already serialized (a writer that reuses its
+    tensor list's). No fsync: the memory tier lives on a tmpfs and dies with
+    the machine."""
     tmp = os.path.join(slot_dir, f".{MANIFEST}.tmp-{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
     with open(fd, "wb") as f:
-        f.write(manifest.to_json())
+        f.write(manifest if isinstance(manifest, bytes) else manifest.to_json())
     os.replace(tmp, os.path.join(slot_dir, MANIFEST))
 
 
