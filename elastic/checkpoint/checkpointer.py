@@ -13,7 +13,9 @@ them, each one job:
 * :mod:`~elastic.checkpoint.saving`: the save's collective sequence (write,
   verify, commit) and :mod:`~elastic.checkpoint.root`, rank 0's changes to the
   root (temporaries, markers, retention);
-* :mod:`~elastic.checkpoint.restore`: choosing, verifying and loading.
+* :mod:`~elastic.checkpoint.restore`: choosing, verifying and loading;
+* :mod:`~elastic.checkpoint.memory`: the memory tier under the disk tier
+  (snapshots at ``elastic.step(n)``, restore from memory first).
 
 This class wires them together and runs the async saves: one at a time, in a
 background thread of its own, a failure surfacing once from :meth:`wait` or
@@ -40,6 +42,10 @@ from elastic.checkpoint.agent_log import default_commit_log
 from elastic.checkpoint.api import CommitLog
 from elastic.checkpoint.failures import describe_failure
 from elastic.checkpoint.group import CheckpointGroup
+from elastic.checkpoint.memory.cadence import AUTO, Cadence, parse_every
+from elastic.checkpoint.memory.recovery import MemoryRestore
+from elastic.checkpoint.memory.tier import SnapshotTier
+from elastic.checkpoint.memory.writer import Identity
 from elastic.checkpoint.restore import Restorer
 from elastic.checkpoint.root import CheckpointRoot
 from elastic.checkpoint.saving import SavePipeline
@@ -104,7 +110,22 @@ class Checkpointer:
     octal, else 0o700: files 0o600), set whatever the umask; e.g. 0o750 lets
     the group read the checkpoints. The root, when this creates it, gets it too.
 
-    Raises :class:`ConfigError` for a missing root or bad arguments, and
+    The memory tier (:mod:`elastic.checkpoint.memory`) is on when ``memory_dir``
+    is given or ``$ELASTIC_MEMORY_DIR`` is set (an agent run with
+    ``--memory-tier``): at every ``elastic.step(n)`` that the cadence picks
+    (``memory_every`` steps, or "auto": the fewest that keep the snapshot's cost
+    within 1% of the step time) this rank's state, as a save would take it, is
+    staged into that node-local directory, and :meth:`restore` restores from
+    memory when a complete snapshot there is not older than the disk tier's
+    latest commit. It needs ``data``: the object (an
+    :class:`~elastic.data.ElasticSampler`, a stateful data loader) whose
+    ``state_dict()`` each snapshot takes and whose ``load_state_dict()``
+    restore calls; without the tier ``data`` is optional and does the same for
+    disk saves that pass no ``data_state``. Each snapshot carries the
+    ``extras`` of the last :meth:`save`.
+
+    Raises :class:`ConfigError` for a missing root or bad arguments (the
+    memory tier on without ``data``), and
     :class:`CheckpointError` when torch's object collectives cannot work
     (they need numpy). Not thread-safe: call it from the training thread.
     """
@@ -116,8 +137,17 @@ class Checkpointer:
                  verify_checksums: bool = True, timeout_s: float = 1800.0,
                  device: torch.device | int | None = None, cuda_ops: CudaOps | None = None,
                  trust_checkpoint: bool | None = None, safe_globals: Sequence[Any] = (),
-                 mode: int | None = None):
+                 mode: int | None = None, data: Any = None, memory_dir: str | None = None,
+                 memory_every: int | str = AUTO):
         self.root = environment.root_from_env(root)
+        self.memory_dir = environment.memory_dir_from_env(memory_dir)
+        if self.memory_dir is not None and data is None:
+            raise ConfigError("the memory tier snapshots every step: pass data=<your sampler or "
+                              "data loader> (an object with state_dict() and load_state_dict()) "
+                              "to Checkpointer, so that a restore from memory resumes the data "
+                              "where the snapshot was taken")
+        self._memory_every = parse_every(memory_every)
+        self.data = data
         if keep < 1:
             raise ConfigError(f"keep must be at least 1, got {keep}")
         try:
@@ -150,7 +180,10 @@ class Checkpointer:
         self.data_state: Any = None
         self.extras: Any = None
         self.restored_path: str | None = None
+        self._snapshot_extras: Any = None
+        self._commit_log = commit_log
         self._start(chunks, schedulers, commit_log, on_saving)
+        self._memory, self._tier, self._unhook = self._start_memory(chunks, schedulers)
 
     def _start(self, chunks: Sequence[state.Chunk], schedulers: Sequence[Any],
                commit_log: CommitLog, on_saving: Callable[[float], None] | None) -> None:
@@ -167,6 +200,32 @@ class Checkpointer:
                                   schedulers=schedulers, checksums=self.verify_checksums,
                                   policy=self.policy, executor=self._executor)
         self._directory.prepare(self._group.rank, self.policy.trusted)
+
+    def _start_memory(self, chunks: Sequence[state.Chunk], schedulers: Sequence[Any]) -> tuple:
+        """The memory tier's restore and snapshots, the latter hooked on
+        ``elastic.step``; Nones when the tier is off."""
+        if self.memory_dir is None:
+            return None, None, None
+        round_ = self._directory.round
+        job_id, node_id = environment.job_and_node()
+        memory = MemoryRestore(self.memory_dir, self._group, chunks=chunks,
+                               schedulers=schedulers, policy=self.policy, round_=round_)
+        tier = SnapshotTier(
+            self.memory_dir, Identity(job_id, node_id, round_, self._group.rank,
+                                      self._group.size),
+            chunks=chunks, schedulers=schedulers, data=self.data,
+            cadence=Cadence(self._memory_every, self._agree_every),
+            local_ranks=environment.local_world_size(), extras=lambda: self._snapshot_extras,
+            news_level=self._group.news_level)
+        hook = environment.default_step_hook()
+        return memory, tier, hook(tier.on_step) if hook is not None else None
+
+    def _agree_every(self, proposal: int) -> int:
+        """Every rank's largest proposed snapshot interval (one collective, once),
+        after the save in flight: its collectives run on the same group."""
+        if self._inflight is not None:
+            concurrent.futures.wait([self._inflight])
+        return max(self._group.all_gather(proposal, "agreeing on the memory snapshot interval"))
 
     def save(self, step: int, *, data_state: Any = None, extras: Any = None,
              async_: bool = True) -> None:
@@ -192,6 +251,9 @@ class Checkpointer:
         """
         self._check_open()
         self.wait()
+        if data_state is None and self.data is not None:
+            data_state = self.data.state_dict()
+        self._snapshot_extras = extras
         snapshot = self._snapshots.take(int(step), data_state, extras, copy=async_)
         if async_:
             self._inflight = self._executor.submit(self._saves.persist, snapshot)
@@ -221,7 +283,11 @@ class Checkpointer:
 
         Returns the step to resume from: the saved step + 1, or 0 when there
         is no committed checkpoint (a fresh start). Sets :attr:`data_state`,
-        :attr:`extras` and :attr:`restored_path`. Candidates that fail
+        :attr:`extras` and :attr:`restored_path` (and loads ``data``'s state).
+        With the memory tier on, a complete memory snapshot not older than
+        the latest commit is restored first (:mod:`elastic.checkpoint.memory.choice`;
+        :attr:`restored_path` is then ``memory:round-<R>/step-<S>``); when that
+        fails on any rank, every rank warns and restores from disk. Candidates that fail
         verification are logged (naming the file) and skipped for the
         previous committed one. At the saved world size every rank gets its
         own RNG states, data position and extras back; at another one, see
@@ -241,8 +307,9 @@ class Checkpointer:
         """
         self._check_open()
         self.wait()
+        restored = self._memory.restore(self._commit_log) if self._memory is not None else None
         try:
-            restored = self._restorer.restore()
+            restored = restored or self._restorer.restore()
         except CheckpointCorruptError:
             self.data_state = self.extras = self.restored_path = None
             raise
@@ -252,6 +319,8 @@ class Checkpointer:
         self.data_state = restored.data_state
         self.extras = restored.extras
         self.restored_path = restored.path
+        if self.data is not None and restored.data_state is not None:
+            self.data.load_state_dict(restored.data_state)
         return restored.step + 1
 
     def close(self) -> None:
@@ -263,6 +332,10 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
+            if self._unhook is not None:
+                self._unhook()
+            if self._tier is not None:
+                self._tier.close()
             self._snapshots.close()
             self._executor.shutdown(wait=True)
             self._stager.close()

@@ -1,5 +1,6 @@
 """What a Checkpointer finds out from its environment: the checkpoint root and
-mode, the agent's round, the agent's "saving" hook, the training device.
+mode, the agent's round, the agent's "saving" and "step" hooks, the training
+device, and for the memory tier its directory, the job, node and local ranks.
 
 Each is read only where the caller did not pass the value.
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import socket
 from typing import Callable, Sequence
 
 import torch
@@ -107,3 +110,38 @@ def training_device(chunks: Sequence[state.Chunk]) -> int | None:
             if local_tensor(parameter).is_cuda:
                 return local_tensor(parameter).device.index
     return None
+
+
+def memory_dir_from_env(memory_dir: str | None) -> str | None:
+    """``memory_dir``, else ``$ELASTIC_MEMORY_DIR`` (set by an agent run with
+    ``--memory-tier``), made absolute; None: the memory tier is off."""
+    memory_dir = memory_dir or worker_env.WorkerEnv().memory_dir
+    return os.path.abspath(memory_dir) if memory_dir else None
+
+
+def job_and_node() -> tuple[str, str]:
+    """The job and node ids a memory snapshot's manifest names: the agent's
+    (``$ELASTIC_JOB_ID``, ``$ELASTIC_NODE_ID``), else ``local`` and this host's
+    name made a valid id."""
+    env = worker_env.WorkerEnv()
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:128].lstrip("._-")
+    return env.job_id or "local", env.node_id or host or "localhost"
+
+
+def local_world_size() -> int:
+    """This node's number of ranks (``$LOCAL_WORLD_SIZE``, set by the agent and by
+    torchrun; 1 when unset or not a number)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def default_step_hook() -> Callable[[Callable[[int], None]], Callable[[], None]] | None:
+    """The worker runtime's ``on_step`` (the memory tier snapshots at each
+    ``elastic.step(n)``), or None where the worker runtime cannot be imported."""
+    try:
+        from elastic.worker import runtime
+    except ImportError:
+        return None
+    return runtime.on_step

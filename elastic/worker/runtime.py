@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -121,6 +122,7 @@ class Heartbeat:
 _heartbeat: Heartbeat | None = None
 _device: torch.device | None = None  # the GPU init() bound this process to
 _step = -1
+_step_listeners: list[Callable[[int], None]] = []
 # The agent's lease TTL (set by elasticd): a worker whose agent has not vouched
 # for its round that long waits before its next step.
 _hold_after_s = 0.0
@@ -221,7 +223,22 @@ def step(n: int | None = None) -> int:
     if _heartbeat is not None:
         _heartbeat.report(_step)
         _heartbeat.wait_until_confirmed(_hold_after_s)
+    for listener in tuple(_step_listeners):
+        listener(_step)
     return _step
+
+
+def on_step(listener: Callable[[int], None]) -> Callable[[], None]:
+    """Call ``listener(n)`` at every :func:`step`, in the training thread, after
+    the agent heard of it (the memory tier snapshots there). What it raises
+    propagates from :func:`step`. Returns a function that removes it."""
+    _step_listeners.append(listener)
+
+    def remove() -> None:
+        if listener in _step_listeners:
+            _step_listeners.remove(listener)
+
+    return remove
 
 
 def saving(seconds: float) -> None:

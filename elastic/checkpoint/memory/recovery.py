@@ -1,0 +1,274 @@
+"""Restore from the memory tier: choose the snapshot, bring each rank its slots, load them.
+
+Every rank of the new group, together (the rule is
+:func:`~elastic.checkpoint.memory.choice.choose`):
+
+1. each rank lists the complete slots its node holds (own and replicas) and
+   rank 0 adds the disk tier's latest commit; one gather, and every rank
+   computes the same choice. Disk wins: return None, the disk restore runs.
+2. Which old ranks' slots each rank needs: at the snapshot's world size its
+   own old rank's; at another, those that DCP's load of its state dict reads
+   (:func:`reader.needed_ranks`, over every old rank's manifest, gathered)
+   and old rank 0's (for its ``local.pt``). A slot on the rank's node is
+   mapped in place; the others are sent by a rank of a node that holds one
+   (:mod:`.fetch`).
+3. Load: at the same world size, one copy per tensor from the slot into the
+   live state (shapes, dtypes and chunks must match the manifest); at another,
+   ``dcp.load`` through :class:`reader.MemoryStorageReader`. Non-tensor values
+   and ``local.pt`` are read through :mod:`elastic.checkpoint.trust`'s
+   allow-lists (a replica came over the network: nothing of it runs).
+4. The outcomes are gathered: if any rank failed, every rank returns None
+   (the caller falls back to the disk restore, rank 0 warning why); otherwise
+   each restores its schedulers and RNGs as the disk restore does
+   (:mod:`elastic.checkpoint.state`: its own old rank's at the same world size,
+   old rank 0's and derived seeds at another).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import warnings
+from typing import Any, Sequence
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from elastic._compat import torch_checkpoint as compat
+from elastic.checkpoint import state, trust
+from elastic.checkpoint.api import CommitLog
+from elastic.checkpoint.dcp_io import LoadPlanner
+from elastic.checkpoint.failures import describe_failure
+from elastic.checkpoint.group import CheckpointGroup
+from elastic.checkpoint.memory import layout
+from elastic.checkpoint.memory.choice import (
+    MEMORY,
+    Choice,
+    DiskLatest,
+    SlotSeen,
+    choose,
+    plan_transfers,
+)
+from elastic.checkpoint.memory.fetch import Fetched, exchange, open_local, unchanged
+from elastic.checkpoint.memory.items import dtype_of, plan_slot
+from elastic.checkpoint.memory.reader import (
+    MemoryStorageReader,
+    SlotData,
+    load_objects,
+    needed_ranks,
+)
+from elastic.checkpoint.restore import Restored
+from elastic.checkpoint.staging import local_tensor
+from elastic.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Attempt:
+    """One rank's restore of the chosen snapshot so far."""
+
+    choice: Choice
+    held: dict[int, layout.SlotInfo]          # old rank -> its slot on this node
+    fetched: dict[int, Fetched] = dataclasses.field(default_factory=dict)
+    manifests: dict[int, layout.Manifest] = dataclasses.field(default_factory=dict)
+    failure: str = ""
+
+
+class MemoryRestore:
+    """Restores ``chunks`` and ``schedulers`` from the snapshots in ``memory_dir``
+    (this rank's node's) and its peers', as rank ``group.rank`` of ``round_``."""
+
+    def __init__(self, memory_dir: str, group: CheckpointGroup, *,
+                 chunks: Sequence[state.Chunk], schedulers: Sequence[Any],
+                 policy: trust.LoadPolicy, round_: int):
+        self.memory_dir = memory_dir
+        self._group = group
+        self._chunks = chunks
+        self._schedulers = schedulers
+        self._policy = policy
+        self._round = round_
+
+    def restore(self, commit_log: CommitLog) -> Restored | None:
+        """The snapshot restored, or None when the disk tier is to be used (disk
+        is newer, no complete snapshot, or the memory restore failed on some
+        rank: rank 0 logs why). Raises CheckpointError when the group fails."""
+        started = time.monotonic()
+        attempt = self._choose(commit_log)
+        if attempt.choice.source != MEMORY:
+            log.log(self._group.news_level, "Rank 0 restores from disk in round %d: %s.",
+                    self._round, attempt.choice.reason)
+            return None
+        self._bring(attempt)
+        local = self._load(attempt) if not attempt.failure else None
+        failures = [(r, f) for r, f in enumerate(self._group.all_gather(
+            attempt.failure, "agreeing on the memory restore")) if f]
+        if failures:
+            if self._group.rank == 0:
+                log.warning("Rank 0 cannot restore %s in round %d (rank %d: %s); restoring from "
+                            "disk instead.", attempt.choice.label, self._round, *failures[0])
+            return None
+        restored = self._accept(attempt, local)
+        self._report(attempt, time.monotonic() - started)
+        return restored
+
+    def _choose(self, commit_log: CommitLog) -> _Attempt:
+        """Step 1 of the module docstring: the inventory, gathered, and the choice."""
+        slots = layout.list_slots(self.memory_dir)
+        disk: DiskLatest | None | str = None
+        if self._group.rank == 0:
+            try:
+                latest = commit_log.latest()
+                disk = DiskLatest(latest.step, latest.round) if latest is not None else None
+            except Exception as exc:  # noqa: BLE001 - the disk restore reports it
+                disk = f"the commit log cannot be read: {describe_failure(exc)}"
+        seen = [SlotSeen(self._group.rank, s.key, s.manifest.step, s.manifest.world_size)
+                for s in slots]
+        gathered = self._group.all_gather((seen, disk), "listing memory snapshots")
+        disk = gathered[0][1]
+        if isinstance(disk, str):
+            return _Attempt(Choice("disk", disk), {})
+        choice = choose([s for ranks, _ in gathered for s in ranks], disk)
+        held = {}
+        if choice.source == MEMORY:
+            for slot in slots:
+                keys = choice.holders.get(slot.key.rank, {})
+                if keys.get(self._group.rank) == slot.key and slot.key.rank not in held:
+                    held[slot.key.rank] = slot
+        return _Attempt(choice, held)
+
+    def _bring(self, attempt: _Attempt) -> None:
+        """Step 2: open the needed slots held here, receive the others, send what
+        peers need. Every rank runs every collective, failed or not."""
+        choice = attempt.choice
+        same_world = choice.world_size == self._group.size
+        manifests: dict[int, layout.Manifest] = {}
+        if not same_world:
+            mine = {r: s.manifest for r, s in attempt.held.items()
+                    if min(choice.holders[r]) == self._group.rank}
+            for part in self._group.all_gather(mine, "gathering memory snapshot manifests"):
+                manifests.update(part)
+        needs: set[int] = {self._group.rank} if same_world else set()
+        if not same_world:
+            try:
+                needs = needed_ranks(state.collect(self._chunks).state_dict, manifests,
+                                     prefer=attempt.held) | {0}
+            except CheckpointError as exc:
+                attempt.failure = str(exc)
+        every = self._group.all_gather(sorted(needs), "planning the memory restore")
+        plan = plan_transfers(dict(enumerate(every)), choice.holders)
+        expected = {r: (choice.round, choice.step) for r in range(choice.world_size)}
+        received, problems = exchange(self._group, plan, attempt.held, expected)
+        attempt.fetched.update(received)
+        try:
+            for rank in needs - set(received):
+                attempt.fetched[rank] = open_local(attempt.held[rank])
+        except (OSError, KeyError) as exc:
+            problems.append(f"cannot open a slot held on this node: {exc!r}")
+        attempt.failure = attempt.failure or "; ".join(problems)
+        attempt.manifests = manifests
+
+    def _load(self, attempt: _Attempt) -> Any:
+        """Step 3; returns the ``local.pt`` record to restore, or None with
+        ``attempt.failure`` set."""
+        choice = attempt.choice
+        same_world = choice.world_size == self._group.size
+        rank = self._group.rank
+        try:
+            tensors = state.collect(self._chunks)
+            if same_world:
+                copy_slot(tensors.state_dict, attempt.fetched[rank].slot, self._policy)
+            else:
+                self._reshard(tensors.state_dict, attempt)
+            state.apply(self._chunks, tensors)
+            source = attempt.fetched[rank if same_world else 0]
+            local = state.load_local(source.local, self._policy,
+                                     f"{layout.LOCAL} of old rank {source.slot.manifest.rank}")
+            changed = [r for r, f in attempt.fetched.items() if not unchanged(f)]
+            if changed:
+                raise CheckpointError(f"the slots of old rank(s) {changed} were rewritten "
+                                      f"while they were read")
+            return local
+        except Exception as exc:  # noqa: BLE001 - gathered: every rank falls back together
+            attempt.failure = f"loading {choice.label} failed: {describe_failure(exc)}"
+            return None
+
+    def _reshard(self, state_dict: dict[str, Any], attempt: _Attempt) -> None:
+        manifests = attempt.manifests
+        sources = {r: attempt.fetched[r].slot if r in attempt.fetched else SlotData(m)
+                   for r, m in manifests.items()}
+        reader = MemoryStorageReader(sources, self._policy)
+        dcp.load(state_dict, storage_reader=reader, planner=LoadPlanner(policy=self._policy),
+                 process_group=self._group.pg, **compat.single_process(self._group.pg is None))
+
+    def _accept(self, attempt: _Attempt, local: Any) -> Restored:
+        """Step 4: schedulers and RNGs, as the disk restore does."""
+        choice = attempt.choice
+        state.restore_schedulers(self._schedulers, local["schedulers"])
+        if choice.world_size == self._group.size:
+            state.restore_rng(local["rng"])
+        else:
+            state.seed_rng(state.derived_seed(local["seed_base"], choice.step, self._group.rank))
+        size = sum(f.slot.manifest.nbytes for f in attempt.fetched.values())
+        return Restored(step=choice.step, path=choice.label, size_bytes=size,
+                        data_state=local["data_state"], extras=local["extras"])
+
+    def _report(self, attempt: _Attempt, seconds: float) -> None:
+        """Rank 0 says, in one line, where the shards came from and how long it took."""
+        origins = [sorted(f.origin for f in attempt.fetched.values())]
+        counts: dict[str, int] = {}
+        for part in self._group.all_gather(origins[0], "reporting the memory restore"):
+            for origin in part:
+                counts[origin] = counts.get(origin, 0) + 1
+        choice = attempt.choice
+        log.log(self._group.news_level, "Rank 0 restored %s (%d ranks) with %d ranks in round %d "
+                "in %.3f s: slots from own memory %d, replicas %d, sent by peers %d; resuming at "
+                "step %d.", choice.label, choice.world_size, self._group.size, self._round,
+                seconds, counts.get("own", 0), counts.get("replica", 0), counts.get("peer", 0),
+                choice.step + 1)
+
+
+def copy_slot(state_dict: dict[str, Any], slot: SlotData, policy: trust.LoadPolicy) -> None:
+    """Fill ``state_dict`` (this rank's live state) from its own old rank's slot:
+    each tensor copied from the slot's bytes, each other value set from
+    ``objects.pt``. Raises CheckpointError when the slot does not hold exactly
+    this state (a key missing or extra, another dtype, shape or chunk)."""
+    live = plan_slot(state_dict)
+    saved = {item.fqn: item for item in slot.manifest.tensors}
+    if set(saved) != {item.fqn for item in live.items} or \
+            set(slot.manifest.objects) != set(live.objects):
+        missing = sorted(({i.fqn for i in live.items} | set(live.objects))
+                         - set(saved) - set(slot.manifest.objects))
+        raise CheckpointError(f"the snapshot holds other keys than this rank's state "
+                              f"(e.g. missing {missing[:3]})")
+    data = _byte_view(slot.data)
+    with torch.no_grad():
+        for item, tensor in zip(live.items, live.tensors):
+            found = saved[item.fqn]
+            if (found.dtype, found.shape, found.offsets, found.global_shape) != \
+                    (item.dtype, item.shape, item.offsets, item.global_shape):
+                raise CheckpointError(f"{item.fqn} is {found.dtype} {found.shape} at "
+                                      f"{found.offsets} in the snapshot, {item.dtype} "
+                                      f"{item.shape} at {item.offsets} here")
+            raw = data[found.offset:found.offset + found.nbytes]
+            local_tensor(tensor).copy_(raw.view(dtype_of(found.dtype)).view(found.shape))
+    objects = load_objects(slot.objects, policy, f"{layout.OBJECTS} of old rank "
+                                                 f"{slot.manifest.rank}")
+    for group, values in state_dict.items():
+        if isinstance(values, dict):
+            for key in values:
+                if f"{group}.{key}" in objects:
+                    values[key] = objects[f"{group}.{key}"]
+        elif group in objects:
+            state_dict[group] = objects[group]
+
+
+def _byte_view(data: Any) -> torch.Tensor:
+    if isinstance(data, torch.Tensor):
+        return data
+    if not len(memoryview(data)):
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():  # read-only mappings: only read from here
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=torch.uint8)

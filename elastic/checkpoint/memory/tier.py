@@ -1,0 +1,93 @@
+"""The memory tier's writing side in a worker: a snapshot at the steps the cadence picks.
+
+:class:`SnapshotTier` is called at every ``elastic.step(n)`` (a listener the
+Checkpointer registers on the worker runtime). When the cadence says so it
+collects the state (the same state dict as a disk save), lays it out, checks
+at the first snapshot that the node has room (:mod:`.capacity`, a
+ConfigError before anything is written), and writes it (:mod:`.writer`).
+No collective per step: the ranks agree once, on k, after calibration.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Callable, Sequence
+
+from elastic.checkpoint import state
+from elastic.checkpoint.memory import capacity
+from elastic.checkpoint.memory.cadence import Cadence
+from elastic.checkpoint.memory.items import plan_slot
+from elastic.checkpoint.memory.writer import Identity, SnapshotWriter
+
+log = logging.getLogger(__name__)
+
+
+class SnapshotTier:
+    """Snapshots ``chunks``, ``schedulers`` and ``data`` (its ``state_dict()``)
+    into ``memory_dir`` as ``identity``'s rank, at the steps ``cadence`` picks.
+    ``local_ranks``: this node's ranks (for the capacity check); ``extras``
+    returns what each snapshot carries as extras; ``news_level``: the log level
+    of routine news (INFO on rank 0)."""
+
+    def __init__(self, memory_dir: str, identity: Identity, *, chunks: Sequence[state.Chunk],
+                 schedulers: Sequence[Any], data: Any, cadence: Cadence, local_ranks: int,
+                 extras: Callable[[], Any], news_level: int):
+        self.memory_dir = memory_dir
+        self._writer = SnapshotWriter(memory_dir, identity)
+        self._chunks = chunks
+        self._schedulers = schedulers
+        self._data = data
+        self.cadence = cadence
+        self._local_ranks = local_ranks
+        self._extras = extras
+        self._news = news_level
+        self._checked = False
+        self.costs: list[float] = []  # seconds per snapshot taken
+
+    @property
+    def identity(self) -> Identity:
+        return self._writer.identity
+
+    def on_step(self, step: int) -> None:
+        """Step ``step`` ended: snapshot it if it is due. Raises ConfigError when
+        the node cannot hold the tier (first snapshot), OSError when a write fails."""
+        now = time.monotonic()
+        calibrating = self.cadence.calibrating
+        cost = self.snapshot(step) if self.cadence.due(step) else 0.0
+        self.cadence.record(now, cost)
+        if calibrating and not self.cadence.calibrating:
+            log.log(self._news, "Rank %d: memory snapshots every %d step(s) from step %d "
+                    "(a snapshot costs %.2f ms).", self.identity.rank, self.cadence.every,
+                    step, 1000 * (sorted(self.costs)[len(self.costs) // 2]))
+
+    def snapshot(self, step: int) -> float:
+        """Write the state as of ``step`` now; returns the seconds it took."""
+        started = time.monotonic()
+        tensors = state.collect(self._chunks)
+        plan = plan_slot(tensors.state_dict)
+        ident = self.identity
+        local = state.capture_local(step=step, rank=ident.rank, world_size=ident.world_size,
+                                    schedulers=self._schedulers,
+                                    data_state=self._data.state_dict(), extras=self._extras())
+        if not self._checked:
+            self._check_room(plan.data_bytes + len(local))
+        self._writer.write(step, plan, local)
+        cost = time.monotonic() - started
+        self.costs.append(cost)
+        return cost
+
+    def _check_room(self, state_bytes: int) -> None:
+        need = capacity.node_need(state_bytes, self._local_ranks)
+        os.makedirs(self.memory_dir, mode=0o700, exist_ok=True)
+        capacity.check(need, self._writer.held_bytes(),
+                       capacity.filesystem_free(self.memory_dir), capacity.cgroup_free(),
+                       self.memory_dir)
+        self._checked = True
+        log.log(self._news, "Rank %d: the memory tier takes %.1f MiB per rank and %.1f MiB on "
+                "this node (own and buddy's, double-buffered) in %s.", self.identity.rank,
+                state_bytes / 2**20, need / 2**20, self.memory_dir)
+
+    def close(self) -> None:
+        self._writer.close()

@@ -1,0 +1,144 @@
+"""Writing one rank's snapshots into its two alternating slots, by the slot protocol.
+
+Each slot's ``data.bin`` is made once at the state's size and mapped into
+this process (``torch.from_file(shared=True)``), with a view per tensor kept
+between snapshots: a snapshot is one copy per tensor into the mapping (CUDA
+tensors: a synchronous copy to host), then the small files and the manifest.
+The slot being written is made incomplete first (:func:`layout.begin_write`),
+so the previous snapshot, in the other slot, stays complete meanwhile. The
+manifest's tensor list is serialized once per layout; per snapshot only its
+head (step, file sizes, time) is.
+
+A writer only ever touches its own two slots of its own (round, rank): older
+rounds' slots are the agent's to free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import time
+from typing import Any
+
+import torch
+
+from elastic.checkpoint.memory import layout
+from elastic.checkpoint.memory.items import SlotPlan, dtype_of
+from elastic.checkpoint.staging import local_tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """Who writes: the job and node (manifest fields), the round, rank and world size."""
+
+    job_id: str
+    node_id: str
+    round: int
+    rank: int
+    world_size: int
+
+
+@dataclasses.dataclass
+class _Mapped:
+    signature: tuple
+    views: list[torch.Tensor]
+    tensors_json: bytes
+
+
+class SnapshotWriter:
+    """Writes snapshots of ``identity``'s rank into ``<memory_dir>/own/``, slots 0
+    and 1 in turn. Not thread-safe: the training thread calls it."""
+
+    def __init__(self, memory_dir: str, identity: Identity):
+        self.identity = identity
+        self._own = layout.own_dir(memory_dir)
+        self._next = 0
+        self._mapped: dict[int, _Mapped] = {}
+        self.written: layout.SlotKey | None = None  # the last complete snapshot's slot
+
+    def slot_dir(self, slot: int) -> str:
+        return os.path.join(self._own, layout.SlotKey(self.identity.round, self.identity.rank,
+                                                      slot).name)
+
+    def held_bytes(self) -> int:
+        """Bytes of the data files this writer's slots take now (rewritten in place)."""
+        total = 0
+        for slot in range(layout.SLOTS_PER_RANK):
+            try:
+                total += os.stat(os.path.join(self.slot_dir(slot), layout.DATA)).st_size
+            except OSError:
+                pass
+        return total
+
+    def write(self, step: int, plan: SlotPlan, local: bytes) -> layout.SlotKey:
+        """Snapshot ``plan``'s tensors and objects and ``local`` (this rank's
+        serialized state) as of ``step`` into the next slot. Raises OSError
+        when the memory directory refuses a write (the slot stays incomplete)."""
+        slot = self._next
+        path = self.slot_dir(slot)
+        layout.begin_write(path)
+        mapped = self._mapping(slot, path, plan)
+        with torch.no_grad():
+            for view, tensor in zip(mapped.views, plan.tensors):
+                view.copy_(local_tensor(tensor))
+        objects = io.BytesIO()
+        torch.save(plan.objects, objects)
+        _write_file(os.path.join(path, layout.OBJECTS), objects.getbuffer())
+        _write_file(os.path.join(path, layout.LOCAL), local)
+        ident = self.identity
+        head = layout.Manifest(
+            job_id=ident.job_id, node_id=ident.node_id, round=ident.round, step=step,
+            rank=ident.rank, world_size=ident.world_size,
+            files={layout.DATA: plan.data_bytes, layout.OBJECTS: objects.getbuffer().nbytes,
+                   layout.LOCAL: len(local)},
+            objects=tuple(plan.objects), written_at=time.time())
+        layout.finish_write(path, manifest_json(head, mapped.tensors_json))
+        self._next = 1 - slot
+        self.written = layout.SlotKey(ident.round, ident.rank, slot)
+        return self.written
+
+    def _mapping(self, slot: int, path: str, plan: SlotPlan) -> _Mapped:
+        """The slot's mapped ``data.bin`` with a view per tensor, made anew when the
+        layout changed."""
+        mapped = self._mapped.get(slot)
+        if mapped is not None and mapped.signature == plan.signature:
+            return mapped
+        self._mapped.pop(slot, None)
+        data_path = os.path.join(path, layout.DATA)
+        fd = os.open(data_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, layout.FILE_MODE)
+        try:
+            os.ftruncate(fd, plan.data_bytes)
+        finally:
+            os.close(fd)
+        data = (torch.from_file(data_path, shared=True, size=plan.data_bytes, dtype=torch.uint8)
+                if plan.data_bytes else torch.empty(0, dtype=torch.uint8))
+        views = [data[i.offset:i.offset + i.nbytes].view(dtype_of(i.dtype)).view(i.shape)
+                 for i in plan.items]
+        tensors_json = json.dumps([i.to_record() for i in plan.items],
+                                  separators=(",", ":")).encode()
+        mapped = _Mapped(plan.signature, views, tensors_json)
+        self._mapped[slot] = mapped
+        return mapped
+
+    def close(self) -> None:
+        """Drop the mappings (the files stay: they are the snapshots)."""
+        self._mapped.clear()
+
+
+_EMPTY_TENSORS = b'"tensors":[]'
+
+
+def manifest_json(head: layout.Manifest, tensors_json: bytes) -> bytes:
+    """``head.to_json()`` with its (empty) tensor list replaced by ``tensors_json``
+    (a JSON list of :meth:`TensorItem.to_record`): the manifest of ``head`` with
+    those tensors, without serializing them again. A key's quotes are the only
+    unescaped ones in JSON, so the key is found exactly."""
+    return head.to_json().replace(_EMPTY_TENSORS, b'"tensors":' + tensors_json, 1)
+
+
+def _write_file(path: str, data: Any) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, layout.FILE_MODE)
+    with open(fd, "wb") as f:
+        f.write(data)
