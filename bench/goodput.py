@@ -1,14 +1,21 @@
-"""Goodput benchmark: elasticd against torchrun under a steady rain of failures.
+"""Goodput benchmark: elasticd with and without its memory tier, and torchrun, under a
+steady rain of failures.
 
 One job, ``examples/ddp.py`` (``examples/common.py``), 2 nodes x 2 workers on this
 machine (two agents, or two torchrun "nodes" on a c10d rendezvous, ``--nnodes 1:2`` for
-both), trains for a fixed wall time (``--duration``, 600 s, counted from the job's first
+all), trains for a fixed wall time (``--duration``, 600 s, counted from the job's first
 step at full size) while faults arrive at random, one per ``--mean-interval`` (30 s) of
 healthy training on average: the gaps between ``--duration / --mean-interval`` uniformly
-random times seeded by ``--seed`` (a Poisson process of that count), worker SIGKILLs and
-node freezes (``--freeze-share`` of them, 1/3, in random order). The same gaps, kinds
-and targets, script, checkpoint interval (``--ckpt-every``) and seed run under elasticd,
-then under torchrun, in one run.
+random times seeded by ``--seed`` (a Poisson process of that count), of four kinds in
+random order: node freezes (``--freeze-share``, 1/3), node deaths (``--node-share``,
+1/6), deaths of both nodes at once (``--pair-share``, 1/12) and worker SIGKILLs (the
+rest). The same gaps, kinds and targets, script, disk checkpoint interval
+(``--ckpt-every``) and seed run under three launchers, one after the other, in one run:
+
+- ``elasticd``: the agents, disk checkpoints only;
+- ``elasticd-memory``: the agents with ``--memory-tier`` (a snapshot in memory every step,
+  or every k steps, replicated to the other node; restored, or resharded, from memory);
+- ``torchrun``.
 
 Faults:
 
@@ -23,6 +30,12 @@ Faults:
   node is thawed at the cap; if it then makes no step within ``--resume-grace`` (20 s)
   the benchmark restarts the whole job (both nodes, from the last checkpoint), as an
   operator would. The whole interval counts as lost.
+- **node**: a node dies: SIGKILL of its launcher and every process below it (its memory
+  tier goes with it). The survivor goes on alone (world 2: under ``elasticd-memory``, the
+  dead node's shards come from their replica on the survivor, resharded), and the node
+  comes back ``--node-down-s`` (10 s) later (world 4 again: a scale-up).
+- **pair**: both nodes die at once (a node and its buddy: nothing in memory survives), and
+  come back at once: every launcher falls back to its disk checkpoint.
 
 The fault clock runs only while the job is healthy: a fault's gap starts when the job
 has recovered from the previous one (every rank stepped since, nothing frozen, back at
@@ -57,7 +70,8 @@ How to run (about 2 x (duration + 1 min); run nothing heavy beside it)::
     .venv/bin/python bench/goodput.py --duration 90 --mean-interval 20   # smoke, ~4 min
     .venv/bin/python bench/goodput.py --only elasticd --json /tmp/goodput.json --keep
 
-Targets (issue 8): goodput >= 90 % under elasticd and strictly above torchrun's.
+Targets: goodput >= 90 % under elasticd and strictly above torchrun's (issue 8); >= 97 %
+under elasticd-memory and above both others (issue 26).
 Every process carries bench/recovery.py's environment tag and is cleaned up the same way.
 """
 
@@ -110,7 +124,7 @@ class Fault:
     """One planned fault and, once injected, what became of it (times are epoch seconds)."""
 
     index: int
-    kind: str  # "kill" or "freeze"
+    kind: str  # one of KINDS
     gap_s: float  # of healthy training before it (after the previous fault's recovery)
     node: int  # index into NODES (drawn; the other node if this one has no worker)
     worker: int  # local index of the worker to kill on that node
@@ -119,24 +133,35 @@ class Fault:
     target: str = ""
     pids: list[int] = field(default_factory=list)
     thawed_at: float | None = None
+    back_at: float | None = None  # a dead node's (or pair's) launchers started again
     recovered_at: float | None = None
     full_size_at: float | None = None
     how: str = ""  # "itself", "thawed at cap", "restarted by the benchmark"
     not_full_logged: bool = False
 
 
-def schedule(seed: int, horizon_s: float, mean_interval_s: float,
-             freeze_share: float) -> list[Fault]:
+KINDS = ("kill", "freeze", "node", "pair")
+LAUNCHERS = ("elasticd", "elasticd-memory", "torchrun")
+# launcher -> (goodput floor, launchers it must beat): issues 8 and 26.
+TARGETS = {"elasticd": (0.90, ("torchrun",)), "elasticd-memory": (0.97, ("elasticd", "torchrun"))}
+
+
+def schedule(seed: int, horizon_s: float, mean_interval_s: float, freeze_share: float,
+             node_share: float = 0.0, pair_share: float = 0.0) -> list[Fault]:
     """round(horizon / mean interval) faults, their gaps those between as many uniformly
     random times in the horizon (a Poisson process given its count: the rate is exact,
-    not itself left to chance), round(count x freeze_share) of them freezes, in random
-    order; the same list for a seed."""
+    not itself left to chance), round(count x share) of them freezes, node deaths and
+    pair deaths, the rest worker kills, in random order; the same list for a seed."""
     rng = random.Random(seed)
     n = max(1, round(horizon_s / mean_interval_s))
     times = sorted(rng.uniform(0, horizon_s) for _ in range(n))
     gaps = [b - a for a, b in zip([0.0, *times], times)]
-    freezes = round(n * freeze_share)
-    kinds = ["freeze"] * freezes + ["kill"] * (n - freezes)
+    counts = {k: round(n * share) for k, share in
+              (("freeze", freeze_share), ("node", node_share), ("pair", pair_share))}
+    if sum(counts.values()) > n:
+        raise BenchError(f"the fault shares add up to more than the {n} faults planned")
+    kinds = [k for k, c in counts.items() for _ in range(c)]
+    kinds += ["kill"] * (n - len(kinds))
     rng.shuffle(kinds)
     return [Fault(i, kind, round(gap, 3), rng.randrange(2), rng.randrange(2))
             for i, (gap, kind) in enumerate(zip(gaps, kinds))]
@@ -264,49 +289,72 @@ class GoodputRun(Run):
         self.ckpt_dir = os.path.join(self.dir, "ckpt")
         os.makedirs(self.ckpt_dir)
         self.generation = 0
+        self.current: list = [None] * len(NODES)  # each node's launcher; None while dead
 
     def script_args(self, script: str = SCRIPT) -> list[str]:
         a = self.bench.args
         args = [SCRIPT, "--steps", "1000000000", "--step-time", str(a.step_time),
                 "--progress-file", self.progress.path, "--ckpt-every", str(a.ckpt_every),
                 "--seed", str(a.seed)]
-        if self.bench.launcher == "torchrun":  # elasticd passes it to its workers itself
+        if not self.bench.agents:  # elasticd passes it to its workers itself
             args += ["--checkpoint-dir", self.ckpt_dir]
         return args
 
     def start_job(self) -> None:
         """Both nodes' launchers (a first: it leads, or hosts the rendezvous)."""
-        a = self.bench.args
-        self.generation += 1
-        names = [f"{n}{self.generation}" for n in NODES]
-        if self.bench.launcher == "elasticd":
+        if self.bench.agents:
             if self.etcd is None:
                 self.etcd = EtcdServer().start()
                 self.job = new_job_id()
-            common = ["--etcd", self.etcd.endpoint, "--job-id", self.job, "--nnodes", "1:2",
-                      "--nproc-per-node", "2", "--max-restarts", "1000000",
-                      "--lease-ttl", f"{a.lease_ttl:g}", "--checkpoint-dir", self.ckpt_dir,
-                      "--scale-up-wait", f"{a.scale_up_wait:g}"]
-            first = self.elasticd(names[0], [*common, "--node-id", NODES[0]])
+        else:
+            self.rdzv = (free_port(), new_job_id())
+        first = self.start_node(0)
+        if self.bench.agents:
             try:
-                wait_for("node a to lead", lambda: first.find(r"node a round \d+: elected leader"), 30,
-                         0.05)
+                wait_for("node a to lead", lambda: first.find(r"node a round \d+: elected leader"),
+                         30, 0.05)
             except BenchError:
                 pass  # a restarted job may find b's old lease still leading
-            self.elasticd(names[1], [*common, "--node-id", NODES[1]], node=1)
         else:
-            port = free_port()
-            common = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                      "--rdzv-id", new_job_id(), "--nnodes", "1:2", "--nproc-per-node", "2",
-                      "--max-restarts", "1000000", "--local-addr", "127.0.0.1"]
-            env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-            self.torchrun(names[0], [*common, "--rdzv-conf", "is_host=1"], env)
             time.sleep(0.5)
-            self.torchrun(names[1], [*common, "--rdzv-conf", "is_host=0"], env, node=1)
+        self.start_node(1)
+
+    def start_node(self, node: int):
+        """Node ``node``'s launcher, of this job generation (again, after it died)."""
+        a = self.bench.args
+        self.generation += 1
+        name = f"{NODES[node]}{self.generation}"
+        if self.bench.agents:
+            opts = ["--etcd", self.etcd.endpoint, "--job-id", self.job, "--nnodes", "1:2",
+                    "--nproc-per-node", "2", "--max-restarts", "1000000",
+                    "--lease-ttl", f"{a.lease_ttl:g}", "--checkpoint-dir", self.ckpt_dir,
+                    "--scale-up-wait", f"{a.scale_up_wait:g}", "--node-id", NODES[node]]
+            if self.bench.launcher == "elasticd-memory":
+                opts.append("--memory-tier")
+            launcher = self.elasticd(name, opts, node=node)
+        else:
+            port, job = self.rdzv
+            opts = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                    "--rdzv-id", job, "--nnodes", "1:2", "--nproc-per-node", "2",
+                    "--max-restarts", "1000000", "--local-addr", "127.0.0.1",
+                    "--rdzv-conf", f"is_host={1 if node == 0 else 0}"]
+            launcher = self.torchrun(name, opts, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+                                     node=node)
+        self.current[node] = launcher
+        return launcher
+
+    def kill_node(self, node: int) -> list[int]:
+        """SIGKILL node ``node``'s launcher and every process below it: the machine died."""
+        launcher = self.current[node]
+        pids = [launcher.pid, *descendants(launcher.pid)]
+        self.killed.add(launcher.name)
+        signal_all(pids, signal.SIGKILL, groups=True)
+        self.current[node] = None
+        return pids
 
     def nodes(self) -> list:
-        """The current launchers, node a's first."""
-        return self.launchers[-2:]
+        """The launchers of the nodes now alive, node a's first."""
+        return [ln for ln in self.current if ln is not None]
 
     def stop_job(self) -> None:
         """Thaw, SIGTERM the launchers, SIGKILL what is left (not etcd)."""
@@ -437,10 +485,21 @@ class Chaos:
             os.kill(victim, signal.SIGKILL)
             f.pids = [victim]
             f.target = f"node {NODES[node]} worker pid {victim}"
-        else:
+        elif f.kind == "freeze":
             f.injected_at = time.time()
             f.pids = self.freeze(nodes[node].pid)
             f.target = f"node {NODES[node]} ({len(f.pids)} processes)"
+        elif f.kind == "node":
+            f.injected_at = time.time()
+            f.pids = self.run.kill_node(node)
+            f.node = node
+            f.target = f"{NODES[node]} ({len(f.pids)} processes)"
+        else:
+            f.injected_at = time.time()
+            f.pids = [p for n in range(len(NODES)) for p in self.run.kill_node(n)]
+            f.target = f"nodes {' and '.join(NODES)} ({len(f.pids)} processes)"
+            self.run.start_job()  # replacement machines, at once
+            f.back_at = time.time()
         f.at_s = round(f.injected_at - self.t_start, 2)
         self.active = f
         self.event(f.injected_at)
@@ -476,6 +535,14 @@ class Chaos:
                 f.how = f.how or "itself"
                 self.log(f"fault {f.index}: first step after {r['t'] - f.injected_at:.2f} s "
                          f"(world {r['world']}, {f.how})")
+        if f.kind == "node" and f.back_at is None:
+            if now - f.injected_at >= a.node_down_s:
+                self.run.start_node(f.node)
+                f.back_at = now
+                self.event(now)
+                self.log(f"fault {f.index}: node {NODES[f.node]} is back")
+            elif f.recovered_at is not None:
+                return  # the survivor trains alone until the node is back
         if self.run.frozen:
             since = now - f.injected_at
             if since >= a.hang_cap:
@@ -497,7 +564,7 @@ class Chaos:
             return
         r = self.track.last0
         full = r["world"] == 4 and r["t"] > self.last_event
-        if full and f.full_size_at is None and f.kind == "freeze":
+        if full and f.full_size_at is None and f.kind in ("freeze", "node"):
             f.full_size_at = r["t"]
         if full or now - self.last_event >= a.rejoin_wait:
             if not full and not f.not_full_logged:
@@ -530,6 +597,8 @@ class Chaos:
             raise BenchError(f"gave up after {self.args.max_job_restarts} restarts of the "
                              f"job; the last because {why}")
         self.log(f"restarting the job: {why}")
+        if self.active is not None and self.active.back_at is None:
+            self.active.back_at = now  # the restart brings every node back
         self.run.stop_job()
         self.restarted_at = time.time()
         self.event(self.restarted_at)
@@ -578,6 +647,11 @@ class Bench(BenchBase):
         super().__init__(args, "bench-goodput-")
         self.launcher = ""
 
+    @property
+    def agents(self) -> bool:
+        """Whether the launcher now running is elasticd (with or without its memory tier)."""
+        return self.launcher.startswith("elasticd")
+
 
 def _stats(values: list[float]) -> dict | None:
     if not values:
@@ -589,7 +663,7 @@ def _stats(values: list[float]) -> dict | None:
 def summarize(r: dict) -> dict:
     """Per fault kind: count, recoveries, lost work."""
     kinds = {}
-    for kind in ("kill", "freeze"):
+    for kind in KINDS:
         fs = [f for f in r["faults"] if f["kind"] == kind]
         rec = [f["recovered_at"] - f["injected_at"] for f in fs if f["recovered_at"]]
         lost = [r["lost_by_fault"].get(f["index"], [0, 0.0]) for f in fs]
@@ -615,16 +689,18 @@ def _how(kind: dict) -> str:
 def render(results: dict) -> str:
     meta, runs = results["meta"], results["runs"]
     a = meta["args"]
-    out = [f"goodput under failures: elasticd vs torchrun ({meta['host']}, {meta['cpus']} cpus, "
+    out = [f"goodput under failures ({meta['host']}, {meta['cpus']} cpus, "
            f"torch {meta['torch']}, load avg {meta['loadavg_start']:.1f} at start, "
            f"{meta.get('loadavg_end', 0):.1f} at end)",
            f"ddp.py 2 nodes x 2 workers, --step-time {a['step_time']:g}, --ckpt-every "
            f"{a['ckpt_every']}; {a['duration']:g} s from the first step at world 4; faults every "
-           f"{a['mean_interval']:g} s on average (seed {a['seed']}, freeze share "
-           f"{a['freeze_share']:.2f}); elasticd --lease-ttl {a['lease_ttl']:g} --scale-up-wait "
+           f"{a['mean_interval']:g} s on average (seed {a['seed']}, shares: freeze "
+           f"{a['freeze_share']:.2f}, node {a.get('node_share', 0):.2f}, pair "
+           f"{a.get('pair_share', 0):.2f}; a dead node is back after {a.get('node_down_s', 0):g} "
+           f"s); elasticd --lease-ttl {a['lease_ttl']:g} --scale-up-wait "
            f"{a.get('scale_up_wait', 0):g}; freeze >= "
            f"{a['freeze_s']:g} s, hang cap {a['hang_cap']:g} s"]
-    names = [n for n in ("elasticd", "torchrun") if n in runs]
+    names = [n for n in LAUNCHERS if n in runs]
     w = 34
     out.append("")
     out.append(f"  {'':<{w}}" + "".join(f"{n:>26}" for n in names))
@@ -647,7 +723,7 @@ def render(results: dict) -> str:
                                                    f"{r['other_s']:.0f}")
     row("median step, start-up", lambda r: f"{r['median_step_s']:.3f} s, {r['startup_s']:.0f} s")
     row("load avg at start / end", lambda r: f"{r['loadavg'][0]:.1f} / {r['loadavg'][1]:.1f}")
-    for kind in ("kill", "freeze"):
+    for kind in KINDS:
         row(f"{kind}: faults", lambda r, k=kind: r["kinds"][k]["n"])
         row(f"{kind}: lost work per fault", lambda r, k=kind: (
             f"{r['kinds'][k]['lost_steps_per_fault']} st, {r['kinds'][k]['lost_s_per_fault']} s"))
@@ -655,18 +731,26 @@ def render(results: dict) -> str:
             f"{r['kinds'][k]['recovery']['median']:.1f} / {r['kinds'][k]['recovery']['worst']:.1f}"
             " s" if r['kinds'][k]['recovery'] else "-"))
         row(f"{kind}: recovered how", lambda r, k=kind: _how(r["kinds"][k]))
-    row("freeze: back at world 4 med/worst", lambda r: (
-        f"{r['kinds']['freeze']['full_size']['median']:.1f} / "
-        f"{r['kinds']['freeze']['full_size']['worst']:.1f} s"))
+    for kind in ("freeze", "node"):
+        row(f"{kind}: back at world 4 med/worst", lambda r, k=kind: (
+            f"{r['kinds'][k]['full_size']['median']:.1f} / "
+            f"{r['kinds'][k]['full_size']['worst']:.1f} s"))
     row("lost work per failure (all)", lambda r: (
         f"{r['lost_steps'] / len(r['faults']):.1f} st, {r['lost_s'] / len(r['faults']):.2f} s"))
     row("restarts by the benchmark", lambda r: len(r["interventions"]))
     g = {n: runs[n].get("goodput") for n in names}
-    if all(g.get(n) for n in ("elasticd", "torchrun")):
-        out.append(f"  goodput ratio elasticd / torchrun: {g['elasticd'] / g['torchrun']:.2f}")
-    if g.get("elasticd") is not None:
-        ok = g["elasticd"] >= 0.90 and (g.get("torchrun") is None or g["elasticd"] > g["torchrun"])
-        out.append(f"  target (elasticd >= 90 % and above torchrun): {'met' if ok else 'NOT met'}")
+    for top, other in (("elasticd", "torchrun"), ("elasticd-memory", "elasticd"),
+                       ("elasticd-memory", "torchrun")):
+        if g.get(top) and g.get(other):
+            out.append(f"  goodput ratio {top} / {other}: {g[top] / g[other]:.2f}")
+    for top, (floor, above) in TARGETS.items():
+        if g.get(top) is None:
+            continue
+        beaten = [n for n in above if g.get(n) is not None]
+        ok = g[top] >= floor and all(g[top] > g[n] for n in beaten)
+        out.append(f"  target ({top} >= {100 * floor:.0f} %"
+                   + (f" and above {' and '.join(beaten)}" if beaten else "")
+                   + f"): {'met' if ok else 'NOT met'}")
     for n in names:
         r = runs[n]
         if r.get("error"):
@@ -696,7 +780,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="fault schedule and ddp.py --seed (0)")
     ap.add_argument("--freeze-share", type=float, default=1 / 3,
                     help="share of faults that are node freezes, the rest worker kills (1/3)")
-    ap.add_argument("--only", choices=["elasticd", "torchrun"], action="append",
+    ap.add_argument("--node-share", type=float, default=1 / 6,
+                    help="share of faults that kill a node, back after --node-down-s (1/6)")
+    ap.add_argument("--pair-share", type=float, default=1 / 12,
+                    help="share of faults that kill both nodes at once, back at once (1/12)")
+    ap.add_argument("--node-down-s", type=float, default=10.0,
+                    help="a dead node's launcher starts again this long after it died (10)")
+    ap.add_argument("--only", choices=list(LAUNCHERS), action="append",
                     help="run only this launcher (repeatable)")
     ap.add_argument("--step-time", type=float, default=0.05, help="ddp.py --step-time (0.05)")
     ap.add_argument("--ckpt-every", type=int, default=20, help="ddp.py --ckpt-every (20)")
@@ -727,7 +817,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.freeze_s is None:
         args.freeze_s = args.lease_ttl + 3.0
     bench = Bench(args)
-    faults = schedule(args.seed, args.duration, args.mean_interval, args.freeze_share)
+    faults = schedule(args.seed, args.duration, args.mean_interval, args.freeze_share,
+                      args.node_share, args.pair_share)
     results: dict = {"meta": {
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "host": platform.node(), "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()[0],
@@ -741,9 +832,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.log(f"scratch {bench.scratch}; {len(faults)} faults planned "
               f"({sum(f.kind == 'freeze' for f in faults)} freezes)")
     try:
-        for name in args.only or ["elasticd", "torchrun"]:
+        for name in args.only or list(LAUNCHERS):
             bench.launcher = name
-            fresh = schedule(args.seed, args.duration, args.mean_interval, args.freeze_share)
+            fresh = schedule(args.seed, args.duration, args.mean_interval, args.freeze_share,
+                             args.node_share, args.pair_share)
             r = run_launcher(bench, fresh)
             if not r.get("error"):
                 r["kinds"] = summarize(r)
