@@ -46,7 +46,8 @@ from elastic.rendezvous.api import Round
 def worker_envs(round_: Round, node_id: str, *, job_id: str, restart_count: int,
                 max_restarts: int, agent_socket: str, checkpoint_dir: str | None,
                 hang_timeout_s: float, lease_ttl_s: float = 0.0,
-                role: str = "default", heartbeat_socket: str = "") -> list[dict[str, str]]:
+                role: str = "default", heartbeat_socket: str = "",
+                memory_dir: str | None = None) -> list[dict[str, str]]:
     """The environment of each local worker of ``node_id`` in ``round_``, by local rank
     (torchrun's variables are those of the module docstring; elasticd's own,
     those of :mod:`elastic.worker_env`).
@@ -83,6 +84,8 @@ def worker_envs(round_: Round, node_id: str, *, job_id: str, restart_count: int,
         common[worker_env.HEARTBEAT_SOCKET] = heartbeat_socket
     if checkpoint_dir:
         common[worker_env.CHECKPOINT_DIR] = checkpoint_dir
+    if memory_dir:
+        common[worker_env.MEMORY_DIR] = memory_dir
     envs = []
     for local_rank in range(me.nproc):
         rank = first_rank + local_rank

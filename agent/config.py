@@ -49,6 +49,7 @@ from agent.config_file import read_file
 from agent.console import ConsoleFilter, Streams, parse_local_ranks, parse_streams
 from agent.devices import SYSTEM_DEVICES, HostDevices, parse_nproc_per_node, resolve_nproc
 from agent.gpu_health import GPU_CHECK_MODES, GpuExpectation, expected_gpus
+from agent.memory_tier import DEFAULT_ROOT as DEFAULT_MEMORY_ROOT
 from agent.netaddr import SYSTEM_NETWORK, HostNetwork, choose_advertise_addr
 from agent.reactor import Settings
 from agent.supervisor import Entrypoint
@@ -170,6 +171,25 @@ def _names(name: str, raw: Any) -> tuple[str, ...]:
     else:
         raise ConfigError(f"--{name} {raw!r}: expected names separated by commas")
     return tuple(item.strip() for item in items if item.strip())
+
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _size(name: str, raw: Any) -> int:
+    """Bytes: a whole number with an optional binary unit K, M, G or T (``8G``)."""
+    text = str(raw).strip().upper().removesuffix("IB").removesuffix("B")
+    unit = text[-1:] if text[-1:] in _SIZE_UNITS else ""
+    number = text[:len(text) - len(unit)]
+    if not (number.isascii() and number.isdigit()) or len(number) > 15:
+        raise ConfigError(f"--{name} {raw!r}: expected a size in bytes, e.g. 8G, 512M or 0")
+    return int(number) * _SIZE_UNITS[unit]
+
+
+def _rack(name: str, raw: Any) -> str:
+    """A rack's name: an id's characters (it is compared, logged and shown)."""
+    text = _text(name, raw).strip()
+    return validate_id("rack", text) if text else ""
 
 
 def _readable_file(name: str, raw: Any) -> str:
@@ -348,6 +368,21 @@ OPTIONS = [
     Option("redirects", parse_streams, Streams(),
            "keep worker output off the console (it still goes to the rank logs): 0 none, "
            "1 stdout, 2 stderr, 3 both, or per local rank, e.g. 0:3,1:2", "SPEC", short="-r"),
+    Option("memory-tier", _flag, False,
+           "stage each worker's snapshots in host memory this agent owns (--memory-root), "
+           "replicate them to a buddy node and free them when the job or the agent ends "
+           "(docs/operations.md)", is_flag=True, field="memory_tier"),
+    Option("memory-root", _absolute_path, DEFAULT_MEMORY_ROOT,
+           "the tmpfs (or ramfs) the memory tier lives on: <root>/elastic-<uid>/<job>/<node>/",
+           "DIR", field="memory_root"),
+    Option("memory-min-free", _size, 1 << 30,
+           "with --memory-tier, warn at start when the memory root or this agent's memory "
+           "cgroup has less room than this (K, M, G, T: binary units)", "SIZE",
+           field="memory_min_free_bytes"),
+    Option("rack", _rack, "",
+           "where this node sits (a rack, a switch, a zone): the memory tier replicates "
+           "each node's snapshots to a node of another rack when it can", "NAME",
+           field="rack"),
     Option("local-ranks-filter", parse_local_ranks, None,
            "copy only these local ranks' output to the console, e.g. 0 or 0,1 (every rank's "
            "output still goes to its log)", "RANKS"),
@@ -410,6 +445,11 @@ class AgentConfig:
     # nothing unless they ask.
     gpu_check: str = "off"
     gpu_expectation: GpuExpectation = GpuExpectation()
+    # The memory tier (agent.memory_tier): on, where, the room warned below.
+    memory_tier: bool = False
+    memory_root: str = DEFAULT_MEMORY_ROOT
+    memory_min_free_bytes: int = 1 << 30
+    rack: str = ""
 
     def rendezvous(self) -> RendezvousConfig:
         """The rendezvous' settings (:class:`elastic.rendezvous.config.RendezvousConfig`)."""

@@ -38,6 +38,7 @@ from agent.health import PeerHealth, WorkerTable, hung_workers, last_sign_of_lif
 from agent.health import next_hang_verdict_at
 from agent.intents import DrainKey, Intents
 from agent.lifecycle import AgentState, Lifecycle, check_path
+from agent.memory_node import MemoryTier
 from agent.logsetup import LogSetup, keep_secrets
 from agent.metrics import NO_METRICS, AgentMetrics, NoMetrics
 from agent.nvml import NvmlReader
@@ -133,8 +134,10 @@ class Agent:
                  peers: PeerMesh, *, inbox: queue.Queue, socket_path: str = "",
                  heartbeat_socket: str = "", clock: Clock = SYSTEM_CLOCK,
                  notifier: SystemdNotifier | None = None, metrics: NoMetrics = NO_METRICS,
-                 gpus: GpuReader = NO_GPU_READER, sleep: Callable[[float], None] = time.sleep):
+                 gpus: GpuReader = NO_GPU_READER, sleep: Callable[[float], None] = time.sleep,
+                 memory: MemoryTier | None = None):
         self.config = config
+        self.memory = memory  # the memory tier (--memory-tier), None when off
         self.metrics = metrics
         self.store = store
         self.rdzv = rendezvous
@@ -167,6 +170,8 @@ class Agent:
         self._last_tick: tuple[reactor.Tick, float] | None = None  # and when it was measured
         metrics.count_workers_with(lambda: [w.state for w in self.status_record().workers]
                                    if self.view.running_round else [])
+        if memory is not None:
+            metrics.watch_memory_tier(memory.status)
         self.notifier = notifier or SystemdNotifier(environ={})
         self._last_pass = clock.monotonic()
 
@@ -191,11 +196,13 @@ class Agent:
                              liveness=lambda: not built or built[0].loop_alive(),
                              tls=config.tls, probe_listen=config.probe_listen)
         server.start()
+        memory = _open_memory_tier(config, built, clock)
         peers = GrpcPeerMesh(config.tls)
         host = config.advertise_addr
         addr = str(HostPort(host, HostPort.parse(server.address).port))
         info = NodeInfo(node_id=config.node_id, host=host, nproc=config.nproc_per_node,
-                        addr=addr, master_port=free_port(host), version=__version__)
+                        addr=addr, master_port=free_port(host), version=__version__,
+                        rack=config.rack)
         rendezvous = RendezvousNode(
             store, config.rendezvous(), info, clock=clock,
             on_round=lambda _r: inbox.put(RoundChanged()),
@@ -215,7 +222,8 @@ class Agent:
                          socket_path=files.socket_path,
                          heartbeat_socket=server.heartbeat_socket or "", clock=clock,
                          notifier=notifier, metrics=metrics,
-                         gpus=NvmlReader() if config.gpu_check != "off" else NO_GPU_READER))
+                         gpus=NvmlReader() if config.gpu_check != "off" else NO_GPU_READER,
+                         memory=memory))
         return built[0]
 
     # ------------------------------------------------------------ running
@@ -334,10 +342,13 @@ class Agent:
 
     def status_record(self) -> StatusRecord:
         """This agent's status as published (any thread)."""
-        return status_of(self.config.node_id, self.lifecycle.published, self.view,
-                         self.workers.snapshot(),
-                         {w.local_rank: w.pid for w in self.supervisor.workers()},
-                         self.clock.monotonic())
+        record = status_of(self.config.node_id, self.lifecycle.published, self.view,
+                           self.workers.snapshot(),
+                           {w.local_rank: w.pid for w in self.supervisor.workers()},
+                           self.clock.monotonic())
+        if self.memory is None:
+            return record
+        return dataclasses.replace(record, memory_tier=self.memory.status())
 
     def _react(self, event: reactor.Event) -> None:
         """React to ``event``: the transitions checked before any command is
@@ -430,7 +441,8 @@ class Agent:
                            heartbeat_socket=self.heartbeat_socket,
                            checkpoint_dir=self.config.checkpoint_dir,
                            hang_timeout_s=self.config.hang_timeout_s,
-                           lease_ttl_s=self.config.lease_ttl_s, role=self.config.role)
+                           lease_ttl_s=self.config.lease_ttl_s, role=self.config.role,
+                           memory_dir=self.memory.path if self.memory else None)
         self.workers.reset([int(env["RANK"]) for env in envs], self.clock.monotonic())
         self.supervisor.start_round(r.number, envs)
         self.server.set_serving(True)
@@ -449,8 +461,26 @@ class Agent:
         self.supervisor.shutdown()
         self.rdzv.stop()
         self.server.stop()
+        if self.memory is not None:
+            self.memory.close()  # no snapshot outlives the agent (the job's end included)
         self.metrics.close()
         self.gpus.close()
+
+
+def _open_memory_tier(config: agent_config.AgentConfig, built: list["Agent"],
+                      clock: Clock) -> MemoryTier | None:
+    """The node's memory tier with --memory-tier (None without); it reads the
+    agent's view, once the agent is built. Raises ConfigError."""
+    if not config.memory_tier:
+        return None
+    return MemoryTier.open(
+        root=config.memory_root, job_id=config.job_id, node_id=config.node_id,
+        nproc=config.nproc_per_node, min_free_bytes=config.memory_min_free_bytes,
+        tls=config.tls, round_of=lambda: built[0].view.round if built else None,
+        workers_running=lambda: bool(built and built[0].view.running_round),
+        logger=JobLogger(logging.getLogger("elasticd"), config.job_id, config.node_id,
+                         lambda: built[0].view.round_number if built else 0),
+        clock=clock)
 
 
 def _exit_event(e: WorkerExit) -> reactor.WorkerExited:

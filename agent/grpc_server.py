@@ -12,7 +12,7 @@
   restart the job: the server says so once, as a warning, at start;
 * on ``probe_listen`` (optional, plain text): the same health service and a
   read-only ``elastic.v1.Agent`` (Status; StoreHealth without its fencing
-  signal; Drain and RequestRestart refused with PERMISSION_DENIED), for
+  signal; Drain, RequestRestart and Replicate refused with PERMISSION_DENIED), for
   Kubernetes' gRPC probes, which cannot speak TLS (why it is not one TLS
   endpoint that asks for client certificates without requiring them: see
   :mod:`agent.tls`);
@@ -139,6 +139,12 @@ class AgentControl(Protocol):
     def store_health(self, asker_has_store: bool, asker: str) -> tuple[bool, float, bool]:
         """Whether etcd confirmed this agent's lease recently: (reachable, seconds
         since, workers running). ``asker_has_store``: the asker reaches etcd."""
+        ...
+
+    def replicate(self, request: agent_pb2.AgentReplicateRequest) -> int:
+        """Apply one part of a buddy's memory-tier snapshot; returns the bytes
+        left free on the memory root. Raises InvalidRequestError for input it
+        refuses, FencedError for a sender that is no member of the round."""
         ...
 
 
@@ -312,6 +318,16 @@ class _AgentServicer(agent_pb2_grpc.AgentServicer):
                                               has_store, cap_text(request.asker, 128))
         return agent_pb2.AgentStoreHealthResponse(reachable=reachable, confirmed_age_s=age,
                                                   workers_running=running)
+
+    def Replicate(self, request, context):  # noqa: N802
+        # It writes into this node's memory: taken only from whoever may use
+        # control here (a peer's verified certificate under mutual TLS).
+        refusal = control_refusal(self._access, verified_client(context), "Replicate")
+        if refusal is not None:
+            logger.warning("The agent refused Replicate from %s: %s.", context.peer(), refusal)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
+        free = _serve_call(context, "Replicate", self._control.replicate, request)
+        return agent_pb2.AgentReplicateResponse(free_bytes=free)
 
 
 class _WorkerChannelServicer(agent_pb2_grpc.WorkerChannelServicer):

@@ -66,6 +66,7 @@ from agent import reactor
 from agent.gpu_health import PROBLEMS as GPU_PROBLEMS
 from agent.gpu_health import GpuAction
 from agent.lifecycle import AgentState
+from agent.status_record import MemoryTierRow
 from elastic.errors import ConfigError
 from elastic.hostport import HostPort
 from elastic.joblog import JobLogger
@@ -123,6 +124,9 @@ class NoMetrics:
         """``states()`` lists the state of each worker of this node (any
         thread), read at every scrape."""
 
+    def watch_memory_tier(self, status: Callable[[], MemoryTierRow]) -> None:
+        """``status()`` is the memory tier's state (any thread), read at every scrape."""
+
     def serve(self, host: str, port: int) -> str:
         """Serve the metrics over HTTP; returns the URL. Nothing to serve here."""
         return ""
@@ -142,7 +146,7 @@ class AgentMetrics(NoMetrics):
         self.node_id = node_id
         self.registry = registry if registry is not None else CollectorRegistry()
         self._log = JobLogger(log, job_id, node_id)
-        ids = (job_id, node_id)
+        ids = self._ids = (job_id, node_id)
         r = self.registry
         self._rounds_started = _series(r, ids, Counter, "elasticd_rounds_started",
                                        "Rounds this node started workers in.")
@@ -310,6 +314,9 @@ class AgentMetrics(NoMetrics):
     def count_workers_with(self, states: Callable[[], Iterable[str]]) -> None:
         self._states_source = states
 
+    def watch_memory_tier(self, status: Callable[[], MemoryTierRow]) -> None:
+        self.registry.register(_MemoryTierCollector(self._ids, status))
+
     # ------------------------------------------------------------ serving
 
     def serve(self, host: str, port: int) -> str:
@@ -364,3 +371,40 @@ class _WorkersCollector:
     def describe(self):
         # Without this, registering would call collect() (and the agent) at once.
         yield GaugeMetricFamily(self._name, self._documentation, labels=_LABELS + ("state",))
+
+
+class _MemoryTierCollector:
+    """The memory tier's series, read from the agent at each scrape:
+    ``elasticd_memory_tier_bytes{kind=own|replica}``, the need, the
+    replication rate and how many steps the buddy's copy trails."""
+
+    def __init__(self, ids: tuple[str, str], status: Callable[[], MemoryTierRow]):
+        self._ids = ids
+        self._status = status
+
+    def _families(self, row: MemoryTierRow | None):
+        held = GaugeMetricFamily("elasticd_memory_tier_bytes",
+                                 "Bytes of memory-tier snapshots held on this node, by kind.",
+                                 labels=_LABELS + ("kind",))
+        need = GaugeMetricFamily("elasticd_memory_tier_need_bytes",
+                                 "The most the memory tier may hold on this node: twice the "
+                                 "own snapshot plus twice the replica.", labels=_LABELS)
+        rate = GaugeMetricFamily("elasticd_memory_replication_bytes_per_second",
+                                 "Bytes per second of the recent replications to the buddy.",
+                                 labels=_LABELS)
+        lag = GaugeMetricFamily("elasticd_memory_replication_lag_steps",
+                                "Steps the buddy's copy trails this node's newest snapshot.",
+                                labels=_LABELS)
+        if row is not None:
+            held.add_metric([*self._ids, "own"], row.own_bytes)
+            held.add_metric([*self._ids, "replica"], row.replica_bytes)
+            need.add_metric(list(self._ids), row.need_bytes)
+            rate.add_metric(list(self._ids), row.replication_bytes_per_s)
+            lag.add_metric(list(self._ids), row.lag_steps)
+        return [held, need, rate, lag]
+
+    def collect(self):
+        yield from self._families(self._status())
+
+    def describe(self):
+        yield from self._families(None)

@@ -18,6 +18,7 @@ from typing import Protocol
 from agent import grpc_input, reactor
 from agent.config import AgentConfig
 from agent.health import WorkerTable
+from agent.memory_node import MemoryTier
 from agent.metrics import NoMetrics
 from agent.status_record import StatusRecord
 from elastic import __version__
@@ -46,6 +47,9 @@ class Served(Protocol):
     rdzv: RendezvousNode
 
     def status_record(self) -> StatusRecord: ...
+
+    @property
+    def memory(self) -> MemoryTier | None: ...
 
 
 class WorkerChannel:
@@ -144,6 +148,15 @@ class AgentService:
                                  interval_s=a.config.operator_restart_interval_s,
                                  now=a.clock.wall())
         return True, number
+
+    def replicate(self, request: agent_pb2.AgentReplicateRequest) -> int:
+        """A buddy's part of a memory-tier snapshot (:mod:`agent.memory_receiver`);
+        InvalidRequestError when this agent runs without --memory-tier."""
+        memory = self._agent.memory
+        if memory is None:
+            raise InvalidRequestError(f"Replicate: node {self._agent.config.node_id} runs "
+                                      "without --memory-tier")
+        return memory.receive(request)
 
     def store_health(self, asker_has_store: bool = False, asker: str = ""
                      ) -> tuple[bool, float, bool]:

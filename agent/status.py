@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from agent.gpu_health import EVENT_KINDS as GPU_EVENT_KINDS
 from agent.gpu_health import GpuAction
-from agent.status_record import StatusRecord
+from agent.status_record import MemoryTierRow, StatusRecord
 from elastic.checkpoint.etcd_log import decode_latest
 from elastic.errors import MalformedRecordError
 from elastic.events import Event
@@ -261,6 +261,8 @@ def render(status: dict, now: float | None = None) -> str:
         out.append("")
         out.append(table(["NODE", "RANK", "ROLE", "STATE", "HOST", "WORKERS", "STEP", "RATE",
                           "RESTARTS", "LAST FAILURE"], rows))
+        out.extend(MemoryTierRow(**n["agent"]["memory_tier"]).line(n["node_id"])
+                   for n in status["nodes"] if (n["agent"] or {}).get("memory_tier"))
     else:
         out.append("no nodes registered")
     for g in status.get("gpu_checks", []):

@@ -15,6 +15,7 @@ printable and capped, so that a record anyone wrote renders without surprises.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -74,6 +75,91 @@ class WorkerRow:
 
 
 @dataclass(frozen=True)
+class MemoryTierRow:
+    """The memory tier on a node (``--memory-tier``): what it holds, whom it
+    replicates to, how far its buddy's copy trails, and the most it may need
+    (``need_bytes``: twice its own snapshot plus twice the replica it holds)."""
+
+    own_bytes: int = 0
+    own_slots: int = 0
+    replica_bytes: int = 0
+    replica_slots: int = 0
+    replica_source: str = ""
+    buddy: str = ""
+    newest_own_step: int = -1
+    acked_step: int = -1
+    lag_steps: int = 0
+    need_bytes: int = 0
+    replication_bytes_per_s: float = 0.0
+    free_bytes: int = 0
+
+    @classmethod
+    def from_dict(cls, key: str, obj: Any) -> "MemoryTierRow":
+        """The ``memory_tier`` object of the record at ``key``; MalformedRecordError
+        naming the field."""
+        if not isinstance(obj, dict):
+            raise MalformedRecordError(key, "field 'memory_tier' is not an object")
+        named = {f"memory_tier.{name}": value for name, value in obj.items()}
+
+        def count(name: str, low: int = 0) -> int:
+            return int_field(key, named, f"memory_tier.{name}", low, default=low)
+
+        return cls(own_bytes=count("own_bytes"), own_slots=count("own_slots"),
+                   replica_bytes=count("replica_bytes"), replica_slots=count("replica_slots"),
+                   replica_source=text_field(key, named, "memory_tier.replica_source",
+                                             limit=_NODE_ID_CHARS),
+                   buddy=text_field(key, named, "memory_tier.buddy", limit=_NODE_ID_CHARS),
+                   newest_own_step=count("newest_own_step", -1),
+                   acked_step=count("acked_step", -1), lag_steps=count("lag_steps"),
+                   need_bytes=count("need_bytes"),
+                   replication_bytes_per_s=_number(key, named,
+                                                   "memory_tier.replication_bytes_per_s"),
+                   free_bytes=count("free_bytes"))
+
+    def to_pb(self) -> agent_pb2.MemoryTierStatus:
+        return agent_pb2.MemoryTierStatus(**dataclasses.asdict(self))
+
+    @classmethod
+    def from_pb(cls, m: agent_pb2.MemoryTierStatus) -> "MemoryTierRow":
+        """The row an agent sent, its text made printable and capped, its numbers
+        clamped to what can be true."""
+        rate = m.replication_bytes_per_s
+        return cls(own_bytes=max(0, m.own_bytes), own_slots=max(0, m.own_slots),
+                   replica_bytes=max(0, m.replica_bytes),
+                   replica_slots=max(0, m.replica_slots),
+                   replica_source=cap_text(m.replica_source, _NODE_ID_CHARS),
+                   buddy=cap_text(m.buddy, _NODE_ID_CHARS),
+                   newest_own_step=max(-1, m.newest_own_step),
+                   acked_step=max(-1, m.acked_step), lag_steps=max(0, m.lag_steps),
+                   need_bytes=max(0, m.need_bytes),
+                   replication_bytes_per_s=rate if math.isfinite(rate) and rate > 0 else 0.0,
+                   free_bytes=max(0, m.free_bytes))
+
+    def line(self, node_id: str) -> str:
+        """One line for ``elasticctl status``."""
+        acked = str(self.acked_step) if self.acked_step >= 0 else "none"
+        newest = str(self.newest_own_step) if self.newest_own_step >= 0 else "none"
+        held = (f"{human_bytes(self.replica_bytes)} in {self.replica_slots} slots of "
+                f"{self.replica_source}" if self.replica_source else
+                f"{human_bytes(self.replica_bytes)} in {self.replica_slots} slots")
+        return (f"memory tier {node_id}: own {human_bytes(self.own_bytes)} in "
+                f"{self.own_slots} slots (newest step {newest}), replicas {held}; buddy "
+                f"{self.buddy or 'none'} has step {acked} (lag {self.lag_steps}, "
+                f"{human_bytes(int(self.replication_bytes_per_s))}/s); needs up to "
+                f"{human_bytes(self.need_bytes)}, {human_bytes(self.free_bytes)} free")
+
+
+def human_bytes(n: int) -> str:
+    """``n`` bytes as people read them: 512 B, 1.5 KiB, 3.2 GiB."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
 class StatusRecord(FieldsAsJson):
     """An agent's status: its state, its round, its workers and its progress."""
 
@@ -86,6 +172,13 @@ class StatusRecord(FieldsAsJson):
     step_rate: float
     restarts: int  # rounds this agent started workers in, minus one
     last_failure: str
+    memory_tier: MemoryTierRow | None = None  # None: the memory tier is off
+
+    def to_json(self) -> bytes:
+        obj = dataclasses.asdict(self)
+        if self.memory_tier is None:
+            del obj["memory_tier"]
+        return json.dumps(obj, sort_keys=True).encode()
 
     @classmethod
     def of(cls, node_id: str, state: str, round_number: int, node_rank: int | None,
@@ -117,7 +210,9 @@ class StatusRecord(FieldsAsJson):
                    workers=workers, last_step=int_field(key, obj, "last_step", -1, default=-1),
                    step_rate=_number(key, obj, "step_rate"),
                    restarts=int_field(key, obj, "restarts", 0, default=0),
-                   last_failure=text_field(key, obj, "last_failure"))
+                   last_failure=text_field(key, obj, "last_failure"),
+                   memory_tier=MemoryTierRow.from_dict(key, obj["memory_tier"])
+                   if obj.get("memory_tier") is not None else None)
 
     def to_pb(self, job_id: str, world_size: int, version: str
               ) -> agent_pb2.AgentStatusResponse:
@@ -126,22 +221,30 @@ class StatusRecord(FieldsAsJson):
             job_id=job_id, node_id=self.node_id, state=self.state, round=self.round,
             node_rank=-1 if self.node_rank is None else self.node_rank, world_size=world_size,
             workers=[agent_pb2.WorkerStatus(**dataclasses.asdict(w)) for w in self.workers],
-            restarts=self.restarts, last_failure=self.last_failure, version=version)
+            restarts=self.restarts, last_failure=self.last_failure, version=version,
+            memory_tier=self.memory_tier.to_pb() if self.memory_tier is not None else None)
 
     @classmethod
     def from_pb(cls, resp: agent_pb2.AgentStatusResponse) -> "StatusRecord":
         """The record in an agent's answer to the ``Status`` RPC, its text made
         printable and capped."""
-        return cls.of(cap_text(resp.node_id, _NODE_ID_CHARS), cap_text(resp.state, _STATE_CHARS),
-                      resp.round, resp.node_rank if resp.node_rank >= 0 else None,
-                      (WorkerRow.from_pb(w) for w in resp.workers[:MAX_NPROC]),
-                      resp.restarts, cap_text(resp.last_failure))
+        record = cls.of(cap_text(resp.node_id, _NODE_ID_CHARS),
+                        cap_text(resp.state, _STATE_CHARS), resp.round,
+                        resp.node_rank if resp.node_rank >= 0 else None,
+                        (WorkerRow.from_pb(w) for w in resp.workers[:MAX_NPROC]),
+                        resp.restarts, cap_text(resp.last_failure))
+        if resp.HasField("memory_tier"):
+            record = dataclasses.replace(record,
+                                         memory_tier=MemoryTierRow.from_pb(resp.memory_tier))
+        return record
 
     def summary(self, source: str) -> dict:
         """What ``elasticctl status`` shows of the node's agent; ``source``:
         "agent" (asked live) or "etcd" (the record it last published)."""
         fields = dataclasses.asdict(self)
         del fields["node_id"]
+        if fields["memory_tier"] is None:
+            del fields["memory_tier"]
         return {"source": source, **fields, "workers": list(fields["workers"])}
 
 

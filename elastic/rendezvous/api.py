@@ -35,6 +35,9 @@ from elastic.records import (
     valid_addr,
 )
 
+# A rack's name (--rack) is a short label.
+MAX_RACK_CHARS = 64
+
 
 @dataclass(frozen=True)
 class NodeInfo(FieldsAsJson):
@@ -49,6 +52,12 @@ class NodeInfo(FieldsAsJson):
     # The round whose workers this agent still runs when it registers (again,
     # after its lease ran out during an etcd outage); 0 when it runs none.
     running_round: int = 0
+    # Where the node sits (--rack): the memory tier replicates across racks. "" when
+    # not said, and then left out of the record.
+    rack: str = ""
+
+    def to_json(self) -> bytes:
+        return json.dumps(_without_empty_rack(asdict(self)), sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, key: str, raw: bytes) -> "NodeInfo":
@@ -68,6 +77,7 @@ class NodeInfo(FieldsAsJson):
             master_port=port_field(key, obj, "master_port", 0),
             version=text_field(key, obj, "version", "", limit=64),
             running_round=int_field(key, obj, "running_round", 0, default=0),
+            rack=text_field(key, obj, "rack", "", limit=MAX_RACK_CHARS),
         )
         if not key.endswith("/" + info.node_id):
             raise MalformedRecordError(key, f"node_id {info.node_id!r} does not match the key")
@@ -92,6 +102,15 @@ class Member:
     host: str
     nproc: int
     addr: str = ""
+    rack: str = ""  # the node's NodeInfo.rack
+
+
+def _without_empty_rack(obj: dict) -> dict:
+    """A record's fields with ``rack`` left out when empty: records of nodes that
+    say no rack stay as they were before the field existed."""
+    if not obj.get("rack"):
+        obj.pop("rack", None)
+    return obj
 
 
 @dataclass(frozen=True)
@@ -161,6 +180,7 @@ class Round:
     def to_json(self) -> bytes:
         obj = asdict(self)
         obj["world_size"] = self.world_size
+        obj["members"] = [_without_empty_rack(m) for m in obj["members"]]
         return json.dumps(obj, sort_keys=True).encode()
 
     @classmethod
@@ -220,6 +240,7 @@ def _member(key: str, index: int, obj: Any) -> Member:
         host=host_field(key, named, name("host")),
         nproc=int_field(key, named, name("nproc"), 1, MAX_NPROC),
         addr=addr_field(key, named, name("addr"), ""),
+        rack=text_field(key, named, name("rack"), "", limit=MAX_RACK_CHARS),
     )
 
 

@@ -183,7 +183,7 @@ class Leader:
         infos = {info.node_id: info for info, _ in self.view.nodes.values()}
         members = tuple(
             Member(node_id=n, node_rank=i, host=infos[n].host, nproc=infos[n].nproc,
-                   addr=infos[n].addr)
+                   addr=infos[n].addr, rack=infos[n].rack)
             for i, n in enumerate(decision.members)
         )
         rank0 = infos[decision.members[0]]

@@ -19,6 +19,36 @@ class AgentDrainResponse(_message.Message):
     message: str
     def __init__(self, accepted: bool = ..., message: _Optional[str] = ...) -> None: ...
 
+class AgentReplicateRequest(_message.Message):
+    __slots__ = ["begin", "data", "file", "finish", "job_id", "offset", "round", "slot", "source", "total_bytes"]
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    FINISH_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    begin: bool
+    data: bytes
+    file: str
+    finish: bool
+    job_id: str
+    offset: int
+    round: int
+    slot: str
+    source: str
+    total_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., source: _Optional[str] = ..., round: _Optional[int] = ..., slot: _Optional[str] = ..., begin: bool = ..., total_bytes: _Optional[int] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., finish: bool = ...) -> None: ...
+
+class AgentReplicateResponse(_message.Message):
+    __slots__ = ["free_bytes"]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    free_bytes: int
+    def __init__(self, free_bytes: _Optional[int] = ...) -> None: ...
+
 class AgentRequestRestartRequest(_message.Message):
     __slots__ = ["reason"]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -38,9 +68,10 @@ class AgentStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class AgentStatusResponse(_message.Message):
-    __slots__ = ["job_id", "last_failure", "node_id", "node_rank", "restarts", "round", "state", "version", "workers", "world_size"]
+    __slots__ = ["job_id", "last_failure", "memory_tier", "node_id", "node_rank", "restarts", "round", "state", "version", "workers", "world_size"]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TIER_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +82,7 @@ class AgentStatusResponse(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     last_failure: str
+    memory_tier: MemoryTierStatus
     node_id: str
     node_rank: int
     restarts: int
@@ -59,7 +91,7 @@ class AgentStatusResponse(_message.Message):
     version: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     world_size: int
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., node_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., restarts: _Optional[int] = ..., last_failure: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., node_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., restarts: _Optional[int] = ..., last_failure: _Optional[str] = ..., version: _Optional[str] = ..., memory_tier: _Optional[_Union[MemoryTierStatus, _Mapping]] = ...) -> None: ...
 
 class AgentStoreHealthRequest(_message.Message):
     __slots__ = ["asker", "asker_has_store"]
@@ -96,6 +128,34 @@ class CheckpointEntry(_message.Message):
     time: float
     world_size: int
     def __init__(self, step: _Optional[int] = ..., round: _Optional[int] = ..., world_size: _Optional[int] = ..., path: _Optional[str] = ..., time: _Optional[float] = ..., save_s: _Optional[float] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class MemoryTierStatus(_message.Message):
+    __slots__ = ["acked_step", "buddy", "free_bytes", "lag_steps", "need_bytes", "newest_own_step", "own_bytes", "own_slots", "replica_bytes", "replica_slots", "replica_source", "replication_bytes_per_s"]
+    ACKED_STEP_FIELD_NUMBER: _ClassVar[int]
+    BUDDY_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAG_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NEED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_OWN_STEP_FIELD_NUMBER: _ClassVar[int]
+    OWN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OWN_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    acked_step: int
+    buddy: str
+    free_bytes: int
+    lag_steps: int
+    need_bytes: int
+    newest_own_step: int
+    own_bytes: int
+    own_slots: int
+    replica_bytes: int
+    replica_slots: int
+    replica_source: str
+    replication_bytes_per_s: float
+    def __init__(self, own_bytes: _Optional[int] = ..., own_slots: _Optional[int] = ..., replica_bytes: _Optional[int] = ..., replica_slots: _Optional[int] = ..., replica_source: _Optional[str] = ..., buddy: _Optional[str] = ..., newest_own_step: _Optional[int] = ..., acked_step: _Optional[int] = ..., lag_steps: _Optional[int] = ..., need_bytes: _Optional[int] = ..., replication_bytes_per_s: _Optional[float] = ..., free_bytes: _Optional[int] = ...) -> None: ...
 
 class WorkerChannelCommitCheckpointRequest(_message.Message):
     __slots__ = ["entry"]

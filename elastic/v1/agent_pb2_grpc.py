@@ -35,6 +35,11 @@ class AgentStub(object):
                 request_serializer=elastic_dot_v1_dot_agent__pb2.AgentStoreHealthRequest.SerializeToString,
                 response_deserializer=elastic_dot_v1_dot_agent__pb2.AgentStoreHealthResponse.FromString,
                 )
+        self.Replicate = channel.unary_unary(
+                '/elastic.v1.Agent/Replicate',
+                request_serializer=elastic_dot_v1_dot_agent__pb2.AgentReplicateRequest.SerializeToString,
+                response_deserializer=elastic_dot_v1_dot_agent__pb2.AgentReplicateResponse.FromString,
+                )
 
 
 class AgentServicer(object):
@@ -71,6 +76,15 @@ class AgentServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Replicate(self, request, context):
+        """One part of a memory-tier snapshot replicated from the node whose buddy this
+        agent is (--memory-tier): begin a slot, write a chunk of one of its files, or
+        finish it (the manifest, after which the replica is complete).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +107,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.StoreHealth,
                     request_deserializer=elastic_dot_v1_dot_agent__pb2.AgentStoreHealthRequest.FromString,
                     response_serializer=elastic_dot_v1_dot_agent__pb2.AgentStoreHealthResponse.SerializeToString,
+            ),
+            'Replicate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=elastic_dot_v1_dot_agent__pb2.AgentReplicateRequest.FromString,
+                    response_serializer=elastic_dot_v1_dot_agent__pb2.AgentReplicateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -170,6 +189,23 @@ class Agent(object):
         return grpc.experimental.unary_unary(request, target, '/elastic.v1.Agent/StoreHealth',
             elastic_dot_v1_dot_agent__pb2.AgentStoreHealthRequest.SerializeToString,
             elastic_dot_v1_dot_agent__pb2.AgentStoreHealthResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Replicate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/elastic.v1.Agent/Replicate',
+            elastic_dot_v1_dot_agent__pb2.AgentReplicateRequest.SerializeToString,
+            elastic_dot_v1_dot_agent__pb2.AgentReplicateResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 

@@ -1,0 +1,229 @@
+"""The memory tier's loop: watch ``own/``, replicate to the buddy, free old slots, report.
+
+:class:`Replicator` runs on a thread of its own beside the agent's loop. Each
+pass (:meth:`Replicator.run_once`) it
+
+1. looks at ``own/`` (one directory listing and one ``lstat`` of each
+   manifest; a manifest is read again only when its file changed), every
+   :data:`POLL_RUNNING_S` while this node's workers run, else every
+   :data:`POLL_IDLE_S`;
+2. frees what :func:`agent.memory_rules.slots_to_free` says, every
+   :data:`FULL_SCAN_S` (replicas included);
+3. sends what :func:`agent.memory_rules.to_send` says to the buddy
+   (:func:`agent.memory_rules.buddy_of` over the round the agent knows) with
+   a :class:`~agent.memory_client.ReplicaClient`: per rank the newest
+   complete snapshot not yet acknowledged, so a buddy that falls behind gets
+   the newest, never the backlog; after a failed send it waits
+   :data:`RETRY_S` before the next;
+4. keeps what ``elasticctl status`` and the metrics show
+   (:meth:`Replicator.status`): bytes held, newest step, the step the buddy
+   acknowledged, the lag, the bytes per second of the recent sends.
+
+The clock is injected; waiting goes through ``wait`` (an Event's), so tests
+drive :meth:`run_once` by hand.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+from typing import Callable
+
+from agent import memory_rules, memory_tier
+from agent.memory_client import ReplicaClient
+from agent.memory_rules import Acked, SlotSeen
+from agent.status_record import MemoryTierRow, human_bytes
+from elastic.checkpoint.memory import layout
+from elastic.clock import SYSTEM_CLOCK, Clock
+from elastic.errors import ElasticError
+from elastic.joblog import JobLogger
+from elastic.rendezvous.api import Round
+
+log = logging.getLogger(__name__)
+
+POLL_RUNNING_S = 0.02
+POLL_IDLE_S = 0.5
+FULL_SCAN_S = 1.0
+RETRY_S = 1.0
+# The replication rate is measured over this many recent sends.
+RATE_WINDOW = 16
+
+
+class _OwnSlots:
+    """The complete own slots, their manifests read again only when their file changes."""
+
+    def __init__(self, memory_dir: str):
+        self._dir = layout.own_dir(memory_dir)
+        self._seen: dict[str, tuple[tuple[int, int, int, int], layout.SlotInfo]] = {}
+
+    def look(self) -> list[layout.SlotInfo]:
+        try:
+            names = os.listdir(self._dir)
+        except FileNotFoundError:
+            names = []
+        found: dict[str, tuple[tuple[int, int, int, int], layout.SlotInfo]] = {}
+        for name in names:
+            if layout.parse_slot_name(name) is None:
+                continue
+            path = os.path.join(self._dir, name)
+            try:
+                st = os.lstat(os.path.join(path, layout.MANIFEST))
+            except OSError:
+                continue
+            stamp = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+            cached = self._seen.get(name)
+            if cached is not None and cached[0] == stamp:
+                found[name] = cached
+                continue
+            info = layout.read_slot(path)
+            if info is not None:
+                found[name] = (info.stamp, info)
+        self._seen = found
+        return [info for _, info in found.values()]
+
+
+class Replicator:
+    """The memory tier's thread for one node (see the module docstring)."""
+
+    def __init__(self, memory: memory_tier.MemoryDir, node_id: str, nproc: int,
+                 round_of: Callable[[], Round | None], workers_running: Callable[[], bool],
+                 client: ReplicaClient, lock: threading.Lock, logger: JobLogger, *,
+                 clock: Clock = SYSTEM_CLOCK):
+        self._memory = memory
+        self._node_id = node_id
+        self._nproc = nproc
+        self._round_of = round_of
+        self._workers_running = workers_running
+        self._client = client
+        self._lock = lock
+        self._log = logger
+        self._clock = clock
+        self._own = _OwnSlots(memory.path)
+        self._acked: dict[int, Acked] = {}
+        self._buddy: str | None = None
+        self._sends: collections.deque[tuple[int, float]] = collections.deque(
+            maxlen=RATE_WINDOW)
+        self._retry_at = 0.0
+        self._scanned_at = -FULL_SCAN_S
+        self._all: list[SlotSeen] = []
+        self._problem = ""
+        self._row = MemoryTierRow()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="memory-tier", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread (a send in progress ends within its call's timeout)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._client.close()
+
+    def status(self) -> MemoryTierRow:
+        """What the memory tier holds and how replication stands (any thread)."""
+        return self._row
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.run_once()
+            except Exception:  # noqa: BLE001 - a bug: say so, keep the tier's other work going
+                self._log.exception("memory tier: a pass failed")
+            self._stop.wait(POLL_RUNNING_S if self._workers_running() else POLL_IDLE_S)
+
+    def run_once(self) -> None:
+        """One pass: look, free, send, report."""
+        now = self._clock.monotonic()
+        current = self._round_of()
+        members = current.node_ids if current else ()
+        racks = {m.node_id: m.rack for m in current.members} if current else {}
+        buddy = memory_rules.buddy_of(self._node_id, members, racks)
+        source = memory_rules.source_of(self._node_id, members, racks)
+        if buddy != self._buddy:
+            self._buddy, self._acked = buddy, {}
+            self._log.info("memory tier: replicating to %s.", buddy or "nobody (one member)")
+        own = self._own.look()
+        if now - self._scanned_at >= FULL_SCAN_S:
+            self._scanned_at = now
+            self._free(source)
+        if buddy is not None and current is not None and now >= self._retry_at:
+            self._send(current, buddy, own)
+        self._report(own, source)
+
+    def _free(self, source: str | None) -> None:
+        self._all = memory_tier.scan(self._memory.path)
+        doomed = memory_rules.slots_to_free(self._all, self._nproc, source)
+        if not doomed:
+            return
+        with self._lock:
+            for s in doomed:
+                memory_tier.remove_slot(memory_tier.slot_path(self._memory.path, s))
+        self._all = [s for s in self._all if s not in doomed]
+        self._log.info("memory tier: freed %d slot(s) of older rounds or former sources.",
+                       len(doomed))
+
+    def _send(self, current: Round, buddy: str, own: list[layout.SlotInfo]) -> None:
+        by_key = {info.key: info for info in own}
+        seen = [_seen(info) for info in own]
+        member = current.member(buddy)
+        if member is None or not member.addr:
+            return
+        for s in memory_rules.to_send(seen, self._acked):
+            info = by_key[s.key]
+            started = self._clock.monotonic()
+            try:
+                sent = self._client.send_slot(member.addr, current.number, info)
+            except (ElasticError, OSError) as exc:
+                self._retry_at = self._clock.monotonic() + RETRY_S
+                self._note(f"cannot replicate to {buddy}: {exc}")
+                return
+            if sent is None:
+                continue  # the worker started the slot over: its next snapshot goes instead
+            self._sends.append((sent, self._clock.monotonic() - started))
+            self._acked[s.key.rank] = Acked(s.key.round, s.step or 0)
+            self._note("")
+
+    def _note(self, problem: str) -> None:
+        """Log a replication problem once, and its end."""
+        if problem and problem != self._problem:
+            self._log.warning("memory tier: %s (retrying every %.0f s).", problem, RETRY_S)
+        elif not problem and self._problem:
+            self._log.info("memory tier: replicating to %s again.", self._buddy)
+        self._problem = problem
+
+    def _report(self, own: list[layout.SlotInfo], source: str | None) -> None:
+        seen = [_seen(info) for info in own]
+        replicas = [s for s in self._all if s.holder != layout.OWN and s.complete]
+        newest = memory_rules.newest_per_rank(seen)
+        acked = [self._acked[r].step for r, s in newest.items()
+                 if r in self._acked and self._acked[r].round == s.key.round]
+        sent = sum(n for n, _ in self._sends)
+        spent = sum(t for _, t in self._sends)
+        row = MemoryTierRow(
+            own_bytes=sum(s.nbytes for s in seen), own_slots=len(seen),
+            replica_bytes=sum(s.nbytes for s in replicas), replica_slots=len(replicas),
+            replica_source=source or "", buddy=self._buddy or "",
+            newest_own_step=max((s.step or 0 for s in newest.values()), default=-1),
+            acked_step=min(acked) if newest and len(acked) == len(newest) else -1,
+            lag_steps=memory_rules.lag_steps(seen, self._acked),
+            need_bytes=memory_rules.memory_need(seen + replicas),
+            replication_bytes_per_s=sent / spent if spent > 0 else 0.0,
+            free_bytes=memory_tier.free_bytes(self._memory.path))
+        if row.need_bytes > self._row.need_bytes and row.need_bytes > row.free_bytes \
+                + row.own_bytes + row.replica_bytes:
+            self._log.warning("memory tier: needs up to %s (twice the own snapshot and the "
+                              "replica), more than is held and free (%s free).",
+                              human_bytes(row.need_bytes), human_bytes(row.free_bytes))
+        elif row.need_bytes > 0 and self._row.need_bytes == 0:
+            self._log.info("memory tier: needs up to %s; %s free.", human_bytes(row.need_bytes),
+                           human_bytes(row.free_bytes))
+        self._row = row
+
+
+def _seen(info: layout.SlotInfo) -> SlotSeen:
+    return SlotSeen(info.holder, info.key, info.manifest.step, info.manifest.nbytes)

@@ -1,0 +1,130 @@
+"""The memory tier's agent side end to end: real agents, a real etcd, workers that
+stage snapshots (tests/integration/scripts/memory_worker.py), real SIGKILLs.
+
+Each node's snapshots reach its buddy byte for byte; ``elasticctl status``
+shows the tier; the node's memory directory is freed when the agent exits,
+and when it is SIGKILLed (by its reaper, which does not outlive it)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from agent import status as status_view
+from agent.memory_tier import user_base
+from agent.status_record import human_bytes
+from elastic.checkpoint.memory import layout
+from tests.integration.procs import AgentProcess
+from tests.proctable import alive
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+SCRIPT = "tests/integration/scripts/memory_worker.py"
+MEMORY = ("--memory-tier", "--no-prestart")
+STEPS = 4
+SLOT_BYTES = 3 << 20  # several chunks of the Replicate RPC
+
+
+@pytest.fixture
+def agents(etcd_endpoint, job_id):
+    started: list[AgentProcess] = []
+
+    def start(node_id: str, nnodes: str = "2") -> AgentProcess:
+        a = AgentProcess(etcd_endpoint, job_id, node_id, nnodes,
+                         ["--steps", str(STEPS), "--bytes", str(SLOT_BYTES)], nproc=2,
+                         script=SCRIPT, extra=MEMORY)
+        started.append(a)
+        return a
+
+    yield start
+    for a in started:
+        a.stop()
+        print(f"--- agent {a.node_id}: last lines of its output ---\n" + "".join(a.output[-40:]))
+
+
+def node_dir(job_id: str, node_id: str) -> str:
+    return os.path.join(user_base("/dev/shm"), job_id, node_id)
+
+
+def reaper_pid(agent: AgentProcess) -> int:
+    agent.wait_output("reaper pid")
+    return int(re.search(r"reaper pid (\d+)", agent.text).group(1))
+
+
+def wait_until(predicate, timeout_s: float, what: str, seen=lambda: "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what} {seen()}")
+        time.sleep(0.05)
+
+
+def newest_steps(directory: str) -> dict[int, int]:
+    """The newest complete step of each rank among the slots in ``directory``."""
+    steps: dict[int, int] = {}
+    for name in os.listdir(directory) if os.path.isdir(directory) else ():
+        info = layout.read_slot(os.path.join(directory, name))
+        if info is not None:
+            steps[info.key.rank] = max(steps.get(info.key.rank, -1), info.manifest.step)
+    return steps
+
+
+def test_each_node_replicates_to_its_buddy_byte_for_byte_and_frees_on_exit(
+        agents, etcd_store, job_id):
+    a, b = agents("a"), agents("b")
+    a_dir, b_dir = node_dir(job_id, "a"), node_dir(job_id, "b")
+    reapers = [reaper_pid(a), reaper_pid(b)]
+    # a's replicas lie on b, b's on a (two members: each is the other's buddy).
+    a_on_b = os.path.join(b_dir, layout.REPLICAS, "a")
+    b_on_a = os.path.join(a_dir, layout.REPLICAS, "b")
+    wait_until(lambda: len(newest_steps(a_on_b)) == 2 and len(newest_steps(b_on_a)) == 2
+               and set(newest_steps(a_on_b).values()) == {STEPS - 1}
+               and set(newest_steps(b_on_a).values()) == {STEPS - 1}, 30,
+               "both nodes' newest snapshots replicated")
+    for own, replica in ((a_dir, a_on_b), (b_dir, b_on_a)):
+        for name in os.listdir(replica):
+            for file in (layout.DATA, layout.LOCAL, layout.MANIFEST):
+                with open(os.path.join(own, layout.OWN, name, file), "rb") as f:
+                    original = f.read()
+                with open(os.path.join(replica, name, file), "rb") as f:
+                    assert f.read() == original, f"{replica}/{name}/{file} differs"
+
+    def memory_line() -> str:
+        text = status_view.render(status_view.collect(etcd_store, job_id))
+        return next((x for x in text.splitlines() if x.startswith("memory tier a:")), "")
+
+    # What a holds of b: one or both slots of each rank (a snapshot the worker
+    # overwrote before it was sent is skipped), 3 MiB (and a few bytes) each.
+    held = [layout.read_slot(os.path.join(b_on_a, name)) for name in os.listdir(b_on_a)]
+    shown = (f"replicas {human_bytes(sum(i.manifest.nbytes for i in held))} in {len(held)} "
+             "slots of b")
+    wait_until(lambda: shown in memory_line(), 10, "the replicas held in the status",
+               memory_line)
+    line = memory_line()
+    assert f"own 12.0 MiB in 4 slots (newest step {STEPS - 1})" in line
+    assert f"buddy b has step {STEPS - 1} (lag 0" in line
+    assert "needs up to 24.0 MiB" in line  # twice 2 x 3 MiB, own and replicated
+
+    a.proc.send_signal(signal.SIGTERM)
+    b.proc.send_signal(signal.SIGTERM)
+    a.wait_exit(30), b.wait_exit(30)
+    assert not os.path.exists(a_dir) and not os.path.exists(b_dir)
+    assert not any(alive(p) for p in reapers), "a reaper outlived its agent's normal exit"
+
+
+def test_a_sigkilled_agent_leaves_no_memory_behind(agents, job_id):
+    a = agents("a", nnodes="1")
+    a_dir = node_dir(job_id, "a")
+    reaper = reaper_pid(a)
+    wait_until(lambda: newest_steps(os.path.join(a_dir, layout.OWN)), 30,
+               "a worker's first snapshot")
+    with open(os.path.join(a_dir, layout.OWN, "stray"), "wb") as f:
+        f.write(b"x" * 4096)
+
+    a.proc.kill()
+    wait_until(lambda: not os.path.exists(a_dir), 2.0, "the SIGKILLed agent's memory freed")
+    wait_until(lambda: not alive(reaper), 2.0, "the reaper gone after freeing it")
