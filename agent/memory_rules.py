@@ -7,9 +7,9 @@ The rules (each a function below, unit tested without files or clocks):
   its snapshots to the next node of the ring and holds the replicas of the one
   before it (:func:`source_of`). Never itself; nobody with one member. The
   ring is the members in node-rank order, unless some share a rack
-  (``--rack``): then it is reordered so that consecutive nodes sit on
-  different racks wherever the racks' sizes allow it (:func:`ring_order`), and
-  losing one rack loses no snapshot together with its replica. A node without
+  (``--rack``): then it is reordered so that neighbours sit on different
+  racks wherever the racks' sizes allow it (:func:`ring_order`), and losing
+  one rack loses no snapshot together with its replica. A node without
   a rack counts as a rack of its own.
 * **What to send** (:func:`to_send`): per rank, the newest complete own
   snapshot (by round, then step) that the buddy has not acknowledged; older
@@ -51,25 +51,23 @@ class SlotSeen:
 
 def ring_order(members: Sequence[str], racks: Mapping[str, str]) -> list[str]:
     """The replication ring: ``members`` (node ids in node-rank order) as they
-    are when no two share a rack; else taken one at a time from the rack with
-    the most nodes left that is not the previous node's (ties: the rack seen
-    first), which puts nodes of one rack next to each other only when one rack
-    holds more than half of them."""
+    are when no two share a rack. Else the nodes, grouped by rack (largest
+    rack first, ties in order of first appearance; node-rank order within a
+    rack), are dealt to the ring's even places, then to its odd ones: two
+    neighbours then share a rack only when one rack holds more than half of
+    the ring, and then no more often than that forces (``2 * largest - n``)."""
     groups: dict[str, list[str]] = {}
     for node in members:
         # A node without a rack is a rack of its own ("\0" never starts a rack's name).
         groups.setdefault(racks.get(node) or f"\0{node}", []).append(node)
     if len(groups) == len(members):
         return list(members)
-    order: list[str] = []
-    last = None
-    while groups:
-        choices = [rack for rack in groups if rack != last] or list(groups)
-        rack = max(choices, key=lambda r: len(groups[r]))
-        order.append(groups[rack].pop(0))
-        last = rack
-        if not groups[rack]:
-            del groups[rack]
+    dealt = [node for group in sorted(groups.values(), key=len, reverse=True)
+             for node in group]
+    places = list(range(0, len(dealt), 2)) + list(range(1, len(dealt), 2))
+    order = [""] * len(dealt)
+    for place, node in zip(places, dealt):
+        order[place] = node
     return order
 
 

@@ -77,7 +77,7 @@ def check_root(root: str, mounts_file: str = _MOUNTS) -> None:
         raise ConfigError(f"--memory-root {root}: not writable by this user (uid {os.getuid()})")
     kind = filesystem_type(root, mounts_file)
     if kind not in MEMORY_FILESYSTEMS:
-        raise ConfigError(f"--memory-root {root}: a {kind or 'unknown'} file system, not "
+        raise ConfigError(f"--memory-root {root}: {_a(kind)} file system, not "
                           "tmpfs or ramfs: the memory tier keeps snapshots in host memory "
                           "(default /dev/shm)")
 
@@ -248,3 +248,9 @@ def _read_number(path: str) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None
+
+
+def _a(kind: str) -> str:
+    """``an ext4``, ``a btrfs``, ``an unknown``: the file system's type for a sentence."""
+    kind = kind or "unknown"
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
