@@ -11,8 +11,10 @@ incomplete) and the caller sends the newer snapshot instead.
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
+from typing import Iterator
 
 import grpc
 
@@ -24,6 +26,10 @@ from elastic.net import fast_reconnect_options
 from elastic.v1 import agent_pb2, agent_pb2_grpc
 
 CALL_TIMEOUT_S = 10.0
+# Chunks in flight at once: the receiver writes each at its offset, so their
+# order does not matter, and a window keeps the connection busy while each
+# call's round trip and write complete.
+WINDOW = 4
 _OPTIONS = [*fast_reconnect_options(), ("grpc.enable_http_proxy", 0)]
 
 
@@ -62,53 +68,65 @@ class ReplicaClient:
         with open(os.path.join(info.path, layout.MANIFEST), "rb") as f:
             manifest = f.read(layout.MAX_MANIFEST_BYTES + 1)
         total = info.manifest.nbytes + len(manifest)
-        self._call(stub, addr, agent_pb2.AgentReplicateRequest(**base, begin=True,
-                                                                total_bytes=total))
-        sent = 0
-        for name, size in sorted(info.manifest.files.items()):
-            sent += self._send_file(stub, addr, base, info.path, name, size)
-            if not layout.still_same(info):
-                return None
-        for offset in range(0, len(manifest), MAX_CHUNK_BYTES):
-            data = manifest[offset:offset + MAX_CHUNK_BYTES]
-            self._call(stub, addr, agent_pb2.AgentReplicateRequest(
-                **base, file=layout.MANIFEST, offset=offset, data=data))
+        _wait(addr, stub.Replicate.future(agent_pb2.AgentReplicateRequest(
+            **base, begin=True, total_bytes=total), timeout=CALL_TIMEOUT_S))
+        in_flight: collections.deque = collections.deque()
+        try:
+            for name, size in sorted(info.manifest.files.items()):
+                for request in self._chunks(base, info.path, name, size):
+                    if len(in_flight) >= WINDOW:
+                        _wait(addr, in_flight.popleft())
+                    in_flight.append(stub.Replicate.future(request, timeout=CALL_TIMEOUT_S))
+                if not layout.still_same(info):
+                    return None
+            for offset in range(0, len(manifest), MAX_CHUNK_BYTES):
+                in_flight.append(stub.Replicate.future(agent_pb2.AgentReplicateRequest(
+                    **base, file=layout.MANIFEST, offset=offset,
+                    data=manifest[offset:offset + MAX_CHUNK_BYTES]), timeout=CALL_TIMEOUT_S))
+            while in_flight:
+                _wait(addr, in_flight.popleft())
+        finally:
+            for call in in_flight:  # abandoned or failed: the rest is not waited for
+                call.cancel()
         if not layout.still_same(info):
             return None
-        self._call(stub, addr, agent_pb2.AgentReplicateRequest(**base, finish=True))
-        return sent + len(manifest)
+        _wait(addr, stub.Replicate.future(agent_pb2.AgentReplicateRequest(**base, finish=True),
+                                          timeout=CALL_TIMEOUT_S))
+        return total
 
-    def _send_file(self, stub, addr: str, base: dict, slot_dir: str, name: str,
-                   size: int) -> int:
-        """Send the first ``size`` bytes of the slot's file ``name`` (its size
-        in the manifest; one empty chunk creates an empty file)."""
+    @staticmethod
+    def _chunks(base: dict, slot_dir: str, name: str, size: int
+                ) -> Iterator[agent_pb2.AgentReplicateRequest]:
+        """The requests that carry the first ``size`` bytes of the slot's file
+        ``name`` (its size in the manifest; one empty chunk creates an empty file)."""
         fd = os.open(os.path.join(slot_dir, name), os.O_RDONLY | os.O_NOFOLLOW)
         sent = 0
         try:
             while True:
                 data = os.pread(fd, min(MAX_CHUNK_BYTES, size - sent), sent)
-                self._call(stub, addr, agent_pb2.AgentReplicateRequest(
-                    **base, file=name, offset=sent, data=data))
+                yield agent_pb2.AgentReplicateRequest(**base, file=name, offset=sent, data=data)
                 sent += len(data)
                 if sent >= size or not data:
-                    return sent
+                    return
         finally:
             os.close(fd)
-
-    @staticmethod
-    def _call(stub, addr: str, request: agent_pb2.AgentReplicateRequest) -> None:
-        try:
-            stub.Replicate(request, timeout=CALL_TIMEOUT_S)
-        except grpc.RpcError as exc:
-            code = exc.code()
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise AgentUnreachableError(f"buddy agent at {addr} did not answer "
-                                            f"Replicate ({code.name})") from None
-            raise ElasticError(f"buddy agent at {addr} refused Replicate: {code.name}: "
-                               f"{exc.details()}") from None
 
     def close(self) -> None:
         with self._lock:
             channels, self._channels, self._stubs = self._channels, [], {}
         for channel in channels:
             channel.close()
+
+
+def _wait(addr: str, call: grpc.Future) -> None:
+    """The call's answer; AgentUnreachableError or ElasticError when it failed."""
+    try:
+        call.result()
+    except grpc.RpcError as exc:
+        code = exc.code()
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise AgentUnreachableError(f"buddy agent at {addr} did not answer Replicate "
+                                        f"({code.name})") from None
+        raise ElasticError(f"buddy agent at {addr} refused Replicate: {code.name}: "
+                           f"{exc.details()}") from None
+

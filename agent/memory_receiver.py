@@ -116,6 +116,10 @@ class ReplicaReceiver:
             del self._pending[key]
         os.makedirs(os.path.dirname(slot_dir), mode=layout.DIR_MODE, exist_ok=True)
         layout.begin_write(slot_dir)
+        # The slot's earlier files go: chunks are written in place, and a
+        # longer file of an earlier snapshot would keep its tail.
+        for name in os.listdir(slot_dir):
+            os.unlink(os.path.join(slot_dir, name))
         self._pending[(source, slot)] = _Pending(total)
 
     def _chunk(self, source: str, req: agent_pb2.AgentReplicateRequest, slot_dir: str) -> None:

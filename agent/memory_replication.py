@@ -58,7 +58,8 @@ class _OwnSlots:
         self._dir = layout.own_dir(memory_dir)
         self._seen: dict[str, tuple[tuple[int, int, int, int], layout.SlotInfo]] = {}
 
-    def look(self) -> list[layout.SlotInfo]:
+    def look(self) -> tuple[list[layout.SlotInfo], bool]:
+        """The complete own slots, and whether any changed since the last look."""
         try:
             names = os.listdir(self._dir)
         except FileNotFoundError:
@@ -80,8 +81,10 @@ class _OwnSlots:
             info = layout.read_slot(path)
             if info is not None:
                 found[name] = (info.stamp, info)
+        changed = found.keys() != self._seen.keys() or any(
+            self._seen[name][0] != stamp for name, (stamp, _) in found.items())
         self._seen = found
-        return [info for _, info in found.values()]
+        return [info for _, info in found.values()], changed
 
 
 class Replicator:
@@ -105,7 +108,7 @@ class Replicator:
         self._buddy: str | None = None
         self._sends: collections.deque[tuple[int, float]] = collections.deque(
             maxlen=RATE_WINDOW)
-        self._retry_at = 0.0
+        self._retry_at = 0.0  # when to try a failed send again (0: none failed)
         self._scanned_at = -FULL_SCAN_S
         self._all: list[SlotSeen] = []
         self._problem = ""
@@ -144,14 +147,21 @@ class Replicator:
         racks = {m.node_id: m.rack for m in current.members} if current else {}
         buddy = memory_rules.buddy_of(self._node_id, members, racks)
         source = memory_rules.source_of(self._node_id, members, racks)
-        if buddy != self._buddy:
+        changed = buddy != self._buddy
+        if changed:
             self._buddy, self._acked = buddy, {}
             self._log.info("memory tier: replicating to %s.", buddy or "nobody (one member)")
-        own = self._own.look()
+        own, own_changed = self._own.look()
         if now - self._scanned_at >= FULL_SCAN_S:
             self._scanned_at = now
             self._free(source)
+            changed = True
+        # Nothing new, nothing to retry: the pass ends with the look (a few stat calls).
+        retry = self._retry_at and now >= self._retry_at
+        if not (changed or own_changed or retry):
+            return
         if buddy is not None and current is not None and now >= self._retry_at:
+            self._retry_at = 0.0
             self._send(current, buddy, own)
         self._report(own, source)
 

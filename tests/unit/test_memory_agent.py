@@ -144,6 +144,16 @@ def test_a_received_slot_is_complete_and_identical(receiver, tmp_path):
     assert sorted(os.listdir(info.path)) == [layout.DATA, layout.MANIFEST]
 
 
+def test_a_smaller_snapshot_replaces_a_larger_one_in_the_same_slot(receiver, tmp_path):
+    for step, data in ((7, b"a longer snapshot"), (9, b"short")):
+        manifest = layout.Manifest(job_id="job", node_id="a", round=3, step=step, rank=0,
+                                   world_size=4, files={layout.DATA: len(data)})
+        send(receiver, manifest.to_json(), {layout.DATA: data})
+    info = layout.read_slot(str(tmp_path / "replicas" / "a" / SlotKey(3, 0, 1).name), "a")
+    assert info is not None and info.manifest.step == 9
+    assert open(os.path.join(info.path, layout.DATA), "rb").read() == b"short"
+
+
 def test_a_slot_whose_finish_never_came_is_not_complete(receiver, tmp_path):
     slot = tmp_path / "replicas" / "a" / SlotKey(3, 0, 1).name
     write_slot(str(slot), "job", "a", 3, 0, 6, b"old!!")
