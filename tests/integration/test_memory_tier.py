@@ -13,7 +13,7 @@ import pytest
 
 from tests.integration.checkpointing import Worker, fsdp2_on_cpu, launch, run, seed_all
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300), fsdp2_on_cpu]
 
 TWO_NODES = ["node-a", "node-a", "node-b", "node-b"]
 STEPS = 8
@@ -103,26 +103,37 @@ def build(w: Worker, kind, init_seed):
 
 def train(tmp_path, world, round_number=0, crash_expected=False, **args):
     """One run of ``task_train``: its ranks' results (None for a rank that crashed)."""
+    return train_logged(tmp_path, world, round_number, crash_expected, **args)[0]
+
+
+def train_logged(tmp_path, world, round_number=0, crash_expected=False, **args):
+    """:func:`train`, and rank 0's log (it says where the restored slots came from)."""
     ranks = launch(tmp_path, world, [{"task": task_train, "id": "t", **args}],
                    round_number=round_number, crash_expected=crash_expected)
-    return [r.results.get("t") for r in ranks]
+    return [r.results.get("t") for r in ranks], ranks[0].stderr
 
 
 def dirs(tmp_path):
     return str(tmp_path / "ckpt"), str(tmp_path / "mem")
 
 
-def test_a_worker_crash_resumes_at_its_step_from_own_memory(tmp_path):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The run that never stopped: 4 ranks on two nodes, steps 0..STEPS-1."""
+    where = tmp_path_factory.mktemp("reference")
+    return train(where, 4, root=str(where / "ckpt"), mem=str(where / "mem"), nodes=TWO_NODES)
+
+
+def test_a_worker_crash_resumes_at_its_step_from_own_memory(tmp_path, reference):
     root, mem = dirs(tmp_path)
-    reference = train(tmp_path, 4, root=str(tmp_path / "ref"), mem=str(tmp_path / "refmem"),
-                      nodes=TWO_NODES)
     # rank 2 dies during step 5: its snapshot of 5 never exists, the others' do
     train(tmp_path, 4, root=root, mem=mem, nodes=TWO_NODES, crash=(2, 5), crash_expected=True)
-    resumed = train(tmp_path, 4, round_number=1, root=root, mem=mem, nodes=TWO_NODES,
-                    fresh=False)
+    resumed, log = train_logged(tmp_path, 4, round_number=1, root=root, mem=mem,
+                                nodes=TWO_NODES, fresh=False)
     for rank in resumed:
         assert (rank["start"], rank["path"], rank["samples"]) == \
             (5, "memory:round-0/step-4", 40)  # lost: the step in progress, nothing more
+    assert "slots from own memory 4, replicas 0, sent by peers 0" in log
     assert [r["digest"] for r in resumed] == [r["digest"] for r in reference]
 
 
@@ -142,33 +153,30 @@ def replicate(mem, source, target):
     shutil.rmtree(os.path.join(mem, source))
 
 
-def test_a_lost_node_resumes_from_its_buddys_replicas(tmp_path):
+def test_a_lost_node_resumes_from_its_buddys_replicas(tmp_path, reference):
     root, mem = dirs(tmp_path)
-    reference = train(tmp_path, 4, root=str(tmp_path / "ref"), mem=str(tmp_path / "refmem"),
-                      nodes=TWO_NODES)
     train(tmp_path, 4, root=root, mem=mem, nodes=TWO_NODES, crash=(0, 6), crash_expected=True)
     replicate(mem, "node-b", "node-a")
     # node-c replaces node-b with empty memory: ranks 2-3 get their slots from node-a's ranks
-    resumed = train(tmp_path, 4, round_number=1, root=root, mem=mem, fresh=False,
-                    nodes=["node-a", "node-a", "node-c", "node-c"])
+    resumed, log = train_logged(tmp_path, 4, round_number=1, root=root, mem=mem, fresh=False,
+                                nodes=["node-a", "node-a", "node-c", "node-c"])
+    assert "slots from own memory 2, replicas 0, sent by peers 2" in log
     assert [(r["start"], r["path"], r["samples"]) for r in resumed] == \
         [(6, "memory:round-0/step-5", 48)] * 4
     assert [r["digest"] for r in resumed] == [r["digest"] for r in reference]
 
 
-@fsdp2_on_cpu
 @pytest.mark.parametrize("old, new", [(4, 2), (2, 4)])
 def test_a_world_size_change_reshards_from_memory_like_disk(tmp_path, old, new):
     """FSDP2 shards saved by ``old`` ranks, loaded by ``new``: from memory at the
     step of a disk checkpoint, the run ends bitwise where the one from disk ends."""
     root, mem = dirs(tmp_path)
     nodes = {4: TWO_NODES, 2: ["node-a", "node-b"]}
-    train(tmp_path, old, root=root, mem=mem, nodes=nodes[old], kind="fsdp", steps=5,
-          disk_at=(4,))
+    train(tmp_path, old, root=root, mem=mem, nodes=nodes[old], steps=5, disk_at=(4,))
     from_disk = train(tmp_path, new, round_number=1, root=root, mem=mem, nodes=nodes[new],
-                      kind="fsdp", fresh=False, memory=False)
+                      fresh=False, memory=False)
     from_memory = train(tmp_path, new, round_number=2, root=root, mem=mem, nodes=nodes[new],
-                        kind="fsdp", fresh=False)
+                        fresh=False)
     assert [(r["start"], r["samples"]) for r in from_disk + from_memory] == [(5, 40)] * 2 * new
     assert from_disk[0]["path"].endswith("step-000000000004")
     assert [r["path"] for r in from_memory] == ["memory:round-0/step-4"] * new
@@ -199,10 +207,8 @@ def tear_newest(mem, node, rank):
     layout.begin_write(max(slots, key=lambda s: s.manifest.step).path)
 
 
-def test_torn_slots_and_a_zombies_slots_are_never_used(tmp_path):
+def test_torn_slots_and_a_zombies_slots_are_never_used(tmp_path, reference):
     root, mem = dirs(tmp_path)
-    reference = train(tmp_path, 4, root=str(tmp_path / "ref"), mem=str(tmp_path / "refmem"),
-                      nodes=TWO_NODES)
     train(tmp_path, 4, round_number=2, root=root, mem=mem, nodes=TWO_NODES, steps=6,
           disk_at=(2,))
     make_zombie_slots(mem, "node-a", round_number=1, step=7)   # round 1 < 2: a zombie's

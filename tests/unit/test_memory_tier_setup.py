@@ -1,0 +1,72 @@
+"""Turning the memory tier on: what it needs from the script and from the node, said
+before training goes on (a single rank, no process group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from elastic.checkpoint import Checkpointer
+from elastic.checkpoint.memory import capacity, layout
+from elastic.errors import ConfigError
+from elastic.worker import runtime
+from elastic.worker_env import MEMORY_DIR
+
+
+class Position:
+    def __init__(self):
+        self.samples = 0
+
+    def state_dict(self):
+        return {"samples": self.samples}
+
+    def load_state_dict(self, state):
+        self.samples = state["samples"]
+
+
+def model_and_optimizer():
+    model = nn.Linear(4, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_the_tier_without_data_is_refused_saying_what_to_pass(tmp_path, monkeypatch):
+    model, opt = model_and_optimizer()
+    with pytest.raises(ConfigError, match=r"the memory tier snapshots every step: pass "
+                                          r"data=<your sampler or data loader>"):
+        Checkpointer(str(tmp_path / "ckpt"), model=model, optimizer=opt,
+                     memory_dir=str(tmp_path / "mem"))
+    monkeypatch.setenv(MEMORY_DIR, str(tmp_path / "mem"))  # the agent's --memory-tier
+    with pytest.raises(ConfigError, match="pass data="):
+        Checkpointer(str(tmp_path / "ckpt"), model=model, optimizer=opt)
+
+
+def test_a_node_too_small_fails_the_first_step_before_anything_is_written(tmp_path,
+                                                                           monkeypatch):
+    monkeypatch.setattr(capacity, "filesystem_free", lambda path: 100)
+    model, opt = model_and_optimizer()
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), model=model, optimizer=opt, data=Position(),
+                        memory_dir=str(tmp_path / "mem"), memory_every=1)
+    try:
+        model(torch.ones(1, 4)).sum().backward()
+        opt.step()
+        with pytest.raises(ConfigError, match=r"needs .* GiB of host memory on this node .* "
+                                              r"only 0.00 GiB free on the file system"):
+            runtime.step(0)
+        assert layout.list_slots(str(tmp_path / "mem")) == []
+    finally:
+        ckpt.close()
+
+
+def test_snapshots_follow_elastic_step_until_close(tmp_path):
+    model, opt = model_and_optimizer()
+    data = Position()
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), model=model, optimizer=opt, data=data,
+                        memory_dir=str(tmp_path / "mem"), memory_every=2)
+    for step in range(5):
+        data.samples += 1
+        runtime.step(step)
+    ckpt.close()
+    runtime.step(5)  # after close: no snapshot
+    steps = sorted(s.manifest.step for s in layout.list_slots(str(tmp_path / "mem")))
+    assert steps == [2, 4]
