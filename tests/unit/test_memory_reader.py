@@ -208,13 +208,16 @@ def test_optimizer_values_come_back_from_objects_pt(planner):
     the checkpoint's restricted one (elastic.checkpoint.dcp_io.LoadPlanner)."""
     torch.manual_seed(4)
     exp_avg = torch.randn(4, 2)
-    values = {"optim.param_groups.w.lr": 0.025, "optim.param_groups.w.betas": (0.9, 0.95),
-              "optim.param_groups.w.amsgrad": False, "optim.data_step": 41}
+    betas = (0.9, 0.95)  # one object under two keys, as a parameter group's options are
+    values = {"optim.param_groups.w.lr": 0.025, "optim.param_groups.w.betas": betas,
+              "optim.param_groups.b.betas": betas, "optim.param_groups.w.amsgrad": False,
+              "optim.data_step": 41}
     shards = row_shards(exp_avg, 2)
     sources = {r: write_slot(r, 2, {"optim.state.w.exp_avg": shards[r], **values})
                for r in range(2)}
     target = {"optim": {"state.w.exp_avg": torch.zeros(4, 2), "param_groups.w.lr": 1.0,
-                        "param_groups.w.betas": (0.0, 0.0), "param_groups.w.amsgrad": True,
+                        "param_groups.w.betas": (0.0, 0.0), "param_groups.b.betas": (0.0, 0.0),
+                        "param_groups.w.amsgrad": True,
                         "data_step": 0}}
     load(target, sources, planner=dcp_io.LoadPlanner() if planner else None)
     assert same_bits(target["optim"]["state.w.exp_avg"], exp_avg)

@@ -220,6 +220,7 @@ class MemoryStorageReader(StorageReader):
         self._storage: dict[MetadataIndex, tuple[Holder, ...]] = self._metadata.storage_data
         self._buffers: dict[int, torch.Tensor] = {}
         self._objects: dict[int, dict[str, Any]] = {}
+        self._serialized: dict[int, bytes] = {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -228,6 +229,7 @@ class MemoryStorageReader(StorageReader):
     def reset(self, checkpoint_id: Any = None) -> None:
         """Forget what the last load unpacked (buffer views, objects)."""
         self._buffers.clear()
+        self._serialized.clear()
         self._objects.clear()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -311,10 +313,16 @@ class MemoryStorageReader(StorageReader):
         if key not in objects:
             raise CheckpointError(f"{layout.OBJECTS} of rank {holder.rank} lacks {key!r}, "
                                   f"which its manifest lists")
-        stream = io.BytesIO()
-        torch.save(objects[key], stream)
-        stream.seek(0)
-        return stream
+        value = objects[key]
+        # Flattened optimizer options share one object per parameter group (pickle's
+        # memo keeps that): serialize each once. ``objects`` keeps it alive, so its id
+        # stays its own until reset().
+        saved = self._serialized.get(id(value))
+        if saved is None:
+            stream = io.BytesIO()
+            torch.save(value, stream)
+            saved = self._serialized[id(value)] = stream.getvalue()
+        return io.BytesIO(saved)
 
 
 def _byte_tensor(source: SlotData) -> torch.Tensor:
