@@ -14,7 +14,14 @@ here, so both recover the same way:
   checkpoint at start (model, optimizer, LR schedule, RNG, data position) and
   saves every ``--ckpt-every`` steps (asynchronously unless ``--sync-ckpt``)
   and after the last step. Without a directory the job trains from step 0 on
-  every start.
+  every start. The sampler is the Checkpointer's ``data=``: its position is
+  saved with every checkpoint and loaded back by ``restore()``.
+- **Memory tier** (with ``--memory-dir`` or ``$ELASTIC_MEMORY_DIR``, which
+  ``elasticd --memory-tier`` sets): the same Checkpointer also snapshots the
+  state into node-local host memory at ``elastic.step(n)``, every step or
+  every ``--memory-every`` steps (default ``auto``: within 1% of the step
+  time), and ``restore()`` resumes from memory when it holds a newer step
+  than the disk: a crash then loses at most the step in progress.
 - **Reports.** ``elastic.step(n)`` after each step (progress for the agent's
   hang detection); with ``--progress-file`` one JSON line per step and rank::
 
@@ -75,6 +82,11 @@ def parse_args(description: str) -> argparse.Namespace:
     ap.add_argument("--sync-ckpt", action="store_true",
                     help="save synchronously (default: stage to memory, write in background)")
     ap.add_argument("--keep", type=int, default=3, help="committed checkpoints to keep")
+    ap.add_argument("--memory-dir", default=WorkerEnv().memory_dir,
+                    help="the memory tier's node-local directory (default: "
+                         "$ELASTIC_MEMORY_DIR; none: no memory tier)")
+    ap.add_argument("--memory-every", type=_every, default="auto",
+                    help="memory snapshot every this many steps, or auto")
     ap.add_argument("--num-samples", type=int, default=24 * 10 + 5,
                     help="samples per epoch (the tail short of a global batch is dropped)")
     ap.add_argument("--global-batch", type=int, default=24,
@@ -88,6 +100,10 @@ def parse_args(description: str) -> argparse.Namespace:
                     help="fault injection: this rank exits with 13 at this step, first run only")
     ap.add_argument("--crash-always", action="store_true", help="crash on every run")
     return ap.parse_args()
+
+
+def _every(text: str) -> int | str:
+    return text if text == "auto" else int(text)
 
 
 def build_model(dropout: float) -> nn.Sequential:
@@ -124,10 +140,9 @@ def train(description: str, wrap: Wrap, no_sync: NoSync) -> None:
         from elastic.checkpoint import Checkpointer
 
         ckpt = Checkpointer(args.checkpoint_dir, model=model, optimizer=optimizer,
-                            scheduler=scheduler, keep=args.keep)
-        step = ckpt.restore()
-        if ckpt.data_state is not None:
-            sampler.load_state_dict(ckpt.data_state)
+                            scheduler=scheduler, keep=args.keep, data=sampler,
+                            memory_dir=args.memory_dir, memory_every=args.memory_every)
+        step = ckpt.restore()  # also puts the sampler back where the state was taken
     saved = step - 1  # the last step saved or being saved (-1: none)
     if rank == 0:
         print(f"training: world size {world}, restart {restart}, from step {step}"
