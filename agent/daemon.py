@@ -186,6 +186,8 @@ class Agent:
         # The node's private directory (0700), its worker socket and rank logs.
         files = localfiles.prepare(config.state_dir, config.log_dir, config.job_id,
                                    config.node_id)
+        # Before anything serves: a memory root that cannot be used ends the start here.
+        memory = _open_memory_tier(config, built, clock)
         metrics: NoMetrics = NO_METRICS
         if config.metrics_port:
             metrics = AgentMetrics(config.job_id, config.node_id)
@@ -196,7 +198,6 @@ class Agent:
                              liveness=lambda: not built or built[0].loop_alive(),
                              tls=config.tls, probe_listen=config.probe_listen)
         server.start()
-        memory = _open_memory_tier(config, built, clock)
         peers = GrpcPeerMesh(config.tls)
         host = config.advertise_addr
         addr = str(HostPort(host, HostPort.parse(server.address).port))

@@ -128,3 +128,27 @@ def test_a_sigkilled_agent_leaves_no_memory_behind(agents, job_id):
     a.proc.kill()
     wait_until(lambda: not os.path.exists(a_dir), 2.0, "the SIGKILLed agent's memory freed")
     wait_until(lambda: not alive(reaper), 2.0, "the reaper gone after freeing it")
+
+
+def rounds_in(directory: str) -> set[int]:
+    """The rounds of the slot directories (complete or not) in ``directory``."""
+    names = os.listdir(directory) if os.path.isdir(directory) else ()
+    return {key.round for key in map(layout.parse_slot_name, names) if key is not None}
+
+
+def test_a_new_round_frees_the_old_rounds_snapshots_own_and_replicated(
+        agents, etcd_store, job_id):
+    a, b = agents("a"), agents("b")
+    a_dir, b_dir = node_dir(job_id, "a"), node_dir(job_id, "b")
+    places = [os.path.join(a_dir, layout.OWN), os.path.join(b_dir, layout.OWN),
+              os.path.join(a_dir, layout.REPLICAS, "b"), os.path.join(b_dir, layout.REPLICAS, "a")]
+    wait_until(lambda: all(newest_steps(p) for p in places), 30, "round 1 staged and replicated")
+    first = max(rounds_in(places[0]))
+
+    a_node = next(n for n in status_view.collect(etcd_store, job_id)["nodes"]
+                  if n["node_id"] == "a")
+    os.kill(a_node["agent"]["workers"][0]["pid"], signal.SIGKILL)  # a new round follows
+
+    # Once every worker of a node staged in the new round, the old round is gone there.
+    wait_until(lambda: all(rounds_in(p) and min(rounds_in(p)) > first for p in places), 30,
+               "the old round's slots freed on both nodes", lambda: [rounds_in(p) for p in places])
