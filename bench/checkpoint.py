@@ -73,6 +73,8 @@ the load average before and after)::
     .venv/bin/python bench/checkpoint.py --size-mb 512 --saves 7 --json /tmp/ckpt.json
     .venv/bin/python bench/checkpoint.py --cold       # also restore from evicted files
     .venv/bin/python bench/checkpoint.py --restore-only --restores 9   # section 2 only
+    .venv/bin/python bench/checkpoint.py --memory --size-mb 12 --restores 9 --cold
+        # only: resharded restore (2 -> 1) from the memory tier vs from disk (target <= 0.5x)
 
 How to read it: every "ratio" is ours / reference (lower is better), next to its target
 and MET / MISSED, judged on the medians. The ratio of the fastest runs (in parentheses)
@@ -112,6 +114,7 @@ TARGET_BLOCKED = 0.10
 TARGET_RESTORE = 1.1          # at the saved world size
 TARGET_RESTORE_RESHARD = 1.2  # at another one
 TARGET_MEMORY = 1.1
+TARGET_MEMORY_RESHARD = 0.5   # --memory: restore from the memory tier / from disk, resharding
 
 
 @dataclasses.dataclass
@@ -573,6 +576,114 @@ def rank_world1(rank: int, world: int, cfg: Config) -> None:
     write_result(cfg, f"w1-rank{rank}", result)
 
 
+class _Position:
+    """The data position the memory tier snapshots with the state (a stand-in sampler)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, saved: dict[str, int]) -> None:
+        self.step = saved["step"]
+
+
+def memory_dir(cfg: Config) -> str:
+    """The memory tier's directory: on /dev/shm (the agent's default) when there is one."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else cfg.scratch
+    return os.path.join(base, os.path.basename(cfg.scratch) + "-memory")
+
+
+def rank_memory_world2(rank: int, world: int, cfg: Config) -> None:
+    """--memory: one snapshot into the memory tier and one disk save of the same step."""
+    import torch.distributed as dist
+
+    from elastic.checkpoint import Checkpointer
+    from elastic.worker import runtime
+
+    setup_rank(rank, world, cfg, "mem-w2")
+    model, opt = build(cfg, world)
+    train_step(model, opt, cfg)
+    ckpt = Checkpointer(os.path.join(cfg.scratch, "ours"), model=model, optimizer=opt,
+                        data=_Position(), memory_dir=memory_dir(cfg), memory_every=1)
+    runtime.step(1)  # the memory tier snapshots at elastic.step
+    ckpt.save(1, async_=False)
+    saved = fingerprint(model, opt)
+    ckpt.close()
+    dist.destroy_process_group()
+    write_result(cfg, f"mem-w2-rank{rank}", {"fingerprint": saved})
+
+
+def rank_memory_world1(rank: int, world: int, cfg: Config) -> None:
+    """--memory: restores of that step by one rank (resharding), from disk and from
+    memory, interleaved, each checked against the saved state."""
+    import torch.distributed as dist
+
+    from elastic import worker_env
+    from elastic.checkpoint import Checkpointer
+
+    with open(os.path.join(cfg.scratch, "mem-w2-rank0.json")) as f:
+        expect = json.load(f)["fingerprint"]
+    setup_rank(rank, world, cfg, "mem-w1")
+    os.environ[worker_env.ROUND] = "1"  # a new round: the old slots are another round's
+    model, opt = build(cfg, world)
+    root = os.path.join(cfg.scratch, "ours")
+    disk = Checkpointer(root, model=model, optimizer=opt)
+    kinds = {"disk": disk, "memory": Checkpointer(root, model=model, optimizer=opt,
+                                                   data=_Position(), memory_dir=memory_dir(cfg),
+                                                   memory_every=1)}
+    if cfg.cold:
+        kinds["disk_cold"] = disk
+    rows: dict[str, list] = {kind: [] for kind in kinds}
+    for i in range(cfg.restores):
+        for kind in (list(kinds) if i % 2 == 0 else list(reversed(kinds))):
+            perturb(model, opt)
+            if kind == "disk_cold":
+                evict(os.path.join(root, "step-000000000001"))
+            started = time.perf_counter()
+            kinds[kind].restore()
+            seconds = time.perf_counter() - started
+            rows[kind].append({"seconds": seconds, "path": kinds[kind].restored_path,
+                               "verified_state": same_fingerprint(fingerprint(model, opt),
+                                                                  expect)})
+    for ckpt in set(kinds.values()):
+        ckpt.close()
+    dist.destroy_process_group()
+    write_result(cfg, "mem-w1-rank0", rows)
+
+
+def run_memory(cfg: Config) -> dict[str, Any]:
+    """--memory: resharded restore (2 -> 1 ranks) from the memory tier vs from disk."""
+    import torch.multiprocessing as mp
+
+    try:
+        mp.spawn(_entry, args=("rank_memory_world2", 2, cfg), nprocs=2, join=True)
+        mp.spawn(_entry, args=("rank_memory_world1", 1, cfg), nprocs=1, join=True)
+    finally:
+        shutil.rmtree(memory_dir(cfg), ignore_errors=True)
+    with open(os.path.join(cfg.scratch, "mem-w1-rank0.json")) as f:
+        rows = json.load(f)
+    seconds = {kind: [r["seconds"] for r in kind_rows] for kind, kind_rows in rows.items()}
+    memory = seconds["memory"]
+    print(f"Resharded restore 2 -> 1 ranks (median of {cfg.restores}; fastest in brackets):")
+    for kind, label in (("disk", "from disk"), ("disk_cold", "from disk, files evicted"),
+                        ("memory", "from memory")):
+        if kind in seconds:
+            print(f"  {label:<25} {med(seconds[kind]):.4f} s ({min(seconds[kind]):.4f})   "
+                  f"{rows[kind][0]['path']}")
+    ratios = {}
+    for kind in ("disk", "disk_cold"):
+        if kind in seconds:
+            ratio = ratios[kind] = med(memory) / med(seconds[kind])
+            print(f"  memory / {kind:<9} {ratio:.2f} ({min(memory) / min(seconds[kind]):.2f}), "
+                  f"target <= {TARGET_MEMORY_RESHARD}: {verdict(ratio, TARGET_MEMORY_RESHARD)}")
+    verified = all(r["verified_state"] for kind_rows in rows.values() for r in kind_rows)
+    _report_verified(verified)
+    return {"memory_reshard": rows, "ratios": ratios, "target": TARGET_MEMORY_RESHARD,
+            "restored_state_verified": verified}
+
+
 def _entry(rank: int, fn_name: str, world: int, cfg: Config) -> None:
     globals()[fn_name](rank, world, cfg)
 
@@ -809,6 +920,9 @@ def main() -> int:
                     help="also restore after evicting the files from the page cache")
     ap.add_argument("--restore-only", action="store_true",
                     help="only section 2: one untimed save of each kind, then the restores")
+    ap.add_argument("--memory", action="store_true",
+                    help="only: resharded restore (2 -> 1 ranks) from the memory tier vs from "
+                         "disk, the same step, side by side (target <= 0.5x)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     ap.add_argument("--keep-dir", action="store_true", help="do not delete the checkpoints")
     ap.add_argument("--verbose", action="store_true", help="the Checkpointer's INFO logs")
@@ -849,6 +963,11 @@ def main() -> int:
           f"free disk {free / 2**30:.1f} GiB; scratch {scratch}", flush=True)
     started = time.monotonic()
     try:
+        if args.memory:
+            results = run_memory(cfg)
+            meta["wall_s"] = time.monotonic() - started
+            results["meta"] = meta
+            return _finish(args, results)
         print("world size 2: saves (ours, plain), memory, restores ...", flush=True)
         mp.spawn(_entry, args=("rank_world2", 2, cfg), nprocs=2, join=True)
         print(f"  done in {time.monotonic() - started:.0f} s; world size 1: restores ...",
@@ -863,6 +982,10 @@ def main() -> int:
     finally:
         if not args.keep_dir:
             shutil.rmtree(scratch, ignore_errors=True)
+    return _finish(args, results)
+
+
+def _finish(args: argparse.Namespace, results: dict[str, Any]) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, default=str)
