@@ -18,7 +18,8 @@ The replica is written with the layout's protocol: ``begin`` makes the slot
 incomplete (:func:`layout.begin_write`), ``finish`` makes it complete
 (:func:`layout.finish_write`), so a replica torn by a lost sender is never
 complete. Refusals raise InvalidRequestError (INVALID_ARGUMENT for the
-caller) or FencedError (FAILED_PRECONDITION).
+caller; also when the slot cannot be written: a full memory root, a slot
+freed meanwhile) or FencedError (FAILED_PRECONDITION).
 """
 
 from __future__ import annotations
@@ -78,13 +79,19 @@ class ReplicaReceiver:
         if layout.parse_slot_name(req.slot) is None:
             raise InvalidRequestError(f"Replicate: slot {_shown(req.slot)} is not a slot name")
         slot_dir = os.path.join(layout.replica_dir(self._dir, source), req.slot)
-        with self._lock:
-            if req.begin:
-                self._begin(source, req.slot, slot_dir, req.total_bytes)
-            elif req.finish:
-                self._finish(source, req.slot, slot_dir)
-            else:
-                self._chunk(source, req, slot_dir)
+        try:
+            with self._lock:
+                if req.begin:
+                    self._begin(source, req.slot, slot_dir, req.total_bytes)
+                elif req.finish:
+                    self._finish(source, req.slot, slot_dir)
+                else:
+                    self._chunk(source, req, slot_dir)
+        except OSError as exc:  # the memory root is full, or the slot was freed meanwhile
+            self._pending.pop((source, req.slot), None)
+            raise InvalidRequestError(f"Replicate: node {self._node_id} cannot write slot "
+                                      f"{req.slot} of node {source}: "
+                                      f"{exc.strerror or exc}") from None
         return self._free()
 
     def _check_sender(self, req: agent_pb2.AgentReplicateRequest) -> str:

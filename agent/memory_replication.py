@@ -132,11 +132,16 @@ class Replicator:
         return self._row
 
     def _run(self) -> None:
+        failed = ""
         while not self._stop.is_set():
             try:
                 self.run_once()
-            except Exception:  # noqa: BLE001 - a bug: say so, keep the tier's other work going
-                self._log.exception("memory tier: a pass failed")
+                failed = ""
+            except Exception as exc:  # noqa: BLE001 - say so once, keep trying
+                if repr(exc) != failed:
+                    self._log.exception("memory tier: a pass failed (said once until it "
+                                        "passes again)")
+                failed = repr(exc)
             self._stop.wait(POLL_RUNNING_S if self._workers_running() else POLL_IDLE_S)
 
     def run_once(self) -> None:

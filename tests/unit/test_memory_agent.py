@@ -366,3 +366,26 @@ def test_the_metrics_read_the_tier_at_each_scrape():
     assert f"elasticd_memory_tier_need_bytes{{{ids}}} 1.6777216e+07" in text
     assert f"elasticd_memory_replication_bytes_per_second{{{ids}}} 3e+08" in text
     assert f"elasticd_memory_replication_lag_steps{{{ids}}} 1.0" in text
+
+
+def test_a_slot_that_cannot_be_written_is_refused_with_the_reason(receiver, tmp_path):
+    receiver.receive(request(begin=True, total_bytes=10))
+    slot = tmp_path / "replicas" / "a" / SlotKey(3, 0, 1).name
+    memory_tier.remove_slot(str(slot))  # freed meanwhile
+    with pytest.raises(InvalidRequestError, match="cannot write slot .*No such file"):
+        receiver.receive(request(file=layout.DATA, offset=0, data=b"x"))
+
+
+def test_the_rack_is_published_only_when_given():
+    from elastic.rendezvous.api import NodeInfo
+
+    plain = NodeInfo(node_id="a", host="h", nproc=2, addr="h:1")
+    assert b"rack" not in plain.to_json()
+    assert b"rack" not in a_round("a", "b").to_json()
+    racked = NodeInfo(node_id="a", host="h", nproc=2, addr="h:1", rack="r1")
+    assert NodeInfo.from_json("p/nodes/a", racked.to_json()).rack == "r1"
+    r = a_round("a", "b")
+    r = Round(**{**r.__dict__, "members": tuple(Member(m.node_id, m.node_rank, m.host, m.nproc,
+                                                         rack=f"r{m.node_rank}")
+                                                  for m in r.members)})
+    assert [m.rack for m in Round.from_json("p/round", r.to_json(), 3).members] == ["r0", "r1"]
