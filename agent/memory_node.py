@@ -20,6 +20,7 @@ from agent.memory_receiver import ReplicaReceiver
 from agent.memory_replication import Replicator
 from agent.status_record import MemoryTierRow, human_bytes
 from agent.tls import AgentTLS
+from elastic.checkpoint.memory import capacity
 from elastic.clock import SYSTEM_CLOCK, Clock
 from elastic.joblog import JobLogger
 from elastic.rendezvous.api import Round
@@ -82,7 +83,7 @@ class MemoryTier:
 
 def _say_room(memory: memory_tier.MemoryDir, min_free_bytes: int, logger: JobLogger) -> None:
     free = memory_tier.free_bytes(memory.path)
-    cgroup = memory_tier.cgroup_room()
+    cgroup = capacity.cgroup_free()
     room = free if cgroup is None else min(free, cgroup)
     where = (f"{human_bytes(free)} free on {memory.root}"
              + (f", {human_bytes(cgroup)} left in this agent's memory cgroup"

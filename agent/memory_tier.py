@@ -26,7 +26,7 @@ import stat
 
 from agent.memory_reaper import OWNER_FILE, Reaper, owned_by, start_reaper
 from agent.memory_rules import SlotSeen
-from elastic.checkpoint.memory import layout
+from elastic.checkpoint.memory import capacity, layout
 from elastic.errors import ConfigError
 
 # File systems whose files live in memory: what the memory tier is for.
@@ -207,47 +207,9 @@ def _names(directory: str) -> list[str]:
 
 
 def free_bytes(path: str) -> int:
-    """Bytes this user may still write on the file system of ``path``."""
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
-def cgroup_room(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup"
-                ) -> int | None:
-    """Bytes this process's memory cgroup still allows (limit minus usage);
-    None without a limit (``max``) or a cgroup to read. tmpfs pages count
-    against the cgroup of whoever wrote them: the workers', the agent's."""
-    try:
-        with open(proc_cgroup, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if hierarchy == "0" and controllers == "":  # cgroup v2
-            limit = _read_number(os.path.join(cgroup_root, path.lstrip("/"), "memory.max"))
-            usage = _read_number(os.path.join(cgroup_root, path.lstrip("/"), "memory.current"))
-        elif "memory" in controllers.split(","):  # v1
-            directory = os.path.join(cgroup_root, "memory", path.lstrip("/"))
-            limit = _read_number(os.path.join(directory, "memory.limit_in_bytes"))
-            usage = _read_number(os.path.join(directory, "memory.usage_in_bytes"))
-        else:
-            continue
-        # v1 says "no limit" with a number near 2**63.
-        if limit is None or usage is None or limit >= 1 << 60:
-            return None
-        return max(0, limit - usage)
-    return None
-
-
-def _read_number(path: str) -> int | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read(64).strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
+    """Bytes this user may still write on the file system of ``path`` (0 when
+    it cannot be read): :func:`elastic.checkpoint.memory.capacity.filesystem_free`."""
+    return capacity.filesystem_free(path) or 0
 
 
 def _a(kind: str) -> str:

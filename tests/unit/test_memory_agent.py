@@ -295,16 +295,6 @@ def test_filesystem_type_takes_the_longest_mount_point(tmp_path):
     assert memory_tier.filesystem_type("/var/lib", str(mounts)) == "ext4"
 
 
-@pytest.mark.parametrize("limit, usage, room", [("1000", "300", 700), ("max", "300", None)])
-def test_cgroup_room_is_the_v2_limit_minus_usage(tmp_path, limit, usage, room):
-    (tmp_path / "proc").write_text("0::/job.slice\n")
-    group = tmp_path / "fs" / "job.slice"
-    group.mkdir(parents=True)
-    (group / "memory.max").write_text(limit + "\n")
-    (group / "memory.current").write_text(usage + "\n")
-    assert memory_tier.cgroup_room(str(tmp_path / "fs"), str(tmp_path / "proc")) == room
-
-
 # ------------------------------------------------------------------ options and the status line
 
 def test_memory_options_reach_the_config_from_flags_and_the_environment(tmp_path):
