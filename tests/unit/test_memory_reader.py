@@ -108,8 +108,6 @@ def absent(slot: SlotData) -> SlotData:
     return dataclasses.replace(slot, data=None, objects=b"")
 
 
-
-
 class RowsOf(torch.Tensor):
     """A whole-sized destination that asks DCP for rows ``[start, stop)`` only, through
     DCP's chunk protocol (``__create_chunk_list__``/``__get_tensor_shard__``, as DTensor
@@ -284,6 +282,18 @@ def test_an_object_outside_the_allow_list_is_refused_by_name_and_never_built():
     assert allowed["optim.param_groups.w.extra"].payload == "anything"
 
 
+def test_objects_pt_that_is_not_a_dict_and_data_shorter_than_its_manifest_are_refused():
+    stream = io.BytesIO()
+    torch.save([0.1, 0.2], stream)
+    with pytest.raises(CheckpointError, match="holds a list, not a dict"):
+        load_objects(stream.getvalue())
+    slot = write_slot(0, 1, {"model.w": torch.ones(4, 4)})
+    cut = dataclasses.replace(slot, data=slot.data[:-1])
+    with pytest.raises((CheckpointException, CheckpointError)) as excinfo:
+        load({"model": {"w": torch.zeros(4, 4)}}, {0: cut})
+    assert "has 63 bytes, its manifest lists 64" in str(inner_error(excinfo))
+
+
 def test_manifests_that_are_not_one_snapshot_are_refused():
     weight = torch.zeros(4, 2)
     shards = row_shards(weight, 2)
@@ -354,14 +364,17 @@ def test_choose_holders_prefers_the_given_ranks_then_the_fewest():
         choose_holders([set()])
 
 
-def test_the_views_share_the_slot_buffer_until_dcp_copies():
-    """A load copies each tensor once, from the slot's own bytes: a change to the
-    buffer before the load shows in what it loads."""
-    weight = torch.zeros(3, 2)
+def test_a_reader_keeps_no_view_of_a_mapping_after_a_load(tmp_path):
+    """The slot's mapping can be closed (or the slot rewritten) once a load is done,
+    while the reader itself lives on for the next load."""
+    weight = torch.arange(6.0).reshape(3, 2)
     slot = write_slot(0, 1, {"model.w": weight})
-    buffer = bytearray(slot.data)
-    (item,) = slot.manifest.tensors
-    torch.frombuffer(buffer, dtype=torch.float32, count=6, offset=item.offset).fill_(2.5)
+    path = tmp_path / layout.DATA
+    path.write_bytes(slot.data)
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    reader = MemoryStorageReader({0: dataclasses.replace(slot, data=mapped)})
     target = {"model": {"w": torch.zeros(3, 2)}}
-    load(target, {0: dataclasses.replace(slot, data=buffer)})
-    assert torch.equal(target["model"]["w"], torch.full((3, 2), 2.5))
+    dcp.load(target, storage_reader=reader, **compat.single_process(True))
+    mapped.close()  # BufferError while a view of it is still exported
+    assert same_bits(target["model"]["w"], weight) and mapped.closed
