@@ -32,7 +32,8 @@ from elastic.checkpoint.memory.reader import (  # noqa: E402
 )
 from elastic.errors import CheckpointError  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+              pytest.mark.filterwarnings("ignore:torch.distributed is unavailable")]  # 2.6
 
 # Where data.bin places each tensor: the writer's alignment, so views need no copy.
 ALIGN = 64
