@@ -57,6 +57,19 @@ class _OwnSlots:
     def __init__(self, memory_dir: str):
         self._dir = layout.own_dir(memory_dir)
         self._seen: dict[str, tuple[tuple[int, int, int, int], layout.SlotInfo]] = {}
+        # Each name's manifest path, None for a name that is no slot's: a pass
+        # is then one listing and one lstat per slot.
+        self._manifests: dict[str, str | None] = {}
+
+    def _manifest_of(self, name: str) -> str | None:
+        path = self._manifests.get(name, "")
+        if path == "":
+            path = (os.path.join(self._dir, name, layout.MANIFEST)
+                    if layout.parse_slot_name(name) is not None else None)
+            if len(self._manifests) > 4096:  # names come and go: keep the cache bounded
+                self._manifests.clear()
+            self._manifests[name] = path
+        return path
 
     def look(self) -> tuple[list[layout.SlotInfo], bool]:
         """The complete own slots, and whether any changed since the last look."""
@@ -65,24 +78,26 @@ class _OwnSlots:
         except FileNotFoundError:
             names = []
         found: dict[str, tuple[tuple[int, int, int, int], layout.SlotInfo]] = {}
+        changed = False
         for name in names:
-            if layout.parse_slot_name(name) is None:
+            manifest = self._manifest_of(name)
+            if manifest is None:
                 continue
-            path = os.path.join(self._dir, name)
             try:
-                st = os.lstat(os.path.join(path, layout.MANIFEST))
+                st = os.lstat(manifest)
             except OSError:
+                changed = changed or name in self._seen
                 continue
             stamp = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
             cached = self._seen.get(name)
             if cached is not None and cached[0] == stamp:
                 found[name] = cached
                 continue
-            info = layout.read_slot(path)
+            changed = True
+            info = layout.read_slot(os.path.dirname(manifest))
             if info is not None:
                 found[name] = (info.stamp, info)
-        changed = found.keys() != self._seen.keys() or any(
-            self._seen[name][0] != stamp for name, (stamp, _) in found.items())
+        changed = changed or len(found) != len(self._seen)
         self._seen = found
         return [info for _, info in found.values()], changed
 
