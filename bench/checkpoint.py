@@ -115,6 +115,9 @@ TARGET_RESTORE = 1.1          # at the saved world size
 TARGET_RESTORE_RESHARD = 1.2  # at another one
 TARGET_MEMORY = 1.1
 TARGET_MEMORY_RESHARD = 0.5   # --memory: restore from the memory tier / from disk, resharding
+TARGET_MEMORY_RESTORE = 0.2   # --memory: the same, at the saved world size
+TARGET_MEMORY_STAGING = 0.01  # --memory: snapshot cost per step / step time, at the chosen k
+MEMORY_STEP = 10_000          # --memory: the step both tiers hold (after the staging steps)
 
 
 @dataclasses.dataclass
@@ -596,7 +599,9 @@ def memory_dir(cfg: Config) -> str:
 
 
 def rank_memory_world2(rank: int, world: int, cfg: Config) -> None:
-    """--memory: one snapshot into the memory tier and one disk save of the same step."""
+    """--memory: training steps with a snapshot after each (the staging cost), then one
+    snapshot into the memory tier and one disk save of the same step, and restores of
+    it at the same world size, from disk and from memory, interleaved."""
     import torch.distributed as dist
 
     from elastic.checkpoint import Checkpointer
@@ -605,14 +610,41 @@ def rank_memory_world2(rank: int, world: int, cfg: Config) -> None:
     setup_rank(rank, world, cfg, "mem-w2")
     model, opt = build(cfg, world)
     train_step(model, opt, cfg)
-    ckpt = Checkpointer(os.path.join(cfg.scratch, "ours"), model=model, optimizer=opt,
+    root = os.path.join(cfg.scratch, "ours")
+    ckpt = Checkpointer(root, model=model, optimizer=opt,
                         data=_Position(), memory_dir=memory_dir(cfg), memory_every=1)
-    runtime.step(1)  # the memory tier snapshots at elastic.step
-    ckpt.save(1, async_=False)
+    train_s, snapshot_s = [], []
+    for step in range(4 * cfg.saves + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        train_step(model, opt, cfg)
+        t1 = time.perf_counter()
+        runtime.step(step)  # the memory tier snapshots at elastic.step
+        train_s.append(t1 - t0)
+        snapshot_s.append(time.perf_counter() - t1)
+    runtime.step(MEMORY_STEP)
+    ckpt.save(MEMORY_STEP, async_=False)
     saved = fingerprint(model, opt)
+    disk = Checkpointer(root, model=model, optimizer=opt)
+    kinds = {"disk": disk, "memory": ckpt}
+    rows: dict[str, list] = {kind: [] for kind in kinds}
+    for i in range(cfg.restores):
+        for kind in (list(kinds) if i % 2 == 0 else list(reversed(kinds))):
+            perturb(model, opt)
+            dist.barrier()
+            started = time.perf_counter()
+            kinds[kind].restore()
+            seconds = time.perf_counter() - started
+            rows[kind].append({"seconds": seconds, "path": kinds[kind].restored_path,
+                               "verified_state": same_fingerprint(fingerprint(model, opt),
+                                                                  saved)})
+    disk.close()
     ckpt.close()
     dist.destroy_process_group()
-    write_result(cfg, f"mem-w2-rank{rank}", {"fingerprint": saved})
+    # The first snapshot maps the slot's memory: left out of the staging cost.
+    write_result(cfg, f"mem-w2-rank{rank}", {"fingerprint": saved, "same_world": rows,
+                                             "train_s": train_s[1:],
+                                             "snapshot_s": snapshot_s[1:]})
 
 
 def rank_memory_world1(rank: int, world: int, cfg: Config) -> None:
@@ -640,7 +672,7 @@ def rank_memory_world1(rank: int, world: int, cfg: Config) -> None:
         for kind in (list(kinds) if i % 2 == 0 else list(reversed(kinds))):
             perturb(model, opt)
             if kind == "disk_cold":
-                evict(os.path.join(root, "step-000000000001"))
+                evict(os.path.join(root, f"step-{MEMORY_STEP:012d}"))
             started = time.perf_counter()
             kinds[kind].restore()
             seconds = time.perf_counter() - started
@@ -662,6 +694,8 @@ def run_memory(cfg: Config) -> dict[str, Any]:
         mp.spawn(_entry, args=("rank_memory_world1", 1, cfg), nprocs=1, join=True)
     finally:
         shutil.rmtree(memory_dir(cfg), ignore_errors=True)
+    w2 = [json.load(open(os.path.join(cfg.scratch, f"mem-w2-rank{r}.json"))) for r in range(2)]
+    same_world = _report_memory_same_world(cfg, w2)
     with open(os.path.join(cfg.scratch, "mem-w1-rank0.json")) as f:
         rows = json.load(f)
     seconds = {kind: [r["seconds"] for r in kind_rows] for kind, kind_rows in rows.items()}
@@ -679,8 +713,41 @@ def run_memory(cfg: Config) -> dict[str, Any]:
             print(f"  memory / {kind:<9} {ratio:.2f} ({min(memory) / min(seconds[kind]):.2f}), "
                   f"target <= {TARGET_MEMORY_RESHARD}: {verdict(ratio, TARGET_MEMORY_RESHARD)}")
     verified = all(r["verified_state"] for kind_rows in rows.values() for r in kind_rows)
+    verified = verified and same_world["restored_state_verified"]
     _report_verified(verified)
     return {"memory_reshard": rows, "ratios": ratios, "target": TARGET_MEMORY_RESHARD,
+            **same_world, "restored_state_verified": verified}
+
+
+def _report_memory_same_world(cfg: Config, w2: list[dict]) -> dict[str, Any]:
+    """The staging cost per step and the restore at the saved world size (2 ranks),
+    memory vs disk; the slowest rank counts."""
+    from elastic.checkpoint.memory.cadence import choose_every
+
+    snapshot = [max(r["snapshot_s"][i] for r in w2) for i in range(len(w2[0]["snapshot_s"]))]
+    train = [max(r["train_s"][i] for r in w2) for i in range(len(w2[0]["train_s"]))]
+    every = choose_every(med(snapshot), med(train))
+    per_step = med(snapshot) / (every * med(train))
+    print(f"Memory snapshot per step (median of {len(snapshot)}, slowest rank): "
+          f"{1000 * med(snapshot):.2f} ms, a training step {1000 * med(train):.1f} ms "
+          f"({med(snapshot) / med(train):.1%} when taken every step)")
+    print(f"  memory_every=auto picks k={every}: {per_step:.2%} of the step time, target "
+          f"<= {TARGET_MEMORY_STAGING:.0%}: {verdict(per_step, TARGET_MEMORY_STAGING)}")
+    rows = {kind: [max(r["same_world"][kind][i]["seconds"] for r in w2)
+                   for i in range(cfg.restores)] for kind in ("disk", "memory")}
+    ratio = med(rows["memory"]) / med(rows["disk"])
+    print(f"Restore at the saved world size, 2 ranks (median of {cfg.restores}; fastest in "
+          f"brackets):")
+    for kind in ("disk", "memory"):
+        print(f"  from {kind:<20} {med(rows[kind]):.4f} s ({min(rows[kind]):.4f})   "
+              f"{w2[0]['same_world'][kind][0]['path']}")
+    print(f"  memory / disk {ratio:.2f} ({min(rows['memory']) / min(rows['disk']):.2f}), "
+          f"target <= {TARGET_MEMORY_RESTORE}: {verdict(ratio, TARGET_MEMORY_RESTORE)}")
+    verified = all(row["verified_state"] for r in w2 for kind in r["same_world"].values()
+                   for row in kind)
+    return {"memory_same_world": rows, "same_world_ratio": ratio,
+            "same_world_target": TARGET_MEMORY_RESTORE, "snapshot_s": snapshot,
+            "train_s": train, "memory_every": every, "staging_per_step": per_step,
             "restored_state_verified": verified}
 
 
