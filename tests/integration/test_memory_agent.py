@@ -18,6 +18,8 @@ from agent import status as status_view
 from agent.memory_tier import user_base
 from agent.status_record import human_bytes
 from elastic.checkpoint.memory import layout
+from elastic.keyspace import JobKeys
+from elastic.rendezvous.api import Round
 from tests.integration.procs import AgentProcess
 from tests.proctable import alive
 
@@ -33,10 +35,10 @@ SLOT_BYTES = 3 << 20  # several chunks of the Replicate RPC
 def agents(etcd_endpoint, job_id):
     started: list[AgentProcess] = []
 
-    def start(node_id: str, nnodes: str = "2") -> AgentProcess:
+    def start(node_id: str, nnodes: str = "2", extra: tuple[str, ...] = ()) -> AgentProcess:
         a = AgentProcess(etcd_endpoint, job_id, node_id, nnodes,
                          ["--steps", str(STEPS), "--bytes", str(SLOT_BYTES)], nproc=2,
-                         script=SCRIPT, extra=MEMORY)
+                         script=SCRIPT, extra=MEMORY + extra)
         started.append(a)
         return a
 
@@ -75,7 +77,7 @@ def newest_steps(directory: str) -> dict[int, int]:
 
 def test_each_node_replicates_to_its_buddy_byte_for_byte_and_frees_on_exit(
         agents, etcd_store, job_id):
-    a, b = agents("a"), agents("b")
+    a, b = agents("a", extra=("--rack", "r1")), agents("b", extra=("--rack", "r2"))
     a_dir, b_dir = node_dir(job_id, "a"), node_dir(job_id, "b")
     reapers = [reaper_pid(a), reaper_pid(b)]
     # a's replicas lie on b, b's on a (two members: each is the other's buddy).
@@ -108,6 +110,9 @@ def test_each_node_replicates_to_its_buddy_byte_for_byte_and_frees_on_exit(
     assert f"own 12.0 MiB in 4 slots (newest step {STEPS - 1})" in line
     assert f"buddy b has step {STEPS - 1} (lag 0" in line
     assert "needs up to 24.0 MiB" in line  # twice 2 x 3 MiB, own and replicated
+    kv = etcd_store.get(JobKeys(job_id).round)  # where the nodes sit reaches the round
+    assert {m.node_id: m.rack for m in Round.from_json(kv.key, kv.value, kv.version).members} \
+        == {"a": "r1", "b": "r2"}
 
     a.proc.send_signal(signal.SIGTERM)
     b.proc.send_signal(signal.SIGTERM)

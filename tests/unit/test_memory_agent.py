@@ -241,6 +241,20 @@ def test_the_node_directory_is_private_and_replaces_what_a_crashed_agent_left(tm
         memory_tier.remove_tree(os.path.dirname(memory.path), memory.base)
 
 
+def test_a_users_directory_others_can_enter_is_refused():
+    import tempfile
+
+    root = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        os.mkdir(memory_tier.user_base(root), 0o755)
+        os.chmod(memory_tier.user_base(root), 0o755)  # whatever the umask
+        with pytest.raises(ConfigError, match="not a directory private to this user"):
+            memory_tier.prepare(root, "job", "a")
+    finally:
+        memory_tier.remove_tree(memory_tier.user_base(root), root)
+        os.rmdir(root)
+
+
 def test_the_reaper_removes_only_its_own_directory_inside_the_base(tmp_path):
     base = tmp_path / "elastic-1"
     (base / "job" / "a").mkdir(parents=True)
