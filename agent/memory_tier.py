@@ -113,11 +113,19 @@ def prepare(root: str, job_id: str, node_id: str) -> MemoryDir:
     check_root(root)
     base = user_base(root)
     _private_dir(base)
-    _private_dir(os.path.join(base, job_id))
     path = os.path.join(base, job_id, node_id)
-    if os.path.lexists(path):
-        remove_tree(path, base)
-    _private_dir(path)
+    for attempt in range(3):
+        # Another node of the job on this host may remove the job's directory,
+        # empty, between our two mkdirs (free()): make it again.
+        _private_dir(os.path.dirname(path))
+        if os.path.lexists(path):
+            remove_tree(path, base)
+        try:
+            _private_dir(path)
+            break
+        except ConfigError:
+            if attempt == 2 or os.path.isdir(os.path.dirname(path)):
+                raise
     for part in (layout.OWN, layout.REPLICAS):
         _private_dir(os.path.join(path, part))
     token = secrets.token_hex(16)
@@ -146,9 +154,14 @@ def remove_tree(path: str, base: str) -> None:
 
 
 def free(memory: MemoryDir) -> None:
-    """Remove the node's directory, if this agent still owns it."""
+    """Remove the node's directory, if this agent still owns it, and the job's
+    directory once no node's is left in it."""
     if owned_by(memory.path, memory.token):
         remove_tree(memory.path, memory.base)
+    try:
+        os.rmdir(os.path.dirname(memory.path))  # only when empty
+    except OSError:
+        pass
 
 
 def remove_slot(slot_dir: str) -> None:
