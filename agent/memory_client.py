@@ -56,9 +56,11 @@ class ReplicaClient:
                 stub = self._stubs[addr] = agent_pb2_grpc.AgentStub(channel)
             return stub
 
-    def send_slot(self, addr: str, round_number: int, info: layout.SlotInfo) -> int | None:
+    def send_slot(self, addr: str, round_number: int, info: layout.SlotInfo,
+                  stop: threading.Event | None = None) -> int | None:
         """Send the slot ``info`` to the agent at ``addr``; the bytes sent, or
-        None when the slot changed during the copy (abandoned). Raises
+        None when the slot changed during the copy or ``stop`` was set
+        (abandoned: the receiver's slot stays incomplete). Raises
         AgentUnreachableError when the buddy does not answer, ElasticError
         when it refuses (naming its reason), OSError when the slot's files
         cannot be read."""
@@ -74,6 +76,8 @@ class ReplicaClient:
         try:
             for name, size in sorted(info.manifest.files.items()):
                 for request in self._chunks(base, info.path, name, size):
+                    if stop is not None and stop.is_set():
+                        return None
                     if len(in_flight) >= WINDOW:
                         _wait(addr, in_flight.popleft())
                     in_flight.append(stub.Replicate.future(request, timeout=CALL_TIMEOUT_S))

@@ -136,7 +136,7 @@ class Replicator:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the thread (a send in progress ends within its call's timeout)."""
+        """Stop the thread: a send in progress is abandoned at its next chunk."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -207,13 +207,15 @@ class Replicator:
             info = by_key[s.key]
             started = self._clock.monotonic()
             try:
-                sent = self._client.send_slot(member.addr, current.number, info)
+                sent = self._client.send_slot(member.addr, current.number, info, self._stop)
             except (ElasticError, OSError) as exc:
                 self._retry_at = self._clock.monotonic() + RETRY_S
                 self._note(f"cannot replicate to {buddy}: {exc}")
                 return
             if sent is None:
-                continue  # the worker started the slot over: its next snapshot goes instead
+                # The worker started the slot over (its next snapshot goes instead),
+                # or the tier is stopping.
+                continue
             self._sends.append((sent, self._clock.monotonic() - started))
             self._acked[s.key.rank] = Acked(s.key.round, s.step or 0)
             self._note("")

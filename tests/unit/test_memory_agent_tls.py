@@ -116,3 +116,17 @@ def test_a_slot_that_changes_during_the_copy_is_abandoned_and_never_complete(
         client.close()
     replica_dir = tmp_path / "b" / "replicas" / "a" / info.key.name
     assert layout.read_slot(str(replica_dir), "a") is None
+
+
+def test_a_send_stops_at_the_next_chunk_when_the_tier_stops(certs, buddy, slot, tmp_path):
+    info, _ = slot
+    stop = threading.Event()
+    stop.set()
+    client = ReplicaClient("job", "a", AgentTLS(cert=certs.agent.cert, key=certs.agent.key,
+                                                ca=certs.ca))
+    try:
+        assert client.send_slot(buddy.address, 2, info, stop) is None
+    finally:
+        client.close()
+    replica_dir = tmp_path / "b" / "replicas" / "a" / info.key.name
+    assert os.listdir(replica_dir) == []  # begun, never written, never complete
