@@ -68,5 +68,30 @@ def test_snapshots_follow_elastic_step_until_close(tmp_path):
         runtime.step(step)
     ckpt.close()
     runtime.step(5)  # after close: no snapshot
-    steps = sorted(s.manifest.step for s in layout.list_slots(str(tmp_path / "mem")))
-    assert steps == [2, 4]
+    slots = layout.list_slots(str(tmp_path / "mem"))
+    assert sorted(s.manifest.step for s in slots) == [2, 4]
+    assert all({"model.weight", "model.bias"} <= {t.fqn for t in s.manifest.tensors}
+               for s in slots)
+
+
+def test_a_restore_from_memory_brings_back_the_snapshots_state(tmp_path):
+    model, opt = model_and_optimizer()
+    data = Position()
+    kwargs = dict(model=model, optimizer=opt, data=data, memory_dir=str(tmp_path / "mem"),
+                  memory_every=1)
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), **kwargs)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    data.samples = 7
+    runtime.step(3)
+    ckpt.close()
+    saved = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    data.samples = 0
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), **kwargs)
+    assert ckpt.restore() == 4
+    ckpt.close()
+    assert ckpt.restored_path == "memory:round-0/step-3" and data.samples == 7
+    assert all(torch.equal(p, s) for p, s in zip(model.parameters(), saved))

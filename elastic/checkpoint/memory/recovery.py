@@ -89,6 +89,7 @@ class MemoryRestore:
         self._schedulers = schedulers
         self._policy = policy
         self._round = round_
+        self._shards: dict = {}  # DTensors' chunks, remembered (items.plan_slot)
 
     def restore(self, commit_log: CommitLog) -> Restored | None:
         """The snapshot restored, or None when the disk tier is to be used (disk
@@ -178,7 +179,8 @@ class MemoryRestore:
         try:
             tensors = state.collect(self._chunks)
             if same_world:
-                copy_slot(tensors.state_dict, attempt.fetched[rank].slot, self._policy)
+                copy_slot(tensors.state_dict, attempt.fetched[rank].slot, self._policy,
+                          self._shards)
             else:
                 self._reshard(tensors.state_dict, attempt)
             state.apply(self._chunks, tensors)
@@ -229,12 +231,13 @@ class MemoryRestore:
                 choice.step + 1)
 
 
-def copy_slot(state_dict: dict[str, Any], slot: SlotData, policy: trust.LoadPolicy) -> None:
+def copy_slot(state_dict: dict[str, Any], slot: SlotData, policy: trust.LoadPolicy,
+              chunks: dict | None = None) -> None:
     """Fill ``state_dict`` (this rank's live state) from its own old rank's slot:
     each tensor copied from the slot's bytes, each other value set from
     ``objects.pt``. Raises CheckpointError when the slot does not hold exactly
     this state (a key missing or extra, another dtype, shape or chunk)."""
-    live = plan_slot(state_dict)
+    live = plan_slot(state_dict, chunks)
     saved = {item.fqn: item for item in slot.manifest.tensors}
     if set(saved) != {item.fqn for item in live.items} or \
             set(slot.manifest.objects) != set(live.objects):

@@ -44,6 +44,7 @@ class SnapshotTier:
         self._extras = extras
         self._news = news_level
         self._checked = False
+        self._shards: dict = {}  # DTensors' chunks, remembered (items.plan_slot)
         self.costs: list[float] = []  # seconds per snapshot taken
 
     @property
@@ -66,7 +67,7 @@ class SnapshotTier:
         """Write the state as of ``step`` now; returns the seconds it took."""
         started = time.monotonic()
         tensors = state.collect(self._chunks)
-        plan = plan_slot(tensors.state_dict)
+        plan = plan_slot(tensors.state_dict, self._shards)
         ident = self.identity
         local = state.capture_local(step=step, rank=ident.rank, world_size=ident.world_size,
                                     schedulers=self._schedulers,
