@@ -1,6 +1,6 @@
 """Chaos campaign: real elasticd agents, a 3-member etcd and network namespaces, seeded faults.
 
-    python -m tests.chaos --seed 7 --faults 16 [--variant fixed|elastic]
+    python -m tests.chaos --seed 7 --faults 16 [--variant fixed|elastic|memory]
     make chaos SEED=7 FAULTS=16
     pytest -m chaos tests/chaos
 

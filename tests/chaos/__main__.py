@@ -1,7 +1,7 @@
 """Run a chaos campaign against real elasticd agents in network namespaces.
 
-    python -m tests.chaos --seed 7 --faults 16 [--variant fixed|elastic]
-    make chaos SEED=7 FAULTS=16 VARIANT=elastic
+    python -m tests.chaos --seed 7 --faults 16 [--variant fixed|elastic|memory]
+    make chaos SEED=7 FAULTS=16 VARIANT=memory
 
 Needs root for the namespaces and the checkpoint tmpfs (without, it falls
 back to loopback and skips the network and disk faults, saying so). Prints a
@@ -19,7 +19,7 @@ import collections
 import logging
 import sys
 
-from tests.chaos.campaign import Report, run_campaign
+from tests.chaos.campaign import VARIANTS, Report, run_campaign
 from tests.chaos.faults import KINDS
 from tests.chaos.invariants import summarize_times
 
@@ -60,8 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--faults", type=int, default=len(KINDS),
                     help=f"faults to inject (default {len(KINDS)}: every kind once)")
-    ap.add_argument("--variant", choices=("fixed", "elastic"), default="fixed",
-                    help="fixed: --nnodes 3 (with the weights oracle); elastic: --nnodes 2:3")
+    ap.add_argument("--variant", choices=VARIANTS, default="fixed",
+                    help="fixed: --nnodes 3 (with the weights oracle); elastic: --nnodes 2:3; "
+                         "memory: fixed with --memory-tier (the weights oracle, and each "
+                         "restart at most MEMORY_EVERY steps behind)")
     ap.add_argument("--kinds", default=None,
                     help=f"comma-separated subset of: {', '.join(KINDS)}")
     ap.add_argument("--lease-ttl", type=float, default=3.0, help="elasticd --lease-ttl (s)")

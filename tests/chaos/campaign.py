@@ -9,8 +9,15 @@ The checkpoints live on a small tmpfs of the run's (as root), which the
 ``disk_full`` fault fills.
 Then it lets the job finish (the target step goes to the workers through a
 file), checks the invariants (:mod:`tests.chaos.invariants`) and, in the
-fixed-size variant, runs the same job without faults for the weights oracle
-(started as soon as the target is set, so its start-up overlaps the end).
+fixed-size variants, runs the same job without faults (and without the
+memory tier) for the weights oracle (started as soon as the target is set,
+so its start-up overlaps the end).
+
+Variants (:data:`VARIANTS`): ``fixed`` (``--nnodes 3``), ``elastic``
+(``--nnodes 2:3``) and ``memory`` (``--nnodes 3`` with ``--memory-tier``,
+the workers snapshotting every :data:`MEMORY_EVERY` steps; each restart must
+then resume at most that many steps behind the last step every rank of the
+previous round completed).
 Everything it started is removed on the way out, whatever happened.
 """
 
@@ -55,6 +62,9 @@ CKPT_EVERY = 10
 DISK_MIB = 64  # the checkpoint tmpfs: the chaos model's checkpoints are a few hundred KiB
 FINISH_MARGIN = 20  # steps between "finish" and the end: every rank reads the target first
 RECOVERY_TIMEOUT_S = 90.0
+VARIANTS = ("fixed", "elastic", "memory")
+FIXED_SIZE = ("fixed", "memory")  # the variants with the weights oracle
+MEMORY_EVERY = 1  # the memory variant's snapshot interval (steps)
 MAX_STEPS = 1_000_000  # the target file ends the run; this only bounds a lost harness
 
 
@@ -103,7 +113,8 @@ class Campaign:
         self.say = say
         nnodes = f"2:{N_NODES}" if variant == "elastic" else str(N_NODES)
         self.settings = AgentSettings(nnodes=nnodes, lease_ttl_s=lease_ttl_s,
-                                      hang_timeout_s=hang_timeout_s)
+                                      hang_timeout_s=hang_timeout_s,
+                                      memory_tier=variant == "memory")
         self.full_world = N_NODES * self.settings.nproc
         self.pace_file = os.path.join(workdir, "pace")
         self.target_file = os.path.join(workdir, "target")
@@ -124,7 +135,7 @@ class Campaign:
         return ["--steps", str(MAX_STEPS), "--log-dir", self.steps.dir,
                 "--result-file", os.path.join(self.workdir, "result.json"),
                 "--ckpt-every", str(CKPT_EVERY), "--pace-file", self.pace_file,
-                "--target-file", self.target_file]
+                "--target-file", self.target_file, "--memory-every", str(MEMORY_EVERY)]
 
     def start_node(self, node_id: str, slot) -> NodeAgent:
         agent = NodeAgent(node_id, slot, etcd=self.etcd.endpoints, job_id=self.job_id,
@@ -287,8 +298,8 @@ def run_campaign(seed: int, n_faults: int, variant: str = "fixed", *,
                  workdir: str | None = None, keep: bool = False, lease_ttl_s: float = 3.0,
                  hang_timeout_s: float = 4.0, say=print) -> Report:
     """Run one campaign; returns its :class:`Report` (never raises for a failed invariant)."""
-    if variant not in ("fixed", "elastic"):
-        raise ValueError(f"variant must be fixed or elastic, not {variant!r}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, not {variant!r}")
     report = Report(seed, variant, n_faults, kinds)
     if lease_ttl_s != 3.0:
         report.options += f" --lease-ttl {lease_ttl_s:g}"
@@ -333,7 +344,7 @@ def run_campaign(seed: int, n_faults: int, variant: str = "fixed", *,
             say(f"chaos: training in round {span.number} at world size {span.world}")
             _inject_all(camp, report, rng, recovered_at, say)
             target = camp.set_target()
-            if variant == "fixed":  # its start-up overlaps the campaign's last steps
+            if variant in FIXED_SIZE:  # its start-up overlaps the campaign's last steps
                 ref = _start_reference(topo, etcd, workdir, camp, target, say)
             camp.wait_finished()
             temporaries = camp.temporaries()  # before the disk goes, with the topology
@@ -374,9 +385,12 @@ def run_campaign(seed: int, n_faults: int, variant: str = "fixed", *,
         invariants.no_restart_where_promised(report.faults, events, recovered_at),
         invariants.interrupted_saves_discarded(report.faults, poller.seen, temporaries),
     ]
-    if variant == "fixed":
+    if variant in FIXED_SIZE:
         report.checks.insert(1, invariants.weights_equal(result, reference, camp.steps.lines,
                                                          ref_lines))
+    if variant == "memory":
+        report.checks.append(invariants.memory_resume_bounded(rounds, report.faults,
+                                                              MEMORY_EVERY))
     report.recovery = invariants.recovery_times(report.faults, rounds)
     report.duration_s = time.monotonic() - started
     if report.ok and not keep:

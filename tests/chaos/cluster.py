@@ -61,6 +61,8 @@ class AgentSettings:
     # Warm workers (elasticd's default). The fault-free reference run turns them off: it
     # restarts nothing, and on 2 cores its spare sets' torch imports only compete.
     prestart: bool = True
+    # elasticd --memory-tier (on /dev/shm, its default root): the memory variant.
+    memory_tier: bool = False
 
 
 def node_pids(tag: str, node_id: str) -> list[int]:
@@ -105,6 +107,7 @@ class NodeAgent:
                "--exit-barrier-timeout", f"{s.exit_barrier_timeout_s:g}",
                "--max-restarts", "1000", "--connect-timeout", "10",
                *([] if s.prestart else ["--no-prestart"]),
+               *(["--memory-tier"] if s.memory_tier else []),
                "--checkpoint-dir", checkpoint_dir(workdir),
                "--log-dir", os.path.join(workdir, "worker-logs", f"{node_id}.{incarnation}"),
                TRAIN_SCRIPT, *script_args]

@@ -103,6 +103,40 @@ def steps_continuous(lines: list[StepLine], rounds: dict[int, RoundSpan]) -> Che
                  "; ".join(bad[:5]) if bad else "no gaps")
 
 
+def completed_by_every_rank(span: RoundSpan) -> int:
+    """The last step every rank of the round logged (so completed and, with the
+    memory tier, staged); the step before its first when some rank logged none."""
+    if span.world <= 0 or any(r not in span.ranks for r in range(span.world)):
+        return span.first_step - 1
+    return min(span.ranks[r][2] for r in range(span.world))
+
+
+def memory_resume_bounded(rounds: dict[int, RoundSpan], faults: list[FaultRecord],
+                          every: int) -> Check:
+    """With the memory tier snapshotting every ``every`` steps, each round resumes
+    at most ``every`` steps behind where every rank of the round before it got:
+    ``completed_by_every_rank(previous) + 1 - first step <= every``. A worker's
+    death keeps its node's snapshots, one node's death leaves its snapshots on
+    its buddy; only a node lost with its buddy (not among the campaign's
+    faults) may fall back further, to disk. The detail names the fault before
+    each violation and the largest lag seen."""
+    spans = [rounds[n] for n in sorted(rounds)]
+    bad = []
+    worst = 0
+    for before, after in zip(spans, spans[1:]):
+        behind = completed_by_every_rank(before) + 1 - after.first_step
+        worst = max(worst, behind)
+        if behind > every:
+            cause = [f for f in faults if f.t_start <= after.first_t]
+            why = f" after {cause[-1].kind} ({cause[-1].target})" if cause else ""
+            bad.append(f"round {after.number} resumed at step {after.first_step}, {behind} "
+                       f"steps behind step {completed_by_every_rank(before)} that every rank "
+                       f"of round {before.number} completed{why}")
+    return Check(f"each restart resumes at most {every} step(s) behind (memory tier)", not bad,
+                 "; ".join(bad[:5]) if bad else
+                 f"{max(0, len(spans) - 1)} restarts, at most {worst} step(s) behind")
+
+
 def checkpoint_monotonic(seen: list[tuple[float, int, int]], errors: int) -> Check:
     """checkpoint/latest, polled through the run: its step and round never go back."""
     bad = []

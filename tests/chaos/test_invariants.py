@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tests.chaos import faults, invariants
+from tests.chaos.cluster import RoundSpan
 from tests.chaos.faults import KINDS, FaultRecord
 
 
@@ -50,3 +51,36 @@ def test_an_interrupted_save_must_never_commit_and_must_be_cleaned_up():
     left = invariants.interrupted_saves_discarded([crash], seen_ok, [".tmp-step-109-round-2"])
     assert not left.ok and "still there" in left.detail
     assert not invariants.interrupted_saves_discarded([crash], seen_ok, None).ok
+
+
+def span(number: int, first_t: float, steps_by_rank: dict[int, tuple[int, int]],
+         world: int = 2) -> RoundSpan:
+    """A round whose ranks logged steps ``first..last`` (``steps_by_rank``)."""
+    s = RoundSpan(number, world=world, first_t=first_t)
+    for rank, (first, last) in steps_by_rank.items():
+        s.first_step = min(s.first_step, first)
+        s.last_step = max(s.last_step, last)
+        s.ranks[rank] = ("n1", 100 + rank, last)
+    return s
+
+
+def test_a_restart_may_resume_at_most_the_snapshot_interval_behind():
+    # Round 2: rank 0 got to step 40, rank 1 to step 39: every rank completed step 39.
+    before = span(2, 10.0, {0: (0, 40), 1: (0, 39)})
+    crash = [record("worker_kill", t_start=50.0)]
+    for first, ok in [(40, True), (41, True), (39, True), (38, False), (30, False)]:
+        after = span(3, 60.0, {0: (first, first + 5), 1: (first, first + 5)})
+        check = invariants.memory_resume_bounded({2: before, 3: after}, crash, every=1)
+        assert check.ok is ok, (first, check.detail)
+    lost = invariants.memory_resume_bounded(
+        {2: before, 3: span(3, 60.0, {0: (30, 35), 1: (30, 35)})}, crash, every=1)
+    assert "10 steps behind step 39" in lost.detail and "after worker_kill" in lost.detail
+    assert invariants.memory_resume_bounded(
+        {2: before, 3: span(3, 60.0, {0: (30, 35), 1: (30, 35)})}, crash, every=10).ok
+
+
+def test_a_round_where_a_rank_logged_nothing_completed_only_its_start():
+    started = span(2, 10.0, {0: (20, 25)})  # rank 1 never stepped: nothing past 19
+    assert invariants.completed_by_every_rank(started) == 19
+    resumed = span(3, 60.0, {0: (20, 22), 1: (20, 22)})
+    assert invariants.memory_resume_bounded({2: started, 3: resumed}, [], every=1).ok

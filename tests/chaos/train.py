@@ -9,7 +9,11 @@ Run by every worker of every node (``elasticd ... tests/chaos/train.py``). It
   world size a run resumed from a checkpoint ends bitwise where a run that
   never failed ends, and at another world size it trains on the same data,
 - restores the latest committed checkpoint at start and saves (async) every
-  ``--ckpt-every`` steps and after the last one,
+  ``--ckpt-every`` steps and after the last one; with the memory tier on
+  (``$ELASTIC_MEMORY_DIR``, set by ``elasticd --memory-tier``) it also
+  snapshots into node memory every ``--memory-every`` steps at
+  ``elastic.step(n)`` and restores from memory when that is not older than
+  disk (its data position is the step itself: :class:`StepPosition`),
 - appends one line per step to a file of its own under ``--log-dir``
   (``r<round>-<node id>-rank<rank>-<pid>.log``)::
 
@@ -62,11 +66,32 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--result-file", default=None, help="rank 0 writes the final hash here")
     ap.add_argument("--checkpoint-dir", default=WorkerEnv().checkpoint_dir)
     ap.add_argument("--ckpt-every", type=int, default=10)
+    ap.add_argument("--memory-every", type=_every, default="auto",
+                    help="memory snapshot every this many steps, or auto (with the memory tier)")
     ap.add_argument("--step-time", type=float, default=0.0, help="sleep per step (s)")
     ap.add_argument("--pace-file", default=None,
                     help="a file holding the sleep per step; overrides --step-time")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args()
+
+
+def _every(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
+class StepPosition:
+    """The data position the Checkpointer's ``data=`` saves and restores: the
+    batch depends only on the step, so the position is the next step. The
+    restored value must agree with what ``restore()`` returns."""
+
+    def __init__(self) -> None:
+        self.next_step = 0
+
+    def state_dict(self) -> dict:
+        return {"next_step": self.next_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_step = int(state["next_step"])
 
 
 def batch(step: int, seed: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,8 +171,13 @@ def main() -> None:
     if args.checkpoint_dir:
         from elastic.checkpoint import Checkpointer
 
-        ckpt = Checkpointer(args.checkpoint_dir, model=model, optimizer=optimizer, keep=3)
+        position = StepPosition()
+        ckpt = Checkpointer(args.checkpoint_dir, model=model, optimizer=optimizer, keep=3,
+                            data=position, memory_every=args.memory_every)
         step = ckpt.restore()
+        if ckpt.restored_path and position.next_step != step:
+            raise SystemExit(f"restored {ckpt.restored_path}: data position "
+                             f"{position.next_step}, but the state resumes at step {step}")
     os.makedirs(args.log_dir, exist_ok=True)
     node = WorkerEnv().node_id or "node"
     fd = os.open(os.path.join(args.log_dir, f"r{round_}-{node}-rank{rank}-{os.getpid()}.log"),
@@ -162,6 +192,8 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if ckpt is not None:
+            position.next_step = step + 1
         elastic.step(step)
         if ckpt is not None and args.ckpt_every > 0 and (step + 1) % args.ckpt_every == 0:
             if _save(ckpt, step):
