@@ -95,3 +95,39 @@ def test_a_restore_from_memory_brings_back_the_snapshots_state(tmp_path):
     ckpt.close()
     assert ckpt.restored_path == "memory:round-0/step-3" and data.samples == 7
     assert all(torch.equal(p, s) for p, s in zip(model.parameters(), saved))
+
+
+class Planted:
+    """What a hostile replica could carry: unpickling it would create a file."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_snapshot_that_would_run_code_is_refused_and_disk_is_used(tmp_path, caplog):
+    import io
+    import os
+
+    model, opt = model_and_optimizer()
+    kwargs = dict(model=model, optimizer=opt, data=Position(), memory_dir=str(tmp_path / "mem"),
+                  memory_every=1)
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), **kwargs)
+    runtime.step(0)
+    ckpt.close()
+    (info,) = layout.list_slots(str(tmp_path / "mem"))
+    planted = io.BytesIO()
+    torch.save({name: Planted(str(tmp_path / "ran")) for name in info.manifest.objects}, planted)
+    layout.begin_write(info.path)
+    with open(os.path.join(info.path, layout.OBJECTS), "wb") as f:
+        f.write(planted.getvalue())
+    files = {**info.manifest.files, layout.OBJECTS: len(planted.getvalue())}
+    layout.finish_write(info.path, layout.Manifest(**{**info.manifest.__dict__, "files": files}))
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), **kwargs)
+    assert ckpt.restore() == 0  # no disk checkpoint: a fresh start, not the planted snapshot
+    ckpt.close()
+    assert not os.path.exists(tmp_path / "ran")
+    assert "cannot restore memory:round-0/step-0" in caplog.text
+    assert "restoring from disk instead" in caplog.text

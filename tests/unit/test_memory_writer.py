@@ -92,3 +92,12 @@ def test_a_step_rewrites_in_place_without_growing(tmp_path):
     assert writer.held_bytes() == 2 * 3 * ALIGN
     assert sorted(os.listdir(layout.own_dir(str(tmp_path)))) == \
         [layout.SlotKey(3, 1, 0).name, layout.SlotKey(3, 1, 1).name]
+
+
+def test_a_restart_in_the_same_round_writes_over_the_older_snapshot_first(tmp_path):
+    first = SnapshotWriter(str(tmp_path), IDENT)
+    for step in range(3):  # slot 0: step 2, slot 1: step 1
+        first.write(step, plan_slot(state_dict()), b"x")
+    again = SnapshotWriter(str(tmp_path), IDENT)  # no agent: the same round 0 after a restart
+    assert again.write(3, plan_slot(state_dict()), b"x").slot == 1
+    assert sorted(s.manifest.step for s in layout.list_slots(str(tmp_path))) == [2, 3]

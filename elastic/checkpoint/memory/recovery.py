@@ -17,7 +17,8 @@ Every rank of the new group, together (the rule is
    ``dcp.load`` through :class:`reader.MemoryStorageReader`. Non-tensor values
    and ``local.pt`` are read through :mod:`elastic.checkpoint.trust`'s
    allow-lists (a replica came over the network: nothing of it runs).
-4. The outcomes are gathered: if any rank failed, every rank returns None
+4. The outcomes are gathered, after step 2 and after step 3 (a resharding
+   load is a collective: no rank may enter it alone): if any rank failed, every rank returns None
    (the caller falls back to the disk restore, rank 0 warning why); otherwise
    each restores its schedulers and RNGs as the disk restore does
    (:mod:`elastic.checkpoint.state`: its own old rank's at the same world size,
@@ -102,17 +103,24 @@ class MemoryRestore:
                     self._round, attempt.choice.reason)
             return None
         self._bring(attempt)
-        local = self._load(attempt) if not attempt.failure else None
-        failures = [(r, f) for r, f in enumerate(self._group.all_gather(
-            attempt.failure, "agreeing on the memory restore")) if f]
-        if failures:
-            if self._group.rank == 0:
-                log.warning("Rank 0 cannot restore %s in round %d (rank %d: %s); restoring from "
-                            "disk instead.", attempt.choice.label, self._round, *failures[0])
+        # Agreed before the load too: a resharding load is a collective of its own.
+        if not self._agree(attempt):
+            return None
+        local = self._load(attempt)
+        if not self._agree(attempt):
             return None
         restored = self._accept(attempt, local)
         self._report(attempt, time.monotonic() - started)
         return restored
+
+    def _agree(self, attempt: _Attempt) -> bool:
+        """Whether every rank got this far; rank 0 warns about the first failure."""
+        failures = [(r, f) for r, f in enumerate(self._group.all_gather(
+            attempt.failure, "agreeing on the memory restore")) if f]
+        if failures and self._group.rank == 0:
+            log.warning("Rank 0 cannot restore %s in round %d (rank %d: %s); restoring from "
+                        "disk instead.", attempt.choice.label, self._round, *failures[0])
+        return not failures
 
     def _choose(self, commit_log: CommitLog) -> _Attempt:
         """Step 1 of the module docstring: the inventory, gathered, and the choice."""

@@ -54,13 +54,23 @@ class SnapshotWriter:
     def __init__(self, memory_dir: str, identity: Identity):
         self.identity = identity
         self._own = layout.own_dir(memory_dir)
-        self._next = 0
+        self._next = self._older_slot()
         self._mapped: dict[int, _Mapped] = {}
         self.written: layout.SlotKey | None = None  # the last complete snapshot's slot
 
     def slot_dir(self, slot: int) -> str:
         return os.path.join(self._own, layout.SlotKey(self.identity.round, self.identity.rank,
                                                       slot).name)
+
+    def _older_slot(self) -> int:
+        """The slot to write first: an incomplete one, else the older snapshot's. A
+        restart in the same round (no agent: every run is round 0) then never
+        overwrites the newest snapshot first."""
+        steps = []
+        for slot in range(layout.SLOTS_PER_RANK):
+            info = layout.read_slot(self.slot_dir(slot))
+            steps.append(-1 if info is None else info.manifest.step)
+        return steps.index(min(steps))
 
     def held_bytes(self) -> int:
         """Bytes of the data files this writer's slots take now (rewritten in place)."""
