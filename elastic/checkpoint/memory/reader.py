@@ -185,10 +185,16 @@ def _check_item(item: layout.TensorItem, first_seen: tuple[str, tuple[int, ...]]
 
 
 def _dtype(name: str, fqn: str) -> torch.dtype:
-    found = getattr(torch, name, None)
-    if not isinstance(found, torch.dtype):
-        raise CheckpointError(f"tensor {fqn!r}: {name!r} is not a torch dtype")
+    found = _DTYPES.get(name)
+    if found is None:
+        found = getattr(torch, name, None)
+        if not isinstance(found, torch.dtype):
+            raise CheckpointError(f"tensor {fqn!r}: {name!r} is not a torch dtype")
+        _DTYPES[name] = found
     return found
+
+
+_DTYPES: dict[str, torch.dtype] = {}  # a name's dtype, looked up once
 
 
 def _ranks(ranks: Iterable[int]) -> str:
@@ -294,7 +300,7 @@ class MemoryStorageReader(StorageReader):
         whole = self._buffers.get(holder.rank)
         if whole is None:
             whole = self._buffers[holder.rank] = _byte_tensor(self._sources[holder.rank])
-        raw = whole[item.offset:item.offset + item.nbytes]
+        raw = whole.narrow(0, item.offset, item.nbytes)
         dtype = _dtype(item.dtype, item.fqn)
         if raw.data_ptr() % dtype.itemsize or raw.storage_offset() % dtype.itemsize:
             raw = raw.clone()
