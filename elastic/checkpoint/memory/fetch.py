@@ -30,6 +30,9 @@ from elastic.checkpoint.memory.reader import SlotData
 from elastic.errors import CheckpointError
 
 _FILES = 4  # manifest, data, objects, local
+# Populated at once: the kernel maps every page in one call instead of one fault each
+# (the restore then reads at memory speed).
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 @dataclasses.dataclass
@@ -52,7 +55,7 @@ def open_local(info: layout.SlotInfo) -> Fetched:
     data: Any = b""
     if info.manifest.files.get(layout.DATA, 0):
         with open(os.path.join(info.path, layout.DATA), "rb") as f:
-            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            data = mmap.mmap(f.fileno(), 0, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
     return Fetched(SlotData(info.manifest, data, _read(info.path, layout.OBJECTS)),
                    _read(info.path, layout.LOCAL),
                    "own" if info.holder == layout.OWN else "replica", info, manifest_json)
