@@ -71,15 +71,18 @@ def task_snapshot(w: Worker, workdir):
     return sorted(flat)
 
 
-def task_restore(w: Worker, workdir, old_world: int):
+def task_restore(w: Worker, workdir, old_world: int, collectives: bool):
     """A fresh model at this world size, loaded from the slots of the ranks that
     ``needed_ranks`` names (the others given as manifests only), then put into the
-    live model and optimizer; the keys whose full value differs from the saved one."""
+    live model and optimizer; the keys whose full value differs from the saved one.
+    Without ``collectives`` each rank's ``dcp.load`` plans alone (``no_dist``): a
+    load from memory needs no global plan."""
     import mmap
 
     import torch
     import torch.distributed.checkpoint as dcp
 
+    from elastic._compat import torch_checkpoint as compat
     from elastic.checkpoint import dcp_io, state
     from elastic.checkpoint.memory import layout
     from elastic.checkpoint.memory.reader import MemoryStorageReader, SlotData, needed_ranks
@@ -105,7 +108,7 @@ def task_restore(w: Worker, workdir, old_world: int):
         data = mmap.mmap(files[-1].fileno(), 0, access=mmap.ACCESS_READ)
         sources[rank] = SlotData(manifests[rank], data, objects)
     dcp.load(tensors.state_dict, storage_reader=MemoryStorageReader(sources),
-             planner=dcp_io.LoadPlanner())
+             planner=dcp_io.LoadPlanner(), **compat.single_process(not collectives))
     state.apply(chunks, tensors)
     saved = torch.load(os.path.join(workdir, "full.pt"), weights_only=True)
     live = {key: _full(value) for key, value in _flat(model, opt).items()}
@@ -125,8 +128,10 @@ def test_fsdp2_state_of_2_ranks_reshards_from_memory_into_1_and_3_ranks(tmp_path
     workdir = str(tmp_path)
     keys = run(tmp_path, 2, {"task": task_snapshot, "workdir": workdir})[0]
     assert any(".exp_avg_sq" in key for key in keys) and any(".lr" in key for key in keys)
-    one = run(tmp_path, 1, {"task": task_restore, "workdir": workdir, "old_world": 2})
-    three = run(tmp_path, 3, {"task": task_restore, "workdir": workdir, "old_world": 2})
+    one = run(tmp_path, 1, {"task": task_restore, "workdir": workdir, "old_world": 2,
+                            "collectives": True})
+    three = run(tmp_path, 3, {"task": task_restore, "workdir": workdir, "old_world": 2,
+                              "collectives": False})
     for rank in one + three:
         assert rank["differ"] == [] and rank["keys"] == keys
     assert [rank["needed"] for rank in one] == [[0, 1]]

@@ -19,6 +19,11 @@ new sharding) plans and copies exactly as it does from files:
 * :func:`needed_ranks` says, before any data moves, which old ranks' slots a
   load reads, so a restoring rank fetches from peers only those.
 
+A load through this reader needs no global plan (DCP's default planner reads
+each rank's own chunks; nothing is coordinated), so each rank may call
+``dcp.load`` alone (``no_dist=True``), sparing DCP's gather and scatter of the
+plans; a rank that fails then fails alone, and the caller gathers outcomes.
+
 The contract for ``objects.pt`` (the writer's side): ``torch.save`` of one dict
 from each state-dict key the manifest lists in ``objects`` (the flattened key,
 as for tensors: ``optim.param_groups.<fqn>.lr``) to its value. It is read
