@@ -226,3 +226,17 @@ def test_torn_slots_and_a_zombies_slots_are_never_used(tmp_path, reference):
     assert [r["start"] for r in from_disk] == [3] * 4
     assert from_disk[0]["path"].endswith("step-000000000002")
     assert [r["digest"] for r in from_disk] == [r["digest"] for r in reference]
+
+
+def test_ddp_resumes_from_memory_bitwise(tmp_path):
+    """DDP, one rank per node (2 ranks: see task_train on DDP's order of additions)."""
+    nodes = ["node-a", "node-b"]
+    reference = train(tmp_path, 2, root=str(tmp_path / "ref"), mem=str(tmp_path / "refmem"),
+                      nodes=nodes, kind="ddp")
+    root, mem = dirs(tmp_path)
+    train(tmp_path, 2, root=root, mem=mem, nodes=nodes, kind="ddp", crash=(1, 3),
+          crash_expected=True)
+    resumed = train(tmp_path, 2, round_number=1, root=root, mem=mem, nodes=nodes, kind="ddp",
+                    fresh=False)
+    assert [(r["start"], r["path"]) for r in resumed] == [(3, "memory:round-0/step-2")] * 2
+    assert [r["digest"] for r in resumed] == [r["digest"] for r in reference]
