@@ -1,6 +1,7 @@
 """Run simulated fault schedules: ``python -m tests.sim --seeds 10000`` or
 replay one, with every agent's log: ``python -m tests.sim --seed 1234 -v``;
-``--profile budget`` or ``--profile partition`` for the other profiles."""
+``--profile budget``, ``--profile partition`` or ``--profile memory`` for the
+other profiles."""
 
 from __future__ import annotations
 
@@ -32,8 +33,12 @@ def main() -> int:
               f"{result.steps_committed}")
         for fault in result.schedule:
             print(f"  {fault}")
+        if result.memory:
+            print(f"  memory tier: {result.memory}")
         for violation in result.violations:
             print(f"  VIOLATION: {violation}")
+        for defect in result.known_defects:
+            print(f"  KNOWN DEFECT: {defect}")
         return 0 if result.ok else 1
     started = time.monotonic()
     summary = run_many(range(args.first, args.first + args.seeds), jobs=args.jobs,

@@ -48,9 +48,11 @@ from tests.fakes.memory_store import MemoryStore
 from tests.sim.faults import (
     Fault,
     make_budget_schedule,
+    make_memory_schedule,
     make_partition_schedule,
     make_schedule,
 )
+from tests.sim.memory import Choose, MemoryTier
 from tests.sim.world import FakeMesh, FakeServer, FakeSupervisor, Network, NodeStore, Workers
 
 DT = 0.25
@@ -58,7 +60,8 @@ HORIZON_S = 240.0
 JOB = "sim"
 # systemd's Restart=on-failure with RestartPreventExitStatus=0 1 2 4.
 NO_RESTART_CODES = (0, 1, 2, 4)
-PROFILES = ("mixed", "budget", "partition")
+PROFILES = ("mixed", "budget", "partition", "memory")
+MEMORY_SHARE = 0.5  # of the mixed schedules, those that run with the memory tier
 
 
 class _Later:
@@ -84,6 +87,7 @@ class Proc:
     exit_code: int | None = None  # set once it exited
     killed: bool = False
     stalled: bool = False  # its loops make no progress (slow etcd calls, or frozen)
+    frozen: bool = False  # SIGSTOP of the whole process (its memory tier's thread too)
     # When each loop's thread wakes next with nothing arriving (simulated time;
     # the rendezvous loop's in wall time, as it computes it).
     agent_wakes_at: float = 0.0
@@ -109,6 +113,8 @@ class Result:
     rounds: int = 0
     steps_committed: int = 0
     schedule: list[Fault] = field(default_factory=list)
+    memory: str = ""  # the memory tier's settings and restores ("" when off)
+    known_defects: list[str] = field(default_factory=list)  # see tests.sim.memory
 
     @property
     def ok(self) -> bool:
@@ -116,7 +122,13 @@ class Result:
 
 
 class Cluster:
-    def __init__(self, seed: int, *, verbose: bool = False, profile: str = "mixed"):
+    """One simulated run. ``memory``: whether the nodes run the memory tier (None:
+    always in the ``memory`` profile, in :data:`MEMORY_SHARE` of the others'
+    seeds, drawn apart from the schedule so that it stays the seed's);
+    ``choose``: the tier's restore rule (default: the real one)."""
+
+    def __init__(self, seed: int, *, verbose: bool = False, profile: str = "mixed",
+                 memory: bool | None = None, choose: Choose | None = None):
         if profile not in PROFILES:
             raise ValueError(f"no simulator profile {profile!r} (one of {', '.join(PROFILES)})")
         self.seed = seed
@@ -149,11 +161,14 @@ class Cluster:
             self.schedule = make_budget_schedule(self.rng, sorted(self.nodes), self.max_restarts)
         elif profile == "partition":
             self.schedule = make_partition_schedule(self.rng, sorted(self.nodes))
+        elif profile == "memory":
+            self.schedule = make_memory_schedule(self.rng, sorted(self.nodes))
         else:
             self.schedule = make_schedule(self.rng, sorted(self.nodes), self.min_nodes)
         for name in self.nodes:
             self.workers.finish_delay[name] = self.rng.choice((0.0, 0.0, 1.0, 5.0))
         self.result = Result(seed, schedule=list(self.schedule))
+        self.workers.memory = self._memory_tier(seed, profile, memory, choose)
         self.latest_ckpt: tuple[int, int] | None = None
         self._parsed_latest: tuple[int, tuple[int, int]] = (0, (0, 0))
         self.final: Round | None = None
@@ -161,6 +176,16 @@ class Cluster:
         self.continuations: set[int] = set()  # rounds that keep an earlier one's workers
         self.last_round: Round | None = None
         self.quiet_at = max((f.at + f.duration for f in self.schedule), default=0.0)
+
+    def _memory_tier(self, seed: int, profile: str, on: bool | None,
+                     choose: Choose | None) -> MemoryTier | None:
+        rng = random.Random(f"memory-{seed}")
+        if not (on if on is not None else profile == "memory" or rng.random() < MEMORY_SHARE):
+            return None
+        every = rng.choice((1, 1, 2, 4))
+        lag = rng.choice(((0.01, 0.1), (0.1, 0.6), (0.5, 3.0)))
+        self.result.memory = f"snapshots every {every} step(s), replication {lag[0]}-{lag[1]} s"
+        return MemoryTier(every, lag, rng, **({"choose": choose} if choose else {}))
 
     # ------------------------------------------------------------ processes
 
@@ -224,6 +249,7 @@ class Cluster:
         proc.conn.kill()
         self.workers.agents.pop(node.node_id, None)
         self.workers.on_exit.pop(node.node_id, None)
+        self._lose_memory(node.node_id)
         if code in NO_RESTART_CODES:
             node.gone = True
         else:
@@ -241,7 +267,14 @@ class Cluster:
         proc.conn.kill()
         proc.exit_code = 137
         self.workers.agents.pop(node.node_id, None)
+        self._lose_memory(node.node_id)
         node.restart_at = self.now() + restart_after
+
+    def _lose_memory(self, node_id: str) -> None:
+        """The agent removes its memory directory when it exits; its reaper does
+        when it is killed."""
+        if self.workers.memory is not None:
+            self.workers.memory.lose(node_id, self.now())
 
     def live_procs(self) -> list[Proc]:
         return [n.proc for n in self.nodes.values()
@@ -296,7 +329,7 @@ class Cluster:
         elif kind == "slow_store":
             proc.stalled = True
         elif kind == "freeze":
-            proc.stalled = True
+            proc.stalled = proc.frozen = True
             proc.conn.freeze()
             for w in proc.supervisor.current:
                 w.frozen = True
@@ -327,7 +360,7 @@ class Cluster:
         elif fault.kind == "store_errors":
             proc.conn.error_rate = 0.0
         elif fault.kind in ("slow_store", "freeze"):
-            proc.stalled = False
+            proc.stalled = proc.frozen = False
             if fault.kind == "freeze":
                 proc.conn.thaw()
                 for w in proc.supervisor.current:
@@ -342,6 +375,16 @@ class Cluster:
             print(f"[t={self.now() - 1000:7.2f}] {text}")
 
     def run(self) -> Result:
+        """Run the schedule to the end (or the first violation)."""
+        self._run()
+        memory = self.workers.memory
+        if memory is not None:
+            self.result.memory += (f"; restored from memory {memory.restores['memory']}, "
+                                   f"from disk {memory.restores['disk']}")
+            self.result.known_defects = list(memory.known_defects)
+        return self.result
+
+    def _run(self) -> None:
         for node in list(self.nodes.values()):
             self.start(node)
         due = sorted(self.schedule, key=lambda f: f.at)
@@ -361,15 +404,14 @@ class Cluster:
                 self.step_all()
             except Exception:  # a bug in the agent or the rendezvous: the seed shows it
                 self.result.violations.append("unexpected error: " + traceback.format_exc())
-                return self.result
+                return
             self.check()
             if self.result.violations:
-                return self.result
+                return
             if self.final is not None and not self.live_procs() and not due:
                 break
             self.clock.advance(DT)
         self.check_end()
-        return self.result
 
     def step_all(self) -> None:
         """One step of every process: rendezvous loops, then agent loops (each
@@ -403,7 +445,24 @@ class Cluster:
                 continue
             if proc.agent.state.final:
                 self.exited(node, proc.agent.exit_code, proc.agent.outcome_reason)
+        self.replicate()
         self.workers.advance(self.now())
+
+    def replicate(self) -> None:
+        """A pass of every live, unfrozen node's memory-tier thread (it runs beside
+        the agent's loops, so a slow etcd does not hold it)."""
+        memory = self.workers.memory
+        if memory is None:
+            return
+        running = {p.node_id: p for p in self.live_procs() if not p.frozen}
+
+        def known_round(node_id: str) -> Round | None:
+            proc = running.get(node_id)
+            return proc.agent.view.round if proc is not None else None
+
+        for node_id, proc in sorted(running.items()):
+            memory.replicate(node_id, proc.agent.view.round, self.now(),
+                             self.network.connected, known_round)
 
     # ----------------------------------------------------------- invariants
 
@@ -418,6 +477,9 @@ class Cluster:
 
     def check(self) -> None:
         v = self.result.violations
+        if self.workers.memory is not None and self.workers.memory.violations:
+            v.extend(self.workers.memory.violations)
+            self.workers.memory.violations.clear()
         training = self.workers.training()
         if len(training) > 1:
             v.append(f"rounds {[g.round for g in training]} train at the same time")
@@ -507,13 +569,16 @@ class Cluster:
                      f"{[(p.node_id, p.agent.state.value) for p in self.live_procs()]}")
 
 
-def run(seed: int, *, verbose: bool = False, profile: str = "mixed") -> Result:
+def run(seed: int, *, verbose: bool = False, profile: str = "mixed",
+        memory: bool | None = None, choose: Choose | None = None) -> Result:
     """Run one schedule of ``profile`` (one of PROFILES). Quiet unless
-    ``verbose`` (then the agents log too)."""
+    ``verbose`` (then the agents log too). ``memory`` and ``choose``: see
+    :class:`Cluster`."""
     if not verbose:
         logging.disable(logging.CRITICAL)
     try:
-        return Cluster(seed, verbose=verbose, profile=profile).run()
+        return Cluster(seed, verbose=verbose, profile=profile, memory=memory,
+                       choose=choose).run()
     finally:
         if not verbose:
             logging.disable(logging.NOTSET)

@@ -96,3 +96,30 @@ def make_partition_schedule(rng: random.Random, nodes: list[str]) -> list[Fault]
     node = "*" if kind == "cut_round" else rng.choice(nodes)
     return [Fault(round(rng.uniform(2.0, 20.0), 2), kind, node,
                   round(rng.uniform(1.0, 10.0), 2))]
+
+
+# The memory profile's faults: the ones that lose a node's memory (an agent's
+# death), keep it but stop the workers (a crash, a hang, a freeze, a cut), and
+# a node and another lost together.
+MEMORY_KINDS = {"kill_agent": 4, "crash_worker": 3, "cut_both": 2, "cut_peers": 1,
+                "freeze": 1, "hang_worker": 1, "kill_pair": 1}
+
+
+def make_memory_schedule(rng: random.Random, nodes: list[str]) -> list[Fault]:
+    """1 to 3 faults within the first 25 s, drawn from :data:`MEMORY_KINDS`; an
+    agent stays dead from 0.5 s (back before its lease expires) to 12 s (a
+    round forms without it); a ``kill_pair`` is two agents killed at once."""
+    kinds, weights = zip(*MEMORY_KINDS.items())
+    faults = []
+    for _ in range(rng.randint(1, 3)):
+        kind = rng.choices(kinds, weights)[0]
+        at = round(rng.uniform(2.0, 25.0), 2)
+        if kind in ("kill_agent", "kill_pair"):
+            down = round(rng.choice((0.5, 2.0, 6.0, 12.0)), 2)
+            pair = rng.sample(nodes, 2 if kind == "kill_pair" and len(nodes) > 1 else 1)
+            faults.extend(Fault(at, "kill_agent", node, down) for node in pair)
+        else:
+            duration = 0.0 if kind in ("crash_worker", "hang_worker") \
+                else round(rng.uniform(0.5, 12.0), 2)
+            faults.append(Fault(at, kind, rng.choice(nodes), duration))
+    return faults

@@ -323,6 +323,10 @@ class Workers:
     rendezvous of the process group); one that never forms within
     ``init_timeout_s`` crashes (torch's store timeout); a broken group's survivors crash after ``crash_delay_s`` (gloo's
     connection reset).
+
+    ``memory`` (a :class:`tests.sim.memory.MemoryTier`, None: off): the memory
+    tier the groups stage into at each step and restore from when they form
+    (else every rank restores the disk's latest checkpoint).
     """
 
     def __init__(self, network: Network, *, step_s: float, total_steps: int, ckpt_every: int,
@@ -349,6 +353,7 @@ class Workers:
         self.exits: list[tuple[FakeWorker, float]] = []
         self.on_exit: dict[str, Callable[[WorkerExited], None]] = {}
         self._pids = iter(range(1000, 10**9))
+        self.memory = None
 
     def spawn(self, node_id: str, round_number: int, envs: list[dict[str, str]], now: float
               ) -> list[FakeWorker]:
@@ -416,7 +421,7 @@ class Workers:
                 g.complete_at = now  # every rank started: init_process_group runs
             if g.complete_at is not None and now - g.complete_at >= self.form_s:
                 g.formed = True
-                g.step = self.latest_step()[0]  # every rank restores the latest checkpoint
+                g.step = self._restore(g, now)
                 g.next_step_at = now + self.step_s
             elif now - g.created_at > self.init_timeout_s:
                 for w in live:
@@ -432,6 +437,9 @@ class Workers:
             elif now >= g.next_step_at:
                 g.step += 1
                 g.next_step_at = now + self.step_s
+                if self.memory is not None:
+                    self.memory.stepped(g.round, g.step,
+                                        [(w.node_id, w.rank, w.world_size) for w in live])
                 if g.step % self.ckpt_every == 0:
                     self._save(g, now)
                 if g.step >= self.total_steps:
@@ -441,6 +449,14 @@ class Workers:
         for w in live:
             if not (w.hung or w.frozen) and (g.formed or g.finishing):
                 self._heartbeat(w, g, now)
+
+    def _restore(self, g: Group, now: float) -> int:
+        """The step every rank of the group resumes from: the latest checkpoint's,
+        or what the memory tier's choice says."""
+        if self.memory is None:
+            return self.latest_step()[0]
+        return self.memory.restore(g.round, [(w.node_id, w.rank) for w in g.workers],
+                                   self.latest_step(), now)
 
     def _heartbeat(self, w: FakeWorker, g: Group, now: float) -> None:
         """As the worker library sends them (elastic.worker.runtime): every
