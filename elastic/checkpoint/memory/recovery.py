@@ -209,8 +209,11 @@ class MemoryRestore:
         sources = {r: attempt.fetched[r].slot if r in attempt.fetched else SlotData(m)
                    for r, m in manifests.items()}
         reader = MemoryStorageReader(sources, self._policy)
+        # Each rank loads alone where DCP allows it (the reader needs no global plan);
+        # otherwise over the checkpoint group, which every rank enters (agreed before).
+        alone = compat.single_process(True) or {"process_group": self._group.pg}
         dcp.load(state_dict, storage_reader=reader, planner=LoadPlanner(policy=self._policy),
-                 process_group=self._group.pg, **compat.single_process(self._group.pg is None))
+                 **alone)
 
     def _accept(self, attempt: _Attempt, local: Any) -> Restored:
         """Step 4: schedulers and RNGs, as the disk restore does."""
