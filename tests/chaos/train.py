@@ -182,7 +182,8 @@ def main() -> None:
     node = WorkerEnv().node_id or "node"
     fd = os.open(os.path.join(args.log_dir, f"r{round_}-{node}-rank{rank}-{os.getpid()}.log"),
                  os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    print(f"rank {rank} round {round_}: world {world}, from step {step}, torch threads "
+    source = f" ({ckpt.restored_path})" if ckpt is not None and ckpt.restored_path else ""
+    print(f"rank {rank} round {round_}: world {world}, from step {step}{source}, torch threads "
           f"{torch.get_num_threads()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})",
           flush=True)
     saved = step - 1
