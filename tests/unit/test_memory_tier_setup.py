@@ -131,3 +131,24 @@ def test_a_snapshot_that_would_run_code_is_refused_and_disk_is_used(tmp_path, ca
     assert not os.path.exists(tmp_path / "ran")
     assert "cannot restore memory:round-0/step-0" in caplog.text
     assert "restoring from disk instead" in caplog.text
+
+
+def test_a_failed_snapshot_write_is_a_warning_and_training_goes_on(tmp_path, monkeypatch,
+                                                                   caplog):
+    import errno
+
+    from elastic.checkpoint.memory.writer import SnapshotWriter
+
+    model, opt = model_and_optimizer()
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), model=model, optimizer=opt, data=Position(),
+                        memory_dir=str(tmp_path / "mem"), memory_every=1)
+    runtime.step(0)
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(SnapshotWriter, "write", full)
+    runtime.step(1)  # does not raise
+    ckpt.close()
+    assert "could not write its memory snapshot of step 1" in caplog.text
+    assert [s.manifest.step for s in layout.list_slots(str(tmp_path / "mem"))] == [0]

@@ -46,6 +46,7 @@ class SnapshotTier:
         self._checked = False
         self._shards: dict = {}  # DTensors' chunks, remembered (items.plan_slot)
         self.costs: list[float] = []  # seconds per snapshot taken
+        self.failures = 0  # snapshots whose write failed
 
     @property
     def identity(self) -> Identity:
@@ -53,10 +54,18 @@ class SnapshotTier:
 
     def on_step(self, step: int) -> None:
         """Step ``step`` ended: snapshot it if it is due. Raises ConfigError when
-        the node cannot hold the tier (first snapshot), OSError when a write fails."""
+        the node cannot hold the tier (first snapshot). A write that fails later
+        (the memory directory full or gone) is a warning and training goes on:
+        the previous snapshot stays complete in the other slot, the disk tier
+        is untouched, and the next due step tries again."""
         now = time.monotonic()
         calibrating = self.cadence.calibrating
-        cost = self.snapshot(step) if self.cadence.due(step) else 0.0
+        cost = 0.0
+        if self.cadence.due(step):
+            try:
+                cost = self.snapshot(step)
+            except OSError as exc:
+                self._write_failed(step, exc)
         self.cadence.record(now, cost)
         if calibrating and not self.cadence.calibrating:
             log.log(self._news, "Rank %d: memory snapshots every %d step(s) from step %d "
@@ -78,6 +87,14 @@ class SnapshotTier:
         cost = time.monotonic() - started
         self.costs.append(cost)
         return cost
+
+    def _write_failed(self, step: int, exc: OSError) -> None:
+        self.failures += 1
+        if self.failures == 1 or self.failures % 100 == 0:
+            log.warning("Rank %d could not write its memory snapshot of step %d in round %d "
+                        "(%s; %d failed so far); training goes on, and a restore uses the last "
+                        "complete snapshot or the disk tier.", self.identity.rank, step,
+                        self.identity.round, exc, self.failures)
 
     def _check_room(self, state_bytes: int) -> None:
         need = capacity.node_need(state_bytes, self._local_ranks)
