@@ -165,7 +165,8 @@ class MemoryRestore:
                                      prefer=attempt.held) | {0}
             except CheckpointError as exc:
                 attempt.failure = str(exc)
-        every = self._group.all_gather(sorted(needs), "planning the memory restore")
+        every = ([[r] for r in range(self._group.size)] if same_world else
+                 self._group.all_gather(sorted(needs), "planning the memory restore"))
         plan = plan_transfers(dict(enumerate(every)), choice.holders)
         expected = {r: (choice.round, choice.step) for r in range(choice.world_size)}
         received, problems = exchange(self._group, plan, attempt.held, expected)
