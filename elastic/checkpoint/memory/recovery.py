@@ -44,6 +44,7 @@ from elastic.checkpoint.failures import describe_failure
 from elastic.checkpoint.group import CheckpointGroup
 from elastic.checkpoint.memory import layout
 from elastic.checkpoint.memory.choice import (
+    DISK,
     MEMORY,
     Choice,
     DiskLatest,
@@ -137,7 +138,7 @@ class MemoryRestore:
         gathered = self._group.all_gather((seen, disk), "listing memory snapshots")
         disk = gathered[0][1]
         if isinstance(disk, str):
-            return _Attempt(Choice("disk", disk), {})
+            return _Attempt(Choice(DISK, disk), {})
         choice = choose([s for ranks, _ in gathered for s in ranks], disk)
         held = {}
         if choice.source == MEMORY:
@@ -217,9 +218,14 @@ class MemoryRestore:
                  **alone)
 
     def _accept(self, attempt: _Attempt, local: Any) -> Restored:
-        """Step 4: schedulers and RNGs, as the disk restore does."""
+        """Step 4: schedulers and RNGs, as the disk restore does. Raises
+        CheckpointError when the schedulers do not take their state."""
         choice = attempt.choice
-        state.restore_schedulers(self._schedulers, local["schedulers"])
+        try:
+            state.restore_schedulers(self._schedulers, local["schedulers"])
+        except Exception as exc:  # noqa: BLE001 - translated at the boundary
+            raise CheckpointError(f"rank {self._group.rank}: restoring {choice.label} failed: "
+                                  f"{describe_failure(exc)}") from exc
         if choice.world_size == self._group.size:
             state.restore_rng(local["rng"])
         else:
