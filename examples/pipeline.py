@@ -164,16 +164,16 @@ class Trainer:
         if root and args.ckpt_every:
             from elastic.checkpoint import Checkpointer
 
-            self.ckpt = Checkpointer(root, model=[self.module], optimizer=[self.optimizer])
+            # data=: the sampler's position goes into every save (and every memory
+            # snapshot, with the agent's --memory-tier), and restore() puts it back.
+            self.ckpt = Checkpointer(root, model=[self.module], optimizer=[self.optimizer],
+                                     data=self.sampler)
 
     def restore(self) -> int:
         """The step to start from: the latest committed checkpoint's + 1, or 0."""
         if self.ckpt is None:
             return 0
-        start = self.ckpt.restore()
-        if self.ckpt.data_state is not None:
-            self.sampler.load_state_dict(self.ckpt.data_state)
-        return start
+        return self.ckpt.restore()
 
     def train_step(self, indices: list[int]) -> float | None:
         """One optimizer step on the global batch ``indices``; the mean micro-batch
@@ -196,7 +196,7 @@ class Trainer:
         every = self.args.ckpt_every
         if self.ckpt is not None and ((step + 1) % every == 0 or step + 1 == self.args.steps):
             # Taken after the step: the sampler's position is the next step's.
-            self.ckpt.save(step, data_state=self.sampler.state_dict())
+            self.ckpt.save(step)
 
     def close(self) -> None:
         if self.ckpt is not None:
