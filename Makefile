@@ -107,7 +107,8 @@ test-torch: $(TORCH_STAMP)
 		$(TORCH_PYTEST_ARGS) $(TORCH_TESTS)
 
 # More fault schedules than `make test` runs (10,000): `make sim SEEDS=100000 FIRST=10000`;
-# PROFILE=budget or PROFILE=partition for the other profiles (make test: 300 of each).
+# PROFILE=budget, PROFILE=partition or PROFILE=memory for the other profiles (make test: 300
+# of each; half of every profile's seeds, and all of memory's, run the memory tier).
 # A failing seed prints the command that replays it with every agent's log.
 SEEDS ?= 10000
 FIRST ?= 0
@@ -128,7 +129,9 @@ clean:
 
 # A chaos campaign against real agents in network namespaces (needs root; else loopback and
 # only the faults that need neither namespaces nor a tmpfs):
-# `make chaos SEED=7 FAULTS=16 VARIANT=elastic`.
+# `make chaos SEED=7 FAULTS=16 VARIANT=elastic`. VARIANT=memory runs the agents with
+# --memory-tier (snapshots every step) and checks that each restart resumes at most one
+# snapshot interval behind; it takes minutes, so `make test` runs only the fixed variant.
 # A failing campaign prints the command that replays it and keeps its logs.
 .PHONY: chaos
 SEED ?= 1

@@ -15,14 +15,25 @@ steps of ``DT`` simulated seconds, and checks after every step:
 * no round forms once the failures it counts exceed the restart budget, and
   a job failed for its budget counts one failure more than the budget;
 * no worker is started for a round that continues another's workers (the
-  round written again after garbage replaced it).
+  round written again after garbage replaced it);
+* with the memory tier on (:mod:`tests.sim.memory`, which checks these at
+  each restore): the memory set restored is complete, of one round and of
+  complete slots; never of an older round or an older step than the disk's
+  latest commit; a state its round's group trained; and, when at most one
+  node of the previous group is missing and replication was current for it,
+  at most one snapshot interval behind where that group got (two defects of
+  the real tier that break this bound are reported apart, as known defects).
 
 Profiles (``run(seed, profile=...)``) draw different clusters and schedules:
 ``mixed`` (every kind of fault, see :func:`tests.sim.faults.make_schedule`),
 ``budget`` (more failures than a small restart budget allows: the job-failure
-path) and ``partition`` (nodes or whole rounds cut off from etcd, with
+path), ``partition`` (nodes or whole rounds cut off from etcd, with
 standbys that keep it, and no leader's fence: the cut-off nodes' stop rule
-alone must keep a zombie group from training).
+alone must keep a zombie group from training) and ``memory`` (the memory tier
+always on, faults that lose or keep a node's memory, see
+:func:`tests.sim.faults.make_memory_schedule`). The memory tier runs in
+:data:`MEMORY_SHARE` of the other profiles' seeds, with a snapshot interval
+and a replication lag drawn per seed.
 
 The same seed gives the same run, bit for bit: replay a failure with
 ``python -m tests.sim --seed N -v``.
@@ -114,6 +125,7 @@ class Result:
     steps_committed: int = 0
     schedule: list[Fault] = field(default_factory=list)
     memory: str = ""  # the memory tier's settings and restores ("" when off)
+    restored_from_memory: int = 0  # groups that resumed from a memory snapshot
     known_defects: list[str] = field(default_factory=list)  # see tests.sim.memory
 
     @property
@@ -381,6 +393,7 @@ class Cluster:
         if memory is not None:
             self.result.memory += (f"; restored from memory {memory.restores['memory']}, "
                                    f"from disk {memory.restores['disk']}")
+            self.result.restored_from_memory = memory.restores["memory"]
             self.result.known_defects = list(memory.known_defects)
         return self.result
 

@@ -99,10 +99,12 @@ def make_partition_schedule(rng: random.Random, nodes: list[str]) -> list[Fault]
 
 
 # The memory profile's faults: the ones that lose a node's memory (an agent's
-# death), keep it but stop the workers (a crash, a hang, a freeze, a cut), and
-# a node and another lost together.
+# death), keep it but stop the workers (a crash, a hang, a freeze, a cut), a
+# node and another lost together, and a node cut off while the job goes on
+# without it, then another one lost (the cut-off node comes back with the
+# older round's snapshots, the newer round's are incomplete).
 MEMORY_KINDS = {"kill_agent": 4, "crash_worker": 3, "cut_both": 2, "cut_peers": 1,
-                "freeze": 1, "hang_worker": 1, "kill_pair": 1}
+                "freeze": 1, "hang_worker": 1, "kill_pair": 1, "stale_return": 2}
 
 
 def make_memory_schedule(rng: random.Random, nodes: list[str]) -> list[Fault]:
@@ -118,7 +120,13 @@ def make_memory_schedule(rng: random.Random, nodes: list[str]) -> list[Fault]:
             down = round(rng.choice((0.5, 2.0, 6.0, 12.0)), 2)
             pair = rng.sample(nodes, 2 if kind == "kill_pair" and len(nodes) > 1 else 1)
             faults.extend(Fault(at, "kill_agent", node, down) for node in pair)
+        elif kind == "stale_return" and len(nodes) > 1:
+            cut, killed = rng.sample(nodes, 2)
+            faults.append(Fault(at, "cut_both", cut, round(rng.uniform(8.0, 16.0), 2)))
+            faults.append(Fault(round(at + rng.uniform(2.0, 8.0), 2), "kill_agent", killed,
+                                12.0))
         else:
+            kind = "crash_worker" if kind == "stale_return" else kind
             duration = 0.0 if kind in ("crash_worker", "hang_worker") \
                 else round(rng.uniform(0.5, 12.0), 2)
             faults.append(Fault(at, kind, rng.choice(nodes), duration))

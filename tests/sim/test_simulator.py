@@ -4,8 +4,11 @@ simulator is deterministic and that its oracles catch planted bugs.
 
 ``SIM_SEEDS`` sets how many schedules the big test runs (default 10,000),
 ``SIM_PROFILE_SEEDS`` how many of each other profile (default 300: the
-``budget`` and ``partition`` profiles see what the mixed schedules almost
-never do); ``make sim SEEDS=N`` runs more outside pytest.
+``budget``, ``partition`` and ``memory`` profiles see what the mixed
+schedules almost never do); ``make sim SEEDS=N`` runs more outside pytest.
+Half the seeds of every profile, and all of ``memory``'s, run the memory tier
+(:mod:`tests.sim.memory`); its planted bugs are broken ``choose`` rules passed
+in, and its known defects are pinned by strict xfails below.
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ import time
 import pytest
 
 from agent import reactor
+from elastic.checkpoint.memory.choice import MEMORY, Choice, DiskLatest, choose
 from elastic.rendezvous import decisions
 from elastic.rendezvous.api import Outcome
 from elastic.rendezvous.decisions import Action, Decision
 from tests.marks import CPU_BOUND
 from tests.sim import cluster
 from tests.sim.faults import Fault
+from tests.sim.memory import CONTINUED_ROUND, FREED_FORMER_SOURCE
 from tests.sim.runner import REPLAY, replay_command, run_many
 from tests.sim.world import FakeMesh
 
@@ -64,6 +69,15 @@ def test_more_failures_than_the_budget_fail_the_job_and_every_agent_exits():
 @pytest.mark.timeout(300)
 def test_partitions_without_the_leaders_fence_never_leave_a_zombie_group():
     _every_schedule_passes(PROFILE_SEEDS, "partition")
+
+
+@CPU_BOUND
+@pytest.mark.timeout(300)
+def test_the_memory_tier_keeps_its_invariants_through_node_losses():
+    _every_schedule_passes(PROFILE_SEEDS, "memory")
+    # The schedules restore from memory, and not only from disk.
+    runs = [cluster.run(seed, profile="memory") for seed in range(20)]
+    assert sum(r.restored_from_memory for r in runs) >= 5, [r.memory for r in runs]
 
 
 def test_a_seed_replays_exactly():
@@ -175,3 +189,94 @@ def test_garbage_over_the_round_key_restarts_no_worker():
     assert result.ok and result.outcome == Outcome.SUCCEEDED, result.violations
     assert {w.round for w, _ in sim.workers.exits} == {1}
     assert len(sim.continuations - {sim.final.number}) == 3 and result.steps_committed > 0
+
+
+# -- The memory tier: planted bugs in the restore's choice, known defects -------
+
+# Seeds of the memory profile (among its first 3000) whose schedules return a
+# cut-off node with an older round's snapshots after the job went on without it
+# and lost another node: where an older round's slot can complete a newer
+# round's set, and where the older round's set is newer in steps than a newer
+# round's disk commit. The real rule passes them all.
+MIXED_ROUNDS_SEEDS = (593, 938, 958)
+NEWER_DISK_ROUND_SEEDS = (310, 903, 970, 1027)
+# Where the known defects show (the first seeds of their profiles that hit them).
+FREED_FORMER_SOURCE_SEEDS = (204, 237, 308)
+CONTINUED_ROUND_SEED = 1496  # mixed: garbage over the round key, then a restart
+
+
+def _sets(seen, by_round: bool) -> dict:
+    """{(round or -1, step, world size): {old rank: {reader: key}}} of ``seen``."""
+    sets: dict = {}
+    for s in seen:
+        ident = (s.key.round if by_round else -1, s.step, s.world_size)
+        sets.setdefault(ident, {}).setdefault(s.key.rank, {})[s.reader] = s.key
+    return sets
+
+
+def _newest_set(sets: dict, disk, *, complete_only: bool) -> Choice:
+    """The newest set, as a broken rule would choose it; disk when that is newer."""
+    found = [ident for ident, ranks in sets.items()
+             if not complete_only or all(r in ranks for r in range(ident[2]))]
+    if not found:
+        return choose([], disk)
+    _, step, world = ident = max(found)
+    holders = sets[ident]
+    round_ = max(key.round for readers in holders.values() for key in readers.values())
+    if disk is not None and (disk.round > round_ or disk.step > step):
+        return choose([], disk)
+    return Choice(MEMORY, "planted bug", round_, step, world, holders)
+
+
+def choose_ignoring_rounds(seen, disk):
+    # Sets keyed by step alone: an older round's slot completes a newer round's set.
+    return _newest_set(_sets(seen, by_round=False), disk, complete_only=True)
+
+
+def choose_incomplete_sets_too(seen, disk):
+    return _newest_set(_sets(seen, by_round=True), disk, complete_only=False)
+
+
+def choose_over_a_newer_disk_round(seen, disk):
+    # Rule 4 without its round: only the disk's step is compared.
+    return choose(seen, DiskLatest(disk.step, -1) if disk is not None else None)
+
+
+def _memory_violations(seeds, choose_rule, profile: str = "memory") -> list[str]:
+    return [v for seed in seeds
+            for v in cluster.run(seed, profile=profile, memory=True,
+                                 choose=choose_rule).violations]
+
+
+def test_a_memory_set_missing_a_rank_is_caught():
+    found = _memory_violations(range(10), choose_incomplete_sets_too)
+    assert any("incomplete: no slot of rank(s)" in v for v in found), found[:5]
+
+
+def test_a_memory_set_of_mixed_rounds_is_caught():
+    found = _memory_violations(MIXED_ROUNDS_SEEDS, choose_ignoring_rounds)
+    assert any("mixing in slot" in v for v in found), found[:5]
+
+
+def test_memory_over_a_disk_commit_of_a_newer_round_is_caught():
+    found = _memory_violations(NEWER_DISK_ROUND_SEEDS, choose_over_a_newer_disk_round)
+    assert any("over the newer disk commit" in v for v in found), found[:5]
+
+
+def test_the_real_rule_passes_where_the_planted_bugs_are_caught():
+    assert not _memory_violations(MIXED_ROUNDS_SEEDS + NEWER_DISK_ROUND_SEEDS, choose)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=FREED_FORMER_SOURCE)
+def test_one_lost_node_loses_no_snapshot_when_the_ring_changes():
+    # The lost node's buddy frees its replicas once the new round gives the buddy
+    # another source, before the new group restores them: disk then.
+    for seed in FREED_FORMER_SOURCE_SEEDS:
+        result = cluster.run(seed, profile="memory")
+        assert result.ok and not result.known_defects, (seed, result.known_defects)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=CONTINUED_ROUND)
+def test_workers_of_a_continued_round_resume_from_their_own_memory():
+    result = cluster.run(CONTINUED_ROUND_SEED)
+    assert result.ok and not result.known_defects, result.known_defects
