@@ -4,7 +4,8 @@ Runs ``tests.chaos`` in-process with a fixed seed (fixed-size variant, with the
 bitwise weights oracle). Without root (no network namespaces, no checkpoint
 tmpfs) it falls back to loopback and injects only the faults that need
 neither. On failure the message is the campaign's summary: the invariants,
-the replay command and the kept logs.
+the replay command and the kept logs. The ``memory`` variant (``make chaos
+VARIANT=memory``) takes minutes and is not run here.
 """
 
 from __future__ import annotations

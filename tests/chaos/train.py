@@ -145,6 +145,30 @@ def _save(ckpt, step: int) -> bool:
     return True
 
 
+def open_checkpointer(args: argparse.Namespace, model: nn.Module, optimizer,
+                      position: StepPosition):
+    """The Checkpointer (None without a checkpoint directory) and the step to start
+    from, restored; SystemExit when the data position restored disagrees with it."""
+    if not args.checkpoint_dir:
+        return None, 0
+    from elastic.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(args.checkpoint_dir, model=model, optimizer=optimizer, keep=3,
+                        data=position, memory_every=args.memory_every)
+    step = ckpt.restore()
+    if ckpt.restored_path and position.next_step != step:
+        raise SystemExit(f"restored {ckpt.restored_path}: data position "
+                         f"{position.next_step}, but the state resumes at step {step}")
+    return ckpt, step
+
+
+def write_result(path: str, result: dict) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, path)
+
+
 def main() -> None:
     args = parse_args()
     warnings.filterwarnings("ignore", message="find_unused_parameters=True was specified")
@@ -166,18 +190,8 @@ def main() -> None:
         find_unused_parameters=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    step = 0
-    ckpt = None
-    if args.checkpoint_dir:
-        from elastic.checkpoint import Checkpointer
-
-        position = StepPosition()
-        ckpt = Checkpointer(args.checkpoint_dir, model=model, optimizer=optimizer, keep=3,
-                            data=position, memory_every=args.memory_every)
-        step = ckpt.restore()
-        if ckpt.restored_path and position.next_step != step:
-            raise SystemExit(f"restored {ckpt.restored_path}: data position "
-                             f"{position.next_step}, but the state resumes at step {step}")
+    position = StepPosition()
+    ckpt, step = open_checkpointer(args, model, optimizer, position)
     os.makedirs(args.log_dir, exist_ok=True)
     node = WorkerEnv().node_id or "node"
     fd = os.open(os.path.join(args.log_dir, f"r{round_}-{node}-rank{rank}-{os.getpid()}.log"),
@@ -193,8 +207,7 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        if ckpt is not None:
-            position.next_step = step + 1
+        position.next_step = step + 1
         elastic.step(step)
         if ckpt is not None and args.ckpt_every > 0 and (step + 1) % args.ckpt_every == 0:
             if _save(ckpt, step):
@@ -211,11 +224,8 @@ def main() -> None:
             ckpt.save(step - 1, async_=False)
         ckpt.close()
     if rank == 0 and args.result_file:
-        tmp = f"{args.result_file}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"sha256": params_sha256(model.module), "step": step, "world": world,
-                       "round": round_}, f)
-        os.replace(tmp, args.result_file)
+        write_result(args.result_file, {"sha256": params_sha256(model.module), "step": step,
+                                        "world": world, "round": round_})
     dist.barrier()
     dist.destroy_process_group()
     gc.freeze()  # skip collecting torch's module graph at exit (slow on small machines)

@@ -34,7 +34,8 @@ def main() -> int:
         for fault in result.schedule:
             print(f"  {fault}")
         if result.memory:
-            print(f"  memory tier: {result.memory}")
+            print(f"  memory tier: {result.memory}; {result.restored_from_memory} restore(s) "
+                  "from memory")
         for violation in result.violations:
             print(f"  VIOLATION: {violation}")
         for defect in result.known_defects:

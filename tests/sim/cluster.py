@@ -63,7 +63,7 @@ from tests.sim.faults import (
     make_partition_schedule,
     make_schedule,
 )
-from tests.sim.memory import Choose, MemoryTier
+from tests.sim.memory import Choose, draw_memory_tier
 from tests.sim.world import FakeMesh, FakeServer, FakeSupervisor, Network, NodeStore, Workers
 
 DT = 0.25
@@ -73,6 +73,21 @@ JOB = "sim"
 NO_RESTART_CODES = (0, 1, 2, 4)
 PROFILES = ("mixed", "budget", "partition", "memory")
 MEMORY_SHARE = 0.5  # of the mixed schedules, those that run with the memory tier
+
+
+def agent_config(node_id: str, min_nodes: int, max_nodes: int, max_restarts: int
+                 ) -> AgentConfig:
+    """A simulated node's agent configuration (short timeouts: simulated seconds)."""
+    return AgentConfig(
+        job_id=JOB, etcd="sim", standalone=False, min_nodes=min_nodes,
+        max_nodes=max_nodes, nproc_per_node=2, node_id=node_id, max_restarts=max_restarts,
+        restart_window_s=3600.0, checkpoint_dir=None, hang_timeout_s=4.0, lease_ttl_s=3.0,
+        settle_s=0.5, join_timeout_s=600.0, start_timeout_s=12.0,
+        exit_barrier_timeout_s=20.0, scale_up_wait_s=0.0, listen="sim:0",
+        advertise_addr=f"host-{node_id}", state_dir="/nonexistent", log_dir="/nonexistent",
+        log_format="text", metrics_port=0, stop_grace_s=1.0, drain_exit_code=0,
+        prestart=False, warm_sets=1, connect_timeout_s=1.0, script="train.py", module=None,
+        script_args=())
 
 
 class _Later:
@@ -124,7 +139,7 @@ class Result:
     rounds: int = 0
     steps_committed: int = 0
     schedule: list[Fault] = field(default_factory=list)
-    memory: str = ""  # the memory tier's settings and restores ("" when off)
+    memory: str = ""  # the memory tier's settings ("" when off)
     restored_from_memory: int = 0  # groups that resumed from a memory snapshot
     known_defects: list[str] = field(default_factory=list)  # see tests.sim.memory
 
@@ -134,10 +149,8 @@ class Result:
 
 
 class Cluster:
-    """One simulated run. ``memory``: whether the nodes run the memory tier (None:
-    always in the ``memory`` profile, in :data:`MEMORY_SHARE` of the others'
-    seeds, drawn apart from the schedule so that it stays the seed's);
-    ``choose``: the tier's restore rule (default: the real one)."""
+    """One run. ``memory``: the memory tier on or off (None: as the profile draws it);
+    ``choose``: its restore rule (default: the real one)."""
 
     def __init__(self, seed: int, *, verbose: bool = False, profile: str = "mixed",
                  memory: bool | None = None, choose: Choose | None = None):
@@ -180,7 +193,10 @@ class Cluster:
         for name in self.nodes:
             self.workers.finish_delay[name] = self.rng.choice((0.0, 0.0, 1.0, 5.0))
         self.result = Result(seed, schedule=list(self.schedule))
-        self.workers.memory = self._memory_tier(seed, profile, memory, choose)
+        always = True if profile == "memory" else None
+        self.workers.memory = draw_memory_tier(seed, always if memory is None else memory,
+                                               MEMORY_SHARE, choose)
+        self.result.memory = self.workers.memory.settings if self.workers.memory else ""
         self.latest_ckpt: tuple[int, int] | None = None
         self._parsed_latest: tuple[int, tuple[int, int]] = (0, (0, 0))
         self.final: Round | None = None
@@ -189,37 +205,15 @@ class Cluster:
         self.last_round: Round | None = None
         self.quiet_at = max((f.at + f.duration for f in self.schedule), default=0.0)
 
-    def _memory_tier(self, seed: int, profile: str, on: bool | None,
-                     choose: Choose | None) -> MemoryTier | None:
-        rng = random.Random(f"memory-{seed}")
-        if not (on if on is not None else profile == "memory" or rng.random() < MEMORY_SHARE):
-            return None
-        every = rng.choice((1, 1, 2, 4))
-        lag = rng.choice(((0.01, 0.1), (0.1, 0.6), (0.5, 3.0)))
-        self.result.memory = f"snapshots every {every} step(s), replication {lag[0]}-{lag[1]} s"
-        return MemoryTier(every, lag, rng, **({"choose": choose} if choose else {}))
-
     # ------------------------------------------------------------ processes
 
     def now(self) -> float:
         return self.clock.monotonic()
 
-    def config(self, node_id: str) -> AgentConfig:
-        return AgentConfig(
-            job_id=JOB, etcd="sim", standalone=False, min_nodes=self.min_nodes,
-            max_nodes=self.max_nodes, nproc_per_node=2, node_id=node_id, max_restarts=self.max_restarts,
-            restart_window_s=3600.0, checkpoint_dir=None, hang_timeout_s=4.0, lease_ttl_s=3.0,
-            settle_s=0.5, join_timeout_s=600.0, start_timeout_s=12.0,
-            exit_barrier_timeout_s=20.0, scale_up_wait_s=0.0, listen="sim:0",
-            advertise_addr=f"host-{node_id}", state_dir="/nonexistent", log_dir="/nonexistent", log_format="text",
-            metrics_port=0, stop_grace_s=1.0, drain_exit_code=0,
-            prestart=False, warm_sets=1, connect_timeout_s=1.0, script="train.py", module=None,
-            script_args=())
-
     def start(self, node: Node) -> None:
         node.incarnations += 1
         node.restart_at = None
-        config = self.config(node.node_id)
+        config = agent_config(node.node_id, self.min_nodes, self.max_nodes, self.max_restarts)
         addr = f"{node.node_id}.{node.incarnations}:1"
         conn = NodeStore(self.store, random.Random(self.rng.random()))
         server = FakeServer(addr)
@@ -261,7 +255,8 @@ class Cluster:
         proc.conn.kill()
         self.workers.agents.pop(node.node_id, None)
         self.workers.on_exit.pop(node.node_id, None)
-        self._lose_memory(node.node_id)
+        if self.workers.memory is not None:  # the agent removes its memory directory
+            self.workers.memory.lose(node.node_id, self.now())
         if code in NO_RESTART_CODES:
             node.gone = True
         else:
@@ -279,14 +274,9 @@ class Cluster:
         proc.conn.kill()
         proc.exit_code = 137
         self.workers.agents.pop(node.node_id, None)
-        self._lose_memory(node.node_id)
+        if self.workers.memory is not None:  # its reaper removes its memory directory
+            self.workers.memory.lose(node.node_id, self.now())
         node.restart_at = self.now() + restart_after
-
-    def _lose_memory(self, node_id: str) -> None:
-        """The agent removes its memory directory when it exits; its reaper does
-        when it is killed."""
-        if self.workers.memory is not None:
-            self.workers.memory.lose(node_id, self.now())
 
     def live_procs(self) -> list[Proc]:
         return [n.proc for n in self.nodes.values()
@@ -387,17 +377,6 @@ class Cluster:
             print(f"[t={self.now() - 1000:7.2f}] {text}")
 
     def run(self) -> Result:
-        """Run the schedule to the end (or the first violation)."""
-        self._run()
-        memory = self.workers.memory
-        if memory is not None:
-            self.result.memory += (f"; restored from memory {memory.restores['memory']}, "
-                                   f"from disk {memory.restores['disk']}")
-            self.result.restored_from_memory = memory.restores["memory"]
-            self.result.known_defects = list(memory.known_defects)
-        return self.result
-
-    def _run(self) -> None:
         for node in list(self.nodes.values()):
             self.start(node)
         due = sorted(self.schedule, key=lambda f: f.at)
@@ -417,14 +396,15 @@ class Cluster:
                 self.step_all()
             except Exception:  # a bug in the agent or the rendezvous: the seed shows it
                 self.result.violations.append("unexpected error: " + traceback.format_exc())
-                return
+                return self.result
             self.check()
             if self.result.violations:
-                return
+                return self.result
             if self.final is not None and not self.live_procs() and not due:
                 break
             self.clock.advance(DT)
         self.check_end()
+        return self.result
 
     def step_all(self) -> None:
         """One step of every process: rendezvous loops, then agent loops (each
@@ -458,24 +438,11 @@ class Cluster:
                 continue
             if proc.agent.state.final:
                 self.exited(node, proc.agent.exit_code, proc.agent.outcome_reason)
-        self.replicate()
+        if self.workers.memory is not None:  # its thread runs beside the agent's loops
+            self.workers.memory.replicate_all(
+                {p.node_id: p.agent.view.round for p in self.live_procs() if not p.frozen},
+                self.now(), self.network.connected)
         self.workers.advance(self.now())
-
-    def replicate(self) -> None:
-        """A pass of every live, unfrozen node's memory-tier thread (it runs beside
-        the agent's loops, so a slow etcd does not hold it)."""
-        memory = self.workers.memory
-        if memory is None:
-            return
-        running = {p.node_id: p for p in self.live_procs() if not p.frozen}
-
-        def known_round(node_id: str) -> Round | None:
-            proc = running.get(node_id)
-            return proc.agent.view.round if proc is not None else None
-
-        for node_id, proc in sorted(running.items()):
-            memory.replicate(node_id, proc.agent.view.round, self.now(),
-                             self.network.connected, known_round)
 
     # ----------------------------------------------------------- invariants
 
@@ -490,9 +457,8 @@ class Cluster:
 
     def check(self) -> None:
         v = self.result.violations
-        if self.workers.memory is not None and self.workers.memory.violations:
-            v.extend(self.workers.memory.violations)
-            self.workers.memory.violations.clear()
+        if self.workers.memory is not None:  # what its restores found, as they happen
+            self.workers.memory.report(self.result)
         training = self.workers.training()
         if len(training) > 1:
             v.append(f"rounds {[g.round for g in training]} train at the same time")

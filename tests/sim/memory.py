@@ -118,6 +118,19 @@ class _Trained:
     staged: bool = False  # some step of it was staged by every rank
 
 
+def draw_memory_tier(seed: int, on: bool | None, share: float,
+                     choose: Choose | None = None) -> "MemoryTier | None":
+    """The seed's memory tier: on when ``on`` says so, else (None) in ``share``
+    of the seeds; its snapshot interval and replication lag drawn from the
+    seed, apart from the schedule's draws."""
+    rng = random.Random(f"memory-{seed}")
+    if not (on if on is not None else rng.random() < share):
+        return None
+    every = rng.choice((1, 1, 2, 4))
+    lag = rng.choice(((0.01, 0.1), (0.1, 0.6), (0.5, 3.0)))
+    return MemoryTier(every, lag, rng, **({"choose": choose} if choose else {}))
+
+
 class MemoryTier:
     """The simulated memory tier of every node (see the module docstring)."""
 
@@ -137,6 +150,15 @@ class MemoryTier:
         self.freed_as_former_source: set[tuple[str, int]] = set()
         self.restores = {memory_choice.MEMORY: 0, memory_choice.DISK: 0}
         self._writes: dict[tuple[int, int], int] = {}  # (round, rank) -> snapshots written
+
+    def report(self, result) -> None:
+        """Move the violations found so far into ``result`` (a
+        :class:`tests.sim.cluster.Result`), with the restores from memory and
+        the known defects."""
+        result.violations.extend(self.violations)
+        self.violations.clear()
+        result.restored_from_memory = self.restores[memory_choice.MEMORY]
+        result.known_defects = list(self.known_defects)
 
     def _node(self, node_id: str) -> _Node:
         return self.nodes.setdefault(node_id, _Node())
@@ -187,6 +209,18 @@ class MemoryTier:
     def _seen(mem: _Node, holder: str | None = None) -> list[memory_rules.SlotSeen]:
         return [memory_rules.SlotSeen(h, key, snap.step if snap else None, 1 if snap else 0)
                 for (h, key), snap in mem.slots.items() if holder in (None, h)]
+
+    @property
+    def settings(self) -> str:
+        lag = f"{self.lag_s[0]:g}-{self.lag_s[1]:g} s"
+        return f"snapshots every {self.every} step(s), replication {lag}"
+
+    def replicate_all(self, running: dict[str, Round | None], now: float,
+                      connected: Callable[[str, str], bool]) -> None:
+        """A pass of each running node's replicator (``running``: the node ids of
+        the live, unfrozen agents, each with the round it knows)."""
+        for node_id, current in sorted(running.items()):
+            self.replicate(node_id, current, now, connected, running.get)
 
     def replicate(self, node_id: str, current: Round | None, now: float,
                   connected: Callable[[str, str], bool],

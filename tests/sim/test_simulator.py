@@ -201,7 +201,7 @@ def test_garbage_over_the_round_key_restarts_no_worker():
 MIXED_ROUNDS_SEEDS = (593, 938, 958)
 NEWER_DISK_ROUND_SEEDS = (310, 903, 970, 1027)
 # Where the known defects show (the first seeds of their profiles that hit them).
-FREED_FORMER_SOURCE_SEEDS = (204, 237, 308)
+FREED_FORMER_SOURCE_SEEDS = (83, 100, 185)
 CONTINUED_ROUND_SEED = 1496  # mixed: garbage over the round key, then a restart
 
 
