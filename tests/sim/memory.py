@@ -10,7 +10,9 @@ The rules are the real ones, called, not copied: whom a node replicates to
 ``choose``: the planted-bug tests pass broken ones). The rest is modelled:
 
 * **Workers** stage ``(round, rank, step)`` into their node's memory every
-  ``every`` steps, alternating between the rank's two slots of the round.
+  ``every`` steps, alternating between the rank's two slots of the round (a
+  staging is instant: the steps of a group are atomic here, so a worker's own
+  slot is never torn).
 * **Replication** is one send at a time per node, each taking a seeded lag;
   the receiver's copy of the slot is torn (incomplete) from the first byte
   until the last. A send is dropped, its copy left torn, when either end is
@@ -30,11 +32,18 @@ Checked at each restore (violations as in :mod:`tests.sim.cluster`):
 * lineage: the state restored is one that round's group trained (a step
   after the one it started from, at most the last it reached);
 * lost work: when the previous group staged a complete snapshot and at most
-  one of its nodes is missing from the restore (its memory lost, or not a
-  member of the new round) with replication *current* for it (when it went
-  missing, its buddy in the previous round's ring held a complete replica of
-  each of its ranks' newest snapshot), the restore resumes at most ``every``
-  steps behind the last step the previous group reached.
+  one of its nodes is missing from the restore (its memory lost since that
+  group started, or not a member of the new group) with replication
+  *current* for it (when it went missing, a node of the new group whose
+  memory survived held a complete replica of each of its ranks' newest own
+  snapshot), the restore resumes at most ``every`` steps behind the last step
+  the previous group reached. Two nodes missing (a node and its buddy) are
+  not bounded: their set is incomplete and disk is used, which the checks
+  above then cover.
+
+Two defects of the real tier break the lost-work bound; they are recognised
+(:data:`FREED_FORMER_SOURCE`, :data:`CONTINUED_ROUND`) and reported apart, as
+``Result.known_defects``, not as violations.
 """
 
 from __future__ import annotations
@@ -108,8 +117,7 @@ class _Node:
 @dataclass
 class _Trained:
     """What a round's group did: the step it restored, the last it reached, its nodes
-    in node-rank order, and when each missing node went missing (with whether its
-    buddy's replicas were current then)."""
+    in rank order, and when it formed."""
 
     start: int
     reached: int
@@ -142,7 +150,8 @@ class MemoryTier:
         self.choose = choose
         self.nodes: dict[str, _Node] = {}
         self.trained: dict[int, _Trained] = {}
-        self.lost: dict[str, list[tuple[float, bool]]] = {}  # node -> (when, current then)
+        # node -> (when its memory was lost, the nodes that held its newest snapshots then)
+        self.lost: dict[str, list[tuple[float, frozenset[str]]]] = {}
         self.violations: list[str] = []
         self.known_defects: list[str] = []  # FREED_FORMER_SOURCE, CONTINUED_ROUND
         # (source node, round) of replicas freed though not older than the holder's newest
