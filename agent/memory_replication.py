@@ -174,7 +174,7 @@ class Replicator:
         own, own_changed = self._own.look()
         if now - self._scanned_at >= FULL_SCAN_S:
             self._scanned_at = now
-            self._free(source)
+            self._free()
             changed = True
         # Nothing new, nothing to retry: the pass ends with the look (a few stat calls).
         retry = self._retry_at and now >= self._retry_at
@@ -185,16 +185,16 @@ class Replicator:
             self._send(current, buddy, own)
         self._report(own, source)
 
-    def _free(self, source: str | None) -> None:
+    def _free(self) -> None:
         self._all = memory_tier.scan(self._memory.path)
-        doomed = memory_rules.slots_to_free(self._all, self._nproc, source)
+        doomed = memory_rules.slots_to_free(self._all, self._nproc)
         if not doomed:
             return
         with self._lock:
             for s in doomed:
                 memory_tier.remove_slot(memory_tier.slot_path(self._memory.path, s))
         self._all = [s for s in self._all if s not in doomed]
-        self._log.info("memory tier: freed %d slot(s) of older rounds or former sources.",
+        self._log.info("memory tier: freed %d slot(s) of older rounds.",
                        len(doomed))
 
     def _send(self, current: Round, buddy: str, own: list[layout.SlotInfo]) -> None:

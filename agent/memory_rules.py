@@ -17,10 +17,11 @@ The rules (each a function below, unit tested without files or clocks):
   newest, not with the backlog.
 * **What to free** (:func:`slots_to_free`): once this node's workers have all
   staged a complete snapshot in some round (every one of ``nproc`` ranks),
-  every slot of an older round (own and replicas, complete or not) is freed,
-  and so is every replica from a node that is not this node's source.
+  every slot of an older round (own and replicas, complete or not) is freed.
   Before that, nothing is freed: the older snapshots are the newest that can
-  be restored.
+  be restored. Replicas go by their round alone, never because their source
+  left the ring: a lost node's replicas are what the next round restores from,
+  and its workers stage their first snapshot only after that restore.
 * **Need** (:func:`memory_need`): at most two slots per rank, own and
   replicated: twice the node's snapshot plus twice its source's.
 """
@@ -153,17 +154,14 @@ def complete_round(own: Iterable[SlotSeen], nproc: int) -> int | None:
     return max(full, default=None)
 
 
-def slots_to_free(slots: Sequence[SlotSeen], nproc: int, source: str | None
-                  ) -> list[SlotSeen]:
+def slots_to_free(slots: Sequence[SlotSeen], nproc: int) -> list[SlotSeen]:
     """The slots the module docstring's rule frees: none until this node's
     workers have all staged a complete snapshot in some round R; then every
-    slot of a round before R, and every replica whose holder is not
-    ``source`` (None: this node holds nobody's replicas now)."""
+    slot (own or replica) of a round before R."""
     cutoff = complete_round([s for s in slots if s.holder == OWN], nproc)
     if cutoff is None:
         return []
-    return [s for s in slots
-            if s.key.round < cutoff or (s.holder != OWN and s.holder != source)]
+    return [s for s in slots if s.key.round < cutoff]
 
 
 def snapshot_bytes(slots: Iterable[SlotSeen]) -> int:

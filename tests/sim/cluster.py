@@ -21,8 +21,7 @@ steps of ``DT`` simulated seconds, and checks after every step:
   complete slots; never of an older round or an older step than the disk's
   latest commit; a state its round's group trained; and, when at most one
   node of the previous group is missing and replication was current for it,
-  at most one snapshot interval behind where that group got (two defects of
-  the real tier that break this bound are reported apart, as known defects).
+  at most one snapshot interval behind where that group got.
 
 Profiles (``run(seed, profile=...)``) draw different clusters and schedules:
 ``mixed`` (every kind of fault, see :func:`tests.sim.faults.make_schedule`),
@@ -141,7 +140,6 @@ class Result:
     schedule: list[Fault] = field(default_factory=list)
     memory: str = ""  # the memory tier's settings ("" when off)
     restored_from_memory: int = 0  # groups that resumed from a memory snapshot
-    known_defects: list[str] = field(default_factory=list)  # see tests.sim.memory
 
     @property
     def ok(self) -> bool:
@@ -455,6 +453,16 @@ class Cluster:
             self._parsed_latest = (kv.mod_revision, (record["step"], record["round"]))
         return self._parsed_latest[1]
 
+    @staticmethod
+    def _workers_round(kv) -> int | None:
+        """The round whose workers the round key's round runs (None: no readable round)."""
+        if kv is None:
+            return None
+        try:
+            return Round.from_json(kv.key, kv.value, kv.version).workers_round
+        except MalformedRecordError:
+            return None
+
     def check(self) -> None:
         v = self.result.violations
         if self.workers.memory is not None:  # what its restores found, as they happen
@@ -475,9 +483,10 @@ class Cluster:
         kv = self.store.peek(self.keys.round)
         if latest != (0, 0) and latest != self.latest_ckpt:
             # Commits happen after the rendezvous moved in a step, so the round
-            # is the one the commit was fenced by.
+            # is the one the commit was fenced by; the record keeps the workers'
+            # round, which a round written again (Round.continues) continues.
             now_round = kv.version if kv else 0
-            if latest[1] != now_round:
+            if latest[1] not in (now_round, self._workers_round(kv)):
                 v.append(f"a checkpoint of round {latest[1]} (step {latest[0]}) was committed "
                          f"while the job was in round {now_round}")
             self.latest_ckpt = latest

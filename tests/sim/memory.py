@@ -40,10 +40,6 @@ Checked at each restore (violations as in :mod:`tests.sim.cluster`):
   the previous group reached. Two nodes missing (a node and its buddy) are
   not bounded: their set is incomplete and disk is used, which the checks
   above then cover.
-
-Two defects of the real tier break the lost-work bound; they are recognised
-(:data:`FREED_FORMER_SOURCE`, :data:`CONTINUED_ROUND`) and reported apart, as
-``Result.known_defects``, not as violations.
 """
 
 from __future__ import annotations
@@ -59,17 +55,6 @@ from elastic.checkpoint.memory.choice import Choice, DiskLatest, SlotSeen
 from elastic.checkpoint.memory.layout import OWN, SLOTS_PER_RANK, SlotKey
 from elastic.rendezvous.api import Round
 
-# Defects of the real memory tier that the lost-work check finds: reported apart
-# (Result.known_defects) so that the other invariants keep guarding the suite,
-# and pinned by strict xfails in tests/sim/test_simulator.py until they are fixed.
-FREED_FORMER_SOURCE = (
-    "known defect: agent.memory_rules.slots_to_free freed the missing node's replicas on "
-    "its buddy as soon as the new round's ring gave the buddy another source, before the "
-    "new group restored them")
-CONTINUED_ROUND = (
-    "known defect: the disk commit carries the number of the round that continues the "
-    "workers' round (agent.services.commit_checkpoint), their memory snapshots the workers' "
-    "round, so choose's rule 4 takes the older state on disk for a newer round's")
 Choose = Callable[[Iterable[SlotSeen], "DiskLatest | None"], Choice]
 NPROC = 2  # workers per simulated node (the cluster's nproc_per_node)
 
@@ -106,7 +91,7 @@ class _Node:
     # Bumped by every change of the slots or the acknowledgements: the rules are
     # pure, so a pass asks them again only when what they read changed.
     version: int = 0
-    scanned: tuple[int, str | None] | None = None  # (version, source) of the last free
+    scanned: int | None = None  # the version the last free pass saw
     offered: int = -1  # the version of the last call of to_send
 
     def put(self, holder: str, key: SlotKey, snap: Snapshot | None) -> None:
@@ -153,21 +138,15 @@ class MemoryTier:
         # node -> (when its memory was lost, the nodes that held its newest snapshots then)
         self.lost: dict[str, list[tuple[float, frozenset[str]]]] = {}
         self.violations: list[str] = []
-        self.known_defects: list[str] = []  # FREED_FORMER_SOURCE, CONTINUED_ROUND
-        # (source node, round) of replicas freed though not older than the holder's newest
-        # complete own round: freed only because their source is no longer its source.
-        self.freed_as_former_source: set[tuple[str, int]] = set()
         self.restores = {memory_choice.MEMORY: 0, memory_choice.DISK: 0}
         self._writes: dict[tuple[int, int], int] = {}  # (round, rank) -> snapshots written
 
     def report(self, result) -> None:
         """Move the violations found so far into ``result`` (a
-        :class:`tests.sim.cluster.Result`), with the restores from memory and
-        the known defects."""
+        :class:`tests.sim.cluster.Result`), with the restores from memory."""
         result.violations.extend(self.violations)
         self.violations.clear()
         result.restored_from_memory = self.restores[memory_choice.MEMORY]
-        result.known_defects = list(self.known_defects)
 
     def _node(self, node_id: str) -> _Node:
         return self.nodes.setdefault(node_id, _Node())
@@ -251,10 +230,9 @@ class MemoryTier:
             mem.version += 1
         if now - mem.scanned_at >= FULL_SCAN_S:
             mem.scanned_at = now
-            source = memory_rules.source_of(node_id, members, {})
-            if mem.scanned != (mem.version, source):
-                self._free(mem, source)
-                mem.scanned = (mem.version, source)
+            if mem.scanned != mem.version:
+                self._free(mem)
+                mem.scanned = mem.version
         if buddy is None or now < mem.retry_at or mem.offered == mem.version:
             return
         mem.offered = mem.version
@@ -270,14 +248,10 @@ class MemoryTier:
         self._node(buddy).put(node_id, snap.key, None)
         mem.sending = _Send(node_id, buddy, snap, now + self.rng.uniform(*self.lag_s))
 
-    def _free(self, mem: _Node, source: str | None) -> None:
-        seen = self._seen(mem)
-        cutoff = memory_rules.complete_round([s for s in seen if s.holder == OWN], NPROC)
-        for s in memory_rules.slots_to_free(seen, NPROC, source):
+    def _free(self, mem: _Node) -> None:
+        for s in memory_rules.slots_to_free(self._seen(mem), NPROC):
             del mem.slots[(s.holder, s.key)]
             mem.version += 1
-            if s.holder != OWN and cutoff is not None and s.key.round >= cutoff:
-                self.freed_as_former_source.add((s.holder, s.key.round))
 
     def _accepts(self, source: str, receiver: str, connected, known_round) -> bool:
         """Whether ``receiver``'s agent answers ``source`` and takes its replicas: it
@@ -375,20 +349,8 @@ class MemoryTier:
             return  # replication was not current for the missing node
         if prev.reached - step > self.every:
             lost = f"only {next(iter(missing))}" if missing else "none"
-            known = self._known_defect(max(before), missing, disk)
-            (self.known_defects if known else self.violations).append(
+            self.violations.append(
                 f"round {round_} resumed at step {step}, {prev.reached - step} steps behind "
                 f"step {prev.reached} of round {max(before)} (snapshots every {self.every}), "
                 f"though {lost} of its nodes {list(prev.nodes)} was missing and replication "
-                f"was current" + (f" ({known})" if known else ""))
-
-    def _known_defect(self, prev_round: int, missing: Iterable[str],
-                      disk: DiskLatest | None) -> str:
-        """Which known defect explains lost work after ``prev_round`` ("" none)."""
-        if any((n, prev_round) in self.freed_as_former_source for n in missing):
-            return FREED_FORMER_SOURCE
-        # A round that formed no group of its own committed: it continues an earlier
-        # round's workers (Round.continues), who commit under its number.
-        if disk is not None and disk.round > prev_round and disk.round not in self.trained:
-            return CONTINUED_ROUND
-        return ""
+                f"was current")

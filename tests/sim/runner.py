@@ -19,11 +19,11 @@ def replay_command(seed: int, profile: str = "mixed") -> str:
     return command if profile == "mixed" else f"{command} --profile {profile}"
 
 
-def _chunk(seeds: list[int], profile: str = "mixed") -> list[tuple[int, bool, str, str, bool]]:
+def _chunk(seeds: list[int], profile: str = "mixed") -> list[tuple[int, bool, str, str]]:
     out = []
     for seed in seeds:
         r = run(seed, profile=profile)
-        out.append((seed, r.ok, r.outcome, "; ".join(r.violations), bool(r.known_defects)))
+        out.append((seed, r.ok, r.outcome, "; ".join(r.violations)))
     return out
 
 
@@ -32,17 +32,13 @@ class Summary:
     runs: int = 0
     outcomes: collections.Counter = field(default_factory=collections.Counter)
     failures: list[tuple[int, str]] = field(default_factory=list)
-    known_defects: list[int] = field(default_factory=list)  # seeds that hit one
     profile: str = "mixed"
 
     def describe(self, seconds: float) -> str:
         of = "" if self.profile == "mixed" else f" of profile {self.profile}"
         lines = [f"{self.runs} schedules{of} in {seconds:.1f} s: "
                  + ", ".join(f"{k or 'no outcome'} {v}" for k, v in sorted(self.outcomes.items()))
-                 + f"; {len(self.failures)} failed"
-                 + (f"; {len(self.known_defects)} hit a known defect (seeds "
-                    f"{', '.join(map(str, self.known_defects[:10]))})"
-                    if self.known_defects else "")]
+                 + f"; {len(self.failures)} failed"]
         for seed, why in self.failures[:20]:
             lines.append(f"seed {seed}: {why[:300]}\n  replay: {replay_command(seed, self.profile)}")
         return "\n".join(lines)
@@ -55,11 +51,9 @@ def run_many(seeds: Iterable[int], *, jobs: int = 2, chunk: int = 50,
     summary = Summary(profile=profile)
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         for results in pool.map(functools.partial(_chunk, profile=profile), chunks):
-            for seed, ok, outcome, why, known in results:
+            for seed, ok, outcome, why in results:
                 summary.runs += 1
                 summary.outcomes[outcome] += 1
                 if not ok:
                     summary.failures.append((seed, why))
-                if known:
-                    summary.known_defects.append(seed)
     return summary

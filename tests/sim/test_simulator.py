@@ -8,7 +8,7 @@ simulator is deterministic and that its oracles catch planted bugs.
 schedules almost never do); ``make sim SEEDS=N`` runs more outside pytest.
 Half the seeds of every profile, and all of ``memory``'s, run the memory tier
 (:mod:`tests.sim.memory`); its planted bugs are broken ``choose`` rules passed
-in, and its known defects are pinned by strict xfails below.
+in, and the schedules that caught its two defects are kept as regression tests.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from elastic.rendezvous.decisions import Action, Decision
 from tests.marks import CPU_BOUND
 from tests.sim import cluster
 from tests.sim.faults import Fault
-from tests.sim.memory import CONTINUED_ROUND, FREED_FORMER_SOURCE
 from tests.sim.runner import REPLAY, replay_command, run_many
 from tests.sim.world import FakeMesh
 
@@ -200,8 +199,11 @@ def test_garbage_over_the_round_key_restarts_no_worker():
 # round's disk commit. The real rule passes them all.
 MIXED_ROUNDS_SEEDS = (593, 938, 958)
 NEWER_DISK_ROUND_SEEDS = (310, 903, 970, 1027)
-# Where the known defects show (the first seeds of their profiles that hit them).
-FREED_FORMER_SOURCE_SEEDS = (83, 100, 185)
+# Schedules that caught two defects, now fixed: a lost node's buddy freed its
+# replicas once the new round's ring gave the buddy another source, before the
+# new group restored them; and commits of a continued round's workers recorded
+# the continuing round's number, so a restore took disk over their newer memory.
+LOST_NODE_NEW_RING_SEEDS = (83, 100, 185)
 CONTINUED_ROUND_SEED = 1496  # mixed: garbage over the round key, then a restart
 
 
@@ -267,16 +269,17 @@ def test_the_real_rule_passes_where_the_planted_bugs_are_caught():
     assert not _memory_violations(MIXED_ROUNDS_SEEDS + NEWER_DISK_ROUND_SEEDS, choose)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=FREED_FORMER_SOURCE)
 def test_one_lost_node_loses_no_snapshot_when_the_ring_changes():
-    # The lost node's buddy frees its replicas once the new round gives the buddy
-    # another source, before the new group restores them: disk then.
-    for seed in FREED_FORMER_SOURCE_SEEDS:
+    # The new round gives the lost node's buddy another source; the lost node's
+    # replicas must stay until the new group has restored from them.
+    for seed in LOST_NODE_NEW_RING_SEEDS:
         result = cluster.run(seed, profile="memory")
-        assert result.ok and not result.known_defects, (seed, result.known_defects)
+        assert result.ok, (seed, result.violations)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=CONTINUED_ROUND)
 def test_workers_of_a_continued_round_resume_from_their_own_memory():
+    # Garbage over the round key: the round that continues the workers' is written,
+    # their commits are fenced by its number but recorded with their own round, so
+    # a later restore still prefers their newer memory snapshot.
     result = cluster.run(CONTINUED_ROUND_SEED)
-    assert result.ok and not result.known_defects, result.known_defects
+    assert result.ok, result.violations

@@ -69,23 +69,25 @@ def test_nothing_is_freed_before_every_worker_staged_a_complete_snapshot():
     slots = [own(1, 0, 0, step=9), own(1, 1, 0, step=9), own(2, 0, 0, step=0),
              replica("b", 1, 2, 0, step=9)]
     # Round 1 is complete (nproc 2) and is the newest complete: nothing is older.
-    assert slots_to_free(slots, nproc=2, source="b") == []
-    assert slots_to_free([own(2, 0, 0, step=0)], nproc=2, source="b") == []
+    assert slots_to_free(slots, nproc=2) == []
+    assert slots_to_free([own(2, 0, 0, step=0)], nproc=2) == []
 
 
 def test_once_a_round_is_complete_older_rounds_go_own_and_replicas_complete_or_not():
     old = [own(1, 0, 0, step=9), own(1, 1, 1), replica("b", 1, 2, 0, step=9)]
     new = [own(2, 0, 0, step=0), own(2, 1, 0, step=0), replica("b", 2, 2, 0, step=0)]
-    assert sorted(slots_to_free(old + new, nproc=2, source="b"), key=repr) == \
+    assert sorted(slots_to_free(old + new, nproc=2), key=repr) == \
         sorted(old, key=repr)
 
 
-def test_replicas_of_a_node_that_is_no_longer_the_source_go_once_a_round_is_complete():
-    slots = [own(2, 0, 0, step=0), own(2, 1, 0, step=0), replica("c", 2, 4, 0, step=0),
-             replica("b", 2, 2, 0, step=0)]
-    assert slots_to_free(slots, nproc=2, source="b") == [replica("c", 2, 4, 0, step=0)]
-    assert slots_to_free(slots, nproc=2, source=None) == [replica("c", 2, 4, 0, step=0),
-                                                         replica("b", 2, 2, 0, step=0)]
+def test_replicas_go_by_their_round_even_from_a_node_that_left_the_ring():
+    # c was this node's source in round 1 and is gone from round 2: its round-1
+    # replicas are what round 2 restored from, kept until this node's workers
+    # staged round 2, then freed with every other round-1 slot.
+    kept = [own(2, 0, 0, step=0), replica("c", 1, 4, 0, step=9), replica("b", 2, 2, 0, step=0)]
+    assert slots_to_free(kept, nproc=2) == []
+    slots = kept + [own(2, 1, 0, step=0)]
+    assert slots_to_free(slots, nproc=2) == [replica("c", 1, 4, 0, step=9)]
 
 
 def test_a_freed_slot_is_never_complete_while_half_removed(tmp_path):
