@@ -11,7 +11,6 @@ reactor's pure rules; what must change the agent is posted to its loop.
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 from typing import Protocol
 
@@ -86,12 +85,14 @@ class WorkerChannel:
         commit = grpc_input.commit_entry(entry)
         a = self._agent
         view = a.view
+        fence = commit.round
         if view.round is not None and commit.round == view.round.workers_round:
             # Workers of a round written again (Round.continues) commit in the
-            # round that continues theirs: its number is the fence now.
-            commit = dataclasses.replace(commit, round=view.round.number)
+            # round that continues theirs: its number is the fence now; the
+            # record keeps their round, which their memory snapshots carry too.
+            fence = view.round.number
         try:
-            a.commit_log.commit(commit)
+            a.commit_log.commit(commit, fence_round=fence)
         except FencedError as exc:
             return False, str(exc)
         except StoreError:

@@ -50,29 +50,33 @@ class EtcdCommitLog(CommitLog):
         self.writer = writer
         self._log = JobLogger(log, keys.job_id, writer)
 
-    def commit(self, entry: CommitEntry) -> None:
+    def commit(self, entry: CommitEntry, *, fence_round: int | None = None) -> None:
         """Make ``entry`` the latest, with a ``checkpoint`` event, in one transaction.
 
-        It succeeds only while ``entry.round`` is the job's current round (the
-        version of the ``round`` key; round 0 means no round has been
-        committed yet). Raises :class:`FencedError` naming the entry's round
-        and the current one when it is not (older or newer alike): then
-        neither the record nor the event is written. Raises the store's
-        errors (:class:`elastic.errors.StoreError`) otherwise; the
+        It succeeds only while ``fence_round`` (default: ``entry.round``) is the
+        job's current round (the version of the ``round`` key; round 0 means no
+        round has been committed yet). The record keeps ``entry.round``, the
+        round the saving workers were started in: the round a restore compares
+        with its memory snapshots' (a round written again, ``Round.continues``,
+        fences its workers' commits under its own number). Raises
+        :class:`FencedError` naming the rounds when the fence fails (older or
+        newer alike): then neither the record nor the event is written. Raises
+        the store's errors (:class:`elastic.errors.StoreError`) otherwise; the
         transaction is never retried, since it may have taken effect.
         """
+        fence = entry.round if fence_round is None else fence_round
         record = encode_latest(entry)
         committed = f"checkpoint of step {entry.step} committed ({entry.path})"
-        event = event_op(self.keys, self.clock, self.writer, entry.round, EVENT_KIND, committed)
-        result = fenced_txn(self.store, self.keys, entry.round,
+        event = event_op(self.keys, self.clock, self.writer, fence, EVENT_KIND, committed)
+        result = fenced_txn(self.store, self.keys, fence,
                             [Put(self.keys.checkpoint_latest, record), event])
         if not result.succeeded:
             current = current_round_number(result)
             raise FencedError(
                 f"job {self.keys.job_id}: the commit of checkpoint step {entry.step} by "
-                f"{self.writer} in round {entry.round} was refused: the current round is "
+                f"{self.writer} in round {fence} was refused: the current round is "
                 f"{current}")
-        self._log.at_round(entry.round).info("%s", committed)
+        self._log.at_round(fence).info("%s", committed)
 
     def report_failure(self, step: int, round_: int, rank: int, message: str) -> None:
         """Record a worker's failed save of ``step`` as a ``checkpoint`` event of

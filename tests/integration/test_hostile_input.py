@@ -202,7 +202,9 @@ def test_garbage_rounds_are_refused_and_the_leader_forms_a_valid_round_on_top(jo
 
 def test_garbage_over_the_round_restarts_no_worker(job):
     # The leader writes the round again on top (Round.continues); the workers
-    # run on, and their checkpoint commits land in the round that continues theirs.
+    # run on, and their checkpoint commits are fenced by the round that continues
+    # theirs, while the record keeps their own round (the one their memory
+    # snapshots carry, which a restore compares it with).
     before = job.wait_running()
     status = job.status()
     job.store.put(job.keys.round, b"\xff\xfe not a round")
@@ -218,7 +220,8 @@ def test_garbage_over_the_round_restarts_no_worker(job):
             agent_pb2.WorkerChannelCommitCheckpointRequest(entry=entry), timeout=5)
     assert response.committed, response.message
     job.committed = job.latest_raw()
-    assert decode_latest(job.keys.checkpoint_latest, job.committed).round == after.number
+    assert decode_latest(job.keys.checkpoint_latest, job.committed).round == before.workers_round
+    assert after.number > before.workers_round
 
 
 KEY_GROUPS = {
