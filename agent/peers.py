@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent.health import PeerHealth
+from agent.probe import PROBE_DEADLINE_S, PeerProbe
 from agent.tls import AgentTLS, handshake_problem
 from elastic.errors import (
     AgentAuthError,
@@ -352,9 +353,13 @@ class GrpcPeerMesh:
         """Follow the health of the agent at ``addr``; stop() the result to end it."""
         return HealthWatcher(addr, on_change, tls=self._tls).start()
 
-    def answers(self, addr: str) -> bool:
-        """Whether an agent answers at ``addr`` now (any health status counts)."""
-        return check_health(addr, tls=self._tls) is not PeerHealth.UNREACHABLE
+    def answers(self, addr: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+        """Whether an agent answers at ``addr`` within ``timeout_s`` (any health status counts)."""
+        return check_health(addr, timeout_s, tls=self._tls) is not PeerHealth.UNREACHABLE
+
+    def probe(self, addr: str, on_silent: Callable[[float], None]) -> PeerProbe:
+        """Probe the agent at ``addr`` (:mod:`agent.probe`); stop() the result to end it."""
+        return PeerProbe(addr, lambda a: self.answers(a, PROBE_DEADLINE_S), on_silent).start()
 
     def check_store(self, addrs: tuple[str, ...],
                     on_answer: Callable[[tuple[tuple[str, float], ...], int], None]) -> None:
