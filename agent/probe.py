@@ -5,13 +5,16 @@ A :class:`PeerProbe` sends the peer one ``grpc.health.v1`` Check every
 and feeds every outcome to the pure :func:`observe`:
 
 * An answer (any health status) ends a silence.
-* A failed probe (no answer in time, the connection refused) extends it; the
-  silence counts from the start of its first failed probe to the end of the
-  last, and proves nothing before :data:`MIN_FAILED_PROBES` failed in a row.
+* A failed probe (no answer in time, the connection refused) extends it: the
+  peer has been silent since its last answer (or, with none seen since this
+  agent's own last pause, since the first failed probe started) until the
+  failed probe's end. It proves nothing before :data:`MIN_FAILED_PROBES`
+  failed in a row.
 * A probe that took much longer than its deadline, or started much later
   than due, proves nothing about the peer: this agent itself was paused
-  (its node frozen, a swap storm). The silence starts over, so a node that
-  thaws never reports its peers frozen for the time it was frozen itself.
+  (its node frozen, a swap storm). The silence starts over, and the answer
+  before the pause no longer counts, so a node that thaws never reports its
+  peers frozen for the time it was frozen itself.
 
 While the peer stays silent, ``on_silent(proven_s)`` is called after each
 failed probe; the agent's reactor decides what is long enough
@@ -42,10 +45,11 @@ MIN_FAILED_PROBES = 2
 class Silence:
     """A peer's silence as the probes saw it (monotonic times)."""
 
-    since: float | None = None  # start of the first failed probe in a row (None: answering)
+    since: float | None = None  # silent since (None: answering)
     failed: int = 0  # failed probes in a row
     until: float = 0.0  # end of the last probe
     last_start: float | None = None  # start of the last probe
+    answered_at: float | None = None  # end of the last answered probe since this agent's pause
 
     @property
     def proven_s(self) -> float:
@@ -61,9 +65,11 @@ def observe(silence: Silence, started: float, ended: float, answered: bool) -> S
             and started - silence.last_start > PROBE_INTERVAL_S + PROBE_DEADLINE_S + PAUSE_SLACK_S)
     slow = ended - started > PROBE_DEADLINE_S + PAUSE_SLACK_S
     if answered or late or slow:
-        return Silence(until=ended, last_start=started)
-    since = silence.since if silence.since is not None else started
-    return Silence(since, silence.failed + 1, ended, started)
+        return Silence(until=ended, last_start=started, answered_at=ended if answered else None)
+    since = silence.since
+    if since is None:
+        since = silence.answered_at if silence.answered_at is not None else started
+    return Silence(since, silence.failed + 1, ended, started, silence.answered_at)
 
 
 class PeerProbe:
@@ -81,17 +87,28 @@ class PeerProbe:
         self._on_silent = on_silent
         self._clock = clock
         self._stopped = threading.Event()
+        self._lock = threading.Lock()  # held while on_silent runs: stop() waits for it only
         self._thread = threading.Thread(target=self._run, name=f"probe-{addr}", daemon=True)
 
     def start(self) -> PeerProbe:
         self._thread.start()
         return self
 
-    def stop(self, timeout_s: float = 1.0) -> None:
-        """Stop probing; no on_silent call starts after this returns."""
-        self._stopped.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout_s)
+    def stop(self) -> None:
+        """Stop probing; no on_silent call starts after this returns. Never
+        waits for the probe in flight (it ends within its deadline): a peer
+        that stops answering must not delay the stop of a round."""
+        with self._lock:
+            self._stopped.set()
+
+    def _report(self, silent_s: float) -> None:
+        with self._lock:
+            if self._stopped.is_set():
+                return
+            try:
+                self._on_silent(silent_s)
+            except Exception:  # noqa: BLE001 (a broken callback must not end the probe)
+                logger.exception("The silence callback for the agent at %s failed.", self._addr)
 
     def _run(self) -> None:
         silence = Silence()
@@ -100,10 +117,6 @@ class PeerProbe:
             answered = self._check(self._addr)
             ended = self._clock.monotonic()
             silence = observe(silence, started, ended, answered)
-            if silence.proven_s > 0 and not self._stopped.is_set():
-                try:
-                    self._on_silent(silence.proven_s)
-                except Exception:  # noqa: BLE001 (a broken callback must not end the probe)
-                    logger.exception("The silence callback for the agent at %s failed.",
-                                     self._addr)
+            if silence.proven_s > 0:
+                self._report(silence.proven_s)
             self._stopped.wait(max(0.0, started + PROBE_INTERVAL_S - self._clock.monotonic()))
