@@ -47,29 +47,28 @@ class Silence:
 
     since: float | None = None  # silent since (None: answering)
     failed: int = 0  # failed probes in a row
-    until: float = 0.0  # end of the last probe
-    last_start: float | None = None  # start of the last probe
+    until: float | None = None  # end of the last probe (None: none yet)
     answered_at: float | None = None  # end of the last answered probe since this agent's pause
 
     @property
     def proven_s(self) -> float:
         """How long the peer has answered nothing, once enough probes failed (else 0)."""
-        if self.since is None or self.failed < MIN_FAILED_PROBES:
+        if self.since is None or self.until is None or self.failed < MIN_FAILED_PROBES:
             return 0.0
         return self.until - self.since
 
 
 def observe(silence: Silence, started: float, ended: float, answered: bool) -> Silence:
     """The silence after a probe that ran from ``started`` to ``ended``."""
-    late = (silence.last_start is not None
-            and started - silence.last_start > PROBE_INTERVAL_S + PROBE_DEADLINE_S + PAUSE_SLACK_S)
+    # A probe starts at most an interval after the one before ended.
+    late = silence.until is not None and started - silence.until > PROBE_INTERVAL_S + PAUSE_SLACK_S
     slow = ended - started > PROBE_DEADLINE_S + PAUSE_SLACK_S
     if answered or late or slow:
-        return Silence(until=ended, last_start=started, answered_at=ended if answered else None)
+        return Silence(until=ended, answered_at=ended if answered else None)
     since = silence.since
     if since is None:
         since = silence.answered_at if silence.answered_at is not None else started
-    return Silence(since, silence.failed + 1, ended, started, silence.answered_at)
+    return Silence(since, silence.failed + 1, ended, silence.answered_at)
 
 
 class PeerProbe:
