@@ -132,7 +132,7 @@ def test_a_frozen_node_is_dropped_within_the_freeze_timeout_and_fail_stops_when_
         f"{LEASE_TTL_S:g} s)\n{cluster.tails()}")
 
     thawed_at = thaw(pids)
-    cluster.wait_until(lambda: not any(alive(p) for p in old_workers), 10,
+    cluster.wait_until(lambda: not any(alive(p) for p in old_workers), 5,
                        f"the thawed {frozen_id} to stop its old workers {old_workers}",
                        running=(frozen,))
     assert "lease lost" in frozen.text, frozen.tail()
