@@ -42,7 +42,7 @@ from agent.logsetup import LogSetup, keep_secrets
 from agent.metrics import NO_METRICS, AgentMetrics, NoMetrics
 from agent.nvml import NvmlReader
 from agent.peers import GrpcPeerMesh
-from agent.probe import PROBE_DEADLINE_S
+from agent.probe import LEADER_CHECK_S
 from agent.publishing import Publisher, status_of, summary_line
 from agent.reactor import AgentView
 from agent.sdnotify import SystemdNotifier
@@ -208,7 +208,7 @@ class Agent:
             and not peers.answers(old.addr),
             fence=lambda addrs: peers.fence(addrs, config.node_id),
             running_round=lambda: built[0].view.running_round if built else 0,
-            probe=lambda addr: peers.answers(addr, PROBE_DEADLINE_S))
+            probe=lambda addr: peers.answers(addr, LEADER_CHECK_S))
         supervisor = WorkerSupervisor(
             **config.supervisor_options(), log_dir=files.log_dir,
             on_exit=lambda e: inbox.put(_exit_event(e)),

@@ -69,7 +69,10 @@ time nothing another machine compares):
   never the reported node itself, and only while its own lease is confirmed
   (a decider cut off from etcd may be the one that moved). A slow node
   answers some probe within the timeout and keeps its lease; when it thaws
-  after a revocation, it finds its lease gone and fail-stops.
+  after a revocation, it finds its lease gone and fail-stops. It then stays
+  out of new rounds for ``suspect_s`` as a suspect does (the view counts the
+  revocation as a suspicion whatever the registration): a node cut off from
+  its peers only would otherwise rejoin and be revoked again at every round.
 * Takeover (:func:`takeover_failed`): a leader that cannot load its view keeps
   trying; after a lease TTL of failures it resigns and campaigns again only a
   TTL later, so that a node that can lead wins first.

@@ -176,7 +176,7 @@ class Leader:
             if confirmed is not None:
                 # Known before the watch says so: the fence must skip this node
                 # even if its registration's deletion arrives first.
-                self.view.frozen[node_id] = confirmed
+                self.view.frozen[node_id] = (*confirmed, self._clock.wall())
 
     def _fence_lost(self, current: Round | None) -> bool:
         """Whether the workers of the members ``current`` would leave out

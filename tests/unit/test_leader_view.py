@@ -69,6 +69,17 @@ class TestFrozenReports:
         assert view.revoked_as_frozen(round_of(4, "a", "b")) == {"b"}
         assert view.revoked_as_frozen(round_of(5, "a", "b")) == frozenset()
 
+    def test_a_revoked_node_stays_a_suspect_when_it_registers_again(self):
+        # It thawed: the same agent, back with a new lease; kept out as a
+        # suspect, or a node cut off from its peers only is revoked at every round.
+        view, _ = leader_view()
+        register(view, "b", 10)
+        view.apply_request(KEYS.frozen_report("b"), FrozenReport(
+            round=4, by="a", silent_s=1.2, confirmed_by="a").to_json(), 20, 100.0)
+        view.apply_node(KEYS.node("b"), None, 0, 100.5)
+        register(view, "b", 30, now=101.0)
+        assert view.observed(round_of(5, "a")).suspects == {"b": 100.0}
+
     def test_garbage_at_a_report_key_is_reported_and_replaces_the_report(self):
         view, bad = leader_view()
         register(view, "b", 10)

@@ -308,6 +308,9 @@ def test_a_leader_that_reports_its_ring_peer_frozen_revokes_its_lease(caplog):
     c.nodes["b"] = frozen  # it thaws: its session is lost, it registers again as a newcomer
     c.settle(passes=6)
     assert frozen.registered and frozen.lease_id not in (None, old_lease)
+    assert c.round().number == first + 1  # kept out for suspect_s, as a suspect is
+    c.clock.advance(c.config.suspect_s + 0.1)
+    c.settle(passes=6)
     assert c.round().number == first + 2 and c.round().node_ids == ("a", "c", "b")
 
 
