@@ -66,8 +66,11 @@ time nothing another machine compares):
   reporter's window (every probe failed, none of them ever answered late)
   and the decider's own failed check (its probes, when it is the reporter).
   The decider is the leader, or, when the frozen member leads, the reporter;
-  never the reported node itself, and only while its own lease is confirmed
-  (a decider cut off from etcd may be the one that moved). A slow node
+  never the reported node itself, only while its own lease is confirmed
+  (a decider cut off from etcd may be the one that moved), and only when at
+  least ``min_nodes`` other nodes could form a round without it (else its
+  revocation gains nothing: the others would wait for it anyway, and a node
+  that thaws within its lease goes on without a restart). A slow node
   answers some probe within the timeout and keeps its lease; when it thaws
   after a revocation, it finds its lease gone and fail-stops. It then stays
   out of new rounds for ``suspect_s`` as a suspect does (the view counts the
@@ -217,13 +220,14 @@ class RevokeVerdict:
 
 
 def revoke_frozen(about: str, report: FrozenReport, current: Round | None, *, decider: str,
-                  decider_answered: bool | None, lease_unconfirmed_s: float,
+                  decider_answered: bool | None, lease_unconfirmed_s: float, others: int,
                   config: RendezvousConfig) -> RevokeVerdict:
     """The freeze rule (module docstring): may ``decider`` revoke the lease of
     ``about``, reported frozen by ``report``? ``decider_answered``: whether
     ``about`` answered the decider's own check (None: not checked yet);
     ``lease_unconfirmed_s``: how long the decider's own lease has gone
-    unconfirmed."""
+    unconfirmed; ``others``: the registered nodes besides ``about`` that
+    could form a round."""
     def no(why: str) -> RevokeVerdict:
         return RevokeVerdict(False, f"not revoking the lease of {about}: {why}")
 
@@ -240,6 +244,9 @@ def revoke_frozen(about: str, report: FrozenReport, current: Round | None, *, de
                   f"{current.number}")
     if about == decider:
         return no("a node never revokes its own lease")
+    if others < config.min_nodes:
+        return no(f"the others cannot go on without it ({others} of at least "
+                  f"{config.min_nodes} nodes); its lease still decides")
     if report.silent_s < timeout:
         return no(f"its agent was silent for {report.silent_s:.1f} s, under the freeze "
                   f"timeout ({timeout:g} s)")

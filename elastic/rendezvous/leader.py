@@ -172,7 +172,9 @@ class Leader:
         for node_id, report in self.view.frozen_reports().items():
             info, registered = self.view.nodes[node_id]
             target = self._revoker.member(node_id, info.addr, registered, self.election.holds())
-            confirmed = self._revoker.consider(target, report, current)
+            others = len([n for n in self.view.nodes
+                          if n != node_id and n not in self.view.draining])
+            confirmed = self._revoker.consider(target, report, current, others)
             if confirmed is not None:
                 # Known before the watch says so: the fence must skip this node
                 # even if its registration's deletion arrives first.

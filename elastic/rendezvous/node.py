@@ -386,9 +386,13 @@ class RendezvousNode:
         claim = self._frozen_leader
         if claim is None:
             return
-        if self._follower.leader_id == claim.node_id and not self.is_leader:
-            self._revoker.consider(self._revoker.leader(claim.node_id), claim.report,
-                                   self._rounds.latest)
+        current = self._rounds.latest
+        if self._follower.leader_id == claim.node_id and not self.is_leader \
+                and current is not None:
+            # The members but the leader, and the standbys the leader last published.
+            others = len(current.members) - 1 + len(self._follower.standbys.addrs)
+            self._revoker.consider(self._revoker.leader(claim.node_id), claim.report, current,
+                                   others)
         self._frozen_leader = None
 
     def _maintain(self) -> None:

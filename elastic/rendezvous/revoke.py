@@ -80,21 +80,22 @@ class FrozenRevoker:
         return Target(node_id, "", self.keys.leader,
                       (Compare.value(self.keys.leader, "==", node_id.encode()),))
 
-    def consider(self, target: Target, report: FrozenReport, current: Round | None
-                 ) -> tuple[FrozenReport, int] | None:
-        """Apply the freeze rule to ``report`` about ``target``; revoke when
-        it says so. Returns the report as confirmed and the revision it was
-        written at when this call revoked the lease, else None. Raises the
-        store's errors (the caller retries on its next pass)."""
+    def consider(self, target: Target, report: FrozenReport, current: Round | None,
+                 others: int) -> tuple[FrozenReport, int] | None:
+        """Apply the freeze rule to ``report`` about ``target`` (``others``:
+        the nodes that could form a round without it); revoke when it says
+        so. Returns the report as confirmed and the revision it was written
+        at when this call revoked the lease, else None. Raises the store's
+        errors (the caller retries on its next pass)."""
         lease_id, confirmed_at = self._lease()
         now = self._clock.monotonic()
         unconfirmed = float("inf") if confirmed_at is None else max(0.0, now - confirmed_at)
         if (target.node_id, report) in self._checked:
             return None
-        verdict = self._verdict(target, report, current, None, unconfirmed)
+        verdict = self._verdict(target, report, current, None, unconfirmed, others)
         if verdict.check:
             answered = self._probe is None or not target.addr or self._probe(target.addr)
-            verdict = self._verdict(target, report, current, answered, unconfirmed)
+            verdict = self._verdict(target, report, current, answered, unconfirmed, others)
             if answered:
                 self._checked.add((target.node_id, report))
                 self._log.info("%s", verdict.reason)
@@ -103,10 +104,12 @@ class FrozenRevoker:
         return self._revoke(target, report, current, verdict.reason, lease_id)
 
     def _verdict(self, target: Target, report: FrozenReport, current: Round | None,
-                 answered: bool | None, unconfirmed_s: float) -> decisions.RevokeVerdict:
+                 answered: bool | None, unconfirmed_s: float,
+                 others: int) -> decisions.RevokeVerdict:
         return decisions.revoke_frozen(target.node_id, report, current, decider=self.node_id,
                                        decider_answered=answered,
-                                       lease_unconfirmed_s=unconfirmed_s, config=self.config)
+                                       lease_unconfirmed_s=unconfirmed_s, others=others,
+                                       config=self.config)
 
     def _revoke(self, target: Target, report: FrozenReport, current: Round, reason: str,
                 lease_id: int) -> tuple[FrozenReport, int] | None:

@@ -430,9 +430,10 @@ class TestRevokeFrozen:
     ROUND = round_of(7, "a", "b", "c")
 
     def verdict(self, report=FrozenReport(round=7, by="a", silent_s=1.1), *, about="b",
-                decider="c", answered=None, unconfirmed_s=0.3, current=ROUND, config=CONFIG):
+                decider="c", answered=None, unconfirmed_s=0.3, current=ROUND, others=2,
+                config=CONFIG):
         return revoke_frozen(about, report, current, decider=decider, decider_answered=answered,
-                             lease_unconfirmed_s=unconfirmed_s, config=config)
+                             lease_unconfirmed_s=unconfirmed_s, others=others, config=config)
 
     def test_the_leader_checks_a_member_another_member_reported_before_revoking(self):
         v = self.verdict()
@@ -490,6 +491,15 @@ class TestRevokeFrozen:
         v = self.verdict(answered=False, unconfirmed_s=2.6)
         assert not v.revoke and not v.check
         assert "c may be the one cut off" in v.reason
+
+    def test_a_node_the_others_cannot_go_on_without_keeps_its_lease(self):
+        # nnodes 3:3: without b no round can form; revoking it would only turn
+        # a freeze shorter than the lease into a restart.
+        fixed = dataclasses.replace(self.CONFIG, min_nodes=3)
+        v = self.verdict(answered=False, config=fixed)
+        assert not v.revoke and not v.check
+        assert "the others cannot go on without it (2 of at least 3 nodes)" in v.reason
+        assert self.verdict(answered=False, config=fixed, others=3).revoke  # a standby
 
     def test_a_report_already_confirmed_is_not_revoked_again(self):
         v = self.verdict(FrozenReport(round=7, by="a", silent_s=1.1, confirmed_by="c"),
