@@ -62,6 +62,7 @@ from elastic.options import non_negative, positive
 from elastic.records import cap_text, valid_host, validate_id
 from elastic.rendezvous.config import (
     DEFAULT_EXIT_BARRIER_TIMEOUT_S,
+    DEFAULT_FREEZE_TIMEOUT_S,
     DEFAULT_JOIN_TIMEOUT_S,
     DEFAULT_LEASE_TTL_S,
     DEFAULT_MAX_RESTARTS,
@@ -69,6 +70,7 @@ from elastic.rendezvous.config import (
     DEFAULT_SETTLE_S,
     DEFAULT_START_TIMEOUT_S,
     RendezvousConfig,
+    default_freeze_timeout_s,
     parse_nnodes,
 )
 from agent.tls import AgentTLS, agent_tls_from_options
@@ -262,6 +264,12 @@ OPTIONS = [
            "SECONDS", field="hang_timeout_s"),
     Option("lease-ttl", positive(float), DEFAULT_LEASE_TTL_S,
            "a node silent this long is considered gone", "SECONDS", field="lease_ttl_s"),
+    Option("freeze-timeout", non_negative(float), None,
+           "a round member whose agent answers none of its peer's probes this long is frozen: "
+           "the leader revokes its lease and the others go on without it (0: only its lease "
+           f"expiring decides; else from 0.5 s to below --lease-ttl; default "
+           f"{DEFAULT_FREEZE_TIMEOUT_S:g} s, or half --lease-ttl if that is shorter)",
+           "SECONDS"),
     Option("settle", non_negative(float), DEFAULT_SETTLE_S,
            "wait this long without new arrivals before closing a round below max", "SECONDS",
            field="settle_s"),
@@ -450,6 +458,8 @@ class AgentConfig:
     memory_root: str = DEFAULT_MEMORY_ROOT
     memory_min_free_bytes: int = 1 << 30
     rack: str = ""
+    # --freeze-timeout: 0 here (the lease alone decides), the option's default from load().
+    freeze_timeout_s: float = 0.0
 
     def rendezvous(self) -> RendezvousConfig:
         """The rendezvous' settings (:class:`elastic.rendezvous.config.RendezvousConfig`)."""
@@ -459,14 +469,14 @@ class AgentConfig:
             join_timeout_s=self.join_timeout_s, max_restarts=self.max_restarts,
             restart_window_s=self.restart_window_s, start_timeout_s=self.start_timeout_s,
             exit_barrier_timeout_s=self.exit_barrier_timeout_s,
-            scale_up_wait_s=self.scale_up_wait_s)
+            scale_up_wait_s=self.scale_up_wait_s, freeze_timeout_s=self.freeze_timeout_s)
 
     def reactor_settings(self) -> Settings:
         """What the agent's decisions (:func:`agent.reactor.react`) need of this configuration."""
         return Settings(node_id=self.node_id, nproc=self.nproc_per_node,
                         lease_ttl_s=self.lease_ttl_s, join_timeout_s=self.join_timeout_s,
                         job_id=self.job_id, drain_exit_code=self.drain_exit_code,
-                        gpu_check=self.gpu_check)
+                        gpu_check=self.gpu_check, freeze_timeout_s=self.freeze_timeout_s)
 
     def entrypoint(self) -> Entrypoint:
         """What every worker runs: the script or module, its arguments, --no-python."""
@@ -783,9 +793,13 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     v = given.values
     node_dir = os.path.join(os.path.abspath(v["state_dir"] or default_state_dir(environ)),
                             valid.job_id, valid.node_id)
-    return AgentConfig(
+    config = AgentConfig(
         **given.fields(), **_fields_of(valid), **_fields_of(found),
         state_dir=node_dir, log_dir=v["log_dir"] or os.path.join(node_dir, "logs"),
         # Warm workers keep an interpreter ready; a program executed directly has no use for one.
         prestart=v["prestart"] and not found.no_python,
-        console=ConsoleFilter(redirected=v["redirects"], local_ranks=v["local_ranks_filter"]))
+        console=ConsoleFilter(redirected=v["redirects"], local_ranks=v["local_ranks_filter"]),
+        freeze_timeout_s=(default_freeze_timeout_s(v["lease_ttl"])
+                          if v["freeze_timeout"] is None else v["freeze_timeout"]))
+    config.rendezvous()  # its checks across options (--freeze-timeout below --lease-ttl) now
+    return config

@@ -43,6 +43,7 @@ from agent.logsetup import LogSetup, keep_secrets
 from agent.metrics import NO_METRICS, AgentMetrics, NoMetrics
 from agent.nvml import NvmlReader
 from agent.peers import GrpcPeerMesh
+from agent.probe import LEADER_CHECK_S
 from agent.publishing import Publisher, status_of, summary_line
 from agent.reactor import AgentView
 from agent.sdnotify import SystemdNotifier
@@ -106,7 +107,8 @@ class PeerMesh(Protocol):
     """What the agent needs to reach its peers (see :class:`agent.peers.GrpcPeerMesh`)."""
 
     def watch(self, addr: str, on_change) -> Any: ...
-    def answers(self, addr: str) -> bool: ...
+    def probe(self, addr: str, on_silent) -> Any: ...
+    def answers(self, addr: str, timeout_s: float = ...) -> bool: ...
     def check_store(self, addrs: tuple[str, ...], on_answer) -> None: ...
     def fence(self, addrs: tuple[str, ...], asker: str) -> bool: ...
 
@@ -167,6 +169,7 @@ class Agent:
         self.channel = WorkerChannel(self)  # the workers' gRPC service
         self.service = AgentService(self)  # operators' and peers'
         self._peer_watch: Any = None
+        self._peer_probe: Any = None
         self._last_tick: tuple[reactor.Tick, float] | None = None  # and when it was measured
         metrics.count_workers_with(lambda: [w.state for w in self.status_record().workers]
                                    if self.view.running_round else [])
@@ -212,7 +215,8 @@ class Agent:
             takeover=lambda old: old.host == host and old.addr != addr
             and not peers.answers(old.addr),
             fence=lambda addrs: peers.fence(addrs, config.node_id),
-            running_round=lambda: built[0].view.running_round if built else 0)
+            running_round=lambda: built[0].view.running_round if built else 0,
+            probe=lambda addr: peers.answers(addr, LEADER_CHECK_S))
         supervisor = WorkerSupervisor(
             **config.supervisor_options(), log_dir=files.log_dir,
             on_exit=lambda e: inbox.put(_exit_event(e)),
@@ -449,12 +453,17 @@ class Agent:
         self.server.set_serving(True)
 
     def _watch_peer(self, node_id: str | None, addr: str) -> None:
-        if self._peer_watch is not None:
-            self._peer_watch.stop()
-            self._peer_watch = None
+        """Follow the peer's health, and probe it when --freeze-timeout is on."""
+        for part in (self._peer_watch, self._peer_probe):
+            if part is not None:
+                part.stop()
+        self._peer_watch = self._peer_probe = None
         if node_id is not None:
             self._peer_watch = self.peers.watch(addr, lambda health: self.inbox.put(
                 reactor.PeerHealthChanged(node_id, PeerHealth(health))))
+            if self.settings.freeze_timeout_s > 0:
+                self._peer_probe = self.peers.probe(addr, lambda silent_s: self.inbox.put(
+                    reactor.PeerSilent(node_id, silent_s)))
 
     def shutdown(self) -> None:
         self.flush()  # the final state, if etcd can be reached

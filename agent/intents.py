@@ -57,7 +57,7 @@ class Intents:
                                            timeout_s=self._timeout_s)
             else:
                 self._rdzv.report(intent.kind, intent.round, intent.about,
-                                  timeout_s=self._timeout_s)
+                                  silent_s=intent.silent_s, timeout_s=self._timeout_s)
             self._pending.pop(0)
 
 

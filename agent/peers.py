@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent.health import PeerHealth
+from agent.probe import ANSWER_WAIT_S, PeerProbe
 from agent.tls import AgentTLS, handshake_problem
 from elastic.errors import (
     AgentAuthError,
@@ -166,6 +167,28 @@ def check_health(addr: str, timeout_s: float = DEFAULT_TIMEOUT_S, service: str =
                      service, addr, exc.code().name, exc.details())
         return PeerHealth.UNKNOWN
     return _health_from_status(response.status)
+
+
+def check_health_async(addr: str, on_answer: Callable[[], None], *,
+                       timeout_s: float = ANSWER_WAIT_S, tls: AgentTLS | None = None) -> None:
+    """Send one ``grpc.health.v1`` Check to ``addr`` and return at once;
+    ``on_answer()`` is called (on a gRPC thread) if the agent answers within
+    ``timeout_s``, whatever its status. Never raises."""
+    try:
+        future = health_pb2_grpc.HealthStub(_channel(addr, tls)).Check.future(
+            health_pb2.HealthCheckRequest(), timeout=timeout_s)
+    except (ValueError, ConfigError):  # the channel closed under us; TLS files gone
+        return
+
+    def done(f: grpc.Future) -> None:
+        if f.cancelled():
+            return
+        exc = f.exception()
+        if exc is None or (isinstance(exc, grpc.RpcError) and exc.code() not in _UNREACHABLE_CODES
+                           and _tls_error(addr, "Check", exc, tls) is None):
+            on_answer()
+
+    future.add_done_callback(done)
 
 
 def store_health(addr: str, *, asker_has_store: bool = False, asker: str = "",
@@ -352,9 +375,15 @@ class GrpcPeerMesh:
         """Follow the health of the agent at ``addr``; stop() the result to end it."""
         return HealthWatcher(addr, on_change, tls=self._tls).start()
 
-    def answers(self, addr: str) -> bool:
-        """Whether an agent answers at ``addr`` now (any health status counts)."""
-        return check_health(addr, tls=self._tls) is not PeerHealth.UNREACHABLE
+    def answers(self, addr: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+        """Whether an agent answers at ``addr`` within ``timeout_s`` (any health status counts)."""
+        return check_health(addr, timeout_s, tls=self._tls) is not PeerHealth.UNREACHABLE
+
+    def probe(self, addr: str, on_silent: Callable[[float], None]) -> PeerProbe:
+        """Probe the agent at ``addr`` (:mod:`agent.probe`); stop() the result to end it."""
+        return PeerProbe(addr, lambda on_answer: check_health_async(addr, on_answer,
+                                                                    tls=self._tls),
+                         on_silent).start()
 
     def check_store(self, addrs: tuple[str, ...],
                     on_answer: Callable[[tuple[tuple[str, float], ...], int], None]) -> None:

@@ -39,6 +39,12 @@ The rules:
   workers are not stopped and nothing is declared until every member is done.
 * A ring peer whose agent does not answer (UNREACHABLE) is reported to the
   leader as a suspect, once per round: an early signal, the lease decides.
+* With ``--freeze-timeout`` above 0 (``Settings.freeze_timeout_s``), a ring
+  peer whose agent answered none of this agent's probes for that long
+  (:class:`PeerSilent`, measured by :mod:`agent.probe`) is reported to the
+  leader as frozen, once per round: the leader checks it too and revokes its
+  lease (:func:`elastic.rendezvous.decisions.revoke_frozen`), so the round
+  re-forms without waiting a lease TTL.
 * Partition rule: when this node's lease has not been confirmed for half a
   TTL while its workers run, it asks the round's peers and standbys whether
   they reach etcd. If any does, this node is the one cut off: it kills its
@@ -138,6 +144,16 @@ class PeerHealthChanged:
 
 
 @dataclass(frozen=True)
+class PeerSilent:
+    """The ring peer ``node_id``'s agent has answered none of this agent's
+    probes for ``silent_s`` seconds (:mod:`agent.probe`: this agent's own
+    pauses never count)."""
+
+    node_id: str
+    silent_s: float
+
+
+@dataclass(frozen=True)
 class LeaseState:
     """The answer to :class:`CheckPeersStore`: how long this node's lease has
     gone unconfirmed, how long ago etcd last confirmed the lease of each peer
@@ -186,8 +202,8 @@ class GpuChecked:
     decision: GpuDecision
 
 
-Event = Union[Joined, GaveUp, RoundCommitted, WorkerExited, PeerHealthChanged, LeaseState,
-              DrainRequested, Signalled, Tick, GpuChecked]
+Event = Union[Joined, GaveUp, RoundCommitted, WorkerExited, PeerHealthChanged, PeerSilent,
+              LeaseState, DrainRequested, Signalled, Tick, GpuChecked]
 
 
 # ---------------------------------------------------------------- commands
@@ -269,11 +285,13 @@ class RequestRestart:
 
 @dataclass(frozen=True)
 class Report:
-    """An intent, like RequestRestart: a report to the leader about ``round``."""
+    """An intent, like RequestRestart: a report to the leader about ``round``
+    (``silent_s``: how long ``about`` was silent, for a FROZEN report)."""
 
     kind: ReportKind
     round: int
     about: str | None = None
+    silent_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -347,6 +365,7 @@ class Settings:
     job_id: str = ""
     drain_exit_code: int = 0  # the exit code after a SIGTERM drain
     gpu_check: str = "off"  # --gpu-check: off, warn or enforce (agent.gpu_health)
+    freeze_timeout_s: float = 0.0  # --freeze-timeout: 0, the lease alone decides
 
 
 @dataclass(frozen=True)
@@ -366,6 +385,7 @@ class AgentView:
     exited_ok: frozenset[int] = frozenset()  # local ranks of ``round`` that exited 0
     peer_unhealthy: tuple[str, float] | None = None  # (ring peer, NOT_SERVING since)
     suspected: frozenset[str] = frozenset()  # peers reported unreachable in ``round``
+    frozen_reported: frozenset[str] = frozenset()  # peers reported frozen in ``round``
     waiting_since: float = 0.0  # when the node began waiting for its first round
     peers_asked_at: float | None = None  # last CheckPeersStore, while unconfirmed
     store_down_noted: bool = False
@@ -420,6 +440,8 @@ def react(view: AgentView, event: Event, now: float, settings: Settings) -> Resu
         return _on_exit(view, event, now, settings)
     if isinstance(event, PeerHealthChanged):
         return _on_peer(view, event, now)
+    if isinstance(event, PeerSilent):
+        return _on_silent(view, event, settings)
     if isinstance(event, LeaseState):
         return _on_lease(view, event, now, settings)
     if isinstance(event, DrainRequested):
@@ -513,6 +535,7 @@ def _on_round(view: AgentView, event: RoundCommitted, now: float, settings: Sett
     view = dataclasses.replace(view, state=S.STARTING, round=r, started_at=now,
                                rounds_started=view.rounds_started + 1, exited_ok=frozenset(),
                                peer_unhealthy=None, suspected=frozenset(),
+                               frozen_reported=frozenset(),
                                peers_asked_at=None, store_down_noted=False,
                                gpu_recheck_at=None, gpu_wait_noted=False)
     starting = f"node rank {me.node_rank} of {len(r.members)}, world size {r.world_size}"
@@ -619,6 +642,22 @@ def _on_peer(view: AgentView, event: PeerHealthChanged, now: float) -> Result:
                            "to the leader (its lease still decides)"),
                       Report(ReportKind.SUSPECT, view.round_number, about=event.node_id)]
     return view, []
+
+
+def _on_silent(view: AgentView, event: PeerSilent, settings: Settings) -> Result:
+    timeout = settings.freeze_timeout_s
+    if view.state is not S.RUNNING or view.round is None or timeout <= 0 \
+            or event.silent_s < timeout or event.node_id in view.frozen_reported:
+        return view, []
+    peer = ring_peer(view.round, settings.node_id)
+    if peer is None or peer[0] != event.node_id:
+        return view, []  # a probe of the peer of a round this node no longer runs
+    view = dataclasses.replace(view, frozen_reported=view.frozen_reported | {event.node_id})
+    return view, [Note(f"the agent of peer {event.node_id} answered no probe for "
+                       f"{event.silent_s:.1f} s (freeze timeout {timeout:g} s); reporting it "
+                       "to the leader as frozen"),
+                  Report(ReportKind.FROZEN, view.round_number, about=event.node_id,
+                         silent_s=event.silent_s)]
 
 
 def _peers_to_ask(r: Round, node_id: str, standby_addrs: tuple[str, ...]) -> tuple[str, ...]:

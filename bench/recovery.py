@@ -46,7 +46,10 @@ the wall time ``t``, ``rank``, ``step``, ``restart`` (TORCHELASTIC_RESTART_COUNT
    the collective until the process-group timeout, so "no recovery within 60 s" is the
    expected result. Node death: node b's agent alone gets SIGKILL (its workers follow it,
    as when a machine's agent dies); elasticd with the default ``--lease-ttl 5``, and
-   torchrun. Target for elasticd: at most 1.5 s.
+   torchrun. elasticd runs once with ``--freeze-timeout`` at its default (node a's probes
+   find b silent and its lease is revoked: recovery is about the freeze timeout plus a
+   restart) and once with ``--freeze-timeout 0`` (the lease alone), ``--freeze-timeouts``;
+   the ratio of the two is printed. Target for elasticd: at most 1.5 s.
 
 3. **Agent footprint**. While elasticd runs a job (one node, two workers) the agent
    process itself (not its workers, not its etcd): VmRSS from /proc/PID/status, CPU
@@ -643,20 +646,24 @@ def _crash_phases(launcher: str, ln: Launcher, t0: float, first: dict | None,
 
 
 def frozen_run(bench: "Bench", launcher: str, lease_ttl: float, bound_s: float,
-               fault: str = "freeze") -> dict:
+               fault: str = "freeze", freeze_timeout: str = "default") -> dict:
     """One node-fault measurement: nodes a and b, one worker each; b freezes (SIGSTOP of
     its agent and workers) or dies (``fault="kill"``: SIGKILL of its agent alone, whose
-    workers follow it as they do when a machine's agent dies)."""
+    workers follow it as they do when a machine's agent dies). ``freeze_timeout``:
+    elasticd's --freeze-timeout ("default": the flag not given)."""
     args = bench.args
     run = Run(bench, f"{fault}-{launcher}")
     out: dict = {"launcher": launcher, "fault": fault,
-                 "lease_ttl_s": lease_ttl if launcher == "elasticd" else None}
+                 "lease_ttl_s": lease_ttl if launcher == "elasticd" else None,
+                 "freeze_timeout": freeze_timeout if launcher == "elasticd" else None}
     try:
         job = new_job_id()
         if launcher == "elasticd":
             run.etcd = EtcdServer().start()
             common = ["--etcd", run.etcd.endpoint, "--job-id", job, "--nnodes", "1:2",
                       "--nproc-per-node", "1", "--lease-ttl", f"{lease_ttl:g}"]
+            if freeze_timeout != "default":
+                common += ["--freeze-timeout", freeze_timeout]
             a = run.elasticd("a", [*common, "--node-id", "a"])
             # a first, so that a leads and b's worker is rank 1 (as in the brief).
             wait_for("node a to lead", lambda: a.find(r"node a round \d+: elected leader"), 30, 0.05,
@@ -701,6 +708,7 @@ def frozen_run(bench: "Bench", launcher: str, lease_ttl: float, bound_s: float,
         out["recovery_s"] = round(first["t"] - frozen_at, 3) if first else None
         if launcher == "elasticd":
             out["phases"] = {
+                "revoked": _rel(a.find(r"revoked the lease of b", frozen_at), frozen_at),
                 "peer gone": _rel(a.find(r"node b left", frozen_at), frozen_at),
                 "round committed": _rel(a.find(r"committed round", frozen_at), frozen_at),
                 "workers stopped": _rel(a.find(r"workers stopped in", frozen_at), frozen_at),
@@ -861,19 +869,21 @@ class Bench(BenchBase):
         if "frozen" in only:
             plan = []
             if "freeze" in a.node_faults:
-                plan += [("elasticd", ttl, a.frozen_runs, "freeze") for ttl in a.lease_ttls]
-                plan.append(("torchrun", None, a.frozen_torchrun_runs, "freeze"))
+                plan += [("elasticd", ttl, a.frozen_runs, "freeze", ft) for ttl in a.lease_ttls
+                         for ft in a.freeze_timeouts]
+                plan.append(("torchrun", None, a.frozen_torchrun_runs, "freeze", None))
             if "kill" in a.node_faults:  # the default lease TTL (5 s), and torchrun
-                plan.append(("elasticd", 5.0, a.frozen_runs, "kill"))
-                plan.append(("torchrun", None, a.frozen_torchrun_runs, "kill"))
-            for i in range(max(n for _, _, n, _ in plan)):
-                for kind, ttl, n, fault in plan:
+                plan += [("elasticd", 5.0, a.frozen_runs, "kill", ft) for ft in a.freeze_timeouts]
+                plan.append(("torchrun", None, a.frozen_torchrun_runs, "kill", None))
+            for i in range(max(n for _, _, n, _, _ in plan)):
+                for kind, ttl, n, fault, ft in plan:
                     if i >= n:
                         continue
-                    r = frozen_run(self, kind, ttl or 0, a.frozen_bound, fault)
+                    r = frozen_run(self, kind, ttl or 0, a.frozen_bound, fault, ft or "default")
                     r["run"] = i
                     self.results["frozen"].append(r)
-                    name = f"elasticd --lease-ttl {ttl:g}" if kind == "elasticd" else kind
+                    name = (f"elasticd --lease-ttl {ttl:g} --freeze-timeout {ft}"
+                            if kind == "elasticd" else kind)
                     self.log(f"{fault} {i + 1}/{n} {name}: {self._show(r)}")
         if "footprint" in only:
             plan = [("elasticd", "train"), ("elasticd", "sleep")]
@@ -943,7 +953,8 @@ def summarize(results: dict, args: argparse.Namespace) -> dict:
             if runs:
                 summary["crash"][f"{case} {script}"] = _crash_rows(runs)
     for r in results["frozen"]:
-        key = (f"elasticd ttl {r['lease_ttl_s']:g}" if r["launcher"] == "elasticd"
+        key = (f"elasticd ttl {r['lease_ttl_s']:g} freeze-timeout "
+               f"{r.get('freeze_timeout', 'default')}" if r["launcher"] == "elasticd"
                else "torchrun") + f" {r.get('fault', 'freeze')}"
         row = summary["frozen"].setdefault(key, {"runs": 0, "values": [], "errors": [],
                                                  "phases": {}})
@@ -1080,9 +1091,16 @@ def render(results: dict, summary: dict, args: argparse.Namespace) -> str:
                                f"{row['runs']}/{row['runs']} runs")
                     continue
             else:
-                name = f"elasticd --lease-ttl {key.split()[-1]}"
+                _, _, ttl, _, timeout = key.split()
+                name = f"elasticd --lease-ttl {ttl} --freeze-timeout {timeout}"
             tail = _failed(row, "no recovery", args.frozen_bound)
             out.append(f"  {name:<42}{_range(row['stats'])}  (n={row['runs']}){tail}")
+        ours = {k: row["stats"]["median"] for k, row in rows.items()
+                if k != "torchrun" and row["stats"]}
+        for key, median in ours.items():
+            off = key.rsplit(" ", 1)[0] + " 0"
+            if key != off and ours.get(off):
+                out.append(f"  ratio {key} / {off}: {median / ours[off]:.2f}")
         for key, row in rows.items():
             if row["phases_median"]:
                 line = ", ".join(f"{k} {v:.2f}" for k, v in row["phases_median"].items())
@@ -1177,6 +1195,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="node faults of the frozen part, comma-separated (freeze,kill)")
     ap.add_argument("--frozen-torchrun-runs", type=int, default=1, help="torchrun runs (1)")
     ap.add_argument("--lease-ttls", default="5,2", help="elasticd --lease-ttl values (5,2)")
+    ap.add_argument("--freeze-timeouts", default="default,0",
+                    help="elasticd --freeze-timeout values of the frozen part, 'default' for "
+                         "the flag not given, 0 for the lease alone (default,0)")
     ap.add_argument("--frozen-bound", type=float, default=60.0,
                     help="give up on a frozen-node recovery after this long (60 s)")
     ap.add_argument("--window", type=float, default=60.0, help="footprint CPU window (60 s)")
@@ -1207,6 +1228,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.default_runs is None:
         args.default_runs = args.runs
     args.lease_ttls = [float(x) for x in str(args.lease_ttls).split(",") if x]
+    args.freeze_timeouts = [x.strip() for x in str(args.freeze_timeouts).split(",") if x.strip()]
     args.cases = [c for c in args.cases.split(",") if c]
     args.node_faults = [c for c in args.node_faults.split(",") if c]
     args.scripts = [c for c in args.scripts.split(",") if c]

@@ -19,8 +19,9 @@ class JobKeys:
     ``requests/`` holds what nodes and operators tell the leader (the leader
     alone watches it): restart and drain requests, and per-node reports that a
     node started the workers of a round (``started/``), that its workers all
-    exited 0 (``done/``), or that a peer's agent does not answer
-    (``suspect/``). Reports live under their writer's lease.
+    exited 0 (``done/``), that a peer's agent does not answer
+    (``suspect/``), or that it answered no probe for the freeze timeout
+    (``frozen/``). Reports live under their writer's lease.
 
     ``torchrun/`` belongs to torchrun's ``etcd3`` rendezvous backend
     (:mod:`elastic.torchrun`), whose job id is torchrun's ``--rdzv-id``:
@@ -43,6 +44,7 @@ class JobKeys:
         self.started_reports = self.requests + "started/"
         self.done_reports = self.requests + "done/"
         self.suspect_reports = self.requests + "suspect/"
+        self.frozen_reports = self.requests + "frozen/"
         self.status = self.prefix + "status/"
         self.events = self.prefix + "events/"
         self.checkpoint_latest = self.prefix + "checkpoint/latest"
@@ -76,6 +78,10 @@ class JobKeys:
     def suspect_report(self, node_id: str) -> str:
         """Where a node reports that ``node_id``'s agent does not answer."""
         return self.suspect_reports + node_id
+
+    def frozen_report(self, node_id: str) -> str:
+        """Where a node reports that ``node_id``'s agent answered no probe."""
+        return self.frozen_reports + node_id
 
     def status_of(self, node_id: str) -> str:
         return self.status + node_id

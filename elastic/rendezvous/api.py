@@ -332,6 +332,7 @@ class ReportKind(enum.Enum):
     STARTED = "started"  # this node started the workers of ``round``
     DONE = "done"  # this node's workers of ``round`` all exited 0
     SUSPECT = "suspect"  # the agent of the node named in the key did not answer ``by``
+    FROZEN = "frozen"  # ...answered none of ``by``'s probes for a while (FrozenReport)
 
 
 @dataclass(frozen=True)
@@ -346,3 +347,28 @@ class Report(FieldsAsJson):
         """Raises MalformedRecordError naming the key and field when invalid."""
         obj = load_object(key, raw)
         return cls(round=int_field(key, obj, "round", 0), by=id_field(key, obj, "by"))
+
+
+@dataclass(frozen=True)
+class FrozenReport(FieldsAsJson):
+    """``requests/frozen/<node_id>``: while both ran round ``round``, that
+    node's agent answered none of ``by``'s probes for ``silent_s`` seconds.
+    ``confirmed_by``: the node that confirmed the report and revoked the
+    frozen node's lease ("" until then; the leader's fence need not wait for
+    a node so proven unanswering). Under its writer's lease."""
+
+    round: int
+    by: str
+    silent_s: float
+    confirmed_by: str = ""
+
+    @classmethod
+    def from_json(cls, key: str, raw: bytes) -> "FrozenReport":
+        """Raises MalformedRecordError naming the key and field when ``round``
+        is negative, ``silent_s`` not a finite number of seconds >= 0, ``by``
+        or (when not "") ``confirmed_by`` not a valid id."""
+        obj = load_object(key, raw)
+        confirmed_by = typed_field(key, obj, "confirmed_by", str, "")
+        return cls(round=int_field(key, obj, "round", 0), by=id_field(key, obj, "by"),
+                   silent_s=time_field(key, obj, "silent_s"),
+                   confirmed_by=id_field(key, obj, "confirmed_by") if confirmed_by else "")

@@ -25,6 +25,18 @@ DEFAULT_START_TIMEOUT_S = 60.0
 # torchrun's default: how long the job waits for the other members once one
 # node's workers have all exited 0.
 DEFAULT_EXIT_BARRIER_TIMEOUT_S = 300.0
+# How long a member's agent may answer no probe of its ring peer before the
+# leader ends its lease (elastic.rendezvous.decisions.revoke_frozen); 0: never,
+# the lease alone decides. The shortest other than 0: a garbage collection or
+# a busy moment of a live agent lasts less.
+DEFAULT_FREEZE_TIMEOUT_S = 1.0
+MIN_FREEZE_TIMEOUT_S = 0.5
+
+
+def default_freeze_timeout_s(lease_ttl_s: float) -> float:
+    """The freeze timeout when none is given: DEFAULT_FREEZE_TIMEOUT_S, or half
+    the lease TTL when that is shorter (never below MIN_FREEZE_TIMEOUT_S)."""
+    return max(MIN_FREEZE_TIMEOUT_S, min(DEFAULT_FREEZE_TIMEOUT_S, lease_ttl_s / 2))
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -61,6 +73,10 @@ class RendezvousConfig:
     ``scale_up_wait_s``: 0 grows a running round as soon as a node joins; above
     0, a joining node waits for the next committed checkpoint (so the restart
     that grows the round redoes no work), at most this long.
+    ``freeze_timeout_s``: 0 (the default here) leaves a frozen member to its
+    lease; above 0, a member whose agent answered no probe for this long is
+    proven frozen and its lease revoked (``revoke_frozen`` in
+    :mod:`elastic.rendezvous.decisions`).
     """
 
     job_id: str
@@ -74,6 +90,7 @@ class RendezvousConfig:
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
     exit_barrier_timeout_s: float = DEFAULT_EXIT_BARRIER_TIMEOUT_S
     scale_up_wait_s: float = 0.0
+    freeze_timeout_s: float = 0.0
 
     @property
     def suspect_s(self) -> float:
@@ -105,6 +122,12 @@ class RendezvousConfig:
                 f"exit barrier timeout {self.exit_barrier_timeout_s} s must be positive")
         if self.scale_up_wait_s < 0:
             raise ConfigError(f"scale-up wait {self.scale_up_wait_s} s must not be negative")
+        if self.freeze_timeout_s != 0 and not (
+                MIN_FREEZE_TIMEOUT_S <= self.freeze_timeout_s < self.lease_ttl_s):
+            raise ConfigError(
+                f"freeze timeout {self.freeze_timeout_s:g} s must be 0 (off: the lease alone "
+                f"decides) or from {MIN_FREEZE_TIMEOUT_S:g} s to below the lease TTL "
+                f"({self.lease_ttl_s:g} s)")
 
     def job_settings(self) -> dict[str, Any]:
         """The settings every agent of a job must agree on (stored under ``config``)."""

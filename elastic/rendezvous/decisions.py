@@ -49,14 +49,33 @@ The rules, in order:
   after its round was committed is left out: the round is formed again
   without it (and it stays out for ``suspect_s``, see ``Decision.suspects``).
 
-Two rules of the leader's own waits, on its monotonic ``now`` (they time
-nothing another machine compares):
+Rules of the leader's own waits and acts, on its monotonic ``now`` (they
+time nothing another machine compares):
 
 * Fence (:func:`fence_lost_members`): before a round leaves out members whose
   lease expired, the leader waits until their agents say their workers
   stopped (an agent that does not answer counts as stopped); after
   ``FENCE_PATIENCE_TTLS`` lease TTLs of asking it forms the round anyway, so
-  a member that never stops cannot stall the job.
+  a member that never stops cannot stall the job. A member whose lease was
+  revoked as frozen (below) was proven unanswering: the fence skips it.
+* Freeze (:func:`revoke_frozen`): with ``freeze_timeout_s`` above 0, a
+  member of the running round whose ring peer reports that its agent answered
+  none of its probes for the freeze timeout is frozen (SIGSTOP, a paused VM, a
+  dead agent): its lease is revoked, which deletes its registration, so the
+  round re-forms now instead of a lease TTL later. Corroborated twice: the
+  reporter's window (every probe failed, none of them ever answered late)
+  and the decider's own failed check (its probes, when it is the reporter).
+  The decider is the leader, or, when the frozen member leads, the reporter;
+  never the reported node itself, only while its own lease is confirmed
+  (a decider cut off from etcd may be the one that moved), and only when at
+  least ``min_nodes`` other nodes could form a round without it (else its
+  revocation gains nothing: the others would wait for it anyway, and a node
+  that thaws within its lease goes on without a restart). A slow node
+  answers some probe within the timeout and keeps its lease; when it thaws
+  after a revocation, it finds its lease gone and fail-stops. It then stays
+  out of new rounds for ``suspect_s`` as a suspect does (the view counts the
+  revocation as a suspicion whatever the registration): a node cut off from
+  its peers only would otherwise rejoin and be revoked again at every round.
 * Takeover (:func:`takeover_failed`): a leader that cannot load its view keeps
   trying; after a lease TTL of failures it resigns and campaigns again only a
   TTL later, so that a node that can lead wins first.
@@ -67,7 +86,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from elastic.rendezvous.api import NodeInfo, RestartRequest, Round
+from elastic.rendezvous.api import FrozenReport, NodeInfo, RestartRequest, Round
 from elastic.rendezvous.config import RendezvousConfig
 
 
@@ -185,6 +204,67 @@ def takeover_failed(since: float | None, now: float, lease_ttl_s: float) -> Take
                                campaign_after=now + lease_ttl_s)
     return TakeoverVerdict(False, since, f"could not take over as leader for "
                                          f"{now - since:.0f} s; retrying")
+
+
+@dataclasses.dataclass(frozen=True)
+class RevokeVerdict:
+    """Whether the decider revokes the lease of a member reported frozen.
+
+    ``check``: not yet; the decider probes the member itself first and asks
+    again with the answer (``decider_answered``).
+    """
+
+    revoke: bool
+    reason: str
+    check: bool = False
+
+
+def revoke_frozen(about: str, report: FrozenReport, current: Round | None, *, decider: str,
+                  decider_answered: bool | None, lease_unconfirmed_s: float, others: int,
+                  config: RendezvousConfig) -> RevokeVerdict:
+    """The freeze rule (module docstring): may ``decider`` revoke the lease of
+    ``about``, reported frozen by ``report``? ``decider_answered``: whether
+    ``about`` answered the decider's own check (None: not checked yet);
+    ``lease_unconfirmed_s``: how long the decider's own lease has gone
+    unconfirmed; ``others``: the registered nodes besides ``about`` that
+    could form a round."""
+    def no(why: str) -> RevokeVerdict:
+        return RevokeVerdict(False, f"not revoking the lease of {about}: {why}")
+
+    timeout = config.freeze_timeout_s
+    if timeout <= 0:
+        return no("the freeze timeout is 0 (the lease alone decides)")
+    if report.confirmed_by:
+        return no(f"{report.confirmed_by} revoked it already")
+    if current is None or current.outcome or report.round not in (current.number,
+                                                                  current.workers_round):
+        return no(f"the report is about round {report.round}, not the running one")
+    if current.member(about) is None or current.member(report.by) is None:
+        return no(f"{about} and its reporter {report.by} are not both members of round "
+                  f"{current.number}")
+    if about == decider:
+        return no("a node never revokes its own lease")
+    if others < config.min_nodes:
+        return no(f"the others cannot go on without it ({others} of at least "
+                  f"{config.min_nodes} nodes); its lease still decides")
+    if report.silent_s < timeout:
+        return no(f"its agent was silent for {report.silent_s:.1f} s, under the freeze "
+                  f"timeout ({timeout:g} s)")
+    if lease_unconfirmed_s > config.lease_ttl_s / 2:
+        return no(f"etcd has not confirmed the lease of {decider} for "
+                  f"{lease_unconfirmed_s:.1f} s: {decider} may be the one cut off")
+    if report.by == decider:
+        confirmed = f"reported and confirmed by {decider}"
+    elif decider_answered is None:
+        return RevokeVerdict(False, f"{about} reported frozen by {report.by}: checking it",
+                             check=True)
+    elif decider_answered:
+        return no(f"its agent answered {decider}, so it is alive (slow, or cut off from "
+                  f"{report.by} only); its lease still decides")
+    else:
+        confirmed = f"reported by {report.by}, confirmed by {decider}"
+    return RevokeVerdict(True, f"revoking the lease of {about}: its agent answered no probe "
+                               f"for {report.silent_s:.1f} s ({confirmed})")
 
 
 def _plural(n: int, word: str) -> str:

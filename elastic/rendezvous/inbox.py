@@ -12,6 +12,7 @@ import queue
 from dataclasses import dataclass
 from typing import Iterator, Union
 
+from elastic.rendezvous.api import FrozenReport
 from elastic.store.api import WatchEvent
 
 
@@ -50,11 +51,20 @@ class SessionLost:
 
 
 @dataclass(frozen=True)
+class LeaderFrozen:
+    """This node reported the leader ``node_id`` frozen (``report``): the
+    next pass applies the freeze rule to it, as the leader would to a member."""
+
+    node_id: str
+    report: FrozenReport
+
+
+@dataclass(frozen=True)
 class Stop:
     """The node is stopping: the loop thread returns."""
 
 
-Message = Union[Changed, WatchEnded, SessionLost, Stop]
+Message = Union[Changed, WatchEnded, SessionLost, LeaderFrozen, Stop]
 
 
 class Inbox:

@@ -30,6 +30,7 @@ from elastic.rendezvous.decisions import Action, Decision
 from elastic.rendezvous.election import Election
 from elastic.rendezvous.follower import BadRecords, Part, value_of
 from elastic.rendezvous.inbox import PartName
+from elastic.rendezvous.revoke import FrozenRevoker
 from elastic.rendezvous.view import LeaderView
 from elastic.store.api import Delete, EventType, KeyValue, Put, Store, WatchEvent
 
@@ -48,7 +49,8 @@ class Leader:
 
     def __init__(self, store: Store, config: RendezvousConfig, node_id: str, clock: Clock,
                  rounds: CommittedRound, read_round: Callable[[], None],
-                 report_bad: BadRecords, log: JobLogger, fence: Fence | None = None):
+                 report_bad: BadRecords, log: JobLogger, fence: Fence | None = None,
+                 revoker: FrozenRevoker | None = None):
         self.store = store
         self.config = config
         self.keys = JobKeys(config.job_id)
@@ -61,6 +63,7 @@ class Leader:
         self._report_bad = report_bad
         self._log = log
         self._fence = fence
+        self._revoker = revoker
         self.leading = False  # leader with its view loaded and watched
         self.view = LeaderView(self.keys, report_bad)
         self._standbys_written: Standbys | None = None  # as this node last wrote it
@@ -130,6 +133,7 @@ class Leader:
         version = self._rounds.version
         if current is not None and not current.outcome and version > current.number:
             return None if self._continue_round(current) else now + FENCE_RETRY_S
+        self._revoke_frozen(current)
         decision = decisions.decide(self.view.observed(current, self._rounds.revision), now,
                                     self.config)
         if decision.reason != self._last_reason:
@@ -159,12 +163,32 @@ class Leader:
             self.store.put(self.keys.standbys, wanted.to_json(), lease=lease_id)
             self._standbys_written = wanted
 
+    def _revoke_frozen(self, current: Round | None) -> None:
+        """Revoke the lease of each member the freeze rule finds frozen (see
+        :mod:`elastic.rendezvous.revoke`); the deletion of its registration
+        then forms the next round."""
+        if self._revoker is None or current is None:
+            return
+        for node_id, report in self.view.frozen_reports().items():
+            info, registered = self.view.nodes[node_id]
+            target = self._revoker.member(node_id, info.addr, registered, self.election.holds())
+            others = len([n for n in self.view.nodes
+                          if n != node_id and n not in self.view.draining])
+            confirmed = self._revoker.consider(target, report, current, others)
+            if confirmed is not None:
+                # Known before the watch says so: the fence must skip this node
+                # even if its registration's deletion arrives first.
+                self.view.frozen[node_id] = (*confirmed, self._clock.wall())
+
     def _fence_lost(self, current: Round | None) -> bool:
         """Whether the workers of the members ``current`` would leave out
         (their lease expired) stopped, or the leader waited long enough:
-        see decisions.fence_lost_members."""
+        see decisions.fence_lost_members. Members revoked as frozen were
+        proven unanswering: not asked."""
+        revoked = self.view.revoked_as_frozen(current) if current else frozenset()
         lost = tuple(m.addr for m in (current.members if current else ())
-                     if m.node_id not in self.view.nodes and m.addr)
+                     if m.node_id not in self.view.nodes and m.node_id not in revoked
+                     and m.addr)
         if not lost or self._fence is None:
             return True
         now = self._clock.monotonic()

@@ -23,8 +23,11 @@ Protocol (keys in :mod:`elastic.keyspace`):
    as standbys for a later round.
 5. Nodes report to the leader under ``requests/``: restart requests, that
    they started a round's workers, that their workers all exited 0 (the exit
-   barrier), that a peer's agent does not answer. The job ends with a final
-   round record carrying an ``outcome``, written by the leader.
+   barrier), that a peer's agent does not answer, or answered no probe for
+   the freeze timeout (the leader may then revoke its lease:
+   :mod:`elastic.rendezvous.revoke`; a node that reports the leader itself
+   frozen applies that rule in the leader's place). The job ends with a
+   final round record carrying an ``outcome``, written by the leader.
 
 The node is three parts driven by one loop, as etcd's client splits session,
 watch and election: :class:`~elastic.rendezvous.membership.Membership`
@@ -55,13 +58,21 @@ from elastic.fence import fenced_put
 from elastic.joblog import JobLogger
 from elastic.keyspace import JobKeys
 from elastic.net import free_port
-from elastic.rendezvous.api import NodeInfo, Report, ReportKind, RestartRequest, Round
+from elastic.rendezvous.api import (
+    FrozenReport,
+    NodeInfo,
+    Report,
+    ReportKind,
+    RestartRequest,
+    Round,
+)
 from elastic.rendezvous.committed import CommittedRound
 from elastic.rendezvous.config import RendezvousConfig
 from elastic.rendezvous.follower import BadRecords, Follower
 from elastic.rendezvous.inbox import (
     Changed,
     Inbox,
+    LeaderFrozen,
     Message,
     PartName,
     SessionLost,
@@ -70,9 +81,10 @@ from elastic.rendezvous.inbox import (
 )
 from elastic.rendezvous.leader import Fence, Leader
 from elastic.rendezvous.membership import Membership, MembershipSettings, Takeover
+from elastic.rendezvous.revoke import FrozenRevoker, Probe
 from elastic.store.api import Store
 
-__all__ = ["RendezvousNode", "Fence", "Takeover", "SESSION_CHECK_S", "SETTLED_CHECK_S"]
+__all__ = ["RendezvousNode", "Fence", "Probe", "Takeover", "SESSION_CHECK_S", "SETTLED_CHECK_S"]
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +124,11 @@ class RendezvousNode:
         running_round: Callable[[], int] = lambda: 0,
         job_flag: str = "--job-id",
         inbox: Inbox | None = None,
+        probe: Probe | None = None,
     ):
-        """``inbox``: where watches and the session post (a fresh one unless given)."""
+        """``inbox``: where watches and the session post (a fresh one unless
+        given). ``probe``: whether an agent answers a health check now, for
+        the freeze rule (None: this node confirms no report made by another)."""
         self.store = store
         self.config = config
         self.keys = JobKeys(config.job_id)
@@ -132,8 +147,12 @@ class RendezvousNode:
             [f for f in (on_round, self._membership.round_committed) if f is not None])
         self._follower = Follower(store, self.keys, info.node_id, clock, self._rounds,
                                   self._inbox.post, report_bad, self.log)
+        self._revoker = FrozenRevoker(store, config, info.node_id, clock, self.log, probe,
+                                      lambda: (self.lease_id, self.lease_confirmed_at))
+        self._frozen_leader: LeaderFrozen | None = None  # reported, the rule not yet applied
         self._leader = Leader(store, config, info.node_id, clock, self._rounds,
-                              self._follower.read_round, report_bad, self.log, fence)
+                              self._follower.read_round, report_bad, self.log, fence,
+                              self._revoker)
         self._follower.add_leader_parts(self._leader.parts(), self._leader.step_down)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -238,6 +257,7 @@ class RendezvousNode:
             return None
         try:
             self._maintain()
+            self._revoke_frozen_leader()
             if not (self.is_leader and self._leader.leading):
                 self._wake_at = None
             elif self._changed or (self._wake_at is not None
@@ -306,14 +326,22 @@ class RendezvousNode:
                        req.to_json(), timeout_s=timeout_s)
 
     def report(self, kind: ReportKind, round_number: int, about: str | None = None, *,
-               timeout_s: float | None = None) -> None:
+               silent_s: float = 0.0, timeout_s: float | None = None) -> None:
         """Tell the leader this node started ``round_number``'s workers, that
-        they all exited 0, or (SUSPECT) that node ``about``'s agent does not
-        answer. Idempotent; held under this node's lease; raises the store's
-        errors (StoreError, or LeaseLostError without a live session)."""
+        they all exited 0, (SUSPECT) that node ``about``'s agent does not
+        answer, or (FROZEN) that it answered no probe for ``silent_s``.
+        Idempotent; held under this node's lease; raises the store's errors
+        (StoreError, or LeaseLostError without a live session)."""
         lease = self.lease_id
         if lease is None:
             raise StoreError(f"node {self.node_id} has no live lease to report under")
+        if kind is ReportKind.FROZEN:
+            frozen = FrozenReport(round=round_number, by=self.node_id, silent_s=silent_s)
+            self.store.put(self.keys.frozen_report(about), frozen.to_json(), lease=lease,
+                           timeout_s=timeout_s)
+            if about == self.leader_id and not self.is_leader:
+                self._inbox.post(LeaderFrozen(about, frozen))
+            return
         key = {ReportKind.STARTED: self.keys.started_report,
                ReportKind.DONE: self.keys.done_report,
                ReportKind.SUSPECT: self.keys.suspect_report}[kind](about or self.node_id)
@@ -347,7 +375,25 @@ class RendezvousNode:
             self._follower.apply(message, self.clock.wall())
         elif isinstance(message, WatchEnded):
             self._follower.watch_ended(message)
+        elif isinstance(message, LeaderFrozen):
+            self._frozen_leader = message
         # SessionLost: this pass's _maintain renews it; Stop: pump returns.
+
+    def _revoke_frozen_leader(self) -> None:
+        """The freeze rule for the leader this node reported frozen, applied
+        here since the leader cannot apply it to itself; dropped once applied
+        or once another node leads (kept on a store error, for the next pass)."""
+        claim = self._frozen_leader
+        if claim is None:
+            return
+        current = self._rounds.latest
+        if self._follower.leader_id == claim.node_id and not self.is_leader \
+                and current is not None:
+            # The members but the leader, and the standbys the leader last published.
+            others = len(current.members) - 1 + len(self._follower.standbys.addrs)
+            self._revoker.consider(self._revoker.leader(claim.node_id), claim.report, current,
+                                   others)
+        self._frozen_leader = None
 
     def _maintain(self) -> None:
         """The standing duties, each retried on the next pass if it fails:

@@ -19,6 +19,7 @@ from elastic.records import id_in_key
 from elastic.rendezvous.api import (
     STANDBY_WITNESSES,
     DrainRequest,
+    FrozenReport,
     NodeInfo,
     Report,
     RestartRequest,
@@ -45,6 +46,10 @@ class LeaderView:
         # suspect -> (when learnt, revision of the report): a report older than
         # the node's registration is about a previous agent with that id.
         self.suspects: dict[str, tuple[float, int]] = {}
+        # frozen node -> (the report, its revision, when learnt): same rule as
+        # suspects, but a confirmed report (its lease revoked) is a suspicion
+        # whatever its registration: a node that thaws is the same agent.
+        self.frozen: dict[str, tuple[FrozenReport, int, float]] = {}
         self.checkpoint_revision = 0  # mod revision of checkpoint/latest (0: none)
 
     def reset_nodes(self, kvs: list[KeyValue], now: float) -> None:
@@ -54,6 +59,7 @@ class LeaderView:
 
     def reset_requests(self, kvs: list[KeyValue], now: float) -> None:
         self.restarts, self.draining, self.started, self.done, self.suspects = {}, set(), {}, {}, {}
+        self.frozen = {}
         for kv in kvs:
             self.apply_request(kv.key, kv.value, kv.mod_revision, now)
 
@@ -99,6 +105,9 @@ class LeaderView:
                 return
             (self.draining.add if value is not None else self.draining.discard)(node_id)
             return
+        if key.startswith(k.frozen_reports):
+            self._apply_frozen(key, value, mod_revision, now)
+            return
         reports = {k.started_reports: self.started, k.done_reports: self.done,
                    k.suspect_reports: self.suspects}
         for prefix, table in reports.items():
@@ -133,6 +142,33 @@ class LeaderView:
         except MalformedRecordError as exc:
             self._report_bad(exc, mod_revision)
 
+    def _apply_frozen(self, key: str, value: bytes | None, mod_revision: int,
+                      now: float) -> None:
+        try:
+            node_id = id_in_key(key, self.keys.frozen_reports)
+            if value is None:
+                self.frozen.pop(node_id, None)
+                return
+            self.frozen[node_id] = (FrozenReport.from_json(key, value), mod_revision, now)
+        except MalformedRecordError as exc:
+            if value is not None:
+                self._report_bad(exc, mod_revision)
+                self.frozen.pop(self.keys.node_id_of(key), None)
+
+    def frozen_reports(self) -> dict[str, FrozenReport]:
+        """The frozen reports about the registered nodes' current
+        registrations (a report older than a registration is about a
+        previous agent with that id)."""
+        return {n: report for n, (report, rev, _) in self.frozen.items()
+                if n in self.nodes and rev > self.nodes[n][1]}
+
+    def revoked_as_frozen(self, current: Round) -> frozenset[str]:
+        """The members of ``current`` whose lease was revoked as frozen in it
+        (by any decider)."""
+        rounds = (current.number, current.workers_round)
+        return frozenset(n for n, (report, _, _) in self.frozen.items()
+                         if report.confirmed_by and report.round in rounds)
+
     def suspect(self, node_id: str, now: float, revision: int) -> None:
         """The leader's own verdict (a member did not start in time)."""
         self.suspects[node_id] = (now, revision)
@@ -155,8 +191,10 @@ class LeaderView:
                                                           self.started.get(info.node_id, 0))
                                         for info, _ in joined if info.running_round}},
             done=dict(self.done),
-            suspects={n: at for n, (at, rev) in self.suspects.items()
-                      if rev > registered_at.get(n, 0)},
+            suspects={**{n: at for n, (at, rev) in self.suspects.items()
+                         if rev > registered_at.get(n, 0)},
+                      **{n: at for n, (report, _, at) in self.frozen.items()
+                         if report.confirmed_by}},
             registered_since_round=frozenset(
                 info.node_id for info, rev in joined if rev > round_revision
                 and (current is None

@@ -289,12 +289,12 @@ def test_every_option_names_a_field_of_agent_config_at_most_once():
 
 
 def test_load_sets_every_field_from_the_table_or_one_phase():
-    """Options' fields, the validated and the discovered ones, and the four load
+    """Options' fields, the validated and the discovered ones, and the five load
     derives from several options together, cover AgentConfig once each."""
     parts = [[o.field for o in config.OPTIONS if o.field],
              [f.name for f in dataclasses.fields(config.Validated)],
              [f.name for f in dataclasses.fields(config.Found)],
-             ["state_dir", "log_dir", "prestart", "console"]]
+             ["state_dir", "log_dir", "prestart", "console", "freeze_timeout_s"]]
     every = [name for part in parts for name in part]
 
     assert sorted(every) == sorted(f.name for f in dataclasses.fields(config.AgentConfig))

@@ -7,14 +7,15 @@ import dataclasses
 import pytest
 
 from elastic.errors import ConfigError
-from elastic.rendezvous.api import Member, NodeInfo, RestartRequest, Round
-from elastic.rendezvous.config import RendezvousConfig, parse_nnodes
+from elastic.rendezvous.api import FrozenReport, Member, NodeInfo, Outcome, RestartRequest, Round
+from elastic.rendezvous.config import RendezvousConfig, default_freeze_timeout_s, parse_nnodes
 from elastic.rendezvous.decisions import (
     FENCE_PATIENCE_TTLS,
     Action,
     Observed,
     decide,
     fence_lost_members,
+    revoke_frozen,
     takeover_failed,
 )
 
@@ -419,3 +420,107 @@ class TestTakeoverFailed:
         assert v.resign and v.failing_since is None
         assert v.campaign_after == pytest.approx(56.5)
         assert v.reason == "could not take over as leader for 4 s; stepping down"
+
+
+class TestRevokeFrozen:
+    """The freeze rule: a member of round 7 (a, b, c) reported frozen by its ring peer."""
+
+    CONFIG = RendezvousConfig(job_id="j", min_nodes=1, max_nodes=3, lease_ttl_s=5.0,
+                              freeze_timeout_s=1.0)
+    ROUND = round_of(7, "a", "b", "c")
+
+    def verdict(self, report=FrozenReport(round=7, by="a", silent_s=1.1), *, about="b",
+                decider="c", answered=None, unconfirmed_s=0.3, current=ROUND, others=2,
+                config=CONFIG):
+        return revoke_frozen(about, report, current, decider=decider, decider_answered=answered,
+                             lease_unconfirmed_s=unconfirmed_s, others=others, config=config)
+
+    def test_the_leader_checks_a_member_another_member_reported_before_revoking(self):
+        v = self.verdict()
+        assert v.check and not v.revoke
+        v = self.verdict(answered=False)
+        assert v.revoke and not v.check
+        assert v.reason == ("revoking the lease of b: its agent answered no probe for 1.1 s "
+                            "(reported by a, confirmed by c)")
+
+    def test_a_member_that_answers_the_leader_is_slow_not_frozen(self):
+        v = self.verdict(answered=True)
+        assert not v.revoke and not v.check
+        assert "its agent answered c, so it is alive" in v.reason
+
+    def test_a_reporter_that_decides_needs_no_second_check(self):
+        # The leader is the reporter, or the frozen member leads and its
+        # reporter decides: its own failed probes are the decider's check.
+        v = self.verdict(decider="a")
+        assert v.revoke
+        assert v.reason.endswith("(reported and confirmed by a)")
+
+    def test_a_silence_shorter_than_the_freeze_timeout_revokes_nothing(self):
+        v = self.verdict(FrozenReport(round=7, by="a", silent_s=0.9), answered=False)
+        assert not v.revoke
+        assert "silent for 0.9 s, under the freeze timeout (1 s)" in v.reason
+
+    def test_a_freeze_timeout_of_zero_leaves_the_lease_alone_as_the_authority(self):
+        off = dataclasses.replace(self.CONFIG, freeze_timeout_s=0.0)
+        v = self.verdict(FrozenReport(round=7, by="a", silent_s=60.0), answered=False,
+                         config=off)
+        assert not v.revoke and not v.check
+        assert "the freeze timeout is 0" in v.reason
+
+    def test_only_a_report_about_the_running_round_counts(self):
+        assert not self.verdict(FrozenReport(round=6, by="a", silent_s=2.0),
+                                answered=False).revoke
+        ended = dataclasses.replace(self.ROUND, outcome=Outcome.SUCCEEDED)
+        assert not self.verdict(answered=False, current=ended).revoke
+        assert not self.verdict(answered=False, current=None).revoke
+        # A round written again over garbage (Round.continues) is the round it continues.
+        again = dataclasses.replace(self.ROUND, number=8, continues=7)
+        assert self.verdict(answered=False, current=again).revoke
+
+    def test_only_members_are_revoked_and_only_members_report(self):
+        v = self.verdict(about="x", answered=False)
+        assert not v.revoke and "are not both members of round 7" in v.reason
+        assert not self.verdict(FrozenReport(round=7, by="x", silent_s=2.0),
+                                answered=False).revoke
+
+    def test_a_node_never_revokes_its_own_lease(self):
+        v = self.verdict(about="c", decider="c", answered=False)
+        assert not v.revoke and "never revokes its own lease" in v.reason
+
+    def test_a_decider_whose_own_lease_is_unconfirmed_may_be_the_one_cut_off(self):
+        v = self.verdict(answered=False, unconfirmed_s=2.6)
+        assert not v.revoke and not v.check
+        assert "c may be the one cut off" in v.reason
+
+    def test_a_node_the_others_cannot_go_on_without_keeps_its_lease(self):
+        # nnodes 3:3: without b no round can form; revoking it would only turn
+        # a freeze shorter than the lease into a restart.
+        fixed = dataclasses.replace(self.CONFIG, min_nodes=3)
+        v = self.verdict(answered=False, config=fixed)
+        assert not v.revoke and not v.check
+        assert "the others cannot go on without it (2 of at least 3 nodes)" in v.reason
+        assert self.verdict(answered=False, config=fixed, others=3).revoke  # a standby
+
+    def test_a_report_already_confirmed_is_not_revoked_again(self):
+        v = self.verdict(FrozenReport(round=7, by="a", silent_s=1.1, confirmed_by="c"),
+                         answered=False)
+        assert not v.revoke and "c revoked it already" in v.reason
+
+
+class TestFreezeTimeoutSetting:
+    def test_the_default_is_a_second_or_half_a_short_lease_ttl(self):
+        assert default_freeze_timeout_s(5.0) == 1.0
+        assert default_freeze_timeout_s(1.5) == 0.75
+        assert default_freeze_timeout_s(1.0) == 0.5
+
+    @pytest.mark.parametrize("timeout", [-1.0, 0.2, 5.0, 6.0])
+    def test_a_timeout_not_from_half_a_second_to_below_the_lease_ttl_is_refused(self, timeout):
+        with pytest.raises(ConfigError, match=r"freeze timeout .* must be 0 \(off: the lease "
+                                              r"alone decides\) or from 0.5 s to below the "
+                                              r"lease TTL \(5 s\)"):
+            RendezvousConfig(job_id="j", min_nodes=1, max_nodes=1, lease_ttl_s=5.0,
+                             freeze_timeout_s=timeout)
+
+    def test_zero_turns_the_fast_path_off(self):
+        assert RendezvousConfig(job_id="j", min_nodes=1, max_nodes=1,
+                                freeze_timeout_s=0.0).freeze_timeout_s == 0.0

@@ -7,6 +7,7 @@ from __future__ import annotations
 from elastic.keyspace import JobKeys
 from elastic.rendezvous.api import (
     DrainRequest,
+    FrozenReport,
     Member,
     NodeInfo,
     Report,
@@ -38,6 +39,57 @@ def register(view, node_id, revision, now=0.0, running_round=0):
 
 def report(view, key, about, round_, revision, now=0.0):
     view.apply_request(key, Report(round=round_, by="x").to_json(), revision, now)
+
+
+class TestFrozenReports:
+    def frozen(self, view, about, revision, **fields):
+        record = FrozenReport(**{"round": 4, "by": "a", "silent_s": 1.2, **fields})
+        view.apply_request(KEYS.frozen_report(about), record.to_json(), revision, 0.0)
+        return record
+
+    def test_a_report_about_the_current_registration_is_seen(self):
+        view, bad = leader_view()
+        register(view, "b", 10)
+        record = self.frozen(view, "b", 20)
+        assert view.frozen_reports() == {"b": record} and bad == []
+
+    def test_a_report_about_a_previous_agent_with_that_id_is_not(self):
+        view, _ = leader_view()
+        register(view, "b", 10)
+        self.frozen(view, "b", 20)
+        view.apply_node(KEYS.node("b"), None, 0, 1.0)
+        register(view, "b", 30)
+        assert view.frozen_reports() == {}
+
+    def test_a_confirmed_report_about_the_round_marks_the_node_revoked(self):
+        view, _ = leader_view()
+        register(view, "b", 10)
+        self.frozen(view, "b", 20, confirmed_by="a")
+        view.apply_node(KEYS.node("b"), None, 0, 1.0)  # its lease revoked
+        assert view.revoked_as_frozen(round_of(4, "a", "b")) == {"b"}
+        assert view.revoked_as_frozen(round_of(5, "a", "b")) == frozenset()
+
+    def test_a_revoked_node_stays_a_suspect_when_it_registers_again(self):
+        # It thawed: the same agent, back with a new lease; kept out as a
+        # suspect, or a node cut off from its peers only is revoked at every round.
+        view, _ = leader_view()
+        register(view, "b", 10)
+        view.apply_request(KEYS.frozen_report("b"), FrozenReport(
+            round=4, by="a", silent_s=1.2, confirmed_by="a").to_json(), 20, 100.0)
+        view.apply_node(KEYS.node("b"), None, 0, 100.5)
+        register(view, "b", 30, now=101.0)
+        assert view.observed(round_of(5, "a")).suspects == {"b": 100.0}
+
+    def test_garbage_at_a_report_key_is_reported_and_replaces_the_report(self):
+        view, bad = leader_view()
+        register(view, "b", 10)
+        self.frozen(view, "b", 20)
+        for raw in (b'{"round": 4, "by": "a", "silent_s": -1}', b'{"round": 4, "by": "a"}',
+                    b'{"round": 4, "by": "a", "silent_s": 1, "confirmed_by": "a/b"}', b"x"):
+            view.apply_request(KEYS.frozen_report("b"), raw, 21, 0.0)
+            assert view.frozen_reports() == {}
+        view.apply_request(KEYS.frozen_reports + "../b", b"{}", 22, 0.0)
+        assert [rev for _, rev in bad] == [21, 21, 21, 21, 22]
 
 
 class TestSuspects:

@@ -25,6 +25,7 @@ from agent.reactor import (
     LeaseState,
     Leave,
     PeerHealthChanged,
+    PeerSilent,
     Report,
     RequestRestart,
     RoundCommitted,
@@ -234,6 +235,35 @@ class TestTicks:
         (fail,) = commands
         assert isinstance(fail, Fail) and isinstance(fail.error, RendezvousTimeoutError)
         assert "within 60 s (id held by a live agent)" in str(fail.error)
+
+
+class TestFrozenPeer:
+    """--freeze-timeout 1: a ring peer whose agent answered no probe for that long."""
+
+    FREEZE = dataclasses.replace(SETTINGS, freeze_timeout_s=1.0)
+
+    def test_a_peer_silent_for_the_freeze_timeout_is_reported_frozen_once_per_round(self):
+        view, commands = react(running(3), PeerSilent("b", 0.75), 10.0, self.FREEZE)
+        assert commands == []  # not yet
+        view, commands = react(view, PeerSilent("b", 1.0), 10.25, self.FREEZE)
+        assert Report(ReportKind.FROZEN, 3, about="b", silent_s=1.0) in commands
+        assert view.state is S.RUNNING  # the leader decides; its round stops the workers
+        assert react(view, PeerSilent("b", 1.25), 10.5, self.FREEZE)[1] == []
+        view, _ = react(view, RoundCommitted(round_of(4, "a", "b")), 11.0, self.FREEZE)
+        _, commands = react(view, PeerSilent("b", 1.0), 12.0, self.FREEZE)
+        assert Report(ReportKind.FROZEN, 4, about="b", silent_s=1.0) in commands
+
+    def test_a_freeze_timeout_of_zero_reports_nothing(self):
+        assert react(running(3), PeerSilent("b", 60.0), 10.0, SETTINGS)[1] == []
+
+    def test_only_the_ring_peer_of_the_running_round_is_reported(self):
+        # a's ring peer in (a, b, c) is b: a late probe of c (the peer of an
+        # earlier round) reports nothing.
+        view = running(3, "a", "b", "c")
+        assert react(view, PeerSilent("c", 2.0), 10.0, self.FREEZE)[1] == []
+        for state in (S.STARTING, S.JOINING, S.STANDBY, S.DONE):
+            stopped = dataclasses.replace(running(3), state=state)
+            assert react(stopped, PeerSilent("b", 2.0), 10.0, self.FREEZE)[1] == []
 
 
 class TestPartition:

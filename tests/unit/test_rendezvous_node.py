@@ -10,8 +10,9 @@ import time
 import pytest
 
 from elastic.errors import ConfigError, StoreUnavailableError
+from elastic.events import read_events
 from elastic.keyspace import JobKeys
-from elastic.rendezvous.api import NodeInfo, ReportKind
+from elastic.rendezvous.api import FrozenReport, NodeInfo, ReportKind
 from elastic.rendezvous.config import RendezvousConfig
 from elastic.rendezvous.inbox import Changed, Inbox, PartName, WatchEnded
 from elastic.rendezvous.node import SETTLED_CHECK_S, RendezvousNode
@@ -76,21 +77,23 @@ BLIP = StoreUnavailableError("etcd did not answer (injected)")
 class Cluster:
     """Rendezvous nodes over one synchronous MemoryStore, moved by hand."""
 
-    def __init__(self, *ids, min_nodes=1, max_nodes=None, scale_up_wait_s=0.0):
+    def __init__(self, *ids, min_nodes=1, max_nodes=None, scale_up_wait_s=0.0,
+                 freeze_timeout_s=0.0):
         self.clock = FakeClock()
         self.store = MemoryStore(clock=self.clock, synchronous=True)
         self.config = RendezvousConfig(job_id="j", min_nodes=min_nodes,
                                        max_nodes=max_nodes or len(ids), settle_s=0.0,
-                                       lease_ttl_s=3.0, scale_up_wait_s=scale_up_wait_s)
+                                       lease_ttl_s=3.0, scale_up_wait_s=scale_up_wait_s,
+                                       freeze_timeout_s=freeze_timeout_s)
         self.inboxes: dict[str, Inbox] = {}
         self.nodes = {i: self.add(i) for i in ids}
 
-    def add(self, node_id, fence=None, on_round=None, inbox=None):
+    def add(self, node_id, fence=None, on_round=None, inbox=None, probe=None):
         self.inboxes[node_id] = inbox or Inbox()
         node = RendezvousNode(self.store, self.config,
                               NodeInfo(node_id=node_id, host="h", addr=f"{node_id}:1"),
                               clock=self.clock, port_picker=lambda _h: 1, fence=fence,
-                              on_round=on_round, inbox=self.inboxes[node_id])
+                              on_round=on_round, inbox=self.inboxes[node_id], probe=probe)
         return node.start(thread=False)
 
     def settle(self, passes=4):
@@ -250,6 +253,123 @@ def test_a_leader_forms_a_round_that_loses_nobody_without_fencing():
     c.nodes["a"].request_restart("operator", c.round().number, failure=False)
     c.settle()
     assert c.round().number == first + 2 and len(fence.told) == told
+
+
+# -- Frozen members (the freeze rule: decisions.revoke_frozen) ---------
+
+
+class Probe:
+    """A leader's own check of an agent: answered unless its address is frozen."""
+
+    def __init__(self):
+        self.frozen: set[str] = set()
+        self.asked: list[str] = []
+
+    def __call__(self, addr):
+        self.asked.append(addr)
+        return addr not in self.frozen
+
+
+def frozen_cluster():
+    """a (the leader, with its fence and probe), b and c in one round; a freeze timeout of 1 s."""
+    fence, probe = Fence(), Probe()
+    c = Cluster(min_nodes=1, max_nodes=3, freeze_timeout_s=1.0)
+    c.nodes = {"a": c.add("a", fence=fence, probe=probe)}
+    c.settle()
+    for n in ("b", "c"):
+        c.nodes[n] = c.add(n, probe=Probe())
+        c.settle()
+    assert c.nodes["a"].is_leader and c.round().node_ids == ("a", "b", "c")
+    return c, fence, probe
+
+
+def test_a_leader_that_reports_its_ring_peer_frozen_revokes_its_lease(caplog):
+    c, fence, probe = frozen_cluster()
+    first = c.round().number
+    frozen = c.nodes.pop("b")
+    old_lease = frozen.lease_id
+
+    with caplog.at_level(logging.WARNING):
+        c.nodes["a"].report(ReportKind.FROZEN, first, "b", silent_s=1.1)  # a watches b
+        c.settle()
+
+    assert probe.asked == []  # a's own failed probes are the leader's check
+    assert frozen.lease_id is None  # its lease is gone: it fail-stops when it thaws
+    assert c.store.peek(JobKeys("j").node("b")) is None
+    assert c.round().number == first + 1 and c.round().node_ids == ("a", "c")
+    assert fence.told == []  # proven unanswering: the fence does not wait for it
+    assert ("revoked the lease of b: its agent answered no probe for 1.1 s (reported and "
+            "confirmed by a)") in caplog.text
+    frozen_events = [e for e in read_events(c.store, JobKeys("j")) if e.kind == "frozen"]
+    assert [e.message for e in frozen_events] == [
+        "revoking the lease of b: its agent answered no probe for 1.1 s (reported and "
+        "confirmed by a)"]
+
+    c.nodes["b"] = frozen  # it thaws: its session is lost, it registers again as a newcomer
+    c.settle(passes=6)
+    assert frozen.registered and frozen.lease_id not in (None, old_lease)
+    assert c.round().number == first + 1  # kept out for suspect_s, as a suspect is
+    c.clock.advance(c.config.suspect_s + 0.1)
+    c.settle(passes=6)
+    assert c.round().number == first + 2 and c.round().node_ids == ("a", "c", "b")
+
+
+def test_a_member_reported_frozen_that_answers_the_leader_keeps_its_place(caplog):
+    c, fence, probe = frozen_cluster()
+    first = c.round().number
+
+    with caplog.at_level(logging.INFO):
+        c.nodes["b"].report(ReportKind.FROZEN, first, "c", silent_s=1.5)  # b watches c
+        c.settle()
+
+    assert probe.asked == ["c:1"]  # the leader a checks it itself
+    assert c.round().number == first and c.nodes["c"].lease_id is not None
+    assert "its agent answered a, so it is alive" in caplog.text
+    c.clock.advance(1.0)
+    c.settle()
+    assert probe.asked == ["c:1"]  # judged once
+
+
+def test_a_member_reported_frozen_and_silent_to_the_leader_too_is_revoked(caplog):
+    c, fence, probe = frozen_cluster()
+    first = c.round().number
+    frozen = c.nodes.pop("c")
+    probe.frozen.add("c:1")
+
+    with caplog.at_level(logging.WARNING):
+        c.nodes["b"].report(ReportKind.FROZEN, first, "c", silent_s=1.2)
+        c.settle()
+
+    assert frozen.lease_id is None and c.round().node_ids == ("a", "b")
+    report = c.store.peek(JobKeys("j").frozen_report("c"))
+    assert FrozenReport.from_json(report.key, report.value) == FrozenReport(
+        round=first, by="b", silent_s=1.2, confirmed_by="a")
+    assert "(reported by b, confirmed by a)" in caplog.text
+
+
+def test_a_member_that_reports_the_leader_frozen_revokes_its_lease_in_its_place():
+    c, fence, probe = frozen_cluster()
+    first = c.round().number
+    leader = c.nodes.pop("a")
+
+    c.nodes["c"].report(ReportKind.FROZEN, first, "a", silent_s=1.0)  # c watches a
+    c.settle(passes=6)
+
+    assert leader.lease_id is None
+    assert c.round().number == first + 1 and c.round().node_ids == ("b", "c")
+    assert "a" not in c.round().node_ids and c.round().leader in ("b", "c")
+
+
+def test_a_short_silence_or_an_old_round_revokes_nothing():
+    c, fence, probe = frozen_cluster()
+    first = c.round().number
+    probe.frozen.add("b:1")
+    probe.frozen.add("c:1")
+    c.nodes["a"].report(ReportKind.FROZEN, first, "b", silent_s=0.9)
+    c.nodes["b"].report(ReportKind.FROZEN, first - 1, "c", silent_s=5.0)
+    c.settle()
+    assert c.round().number == first and c.nodes["b"].lease_id is not None
+    assert c.nodes["c"].lease_id is not None
 
 
 # -- Hostile records (see also tests/integration/test_hostile_input.py) ---------
