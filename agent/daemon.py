@@ -374,13 +374,14 @@ class Agent:
     def _tick(self) -> reactor.Tick:
         now = self.clock.monotonic()
         workers = self.workers.snapshot()
-        hung = hung_workers(workers, now, self.config.hang_timeout_s)
+        timeouts, count_from = self.config.hang_timeouts(), reactor.hangs_count_from(self.view, now)
+        hung = hung_workers(workers, now, timeouts, count_from)
         signs = [t for w, _ in hung
-                 if (t := last_sign_of_life(w, now, self.config.hang_timeout_s)) is not None]
+                 if (t := last_sign_of_life(w, now, timeouts, count_from)) is not None]
         tick = reactor.Tick(
             hung=tuple(reason for _, reason in hung),
             hung_since=min(signs, default=None),
-            next_hang_at=next_hang_verdict_at(workers, self.config.hang_timeout_s),
+            next_hang_at=next_hang_verdict_at(workers, timeouts, count_from),
             lease_unconfirmed_s=reactor.lease_unconfirmed_s(self.rdzv.lease_confirmed_at, now),
             workers_stepped=bool(workers) and all(w.step >= 0 for w in workers),
             registration_problem=self.rdzv.registration_problem,

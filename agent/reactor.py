@@ -70,6 +70,7 @@ The loop's other threads answer from the view through pure rules too
 from __future__ import annotations
 
 import dataclasses
+import math
 import enum
 import signal
 from dataclasses import dataclass
@@ -88,6 +89,10 @@ S = AgentState
 # a reconnect to another member (seconds) restarts nothing, early enough that
 # the workers are gone before etcd can expire the lease.
 STOP_AT_TTL_FRACTION = 0.7
+# etcd is in doubt once a keep-alive is this many intervals late: no hang is
+# judged then (a rank may wait on a commit that the outage blocks, and no round
+# could form without etcd anyway), and that time never counts toward one.
+STORE_DOUBT_KEEPALIVES = 1.5
 
 
 # ------------------------------------------------------------------ events
@@ -373,6 +378,8 @@ class AgentView:
     # too early to stop (see STOP_AT_TTL_FRACTION); "" when they do not.
     cut_off: str = ""
     cut_off_since: float | None = None  # when this node counts as cut off from (monotonic)
+    store_doubt_since: float | None = None  # etcd in doubt since (STORE_DOUBT_KEEPALIVES)
+    store_doubt_ended_at: float = -math.inf  # when it last ended: hangs count from there
     last_failure: str = ""
     outcome_reason: str = ""
     exit_code: int | None = None  # set by a signal: the drain's code, or 128 + its number
@@ -625,9 +632,33 @@ def _peers_to_ask(r: Round, node_id: str, standby_addrs: tuple[str, ...]) -> tup
     return tuple(m.addr for m in r.members if m.node_id != node_id and m.addr) + standby_addrs
 
 
+def store_in_doubt(view: AgentView, lease_unconfirmed_s: float, settings: Settings) -> bool:
+    """Whether etcd is in doubt here: noted down for everyone, or this node's
+    lease a keep-alive late (:data:`STORE_DOUBT_KEEPALIVES`)."""
+    late_s = STORE_DOUBT_KEEPALIVES * KEEPALIVE_TTL_FRACTION * settings.lease_ttl_s
+    return view.store_down_noted or lease_unconfirmed_s > late_s
+
+
+def hangs_count_from(view: AgentView, now: float) -> float:
+    """The time (monotonic) before which nothing counts toward a hang verdict
+    (:func:`agent.health.hung_workers`' ``not_before``): ``now`` while etcd is in
+    doubt, else the end of the last doubt."""
+    return now if view.store_doubt_since is not None else view.store_doubt_ended_at
+
+
+def _track_store_doubt(view: AgentView, doubt: bool, now: float) -> AgentView:
+    if doubt and view.store_doubt_since is None:
+        return dataclasses.replace(view, store_doubt_since=now)
+    if not doubt and view.store_doubt_since is not None:
+        return dataclasses.replace(view, store_doubt_since=None, store_doubt_ended_at=now)
+    return view
+
+
 def _on_tick(view: AgentView, tick: Tick, now: float, settings: Settings) -> Result:
+    doubt = store_in_doubt(view, tick.lease_unconfirmed_s, settings)
+    view = _track_store_doubt(view, doubt, now)
     if view.state is S.RUNNING:
-        if tick.hung:
+        if tick.hung and not doubt:
             return _fail_round(view, "; ".join(tick.hung), StopCause.WORKER_HANG,
                                None if tick.hung_since is None else now - tick.hung_since)
         if view.peer_unhealthy is not None:

@@ -290,7 +290,7 @@ def test_no_verdict_is_due_without_detection_a_heard_worker_or_one_still_running
 class TestHang:
     def test_silent_script_is_never_judged(self):
         w = WorkerHealth(local_rank=0, rank=0, started_at=0.0)
-        assert hung_workers([w], now=10_000.0, hang_timeout_s=5) == []
+        assert hung_workers([w], now=10_000.0, timeouts=5) == []
 
     def test_no_heartbeat_past_the_timeout_is_a_hang(self):
         w = WorkerHealth(local_rank=0, rank=3, started_at=0.0)

@@ -1,0 +1,48 @@
+"""A worker's Python stacks, dumped on the agent's signal into a file the agent reads.
+
+The worker bootstrap calls :func:`dump_on_signal` in the process that runs
+the script (after a warm or template worker took its assignment). From then
+on :data:`DUMP_SIGNAL` makes the interpreter write every thread's Python
+frames to the worker's stacks file (``faulthandler``: it writes from a C
+signal handler, so it answers while the main thread sits in native code, a
+blocked collective or ``time.sleep``). A process stopped (SIGSTOP) or stuck in
+the kernel does not answer.
+
+The file starts with :data:`HEADER` and the process's pid, written after the
+handler is in place: the agent signals a worker only when the file names its
+pid, because the signal's default action would end a process without the
+handler. Each dump is appended; the agent reads what a signal added. Does
+not import torch.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+
+# A real-time signal: no library we know of uses it, and its default action
+# (ending the process) is why the agent checks the header first.
+DUMP_SIGNAL = signal.SIGRTMIN + 5 if hasattr(signal, "SIGRTMIN") else None
+HEADER = "# elastic stack dumps of pid "
+
+_file = None  # the open stacks file: faulthandler writes to its descriptor
+
+
+def dump_on_signal(path: str) -> bool:
+    """Dump this process's stacks to ``path`` (created 0600, appended) on
+    :data:`DUMP_SIGNAL`. Returns False (and changes nothing) where the
+    platform has no such signal or the file cannot be opened."""
+    global _file
+    if DUMP_SIGNAL is None or _file is not None:
+        return False
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC
+                     | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        return False
+    _file = os.fdopen(fd, "w", buffering=1)
+    faulthandler.register(DUMP_SIGNAL, file=_file, all_threads=True, chain=False)
+    _file.write(f"{HEADER}{os.getpid()}\n")
+    return True
+
