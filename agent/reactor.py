@@ -93,6 +93,9 @@ STOP_AT_TTL_FRACTION = 0.7
 # judged then (a rank may wait on a commit that the outage blocks, and no round
 # could form without etcd anyway), and that time never counts toward one.
 STORE_DOUBT_KEEPALIVES = 1.5
+# The longest a hang verdict waits for its attribution (the collection itself
+# is bounded at about 2 s: agent.hang_report) before it fails the round alone.
+ATTRIBUTION_WAIT_S = 5.0
 
 
 # ------------------------------------------------------------------ events
@@ -184,6 +187,15 @@ class Tick:
 
 
 @dataclass(frozen=True)
+class HangAttributed:
+    """The answer to :class:`AttributeHang`: ``reason`` is the verdict with the
+    attribution of every member's stacks (the verdict alone if none came)."""
+
+    round: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class GpuChecked:
     """The answer to :class:`CheckGpus` for ``round``."""
 
@@ -192,7 +204,7 @@ class GpuChecked:
 
 
 Event = Union[Joined, GaveUp, RoundCommitted, WorkerExited, PeerHealthChanged, LeaseState,
-              DrainRequested, Signalled, Tick, GpuChecked]
+              DrainRequested, Signalled, Tick, GpuChecked, HangAttributed]
 
 
 # ---------------------------------------------------------------- commands
@@ -324,6 +336,15 @@ class CheckGpus:
 
 
 @dataclass(frozen=True)
+class AttributeHang:
+    """Before stopping anything, read every member's stacks for ``round`` and
+    answer with a :class:`HangAttributed` (:mod:`agent.hang_report`)."""
+
+    round: int
+    verdict: str
+
+
+@dataclass(frozen=True)
 class Note:
     """Something the operator should read in the log; changes nothing."""
 
@@ -380,6 +401,9 @@ class AgentView:
     cut_off_since: float | None = None  # when this node counts as cut off from (monotonic)
     store_doubt_since: float | None = None  # etcd in doubt since (STORE_DOUBT_KEEPALIVES)
     store_doubt_ended_at: float = -math.inf  # when it last ended: hangs count from there
+    # A hang verdict waiting for its attribution: (asked at, how long the fault
+    # went undetected), None when none waits.
+    hang_pending: tuple[float, float | None] | None = None
     last_failure: str = ""
     outcome_reason: str = ""
     exit_code: int | None = None  # set by a signal: the drain's code, or 128 + its number
@@ -441,6 +465,8 @@ def react(view: AgentView, event: Event, now: float, settings: Settings) -> Resu
         return dataclasses.replace(view, exit_code=code), commands
     if isinstance(event, Tick):
         return _on_tick(view, event, now, settings)
+    if isinstance(event, HangAttributed):
+        return _on_attributed(view, event)
     if isinstance(event, GpuChecked):
         return _on_gpus(view, event, settings)
     raise TypeError(f"not an agent event: {event!r}")
@@ -521,7 +547,7 @@ def _on_round(view: AgentView, event: RoundCommitted, now: float, settings: Sett
                                rounds_started=view.rounds_started + 1, exited_ok=frozenset(),
                                peer_unhealthy=None, suspected=frozenset(),
                                peers_asked_at=None, store_down_noted=False,
-                               gpu_recheck_at=None, gpu_wait_noted=False)
+                               gpu_recheck_at=None, gpu_wait_noted=False, hang_pending=None)
     starting = f"node rank {me.node_rank} of {len(r.members)}, world size {r.world_size}"
     if settings.gpu_check != "off":
         return view, commands + [Transition(S.STARTING, f"{starting}; checking the GPUs first",
@@ -658,9 +684,14 @@ def _on_tick(view: AgentView, tick: Tick, now: float, settings: Settings) -> Res
     doubt = store_in_doubt(view, tick.lease_unconfirmed_s, settings)
     view = _track_store_doubt(view, doubt, now)
     if view.state is S.RUNNING:
-        if tick.hung and not doubt:
-            return _fail_round(view, "; ".join(tick.hung), StopCause.WORKER_HANG,
-                               None if tick.hung_since is None else now - tick.hung_since)
+        if view.hang_pending is not None:
+            asked_at, detect_s = view.hang_pending
+            if now - asked_at > ATTRIBUTION_WAIT_S:  # the answer is lost: fail without it
+                return _fail_hung(view, "; ".join(tick.hung) or "a worker hung", detect_s)
+        elif tick.hung and not doubt:
+            detect_s = None if tick.hung_since is None else now - tick.hung_since
+            return (dataclasses.replace(view, hang_pending=(now, detect_s)),
+                    [AttributeHang(view.round_number, "; ".join(tick.hung))])
         if view.peer_unhealthy is not None:
             peer, since = view.peer_unhealthy
             if now - since > settings.lease_ttl_s:
@@ -696,6 +727,18 @@ def _on_tick(view: AgentView, tick: Tick, now: float, settings: Settings) -> Res
     return view, commands
 
 
+def _on_attributed(view: AgentView, event: HangAttributed) -> Result:
+    if view.state is not S.RUNNING or view.hang_pending is None \
+            or event.round != view.round_number:
+        return view, []  # stopped meanwhile, for another reason
+    return _fail_hung(view, event.reason, view.hang_pending[1])
+
+
+def _fail_hung(view: AgentView, reason: str, detect_s: float | None) -> Result:
+    return _fail_round(dataclasses.replace(view, hang_pending=None), reason,
+                       StopCause.WORKER_HANG, detect_s)
+
+
 def next_tick_at(view: AgentView, tick: Tick, now: float, settings: Settings) -> float:
     """When the passing of time alone may next change what a :class:`Tick`
     decides, given what ``tick`` measured at ``now`` (monotonic). ``now``
@@ -714,6 +757,8 @@ def next_tick_at(view: AgentView, tick: Tick, now: float, settings: Settings) ->
         deadline = min(deadline, view.peer_unhealthy[1] + settings.lease_ttl_s)
     if tick.next_hang_at is not None:
         deadline = min(deadline, tick.next_hang_at)
+    if view.hang_pending is not None:
+        deadline = min(deadline, view.hang_pending[0] + ATTRIBUTION_WAIT_S)
     return deadline
 
 

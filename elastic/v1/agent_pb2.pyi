@@ -5,6 +5,18 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class AgentCollectStacksRequest(_message.Message):
+    __slots__ = ["round"]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    def __init__(self, round: _Optional[int] = ...) -> None: ...
+
+class AgentCollectStacksResponse(_message.Message):
+    __slots__ = ["ranks"]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.RepeatedCompositeFieldContainer[RankStack]
+    def __init__(self, ranks: _Optional[_Iterable[_Union[RankStack, _Mapping]]] = ...) -> None: ...
+
 class AgentDrainRequest(_message.Message):
     __slots__ = ["reason"]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +168,24 @@ class MemoryTierStatus(_message.Message):
     replica_source: str
     replication_bytes_per_s: float
     def __init__(self, own_bytes: _Optional[int] = ..., own_slots: _Optional[int] = ..., replica_bytes: _Optional[int] = ..., replica_slots: _Optional[int] = ..., replica_source: _Optional[str] = ..., buddy: _Optional[str] = ..., newest_own_step: _Optional[int] = ..., acked_step: _Optional[int] = ..., lag_steps: _Optional[int] = ..., need_bytes: _Optional[int] = ..., replication_bytes_per_s: _Optional[float] = ..., free_bytes: _Optional[int] = ...) -> None: ...
+
+class RankStack(_message.Message):
+    __slots__ = ["collective", "dumped", "node_id", "place", "progress_age_s", "rank", "step"]
+    COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
+    DUMPED_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLACE_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    collective: str
+    dumped: bool
+    node_id: str
+    place: str
+    progress_age_s: float
+    rank: int
+    step: int
+    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., dumped: bool = ..., place: _Optional[str] = ..., collective: _Optional[str] = ..., step: _Optional[int] = ..., progress_age_s: _Optional[float] = ...) -> None: ...
 
 class WorkerChannelCommitCheckpointRequest(_message.Message):
     __slots__ = ["entry"]

@@ -6,7 +6,10 @@ on :data:`DUMP_SIGNAL` makes the interpreter write every thread's Python
 frames to the worker's stacks file (``faulthandler``: it writes from a C
 signal handler, so it answers while the main thread sits in native code, a
 blocked collective or ``time.sleep``). A process stopped (SIGSTOP) or stuck in
-the kernel does not answer.
+the kernel does not answer. Like any signal, the dump ends early a system
+call that native code does not restart (libc's ``sleep``); Python's own
+calls are retried (PEP 475), and the dump comes at a hang verdict, just
+before the workers are stopped.
 
 The file starts with :data:`HEADER` and the process's pid, written after the
 handler is in place: the agent signals a worker only when the file names its

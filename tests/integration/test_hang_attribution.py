@@ -1,0 +1,121 @@
+"""Hang detection for any script, and the reason that names who broke the job.
+
+Real agents (two nodes, two workers each, a real etcd), a plain torch script
+that never imports ``elastic`` (tests/integration/scripts/stuck_rank.py): its
+optimizer steps are its progress. In the first round one rank gets stuck at
+step 5 (where and how: the scenario); the test asserts that the agents judge
+the hang within seconds and that the failure's reason names the stuck rank,
+its node and its place (or, when all ranks wait together, says so), then that
+the job restarts and completes.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from elastic.keyspace import JobKeys
+from tests.integration.procs import REPO, AgentProcess, read_progress
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+SCRIPT = "tests/integration/scripts/stuck_rank.py"
+HANG = ("--hang-timeout-first", "20", "--no-prestart")
+
+
+def line_of(text: str) -> int:
+    """The line of SCRIPT that holds ``text`` (so the test names a place, not a number)."""
+    lines = (Path(REPO) / SCRIPT).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if text in line)
+
+
+@pytest.fixture
+def job(etcd_endpoint, job_id, tmp_path):
+    """Start nodes a and b on ``scenario``; yields a function that returns both agents."""
+    started: list[AgentProcess] = []
+
+    def start(scenario: str, stuck_rank: int = 1) -> tuple[AgentProcess, AgentProcess, Path]:
+        progress = tmp_path / "progress.jsonl"
+        args = ["--scenario", scenario, "--stuck-rank", str(stuck_rank), "--stuck-step", "5",
+                "--steps", "10", "--progress-file", str(progress)]
+        for node in ("a", "b"):
+            started.append(AgentProcess(etcd_endpoint, job_id, node, "2", args, nproc=2,
+                                        hang_timeout=2.0, extra=HANG, script=SCRIPT))
+        return started[0], started[1], progress
+
+    yield start
+    for a in started:
+        a.stop()
+        print(f"--- agent {a.node_id}: last lines of its output ---\n" + "".join(a.output[-40:]))
+
+
+def node_of(rank: int, text: str) -> str:
+    """The node that ran ``rank`` in round 1, as its agent logged its stack
+    (node ranks follow the order of registration: a's may be 1)."""
+    found = re.search(rf"node (\w+) round 1: stack of rank {rank} at the hang", text)
+    assert found, f"no agent logged the stack of rank {rank}"
+    return found.group(1)
+
+
+def finished(a: AgentProcess, b: AgentProcess) -> str:
+    assert a.wait_exit(90) == 0, a.text
+    assert b.wait_exit(30) == 0, b.text
+    return a.text + b.text
+
+
+def restarted_and_completed(progress: Path) -> None:
+    records = read_progress(progress)
+    assert max(r["step"] for r in records if r["restart"] == 0) == 4
+    assert max(r["step"] for r in records if r["restart"] >= 1) == 9
+
+
+def test_a_rank_stuck_in_data_loading_is_named_with_its_place(job):
+    a, b, progress = job("data", stuck_rank=3)
+    text = finished(a, b)
+    assert (f"rank 3 (node {node_of(3, text)}) is in "
+            f"stuck_rank.py:{line_of('time.sleep(3600)')} in next_batch "
+            "while the 3 others wait in all_reduce (step 4)") in text
+    assert "made no progress for" in text
+    restarted_and_completed(progress)
+
+
+def test_a_rank_sleeping_in_native_code_is_named_with_its_place(job):
+    a, b, progress = job("native", stuck_rank=1)
+    text = finished(a, b)
+    assert (f"rank 1 (node {node_of(1, text)}) is in "
+            f"stuck_rank.py:{line_of('libc.sleep(3600)')} in native_wait "
+            "while the 3 others wait in all_reduce (step 4)") in text
+    restarted_and_completed(progress)
+
+
+def test_a_rank_in_a_collective_its_peers_never_enter_is_named(job):
+    a, b, progress = job("collective", stuck_rank=2)
+    text = finished(a, b)
+    assert (f"rank 2 (node {node_of(2, text)}) waits in barrier "
+            f"(stuck_rank.py:{line_of('dist.barrier()')} in main) while the 3 others wait in "
+            "all_reduce (step 4)") in text
+    restarted_and_completed(progress)
+
+
+def test_all_ranks_in_the_same_collective_is_called_a_network_or_peer_problem(job):
+    a, b, progress = job("all")
+    text = finished(a, b)
+    found = re.search(r"all 4 ranks wait in all_reduce \(step 4\): likely a network or peer "
+                      r"problem; the last to enter was rank (\d) \(node ([ab])\)", text)
+    assert found, text[-3000:]
+    assert found.group(2) == node_of(int(found.group(1)), text)
+    restarted_and_completed(progress)
+
+
+def test_the_reason_reaches_the_events_and_the_full_stacks_are_kept(job, etcd_store, job_id):
+    a, b, progress = job("data", stuck_rank=0)
+    text = finished(a, b)
+    node = node_of(0, text)
+    events = [kv.value.decode() for kv in etcd_store.get_prefix(JobKeys(job_id).events)]
+    assert any(f"rank 0 (node {node}) is in stuck_rank.py" in e for e in events), events
+    kept = re.search(rf"node {node} round 1: stack of rank 0 at the hang: .* \(full stacks: "
+                     r"(\S+)\)", text)
+    dump = Path(kept.group(1)).read_text()
+    assert "in next_batch" in dump and "Thread 0x" in dump
