@@ -11,13 +11,16 @@ the job restarts and completes.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
 
 from elastic.keyspace import JobKeys
-from tests.integration.procs import REPO, AgentProcess, read_progress
+from tests.integration.procs import REPO, AgentProcess, read_progress, wait_progress
+from tests.proctable import alive
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -36,10 +39,11 @@ def job(etcd_endpoint, job_id, tmp_path):
     """Start nodes a and b on ``scenario``; yields a function that returns both agents."""
     started: list[AgentProcess] = []
 
-    def start(scenario: str, stuck_rank: int = 1) -> tuple[AgentProcess, AgentProcess, Path]:
+    def start(scenario: str, stuck_rank: int = 1, step_s: float = 0.05
+              ) -> tuple[AgentProcess, AgentProcess, Path]:
         progress = tmp_path / "progress.jsonl"
         args = ["--scenario", scenario, "--stuck-rank", str(stuck_rank), "--stuck-step", "5",
-                "--steps", "10", "--progress-file", str(progress)]
+                "--steps", "10", "--step-s", str(step_s), "--progress-file", str(progress)]
         for node in ("a", "b"):
             started.append(AgentProcess(etcd_endpoint, job_id, node, "2", args, nproc=2,
                                         hang_timeout=2.0, extra=HANG, script=SCRIPT))
@@ -71,14 +75,22 @@ def restarted_and_completed(progress: Path) -> None:
     assert max(r["step"] for r in records if r["restart"] >= 1) == 9
 
 
-def test_a_rank_stuck_in_data_loading_is_named_with_its_place(job):
+def test_a_rank_stuck_in_data_loading_is_named_with_its_place(job, etcd_store, job_id):
     a, b, progress = job("data", stuck_rank=3)
     text = finished(a, b)
-    assert (f"rank 3 (node {node_of(3, text)}) is in "
-            f"stuck_rank.py:{line_of('time.sleep(3600)')} in next_batch "
-            "while the 3 others wait in all_reduce (step 4)") in text
-    assert "made no progress for" in text
+    node = node_of(3, text)
+    reason = (f"rank 3 (node {node}) is in stuck_rank.py:{line_of('time.sleep(3600)')} in "
+              "next_batch while the 3 others wait in all_reduce (step 4)")
+    assert reason in text and "made no progress for" in text
     restarted_and_completed(progress)
+    # The reason is in the job's events (elasticctl events, status) ...
+    events = [kv.value.decode() for kv in etcd_store.get_prefix(JobKeys(job_id).events)[0]]
+    assert any(reason in e for e in events), events
+    # ... and the full stacks are kept beside the rank's log.
+    kept = re.search(rf"node {node} round 1: stack of rank 3 at the hang: .* \(full stacks: "
+                     r"(\S+)\)", text)
+    dump = Path(kept.group(1)).read_text()
+    assert "in next_batch" in dump and "Thread 0x" in dump
 
 
 def test_a_rank_sleeping_in_native_code_is_named_with_its_place(job):
@@ -109,13 +121,15 @@ def test_all_ranks_in_the_same_collective_is_called_a_network_or_peer_problem(jo
     restarted_and_completed(progress)
 
 
-def test_the_reason_reaches_the_events_and_the_full_stacks_are_kept(job, etcd_store, job_id):
-    a, b, progress = job("data", stuck_rank=0)
-    text = finished(a, b)
-    node = node_of(0, text)
-    events = [kv.value.decode() for kv in etcd_store.get_prefix(JobKeys(job_id).events)]
-    assert any(f"rank 0 (node {node}) is in stuck_rank.py" in e for e in events), events
-    kept = re.search(rf"node {node} round 1: stack of rank 0 at the hang: .* \(full stacks: "
-                     r"(\S+)\)", text)
-    dump = Path(kept.group(1)).read_text()
-    assert "in next_batch" in dump and "Thread 0x" in dump
+def test_a_frozen_rank_is_named_as_not_answering(job):
+    a, b, progress = job("none", step_s=0.5)
+    records = wait_progress(progress, lambda rs: any(r["step"] >= 3 for r in rs))
+    frozen = next(r["pid"] for r in records if r["rank"] == 1)
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        text = finished(a, b)
+    finally:
+        if alive(frozen):
+            os.kill(frozen, signal.SIGKILL)
+    assert re.search(r"rank 1 \(node [ab]\) did not answer \(frozen: stopped, or stuck in the "
+                     r"kernel\) while the 3 others wait in all_reduce \(step \d\)", text), text

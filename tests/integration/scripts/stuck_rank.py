@@ -1,7 +1,7 @@
 """A plain torch training script (no ``elastic`` import) whose ranks get stuck on cue.
 
 Every rank trains a small model with SGD, averaging gradients with
-``all_reduce`` (gloo), and appends ``{"rank", "step", "restart"}`` to
+``all_reduce`` (gloo), and appends ``{"rank", "step", "restart", "pid"}`` to
 ``--progress-file`` after each step. In the first run (restart count 0), at
 step ``--stuck-step``, ``--scenario`` decides who gets stuck and where:
 
@@ -14,6 +14,8 @@ step ``--stuck-step``, ``--scenario`` decides who gets stuck and where:
   never enter; they wait in ``all_reduce``.
 - ``all``: every rank enters ``all_reduce`` on one of two groups of all the
   ranks (even ranks on the first, odd on the second): all wait together.
+
+- ``none``: nobody (a test stops a rank itself).
 
 After a restart it trains ``--steps`` steps and exits 0.
 """
@@ -56,6 +58,7 @@ def main() -> int:
     p.add_argument("--stuck-rank", type=int, default=1)
     p.add_argument("--stuck-step", type=int, default=5)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--step-s", type=float, default=0.05)
     p.add_argument("--progress-file", required=True)
     args = p.parse_args()
     dist.init_process_group("gloo")
@@ -83,8 +86,9 @@ def main() -> int:
             param.grad /= world
         optimizer.step()
         with open(args.progress_file, "a") as f:
-            f.write(json.dumps({"rank": rank, "step": step, "restart": restart}) + "\n")
-        time.sleep(0.05)
+            f.write(json.dumps({"rank": rank, "step": step, "restart": restart,
+                                "pid": os.getpid()}) + "\n")
+        time.sleep(args.step_s)
     dist.destroy_process_group()
     return 0
 
