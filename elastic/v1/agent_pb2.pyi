@@ -274,9 +274,10 @@ class WorkerChannelReportRestoreResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ["exit_code", "heartbeat_age_s", "last_step", "local_rank", "pid", "rank", "state", "step_rate"]
+    __slots__ = ["exit_code", "heartbeat_age_s", "judged", "last_step", "local_rank", "pid", "rank", "state", "step_rate"]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    JUDGED_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -285,10 +286,11 @@ class WorkerStatus(_message.Message):
     STEP_RATE_FIELD_NUMBER: _ClassVar[int]
     exit_code: int
     heartbeat_age_s: float
+    judged: bool
     last_step: int
     local_rank: int
     pid: int
     rank: int
     state: str
     step_rate: float
-    def __init__(self, local_rank: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., last_step: _Optional[int] = ..., step_rate: _Optional[float] = ..., heartbeat_age_s: _Optional[float] = ..., exit_code: _Optional[int] = ...) -> None: ...
+    def __init__(self, local_rank: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., last_step: _Optional[int] = ..., step_rate: _Optional[float] = ..., heartbeat_age_s: _Optional[float] = ..., exit_code: _Optional[int] = ..., judged: bool = ...) -> None: ...
