@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 import time
 from dataclasses import dataclass
 
@@ -30,6 +31,9 @@ from elastic.worker.stacks import DUMP_SIGNAL, HEADER
 
 # A dump is complete once its file stopped growing for this long.
 SETTLE_S = 0.05
+# A dump this recent answers again: the verdict here and a peer's request for
+# the same hang come within moments, and a worker dumps once for both.
+REUSE_S = 3.0
 _POLL_S = 0.01
 # This project's own frames (the worker runtime, the bootstrap) are not the user's.
 OWN_ROOTS = (os.path.dirname(os.path.abspath(elastic.__file__)) + os.sep,)
@@ -95,6 +99,8 @@ class StackCollector:
         self._log_dir = log_dir
         self._node_id = node_id
         self._library_roots = library_roots
+        self._lock = threading.Lock()  # one collection at a time (the loop, gRPC threads)
+        self._recent: dict[tuple[int, int], tuple[float, str]] = {}  # (round, pid): (at, dump)
 
     def path(self, round_number: int, rank: int) -> str:
         """Where ``rank`` of ``round_number`` dumps its stacks."""
@@ -105,8 +111,8 @@ class StackCollector:
         """One :class:`RankStack` per worker of ``workers``; ``health`` (the
         agent's records, any order) gives each its step and progress age as
         of ``now`` (monotonic). Waits at most ``timeout_s``; never raises."""
-        pending = {w.rank: p for w in workers if (p := self._ask(round_number, w)) is not None}
-        texts = self._wait(pending, timeout_s)
+        with self._lock:
+            texts = self._dumps(round_number, workers, timeout_s)
         by_rank = {h.rank: h for h in health}
         stacks = []
         for w in workers:
@@ -121,6 +127,21 @@ class StackCollector:
                 collective=summary.collective if summary else "", step=step,
                 progress_age_s=round(age, 3)))
         return stacks
+
+    def _dumps(self, round_number: int, workers: list[LocalWorker],
+               timeout_s: float) -> dict[int, str]:
+        """Each worker's dump by rank: a recent one again, else a new one."""
+        started = time.monotonic()
+        self._recent = {k: v for k, v in self._recent.items() if started - v[0] < REUSE_S}
+        texts = {w.rank: self._recent[(round_number, w.pid)][1] for w in workers
+                 if (round_number, w.pid) in self._recent}
+        pending = {w.rank: p for w in workers
+                   if w.rank not in texts and (p := self._ask(round_number, w)) is not None}
+        fresh = self._wait(pending, timeout_s)
+        for w in workers:
+            if w.rank in fresh:
+                self._recent[(round_number, w.pid)] = (started, fresh[w.rank])
+        return {**texts, **fresh}
 
     def _ask(self, round_number: int, w: LocalWorker) -> _Pending | None:
         path = self.path(round_number, w.rank)
