@@ -8,9 +8,10 @@ that names the rank and the place to look. The rules, in order:
 2. Every rank answered and all wait in the same collective: "all N ranks
    wait in all_reduce (step S): likely a network or peer problem; the last
    to enter was rank R (node n)" (all at one place outside a collective:
-   "all N ranks are in <place> (step S)"). The last to enter is the rank that made
-   progress most recently (its step ended last); it is left out when no rank's
-   progress is known.
+   "all N ranks are in <place> (step S)"). The last to enter is the rank that
+   enqueued the collective last by torch's flight recorder where it runs,
+   else the rank that made progress most recently (its step ended last); it
+   is left out when neither is known.
 3. Otherwise the majority is the largest group of ranks doing the same thing
    (waiting in one collective, or else at one place; of groups as large, one
    waiting in a collective); the ranks outside it are
@@ -47,6 +48,9 @@ class RankStack:
     collective: str = ""
     step: int = -1
     progress_age_s: float = -1.0
+    # When it entered the collective in flight (wall clock, ns, from torch's
+    # flight recorder; 0: not known).
+    entered_ns: int = 0
 
     def doing(self) -> str:
         """What the rank does, as a group key: its collective, else its place."""
@@ -101,9 +105,13 @@ def _all_in(ranks: list[RankStack]) -> str:
     collective = ranks[0].collective
     line = (f"all {len(ranks)} ranks wait in {collective}{_step_of(ranks)}: likely a network "
             "or peer problem")
+    entered = [r for r in ranks if r.entered_ns > 0]
     known = [r for r in ranks if r.progress_age_s >= 0]
-    if known:
+    if entered:
+        last = max(entered, key=lambda r: (r.entered_ns, -r.rank))
+    elif known:
         last = min(known, key=lambda r: (r.progress_age_s, r.rank))
+    if entered or known:
         line += f"; the last to enter was rank {last.rank} (node {last.node_id})"
     return line
 

@@ -204,14 +204,16 @@ def rank_stacks_from_pb(ranks) -> list[RankStack]:
     with text capped and numbers kept within what can be true."""
     return [RankStack(rank=max(0, r.rank), node_id=cap_text(r.node_id, 128), dumped=r.dumped,
                       place=cap_text(r.place, 300), collective=cap_text(r.collective, 64),
-                      step=max(-1, r.step), progress_age_s=max(-1.0, r.progress_age_s))
+                      step=max(-1, r.step), progress_age_s=max(-1.0, r.progress_age_s),
+                      entered_ns=max(0, r.entered_ns))
             for r in list(ranks)[:MAX_NPROC]]
 
 
 def rank_stacks_to_pb(ranks: list[RankStack]) -> list[agent_pb2.RankStack]:
     return [agent_pb2.RankStack(rank=r.rank, node_id=r.node_id, dumped=r.dumped, place=r.place,
                                 collective=r.collective, step=r.step,
-                                progress_age_s=r.progress_age_s) for r in ranks]
+                                progress_age_s=r.progress_age_s, entered_ns=r.entered_ns)
+            for r in ranks]
 
 
 def request_drain(

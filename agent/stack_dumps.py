@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import elastic
 from agent.hang_attribution import RankStack
 from agent.health import WorkerHealth
-from agent.stack_text import MAX_DUMP_BYTES, summarize
+from agent.stack_text import MAX_DUMP_BYTES, MAX_FLIGHT_RECORD_BYTES, in_flight, summarize
 from agent.worker_output import stacks_file
-from elastic.worker.stacks import DUMP_SIGNAL, HEADER
+from elastic.worker.stacks import DUMP_SIGNAL, HEADER, flight_record_path, flight_request_path
 
 # A dump is complete once its file stopped growing for this long.
 SETTLE_S = 0.05
@@ -92,6 +92,53 @@ def _read_from(path: str, offset: int) -> str:
         return f.read(MAX_DUMP_BYTES).decode("utf-8", "replace")
 
 
+def _version(path: str) -> tuple[int, int]:
+    """Which file is at ``path`` now ((0, 0): none): the worker replaces it whole."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return 0, 0
+    return st.st_ino, st.st_mtime_ns
+
+
+def _ask_flight_record(stacks_path: str) -> tuple[str, tuple[int, int]] | None:
+    """Ask the worker for its flight record (:func:`elastic.worker.stacks.serve_flight_recorder`):
+    (where it will be, the mtime it has now); None when nobody serves it."""
+    out = flight_record_path(stacks_path)
+    before = _version(out)
+    try:
+        fd = os.open(flight_request_path(stacks_path),
+                     os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # ENXIO: no reader; ENOENT: no recorder
+        return None
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return None
+        os.write(fd, b"?")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return out, before
+
+
+def _wait_flight_record(asked: tuple[str, tuple[int, int]] | None,
+                        deadline: float) -> bytes | None:
+    """The flight record written after it was asked for, by ``deadline``; else None."""
+    if asked is None:
+        return None
+    out, before = asked
+    while True:
+        if _version(out) not in (before, (0, 0)):
+            f = _open_own(out)
+            if f is not None:
+                with f:
+                    return f.read(MAX_FLIGHT_RECORD_BYTES + 1)
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(_POLL_S)
+
+
 class StackCollector:
     """Reads the stacks of this node's workers (``node_id``, rank logs under ``log_dir``)."""
 
@@ -100,7 +147,8 @@ class StackCollector:
         self._node_id = node_id
         self._library_roots = library_roots
         self._lock = threading.Lock()  # one collection at a time (the loop, gRPC threads)
-        self._recent: dict[tuple[int, int], tuple[float, str]] = {}  # (round, pid): (at, dump)
+        # (round, pid): (when, (dump, flight record))
+        self._recent: dict[tuple[int, int], tuple[float, tuple[str, bytes | None]]] = {}
 
     def path(self, round_number: int, rank: int) -> str:
         """Where ``rank`` of ``round_number`` dumps its stacks."""
@@ -119,25 +167,32 @@ class StackCollector:
             h = by_rank.get(w.rank)
             step = h.step if h is not None else -1
             age = now - h.last_progress_at if h is not None and h.last_progress_at else -1.0
-            text = texts.get(w.rank, "")
+            text, record = texts.get(w.rank, ("", None))
             summary = summarize(text, self._library_roots) if text else None
+            flying = in_flight(record) if record else None
+            collective = (summary.collective if summary else "") or (
+                flying.collective if flying else "")
             stacks.append(RankStack(
                 rank=w.rank, node_id=self._node_id, dumped=bool(summary and summary.place),
-                place=summary.place if summary else "",
-                collective=summary.collective if summary else "", step=step,
-                progress_age_s=round(age, 3)))
+                place=summary.place if summary else "", collective=collective, step=step,
+                progress_age_s=round(age, 3), entered_ns=flying.entered_ns if flying else 0))
         return stacks
 
     def _dumps(self, round_number: int, workers: list[LocalWorker],
-               timeout_s: float) -> dict[int, str]:
-        """Each worker's dump by rank: a recent one again, else a new one."""
+               timeout_s: float) -> dict[int, tuple[str, bytes | None]]:
+        """Each worker's dump and flight record by rank: recent ones again,
+        else new ones."""
         started = time.monotonic()
         self._recent = {k: v for k, v in self._recent.items() if started - v[0] < REUSE_S}
         texts = {w.rank: self._recent[(round_number, w.pid)][1] for w in workers
                  if (round_number, w.pid) in self._recent}
         pending = {w.rank: p for w in workers
                    if w.rank not in texts and (p := self._ask(round_number, w)) is not None}
-        fresh = self._wait(pending, timeout_s)
+        records = {rank: _ask_flight_record(p.path) for rank, p in pending.items()}
+        deadline = time.monotonic() + timeout_s
+        dumps = self._wait(pending, timeout_s)
+        fresh = {rank: (text, _wait_flight_record(records.get(rank), deadline))
+                 for rank, text in dumps.items()}
         for w in workers:
             if w.rank in fresh:
                 self._recent[(round_number, w.pid)] = (started, fresh[w.rank])

@@ -25,6 +25,7 @@ Limits: at most :data:`MAX_DUMP_BYTES` are read, lines longer than
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from elastic.records import cap_text
 
 MAX_DUMP_BYTES = 256 * 1024
+MAX_FLIGHT_RECORD_BYTES = 1024 * 1024
 MAX_LINE_CHARS = 4096
 MAX_NAME_CHARS = 200
 # A frame in one of these directories is the libraries', not the user's.
@@ -99,6 +101,38 @@ def summarize(text: str, library_roots: tuple[str, ...] = ()) -> StackSummary:
     collective = next((f.function for f in main if f.file.endswith(COLLECTIVES_FILE)), "")
     user = next((f for f in main if not is_library(f, library_roots)), main[0])
     return StackSummary(user.place(), collective)
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """The oldest collective a flight record shows not completed: its name
+    (``all_reduce``), and when the rank enqueued it (wall clock, ns; 0 if unknown)."""
+
+    collective: str
+    entered_ns: int = 0
+
+
+def in_flight(record: bytes) -> InFlight | None:
+    """The oldest collective in flight in torch's flight-record JSON
+    (:mod:`elastic._compat.torch_flight_recorder`); None when none is, or the
+    record is not what torch writes (over :data:`MAX_FLIGHT_RECORD_BYTES`,
+    not JSON, fields of other types)."""
+    if len(record) > MAX_FLIGHT_RECORD_BYTES:
+        return None
+    try:
+        entries = json.loads(record).get("entries", [])
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        return None
+    active = [e for e in entries if isinstance(e, dict) and e.get("retired") is False
+              and e.get("state") != "completed"
+              and isinstance(e.get("collective_seq_id"), int)
+              and isinstance(e.get("profiling_name"), str)]
+    if not active:
+        return None
+    oldest = min(active, key=lambda e: e["collective_seq_id"])
+    created = oldest.get("time_created_ns")
+    return InFlight(_clean(oldest["profiling_name"].rpartition(":")[2]),
+                    created if isinstance(created, int) and created > 0 else 0)
 
 
 def _clean(text: str) -> str:

@@ -170,9 +170,10 @@ class MemoryTierStatus(_message.Message):
     def __init__(self, own_bytes: _Optional[int] = ..., own_slots: _Optional[int] = ..., replica_bytes: _Optional[int] = ..., replica_slots: _Optional[int] = ..., replica_source: _Optional[str] = ..., buddy: _Optional[str] = ..., newest_own_step: _Optional[int] = ..., acked_step: _Optional[int] = ..., lag_steps: _Optional[int] = ..., need_bytes: _Optional[int] = ..., replication_bytes_per_s: _Optional[float] = ..., free_bytes: _Optional[int] = ...) -> None: ...
 
 class RankStack(_message.Message):
-    __slots__ = ["collective", "dumped", "node_id", "place", "progress_age_s", "rank", "step"]
+    __slots__ = ["collective", "dumped", "entered_ns", "node_id", "place", "progress_age_s", "rank", "step"]
     COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     DUMPED_FIELD_NUMBER: _ClassVar[int]
+    ENTERED_NS_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PLACE_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_AGE_S_FIELD_NUMBER: _ClassVar[int]
@@ -180,12 +181,13 @@ class RankStack(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     collective: str
     dumped: bool
+    entered_ns: int
     node_id: str
     place: str
     progress_age_s: float
     rank: int
     step: int
-    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., dumped: bool = ..., place: _Optional[str] = ..., collective: _Optional[str] = ..., step: _Optional[int] = ..., progress_age_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., dumped: bool = ..., place: _Optional[str] = ..., collective: _Optional[str] = ..., step: _Optional[int] = ..., progress_age_s: _Optional[float] = ..., entered_ns: _Optional[int] = ...) -> None: ...
 
 class WorkerChannelCommitCheckpointRequest(_message.Message):
     __slots__ = ["entry"]

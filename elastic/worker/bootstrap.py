@@ -432,12 +432,14 @@ class _HostingLoader:
 
 def _prepare_to_be_judged() -> None:
     """What lets the agent judge and explain a hang of any script: its stacks
-    dumped on the agent's signal (:mod:`elastic.worker.stacks`), and every
+    dumped on the agent's signal and, where torch records collectives, the
+    flight record on request (:mod:`elastic.worker.stacks`), and every
     optimizer step counted as progress (torch's global optimizer step hook;
     :func:`elastic.worker.runtime.optimizer_stepped`)."""
     env = worker_env.WorkerEnv()
     if env.stacks_file:
         stacks.dump_on_signal(env.stacks_file)
+        stacks.serve_flight_recorder(env.stacks_file)
     if env.agent_socket:
         _once_torch_is_imported(_count_optimizer_steps)
 

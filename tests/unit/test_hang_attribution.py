@@ -73,3 +73,10 @@ def test_many_odd_ranks_are_counted_past_the_first_three_and_the_line_is_bounded
         in attribute(ranks + odd)
     long_names = [RankStack(r, "n" * 300, True, place="y.py:1 in g") for r in range(6, 11)]
     assert len(attribute(ranks + long_names)) <= MAX_ATTRIBUTION_CHARS
+
+
+def test_the_flight_recorder_s_entry_times_name_the_last_to_enter_over_progress():
+    ranks = [waiting(0, "a", age=1.0), waiting(1, "a", age=9.0), waiting(2, "b", age=5.0)]
+    ranks = [RankStack(**{**r.__dict__, "entered_ns": ns})
+             for r, ns in zip(ranks, (100, 300, 200))]
+    assert attribute(ranks).endswith("the last to enter was rank 1 (node a)")

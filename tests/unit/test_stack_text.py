@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import signal
 import threading
 
-from agent.stack_text import MAX_NAME_CHARS, StackSummary, parse_threads, summarize
+import pytest
+
+from agent.stack_text import (
+    MAX_FLIGHT_RECORD_BYTES,
+    MAX_NAME_CHARS,
+    InFlight,
+    StackSummary,
+    in_flight,
+    parse_threads,
+    summarize,
+)
 
 SITE = "/venv/lib/python3.11/site-packages"
 DUMP = f'''Thread 0x00007f3e2f7fe640 (most recent call first):
@@ -72,3 +83,41 @@ def test_a_real_dump_of_this_process_is_read_back(tmp_path):
     assert len(threads) >= 2
     here = summarize(path.read_text(), (os.path.dirname(os.path.dirname(__file__)) + "/x",))
     assert here.place.startswith("test_stack_text.py:") and here.collective == ""
+
+
+def record(*entries) -> bytes:
+    return json.dumps({"version": "2.10", "entries": list(entries)}).encode()
+
+
+def entry(seq, name="gloo:all_reduce", retired=False, state="scheduled", created=1_000 + 0):
+    return {"collective_seq_id": seq, "profiling_name": name, "retired": retired,
+            "state": state, "time_created_ns": created}
+
+
+def test_the_flight_record_names_the_oldest_collective_in_flight_and_when_it_was_entered():
+    assert in_flight(record(entry(3, retired=True), entry(5, "nccl:barrier", created=9),
+                            entry(4, created=7))) == InFlight("all_reduce", 7)
+    assert in_flight(record(entry(3, retired=True), entry(4, state="completed"))) is None
+
+
+def test_a_flight_record_that_is_not_torch_s_names_nothing():
+    assert in_flight(b"not json") is None
+    assert in_flight(b"[1, 2]") is None
+    assert in_flight(record({"collective_seq_id": "x", "profiling_name": 3, "retired": False}))\
+        is None
+    assert in_flight(b" " * (MAX_FLIGHT_RECORD_BYTES + 1)) is None
+    assert in_flight(record(entry(1, created=-5))) == InFlight("all_reduce", 0)
+
+
+def test_torch_s_own_flight_record_reads_back(tmp_path):
+    # The recorder of this torch (gloo), through the one home of its internals.
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    from elastic._compat import torch_flight_recorder
+
+    assert torch_flight_recorder.enabled({"TORCH_FR_BUFFER_SIZE": "100"})
+    assert not torch_flight_recorder.enabled({"TORCH_FR_BUFFER_SIZE": "x"})
+    data = torch_flight_recorder.dump_json()
+    assert data is None or in_flight(data) is None  # no process group here: nothing in flight
+    assert dist.is_available() and torch.__version__

@@ -13,7 +13,8 @@ step ``--stuck-step``, ``--scenario`` decides who gets stuck and where:
 - ``collective``: rank ``--stuck-rank`` enters ``barrier``, which its peers
   never enter; they wait in ``all_reduce``.
 - ``all``: every rank enters ``all_reduce`` on one of two groups of all the
-  ranks (even ranks on the first, odd on the second): all wait together.
+  ranks (even ranks on the first, odd on the second): all wait together;
+  rank ``--stuck-rank`` enters a second after the others.
 
 - ``none``: nobody (a test stops a rank itself).
 
@@ -80,6 +81,8 @@ def main() -> int:
         if me and args.scenario == "collective":
             dist.barrier()
         if cue and args.scenario == "all":
+            if me:
+                time.sleep(1.0)  # the last to enter
             dist.all_reduce(torch.ones(1), group=groups[rank % 2])
         for param in model.parameters():
             dist.all_reduce(param.grad)
