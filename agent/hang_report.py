@@ -53,13 +53,21 @@ class HangReporter:
         self._health_of = health_of
         self._clock = clock
         self._log = log
+        # The last stacks read (round, stacks): a peer whose verdict came a
+        # moment later finds this node's workers already stopped.
+        self._latest: tuple[int, list[RankStack]] = (0, [])
 
     def local(self, round_number: int) -> list[RankStack]:
         """This node's workers' stacks, summarised; ``round_number`` is the
         round they were started in (``Round.workers_round``). The full dumps
-        are named in the log. Never raises."""
-        stacks = self._collector.collect(round_number, self._workers_of(), self._health_of(),
+        are named in the log. Once they are stopped, the stacks last read in
+        that round. Never raises."""
+        workers = self._workers_of()
+        if not workers and self._latest[0] == round_number:
+            return list(self._latest[1])
+        stacks = self._collector.collect(round_number, workers, self._health_of(),
                                          self._clock.monotonic(), STACKS_TIMEOUT_S)
+        self._latest = (round_number, stacks)
         for s in stacks:
             where = self._collector.path(round_number, s.rank) if s.dumped else "no dump"
             self._log.info("stack of rank %d at the hang: %s (full stacks: %s)", s.rank,

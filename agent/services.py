@@ -163,11 +163,12 @@ class AgentService:
         return memory.receive(request)
 
     def collect_stacks(self, round_number: int) -> list[agent_pb2.RankStack]:
-        """This node's workers' stacks, summarised, when they run round
-        ``round_number`` (a peer judged a hang in it); none otherwise."""
+        """This node's workers' stacks, summarised, when they belong to round
+        ``round_number`` (a peer judged a hang in it; stopped since: the stacks
+        read last); none otherwise."""
         a = self._agent
         view = a.view
-        if view.round is None or round_number != view.running_round or round_number <= 0:
+        if view.round is None or round_number != view.round_number or round_number <= 0:
             return []
         return rank_stacks_to_pb(a.hang_reporter.local(view.round.workers_round))
 
