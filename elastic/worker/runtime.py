@@ -1,7 +1,11 @@
 """The worker side of elasticd: process group from the environment, heartbeats, progress.
 
-Works under ``torchrun`` too (no agent socket: no heartbeats, nothing else
-changes), so a script written for this library runs under either launcher.
+Progress is what the script numbers with :func:`step`, or, for a script that
+never calls it, its optimizer steps (:func:`optimizer_stepped`, called by the
+hook the worker bootstrap installs in every worker; heartbeats then start at
+the first one). Works under ``torchrun`` too (no agent socket: no
+heartbeats, nothing else changes), so a script written for this library runs
+under either launcher.
 """
 
 from __future__ import annotations
