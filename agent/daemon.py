@@ -443,8 +443,11 @@ class Agent:
             self.inbox.put(self.gpus.check(command, self.publisher.event))
         elif isinstance(command, reactor.AttributeHang):
             r = self.view.round
-            reason = command.verdict if r is None else self.hang_reporter.reason(r, command.verdict)
-            self.inbox.put(reactor.HangAttributed(command.round, reason))
+            if r is None:
+                self.inbox.put(reactor.HangAttributed(command.round, command.verdict))
+            else:
+                found = self.hang_reporter.reason(r, command.verdict)
+                self.inbox.put(reactor.HangAttributed(command.round, found.reason, found.kind))
         elif isinstance(command, reactor.Note):
             self.log.warning("%s", command.message)
         elif isinstance(command, reactor.Fail):

@@ -25,6 +25,7 @@ At most :data:`MAX_NAMED` odd ranks are named; the rest are counted.
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from dataclasses import dataclass
 
@@ -66,34 +67,57 @@ class RankStack:
         return f"is in {self.place}"
 
 
-def attribute(ranks: list[RankStack]) -> str:
-    """The reason of the module's rules for ``ranks`` (any order; empty: "")."""
-    if not ranks:
-        return ""
-    ranks = sorted(ranks, key=lambda r: r.rank)
+class HangKind(enum.StrEnum):
+    """Which rule named the culprit: the ``kind`` label of
+    ``elasticd_hang_attributions`` (:mod:`agent.metrics`), bounded."""
+
+    RANK_ELSEWHERE = "rank_elsewhere"  # odd ranks out, each at its place or collective
+    RANK_FROZEN = "rank_frozen"  # an odd rank out did not answer (stopped, in the kernel)
+    ALL_IN_COLLECTIVE = "all_in_collective"  # a network or peer problem
+    ALL_AT_ONE_PLACE = "all_at_one_place"
+    SCATTERED = "scattered"  # each rank elsewhere
+    NO_STACKS = "no_stacks"  # nothing to compare
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """The one line that names who broke the job, and the rule that wrote it."""
+
+    reason: str
+    kind: HangKind
+
+
+def attribute(ranks: list[RankStack]) -> Attribution:
+    """The attribution of the module's rules for ``ranks`` (any order; none:
+    an empty reason)."""
+    reason, kind = _attribution(sorted(ranks, key=lambda r: r.rank))
+    return Attribution(cap_text(reason, MAX_ATTRIBUTION_CHARS), kind)
+
+
+def _attribution(ranks: list[RankStack]) -> tuple[str, HangKind]:
     answered = [r for r in ranks if r.dumped]
     if not answered:
-        return cap_text(f"no rank's stack could be read ({len(ranks)} asked)",
-                        MAX_ATTRIBUTION_CHARS)
+        return (f"no rank's stack could be read ({len(ranks)} asked)" if ranks else "",
+                HangKind.NO_STACKS)
     groups = Counter(r.doing() for r in answered)
     # The largest group; of groups as large, one waiting in a collective (its
     # ranks wait for the others: they are where a healthy rank would be).
     doing, size = max(groups.items(), key=lambda g: (g[1], g[0].startswith("wait in")))
     if len(ranks) == 1:
         only = ranks[0]
-        return cap_text(f"rank {only.rank} (node {only.node_id}) {only.where()}"
-                        f"{_step_of(ranks)}", MAX_ATTRIBUTION_CHARS)
+        return (f"rank {only.rank} (node {only.node_id}) {only.where()}{_step_of(ranks)}",
+                HangKind.RANK_ELSEWHERE)
     if size == len(ranks):
         if answered[0].collective:
-            return cap_text(_all_in(answered), MAX_ATTRIBUTION_CHARS)
-        return cap_text(f"all {len(ranks)} ranks {doing}{_step_of(ranks)}",
-                        MAX_ATTRIBUTION_CHARS)
+            return _all_in(answered), HangKind.ALL_IN_COLLECTIVE
+        return f"all {len(ranks)} ranks {doing}{_step_of(ranks)}", HangKind.ALL_AT_ONE_PLACE
     if size == 1 and not doing.startswith("wait in"):
         listed = "; ".join(f"rank {r.rank} (node {r.node_id}) {r.where()}" for r in ranks)
-        return cap_text(f"the ranks are each elsewhere: {listed}", MAX_ATTRIBUTION_CHARS)
+        return f"the ranks are each elsewhere: {listed}", HangKind.SCATTERED
     majority = [r for r in answered if r.doing() == doing]
     odd = [r for r in ranks if r not in majority]
-    return cap_text(_odd_ones(odd, majority, doing), MAX_ATTRIBUTION_CHARS)
+    kind = HangKind.RANK_FROZEN if any(not r.dumped for r in odd) else HangKind.RANK_ELSEWHERE
+    return _odd_ones(odd, majority, doing), kind
 
 
 def _step_of(ranks: list[RankStack]) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Protocol
 
-from agent.hang_attribution import RankStack, attribute
+from agent.hang_attribution import Attribution, HangKind, RankStack, attribute
 from agent.health import WorkerHealth
 from agent.stack_dumps import LocalWorker, StackCollector
 from elastic.clock import Clock
@@ -74,9 +74,9 @@ class HangReporter:
                            s.where(), where)
         return stacks
 
-    def reason(self, round_: Round, verdict: str) -> str:
+    def reason(self, round_: Round, verdict: str) -> Attribution:
         """``verdict`` (this node's hang verdict) with the attribution of the
-        whole round's stacks before it. Never raises."""
+        whole round's stacks before it, and the rule's kind. Never raises."""
         addrs = tuple(m.addr for m in round_.members if m.node_id != self._node_id and m.addr)
         with ThreadPoolExecutor(max_workers=1) as pool:
             remote = pool.submit(self._peers.collect_stacks, addrs, round_.number,
@@ -88,12 +88,13 @@ class HangReporter:
                 self._log.warning("could not ask the peers for their stacks: %s", exc)
         answered = {r.node_id for r in ranks}
         silent = [m.node_id for m in round_.members if m.node_id not in answered]
-        line = attribute(ranks)
+        attribution = attribute(ranks)
+        line = attribution.reason
         if silent:
             line += f"{'; ' if line else ''}no stacks from node(s) {', '.join(silent)}"
         if not line:
-            return verdict
-        return cap_text(f"{line} [{verdict}]")
+            return Attribution(verdict, attribution.kind)
+        return Attribution(cap_text(f"{line} [{verdict}]"), attribution.kind)
 
 
 class VerdictOnly:
@@ -103,5 +104,5 @@ class VerdictOnly:
     def local(self, round_number: int) -> list[RankStack]:
         return []
 
-    def reason(self, round_: Round, verdict: str) -> str:
-        return verdict
+    def reason(self, round_: Round, verdict: str) -> Attribution:
+        return Attribution(verdict, HangKind.NO_STACKS)

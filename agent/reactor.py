@@ -77,6 +77,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from agent.gpu_health import GpuAction, GpuDecision
+from agent.hang_attribution import HangKind
 from agent.health import PeerHealth
 from agent.lifecycle import AgentState
 from elastic.errors import EXIT_NODE_UNFIT, ElasticError, RendezvousTimeoutError
@@ -193,6 +194,7 @@ class HangAttributed:
 
     round: int
     reason: str
+    kind: HangKind = HangKind.NO_STACKS  # which attribution rule wrote it
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from agent.hang_attribution import RankStack
+from agent.hang_attribution import HangKind, RankStack
 from agent.hang_report import HangReporter
 from elastic.joblog import JobLogger
 from elastic.rendezvous.api import Member, Round
@@ -48,7 +48,9 @@ def reporter(peers, workers=lambda: [object()], collector=None):
 
 def test_the_reason_puts_the_attribution_before_the_verdict_and_names_silent_nodes():
     peers = Peers([RankStack(1, "b", True, place="t.py:3 in load", step=6)])
-    reason = reporter(peers).reason(ROUND, "rank 0 made no progress for 3.0 s")
+    found = reporter(peers).reason(ROUND, "rank 0 made no progress for 3.0 s")
+    reason = found.reason
+    assert found.kind is HangKind.RANK_ELSEWHERE
     assert peers.asked == [(("b:1", "c:1"), 4)]
     assert reason == ("rank 1 (node b) is in t.py:3 in load while the other rank waits in "
                       "all_reduce (step 7); no stacks from node(s) c "
