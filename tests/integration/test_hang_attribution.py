@@ -25,7 +25,7 @@ from tests.proctable import alive
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 SCRIPT = "tests/integration/scripts/stuck_rank.py"
-HANG = ("--hang-timeout-first", "20", "--no-prestart")
+HANG = ("--hang-timeout-first", "20")
 
 
 def line_of(text: str) -> int:
@@ -40,9 +40,11 @@ def job(etcd_endpoint, job_id, tmp_path):
     started: list[AgentProcess] = []
 
     def start(scenario: str, stuck_rank: int = 1, step_s: float = 0.05,
-              env: dict[str, str] | None = None) -> tuple[AgentProcess, AgentProcess, Path]:
+              env: dict[str, str] | None = None, stuck_runs: int = 1
+              ) -> tuple[AgentProcess, AgentProcess, Path]:
         progress = tmp_path / "progress.jsonl"
         args = ["--scenario", scenario, "--stuck-rank", str(stuck_rank), "--stuck-step", "5",
+                "--stuck-runs", str(stuck_runs),
                 "--steps", "10", "--step-s", str(step_s), "--progress-file", str(progress)]
         for node in ("a", "b"):
             started.append(AgentProcess(etcd_endpoint, job_id, node, "2", args, nproc=2,
@@ -55,10 +57,11 @@ def job(etcd_endpoint, job_id, tmp_path):
         print(f"--- agent {a.node_id}: last lines of its output ---\n" + "".join(a.output[-40:]))
 
 
-def node_of(rank: int, text: str) -> str:
-    """The node that ran ``rank`` in round 1, as its agent logged its stack
+def node_of(rank: int, text: str, round_number: int = 1) -> str:
+    """The node that ran ``rank`` in a round, as its agent logged its stack
     (node ranks follow the order of registration: a's may be 1)."""
-    found = re.search(rf"node (\w+) round 1: stack of rank {rank} at the hang", text)
+    found = re.search(rf"node (\w+) round {round_number}: stack of rank {rank} at the hang",
+                      text)
     assert found, f"no agent logged the stack of rank {rank}"
     return found.group(1)
 
@@ -69,10 +72,11 @@ def finished(a: AgentProcess, b: AgentProcess) -> str:
     return a.text + b.text
 
 
-def restarted_and_completed(progress: Path) -> None:
+def restarted_and_completed(progress: Path, stuck_runs: int = 1) -> None:
     records = read_progress(progress)
-    assert max(r["step"] for r in records if r["restart"] == 0) == 4
-    assert max(r["step"] for r in records if r["restart"] >= 1) == 9
+    for run in range(stuck_runs):
+        assert max(r["step"] for r in records if r["restart"] == run) == 4
+    assert max(r["step"] for r in records if r["restart"] >= stuck_runs) == 9
 
 
 def test_a_rank_stuck_in_data_loading_is_named_with_its_place(job, etcd_store, job_id):
@@ -94,12 +98,17 @@ def test_a_rank_stuck_in_data_loading_is_named_with_its_place(job, etcd_store, j
 
 
 def test_a_rank_sleeping_in_native_code_is_named_with_its_place(job):
-    a, b, progress = job("native", stuck_rank=1)
+    # Stuck twice: in round 1 (workers warm, or cold) and in round 2 (forked from
+    # the template): each process that runs the script dumps its stacks.
+    a, b, progress = job("native", stuck_rank=1, stuck_runs=2)
     text = finished(a, b)
-    assert (f"rank 1 (node {node_of(1, text)}) is in "
-            f"stuck_rank.py:{line_of('libc.sleep(3600)')} in native_wait "
-            "while the 3 others wait in all_reduce (step 4)") in text
-    restarted_and_completed(progress)
+    for round_number in (1, 2):
+        reason = (f"rank 1 (node {node_of(1, text, round_number)}) is in "
+                  f"stuck_rank.py:{line_of('libc.sleep(3600)')} in native_wait "
+                  "while the 3 others wait in all_reduce (step 4)")
+        assert re.search(rf"round {round_number + 1} committed \(round {round_number}: restart "
+                         rf"requested by \w+: {re.escape(reason)}", text), text[-3000:]
+    restarted_and_completed(progress, stuck_runs=2)
 
 
 def test_a_rank_in_a_collective_its_peers_never_enter_is_named(job):

@@ -1,5 +1,7 @@
 """A plain torch training script (no ``elastic`` import) whose ranks get stuck on cue.
 
+(``--stuck-runs N``: the first N runs get stuck, not only the first.)
+
 Every rank trains a small model with SGD, averaging gradients with
 ``all_reduce`` (gloo), and appends ``{"rank", "step", "restart", "pid"}`` to
 ``--progress-file`` after each step. In the first run (restart count 0), at
@@ -58,6 +60,7 @@ def main() -> int:
                                                          "none"])
     p.add_argument("--stuck-rank", type=int, default=1)
     p.add_argument("--stuck-step", type=int, default=5)
+    p.add_argument("--stuck-runs", type=int, default=1, help="stuck in this many first runs")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--step-s", type=float, default=0.05)
     p.add_argument("--progress-file", required=True)
@@ -70,7 +73,7 @@ def main() -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = batches(rank)
     for step in range(args.steps):
-        cue = restart == 0 and step == args.stuck_step
+        cue = restart < args.stuck_runs and step == args.stuck_step
         me = cue and rank == args.stuck_rank
         x, y = next_batch(loader, me and args.scenario == "data")
         loss = torch.nn.functional.mse_loss(model(x), y)
