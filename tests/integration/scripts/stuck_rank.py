@@ -1,11 +1,9 @@
 """A plain torch training script (no ``elastic`` import) whose ranks get stuck on cue.
 
-(``--stuck-runs N``: the first N runs get stuck, not only the first.)
-
 Every rank trains a small model with SGD, averaging gradients with
 ``all_reduce`` (gloo), and appends ``{"rank", "step", "restart", "pid"}`` to
-``--progress-file`` after each step. In the first run (restart count 0), at
-step ``--stuck-step``, ``--scenario`` decides who gets stuck and where:
+``--progress-file`` after each step. In the first ``--stuck-runs`` runs (1:
+restart count 0 only), at step ``--stuck-step``, ``--scenario`` decides who gets stuck and where:
 
 - ``data``: rank ``--stuck-rank`` waits forever for its next batch
   (``next_batch``: a data loader that never yields); the others wait for it
@@ -17,10 +15,9 @@ step ``--stuck-step``, ``--scenario`` decides who gets stuck and where:
 - ``all``: every rank enters ``all_reduce`` on one of two groups of all the
   ranks (even ranks on the first, odd on the second): all wait together;
   rank ``--stuck-rank`` enters a second after the others.
-
 - ``none``: nobody (a test stops a rank itself).
 
-After a restart it trains ``--steps`` steps and exits 0.
+After those runs it trains ``--steps`` steps and exits 0.
 """
 
 from __future__ import annotations
