@@ -102,8 +102,9 @@ def _version(path: str) -> tuple[int, int]:
 
 
 def _ask_flight_record(stacks_path: str) -> tuple[str, tuple[int, int]] | None:
-    """Ask the worker for its flight record (:func:`elastic.worker.stacks.serve_flight_recorder`):
-    (where it will be, the mtime it has now); None when nobody serves it."""
+    """Ask the worker for its flight record (``serve_flight_recorder`` of
+    :mod:`elastic.worker.stacks`): (where it will be, the file there now);
+    None when nobody serves it."""
     out = flight_record_path(stacks_path)
     before = _version(out)
     try:
