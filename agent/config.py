@@ -48,8 +48,8 @@ from agent import torchrun_cli
 from agent.config_file import read_file
 from agent.console import ConsoleFilter, Streams, parse_local_ranks, parse_streams
 from agent.devices import SYSTEM_DEVICES, HostDevices, parse_nproc_per_node, resolve_nproc
-from agent.health import HangTimeouts
 from agent.gpu_health import GPU_CHECK_MODES, GpuExpectation, expected_gpus
+from agent.health import HangTimeouts
 from agent.memory_tier import DEFAULT_ROOT as DEFAULT_MEMORY_ROOT
 from agent.netaddr import SYSTEM_NETWORK, HostNetwork, choose_advertise_addr
 from agent.reactor import Settings
