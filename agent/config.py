@@ -49,6 +49,7 @@ from agent.config_file import read_file
 from agent.console import ConsoleFilter, Streams, parse_local_ranks, parse_streams
 from agent.devices import SYSTEM_DEVICES, HostDevices, parse_nproc_per_node, resolve_nproc
 from agent.gpu_health import GPU_CHECK_MODES, GpuExpectation, expected_gpus
+from agent.health import HangTimeouts
 from agent.memory_tier import DEFAULT_ROOT as DEFAULT_MEMORY_ROOT
 from agent.netaddr import SYSTEM_NETWORK, HostNetwork, choose_advertise_addr
 from agent.reactor import Settings
@@ -79,6 +80,9 @@ from elastic.store.api import DEFAULT_CONNECT_TIMEOUT_S
 from elastic.store.security import PASSWORD_ENV, EtcdSecurity, security_from_options
 
 log = logging.getLogger(__name__)
+
+# --hang-timeout-first: a first step may compile, load data and restore a checkpoint.
+DEFAULT_HANG_TIMEOUT_FIRST_S = 600.0
 
 # The training script from the environment (systemd's EnvironmentFile, a pod's
 # env): the script, its arguments split like a shell, "run it with -m", and
@@ -260,8 +264,13 @@ OPTIONS = [
     Option("checkpoint-dir", _absolute_path, None, "where workers save and find checkpoints",
            "DIR", field="checkpoint_dir"),
     Option("hang-timeout", non_negative(float), 300.0,
-           "a worker without heartbeat or progress this long is hung (0: never judged)",
-           "SECONDS", field="hang_timeout_s"),
+           "a worker without heartbeat or progress this long after its first progress (an "
+           "optimizer step or elastic.step) is hung (0: hang detection off); under NCCL's "
+           "default 10-minute collective timeout, so the hang is seen and attributed before "
+           "NCCL's watchdog ends the processes", "SECONDS", field="hang_timeout_s"),
+    Option("hang-timeout-first", positive(float), DEFAULT_HANG_TIMEOUT_FIRST_S,
+           "the same until a worker's first progress: compilation, data loading and a "
+           "restore come first", "SECONDS", field="hang_timeout_first_s"),
     Option("lease-ttl", positive(float), DEFAULT_LEASE_TTL_S,
            "a node silent this long is considered gone", "SECONDS", field="lease_ttl_s"),
     Option("freeze-timeout", non_negative(float), None,
@@ -460,6 +469,7 @@ class AgentConfig:
     rack: str = ""
     # --freeze-timeout: 0 here (the lease alone decides), the option's default from load().
     freeze_timeout_s: float = 0.0
+    hang_timeout_first_s: float = DEFAULT_HANG_TIMEOUT_FIRST_S
 
     def rendezvous(self) -> RendezvousConfig:
         """The rendezvous' settings (:class:`elastic.rendezvous.config.RendezvousConfig`)."""
@@ -477,6 +487,10 @@ class AgentConfig:
                         lease_ttl_s=self.lease_ttl_s, join_timeout_s=self.join_timeout_s,
                         job_id=self.job_id, drain_exit_code=self.drain_exit_code,
                         gpu_check=self.gpu_check, freeze_timeout_s=self.freeze_timeout_s)
+
+    def hang_timeouts(self) -> HangTimeouts:
+        """--hang-timeout and --hang-timeout-first, as the hang verdict takes them."""
+        return HangTimeouts(after_s=self.hang_timeout_s, first_s=self.hang_timeout_first_s)
 
     def entrypoint(self) -> Entrypoint:
         """What every worker runs: the script or module, its arguments, --no-python."""

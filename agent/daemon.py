@@ -34,6 +34,7 @@ from agent.assign import startup_env, worker_envs
 from agent.gpu_gate import GpuGate
 from agent.gpu_health import NO_GPU_READER, GpuReader
 from agent.grpc_server import AgentServer
+from agent.hang_report import HangReporter, VerdictOnly
 from agent.health import PeerHealth, WorkerTable, hung_workers, last_sign_of_life
 from agent.health import next_hang_verdict_at
 from agent.intents import DrainKey, Intents
@@ -47,6 +48,7 @@ from agent.probe import LEADER_CHECK_S
 from agent.publishing import Publisher, status_of, summary_line
 from agent.reactor import AgentView
 from agent.sdnotify import SystemdNotifier
+from agent.stack_dumps import LocalWorker, StackCollector
 from agent.services import AgentService, WorkerChannel
 from agent.status_record import StatusRecord
 from agent.supervisor import WorkerExit, WorkerSupervisor
@@ -137,7 +139,8 @@ class Agent:
                  heartbeat_socket: str = "", clock: Clock = SYSTEM_CLOCK,
                  notifier: SystemdNotifier | None = None, metrics: NoMetrics = NO_METRICS,
                  gpus: GpuReader = NO_GPU_READER, sleep: Callable[[float], None] = time.sleep,
-                 memory: MemoryTier | None = None):
+                 memory: MemoryTier | None = None,
+                 hang_reporter: HangReporter | VerdictOnly | None = None):
         self.config = config
         self.memory = memory  # the memory tier (--memory-tier), None when off
         self.metrics = metrics
@@ -166,6 +169,8 @@ class Agent:
         self.gpus = GpuGate(config, gpus, supervisor, clock, sleep, self.log)
         self.commit_log = EtcdCommitLog(store, rendezvous.keys, clock, config.node_id)
         self.workers = WorkerTable()
+        # Who broke the job, read from every member's stacks at a hang verdict.
+        self.hang_reporter = hang_reporter or VerdictOnly()
         self.channel = WorkerChannel(self)  # the workers' gRPC service
         self.service = AgentService(self)  # operators' and peers'
         self._peer_watch: Any = None
@@ -223,12 +228,19 @@ class Agent:
             worker_env=startup_env(config.nproc_per_node, dict(os.environ),
                                    config.advertise_addr),
             clock=clock)
+        reporter = HangReporter(
+            StackCollector(files.log_dir, config.node_id), peers, config.node_id,
+            workers_of=lambda: [LocalWorker(w.rank, w.pid) for w in supervisor.workers()
+                                if w.alive],
+            health_of=lambda: built[0].workers.snapshot() if built else [], clock=clock,
+            log=JobLogger(logging.getLogger("elasticd.hangs"), config.job_id, config.node_id,
+                          lambda: built[0].view.round_number if built else 0))
         built.append(cls(config, store, rendezvous, supervisor, server, peers, inbox=inbox,
                          socket_path=files.socket_path,
                          heartbeat_socket=server.heartbeat_socket or "", clock=clock,
                          notifier=notifier, metrics=metrics,
                          gpus=NvmlReader() if config.gpu_check != "off" else NO_GPU_READER,
-                         memory=memory))
+                         memory=memory, hang_reporter=reporter))
         return built[0]
 
     # ------------------------------------------------------------ running
@@ -378,13 +390,14 @@ class Agent:
     def _tick(self) -> reactor.Tick:
         now = self.clock.monotonic()
         workers = self.workers.snapshot()
-        hung = hung_workers(workers, now, self.config.hang_timeout_s)
+        timeouts, count_from = self.config.hang_timeouts(), reactor.hangs_count_from(self.view, now)
+        hung = hung_workers(workers, now, timeouts, count_from)
         signs = [t for w, _ in hung
-                 if (t := last_sign_of_life(w, now, self.config.hang_timeout_s)) is not None]
+                 if (t := last_sign_of_life(w, now, timeouts, count_from)) is not None]
         tick = reactor.Tick(
             hung=tuple(reason for _, reason in hung),
             hung_since=min(signs, default=None),
-            next_hang_at=next_hang_verdict_at(workers, self.config.hang_timeout_s),
+            next_hang_at=next_hang_verdict_at(workers, timeouts, count_from),
             lease_unconfirmed_s=reactor.lease_unconfirmed_s(self.rdzv.lease_confirmed_at, now),
             workers_stepped=bool(workers) and all(w.step >= 0 for w in workers),
             registration_problem=self.rdzv.registration_problem,
@@ -432,6 +445,13 @@ class Agent:
             self.drain_key.withdraw()
         elif isinstance(command, reactor.CheckGpus):
             self.inbox.put(self.gpus.check(command, self.publisher.event))
+        elif isinstance(command, reactor.AttributeHang):
+            r = self.view.round
+            if r is None:
+                self.inbox.put(reactor.HangAttributed(command.round, command.verdict))
+            else:
+                found = self.hang_reporter.reason(r, command.verdict)
+                self.inbox.put(reactor.HangAttributed(command.round, found.reason, found.kind))
         elif isinstance(command, reactor.Note):
             self.log.warning("%s", command.message)
         elif isinstance(command, reactor.Fail):

@@ -147,6 +147,11 @@ class AgentControl(Protocol):
         refuses, FencedError for a sender that is no member of the round."""
         ...
 
+    def collect_stacks(self, round_number: int) -> list[agent_pb2.RankStack]:
+        """The stacks of this agent's workers of ``round_number``, summarised
+        (none when its workers run another round); waits about a second."""
+        ...
+
 
 class HeartbeatSink(Protocol):
     """What the ``elastic.v1.WorkerChannel`` service delivers to the agent."""
@@ -328,6 +333,17 @@ class _AgentServicer(agent_pb2_grpc.AgentServicer):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         free = _serve_call(context, "Replicate", self._control.replicate, request)
         return agent_pb2.AgentReplicateResponse(free_bytes=free)
+
+    def CollectStacks(self, request, context):  # noqa: N802
+        # It signals this node's workers: taken only from whoever may use control here.
+        refusal = control_refusal(self._access, verified_client(context), "CollectStacks")
+        if refusal is not None:
+            logger.warning("The agent refused CollectStacks from %s: %s.", context.peer(),
+                           refusal)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
+        ranks = _serve_call(context, "CollectStacks", self._control.collect_stacks,
+                            request.round)
+        return agent_pb2.AgentCollectStacksResponse(ranks=ranks)
 
 
 class _WorkerChannelServicer(agent_pb2_grpc.WorkerChannelServicer):

@@ -65,6 +65,7 @@ from prometheus_client.exposition import start_http_server
 from agent import reactor
 from agent.gpu_health import PROBLEMS as GPU_PROBLEMS
 from agent.gpu_health import GpuAction
+from agent.hang_attribution import HangKind
 from agent.lifecycle import AgentState
 from agent.status_record import MemoryTierRow
 from elastic.errors import ConfigError
@@ -177,6 +178,12 @@ class AgentMetrics(NoMetrics):
                                      _LABELS + ("op",), registry=r)
         self._define_worker_series(r, ids)
         self._define_gpu_series(r, ids)
+        self._hang_attributions = Counter(
+            "elasticd_hang_attributions",
+            "Hang verdicts of this node, by the rule that named the culprit from the ranks' "
+            "stacks (agent.hang_attribution.HangKind).", _LABELS + ("kind",), registry=r)
+        for kind in HangKind:
+            self._hang_attributions.labels(*ids, kind.value)
         self._states_source: Callable[[], Iterable[str]] = tuple
         r.register(_WorkersCollector("elasticd_workers",
                                      "This node's workers of the running round, by state.",
@@ -244,6 +251,9 @@ class AgentMetrics(NoMetrics):
         for command in commands:
             if isinstance(command, reactor.StartWorkers):
                 self._rounds_started.inc()
+        if isinstance(event, reactor.HangAttributed) and any(
+                isinstance(c, reactor.StopWorkers) for c in commands):
+            self._hang_attributions.labels(*ids, event.kind.value).inc()
         if isinstance(event, reactor.GpuChecked) and event.decision.action is not GpuAction.WAIT:
             self._gpu_checks.labels(*ids, event.decision.action.value).inc()
             for problem in event.decision.problems:

@@ -22,6 +22,7 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from agent.hang_attribution import RankStack
 from agent.health import PeerHealth
 from agent.probe import ANSWER_WAIT_S, PeerProbe
 from agent.tls import AgentTLS, handshake_problem
@@ -35,6 +36,7 @@ from elastic.errors import (
     RequestRefusedError,
 )
 from elastic.net import fast_reconnect_options
+from elastic.records import MAX_NPROC, cap_text
 from elastic.v1 import agent_pb2, agent_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -203,6 +205,38 @@ def store_health(addr: str, *, asker_has_store: bool = False, asker: str = "",
     except grpc.RpcError as exc:
         logger.debug("The agent at %s did not answer StoreHealth: %s.", addr, exc.code().name)
         return None
+
+
+def collect_stacks(addr: str, round_number: int, *, timeout_s: float,
+                   tls: AgentTLS | None = None) -> list[RankStack]:
+    """The summarised stacks of the workers of ``round_number`` at the agent
+    at ``addr`` (:func:`rank_stacks_from_pb`: validated and bounded); empty
+    when it does not answer in time or answers with an error. Never raises."""
+    stub = agent_pb2_grpc.AgentStub(_channel(addr, tls))
+    try:
+        response = stub.CollectStacks(agent_pb2.AgentCollectStacksRequest(round=round_number),
+                                      timeout=timeout_s)
+    except grpc.RpcError as exc:
+        logger.info("The agent at %s did not answer CollectStacks: %s.", addr, exc.code().name)
+        return []
+    return rank_stacks_from_pb(response.ranks)
+
+
+def rank_stacks_from_pb(ranks) -> list[RankStack]:
+    """Another agent's stack summaries, at most :data:`MAX_NPROC` of them,
+    with text capped and numbers kept within what can be true."""
+    return [RankStack(rank=max(0, r.rank), node_id=cap_text(r.node_id, 128), dumped=r.dumped,
+                      place=cap_text(r.place, 300), collective=cap_text(r.collective, 64),
+                      step=max(-1, r.step), progress_age_s=max(-1.0, r.progress_age_s),
+                      entered_ns=max(0, r.entered_ns))
+            for r in list(ranks)[:MAX_NPROC]]
+
+
+def rank_stacks_to_pb(ranks: list[RankStack]) -> list[agent_pb2.RankStack]:
+    return [agent_pb2.RankStack(rank=r.rank, node_id=r.node_id, dumped=r.dumped, place=r.place,
+                                collective=r.collective, step=r.step,
+                                progress_age_s=r.progress_age_s, entered_ns=r.entered_ns)
+            for r in ranks]
 
 
 def request_drain(
@@ -403,6 +437,18 @@ class GrpcPeerMesh:
         still runs workers (an agent that does not answer counts as stopped)."""
         answers = self._ask_all(addrs, asker_has_store=True, asker=asker)
         return not any(r is not None and r.workers_running for r in answers)
+
+    def collect_stacks(self, addrs: tuple[str, ...], round_number: int,
+                       timeout_s: float) -> list[RankStack]:
+        """The stack summaries of the workers of ``round_number`` at the agents
+        at ``addrs``, asked in parallel, each within ``timeout_s``; those that
+        do not answer add nothing. Never raises."""
+        if not addrs:
+            return []
+        with ThreadPoolExecutor(max_workers=min(16, len(addrs))) as pool:
+            answers = pool.map(lambda a: collect_stacks(a, round_number, timeout_s=timeout_s,
+                                                        tls=self._tls), addrs)
+            return [r for ranks in answers for r in ranks]
 
     def _ask_all(self, addrs, *, asker_has_store: bool, asker: str) -> list:
         if not addrs:

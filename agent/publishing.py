@@ -46,7 +46,7 @@ def worker_rows(view: AgentView, workers: list[WorkerHealth], pids: dict[int, in
             local_rank=w.local_rank, rank=w.rank, pid=pids.get(w.local_rank, 0), state=state,
             last_step=w.step, step_rate=round(w.step_rate(), 3),
             heartbeat_age_s=round(now - w.last_heartbeat_at, 2)
-            if w.last_heartbeat_at is not None else -1.0))
+            if w.last_heartbeat_at is not None else -1.0, judged=w.judged))
     return rows
 
 

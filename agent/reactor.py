@@ -76,12 +76,14 @@ The loop's other threads answer from the view through pure rules too
 from __future__ import annotations
 
 import dataclasses
+import math
 import enum
 import signal
 from dataclasses import dataclass
 from typing import Union
 
 from agent.gpu_health import GpuAction, GpuDecision
+from agent.hang_attribution import HangKind
 from agent.health import PeerHealth
 from agent.lifecycle import AgentState
 from elastic.errors import EXIT_NODE_UNFIT, ElasticError, RendezvousTimeoutError
@@ -94,6 +96,13 @@ S = AgentState
 # a reconnect to another member (seconds) restarts nothing, early enough that
 # the workers are gone before etcd can expire the lease.
 STOP_AT_TTL_FRACTION = 0.7
+# etcd is in doubt once a keep-alive is this many intervals late: no hang is
+# judged then (a rank may wait on a commit that the outage blocks, and no round
+# could form without etcd anyway), and that time never counts toward one.
+STORE_DOUBT_KEEPALIVES = 1.5
+# The longest a hang verdict waits for its attribution (the collection itself
+# is bounded at about 2 s: agent.hang_report) before it fails the round alone.
+ATTRIBUTION_WAIT_S = 5.0
 
 
 # ------------------------------------------------------------------ events
@@ -195,6 +204,16 @@ class Tick:
 
 
 @dataclass(frozen=True)
+class HangAttributed:
+    """The answer to :class:`AttributeHang`: ``reason`` is the verdict with the
+    attribution of every member's stacks (the verdict alone if none came)."""
+
+    round: int
+    reason: str
+    kind: HangKind = HangKind.NO_STACKS  # which attribution rule wrote it
+
+
+@dataclass(frozen=True)
 class GpuChecked:
     """The answer to :class:`CheckGpus` for ``round``."""
 
@@ -203,7 +222,7 @@ class GpuChecked:
 
 
 Event = Union[Joined, GaveUp, RoundCommitted, WorkerExited, PeerHealthChanged, PeerSilent,
-              LeaseState, DrainRequested, Signalled, Tick, GpuChecked]
+              LeaseState, DrainRequested, Signalled, Tick, GpuChecked, HangAttributed]
 
 
 # ---------------------------------------------------------------- commands
@@ -337,6 +356,15 @@ class CheckGpus:
 
 
 @dataclass(frozen=True)
+class AttributeHang:
+    """Before stopping anything, read every member's stacks for ``round`` and
+    answer with a :class:`HangAttributed` (:mod:`agent.hang_report`)."""
+
+    round: int
+    verdict: str
+
+
+@dataclass(frozen=True)
 class Note:
     """Something the operator should read in the log; changes nothing."""
 
@@ -393,6 +421,11 @@ class AgentView:
     # too early to stop (see STOP_AT_TTL_FRACTION); "" when they do not.
     cut_off: str = ""
     cut_off_since: float | None = None  # when this node counts as cut off from (monotonic)
+    store_doubt_since: float | None = None  # etcd in doubt since (STORE_DOUBT_KEEPALIVES)
+    store_doubt_ended_at: float = -math.inf  # when it last ended: hangs count from there
+    # A hang verdict waiting for its attribution: (asked at, how long the fault
+    # went undetected), None when none waits.
+    hang_pending: tuple[float, float | None] | None = None
     last_failure: str = ""
     outcome_reason: str = ""
     exit_code: int | None = None  # set by a signal: the drain's code, or 128 + its number
@@ -456,6 +489,8 @@ def react(view: AgentView, event: Event, now: float, settings: Settings) -> Resu
         return dataclasses.replace(view, exit_code=code), commands
     if isinstance(event, Tick):
         return _on_tick(view, event, now, settings)
+    if isinstance(event, HangAttributed):
+        return _on_attributed(view, event)
     if isinstance(event, GpuChecked):
         return _on_gpus(view, event, settings)
     raise TypeError(f"not an agent event: {event!r}")
@@ -537,7 +572,7 @@ def _on_round(view: AgentView, event: RoundCommitted, now: float, settings: Sett
                                peer_unhealthy=None, suspected=frozenset(),
                                frozen_reported=frozenset(),
                                peers_asked_at=None, store_down_noted=False,
-                               gpu_recheck_at=None, gpu_wait_noted=False)
+                               gpu_recheck_at=None, gpu_wait_noted=False, hang_pending=None)
     starting = f"node rank {me.node_rank} of {len(r.members)}, world size {r.world_size}"
     if settings.gpu_check != "off":
         return view, commands + [Transition(S.STARTING, f"{starting}; checking the GPUs first",
@@ -664,11 +699,40 @@ def _peers_to_ask(r: Round, node_id: str, standby_addrs: tuple[str, ...]) -> tup
     return tuple(m.addr for m in r.members if m.node_id != node_id and m.addr) + standby_addrs
 
 
+def store_in_doubt(view: AgentView, lease_unconfirmed_s: float, settings: Settings) -> bool:
+    """Whether etcd is in doubt here: noted down for everyone, or this node's
+    lease a keep-alive late (:data:`STORE_DOUBT_KEEPALIVES`)."""
+    late_s = STORE_DOUBT_KEEPALIVES * KEEPALIVE_TTL_FRACTION * settings.lease_ttl_s
+    return view.store_down_noted or lease_unconfirmed_s > late_s
+
+
+def hangs_count_from(view: AgentView, now: float) -> float:
+    """The time (monotonic) before which nothing counts toward a hang verdict
+    (:func:`agent.health.hung_workers`' ``not_before``): ``now`` while etcd is in
+    doubt, else the end of the last doubt."""
+    return now if view.store_doubt_since is not None else view.store_doubt_ended_at
+
+
+def _track_store_doubt(view: AgentView, doubt: bool, now: float) -> AgentView:
+    if doubt and view.store_doubt_since is None:
+        return dataclasses.replace(view, store_doubt_since=now)
+    if not doubt and view.store_doubt_since is not None:
+        return dataclasses.replace(view, store_doubt_since=None, store_doubt_ended_at=now)
+    return view
+
+
 def _on_tick(view: AgentView, tick: Tick, now: float, settings: Settings) -> Result:
+    doubt = store_in_doubt(view, tick.lease_unconfirmed_s, settings)
+    view = _track_store_doubt(view, doubt, now)
     if view.state is S.RUNNING:
-        if tick.hung:
-            return _fail_round(view, "; ".join(tick.hung), StopCause.WORKER_HANG,
-                               None if tick.hung_since is None else now - tick.hung_since)
+        if view.hang_pending is not None:
+            asked_at, detect_s = view.hang_pending
+            if now - asked_at > ATTRIBUTION_WAIT_S:  # the answer is lost: fail without it
+                return _fail_hung(view, "; ".join(tick.hung) or "a worker hung", detect_s)
+        elif tick.hung and not doubt:
+            detect_s = None if tick.hung_since is None else now - tick.hung_since
+            return (dataclasses.replace(view, hang_pending=(now, detect_s)),
+                    [AttributeHang(view.round_number, "; ".join(tick.hung))])
         if view.peer_unhealthy is not None:
             peer, since = view.peer_unhealthy
             if now - since > settings.lease_ttl_s:
@@ -704,6 +768,18 @@ def _on_tick(view: AgentView, tick: Tick, now: float, settings: Settings) -> Res
     return view, commands
 
 
+def _on_attributed(view: AgentView, event: HangAttributed) -> Result:
+    if view.state is not S.RUNNING or view.hang_pending is None \
+            or event.round != view.round_number:
+        return view, []  # stopped meanwhile, for another reason
+    return _fail_hung(view, event.reason, view.hang_pending[1])
+
+
+def _fail_hung(view: AgentView, reason: str, detect_s: float | None) -> Result:
+    return _fail_round(dataclasses.replace(view, hang_pending=None), reason,
+                       StopCause.WORKER_HANG, detect_s)
+
+
 def next_tick_at(view: AgentView, tick: Tick, now: float, settings: Settings) -> float:
     """When the passing of time alone may next change what a :class:`Tick`
     decides, given what ``tick`` measured at ``now`` (monotonic). ``now``
@@ -722,6 +798,8 @@ def next_tick_at(view: AgentView, tick: Tick, now: float, settings: Settings) ->
         deadline = min(deadline, view.peer_unhealthy[1] + settings.lease_ttl_s)
     if tick.next_hang_at is not None:
         deadline = min(deadline, tick.next_hang_at)
+    if view.hang_pending is not None:
+        deadline = min(deadline, view.hang_pending[0] + ATTRIBUTION_WAIT_S)
     return deadline
 
 

@@ -16,9 +16,11 @@ from typing import Protocol
 
 from agent import grpc_input, reactor
 from agent.config import AgentConfig
+from agent.hang_report import HangReporter, VerdictOnly
 from agent.health import WorkerTable
 from agent.memory_node import MemoryTier
 from agent.metrics import NoMetrics
+from agent.peers import rank_stacks_to_pb
 from agent.status_record import StatusRecord
 from elastic import __version__
 from elastic.checkpoint.etcd_log import EtcdCommitLog
@@ -44,6 +46,8 @@ class Served(Protocol):
     inbox: queue.Queue
     store: Store
     rdzv: RendezvousNode
+
+    hang_reporter: HangReporter | VerdictOnly
 
     def status_record(self) -> StatusRecord: ...
 
@@ -158,6 +162,16 @@ class AgentService:
             raise InvalidRequestError(f"Replicate: node {self._agent.config.node_id} runs "
                                       "without --memory-tier")
         return memory.receive(request)
+
+    def collect_stacks(self, round_number: int) -> list[agent_pb2.RankStack]:
+        """This node's workers' stacks, summarised, when they belong to round
+        ``round_number`` (a peer judged a hang in it; stopped since: the stacks
+        read last); none otherwise."""
+        a = self._agent
+        view = a.view
+        if view.round is None or round_number != view.round_number or round_number <= 0:
+            return []
+        return rank_stacks_to_pb(a.hang_reporter.local(view.round.workers_round))
 
     def store_health(self, asker_has_store: bool = False, asker: str = ""
                      ) -> tuple[bool, float, bool]:

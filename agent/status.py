@@ -255,12 +255,15 @@ def render(status: dict, now: float | None = None) -> str:
                 n["node_id"], "-" if n["node_rank"] is None else str(n["node_rank"]), n["role"],
                 a.get("state", "?"), n["host"],
                 f"{sum(w['state'] == 'running' for w in workers)}/{n['nproc']}",
+                f"{sum(bool(w.get('judged')) for w in workers)}/{len(workers)}"
+                if workers else "-",
                 str(a.get("last_step", "-")) if a.get("last_step", -1) >= 0 else "-",
                 f"{a['step_rate']:.2f}/s" if a.get("step_rate") else "-",
                 str(a.get("restarts", "-")), a.get("last_failure") or "-"])
         out.append("")
-        out.append(table(["NODE", "RANK", "ROLE", "STATE", "HOST", "WORKERS", "STEP", "RATE",
-                          "RESTARTS", "LAST FAILURE"], rows))
+        # JUDGED: the workers whose hang detection judges progress (agent.health).
+        out.append(table(["NODE", "RANK", "ROLE", "STATE", "HOST", "WORKERS", "JUDGED", "STEP",
+                          "RATE", "RESTARTS", "LAST FAILURE"], rows))
         out.extend(MemoryTierRow(**n["agent"]["memory_tier"]).line(n["node_id"])
                    for n in status["nodes"] if (n["agent"] or {}).get("memory_tier"))
     else:

@@ -51,6 +51,9 @@ class WorkerRow:
     step_rate: float = 0.0  # steps per second over its recent heartbeats
     heartbeat_age_s: float = -1.0  # seconds since its last heartbeat, -1 if none yet
     exit_code: int = 0
+    # Hang detection judges its progress: it reported some (an optimizer step
+    # or elastic.step), or the script did in an earlier round here.
+    judged: bool = False
 
     @classmethod
     def from_dict(cls, key: str, i: int, row: Any) -> "WorkerRow":
@@ -64,14 +67,15 @@ class WorkerRow:
             last_step=int_field(key, named, field("last_step"), -1, default=-1),
             step_rate=_number(key, named, field("step_rate")),
             heartbeat_age_s=_number(key, named, field("heartbeat_age_s"), low=-1.0),
-            exit_code=int_field(key, named, field("exit_code"), -255, 255, default=0))
+            exit_code=int_field(key, named, field("exit_code"), -255, 255, default=0),
+            judged=typed_field(key, named, field("judged"), bool, False))
 
     @classmethod
     def from_pb(cls, w: agent_pb2.WorkerStatus) -> "WorkerRow":
         return cls(local_rank=w.local_rank, rank=w.rank, pid=w.pid,
                    state=cap_text(w.state, _STATE_CHARS), last_step=w.last_step,
                    step_rate=w.step_rate, heartbeat_age_s=w.heartbeat_age_s,
-                   exit_code=w.exit_code)
+                   exit_code=w.exit_code, judged=w.judged)
 
 
 @dataclass(frozen=True)

@@ -51,8 +51,8 @@ from agent.console import ConsoleFilter
 from agent.spawn import Launcher, SpawnerThread, WorkerProcess, stop_groups
 from agent.warm_policy import WarmPolicy, startup_differences
 from agent.warm_pool import WarmPool, WarmStatus
-from agent.worker_output import WorkerOutput, close_log, rank_files
-from elastic import errorfile
+from agent.worker_output import WorkerOutput, close_log, rank_files, stacks_file
+from elastic import errorfile, worker_env
 from elastic.clock import SYSTEM_CLOCK, Clock
 from elastic.errors import ConfigError, WorkerSpawnError
 from elastic.joblog import JobLogger
@@ -380,7 +380,8 @@ class WorkerSupervisor:
         error_file = rank_files(self.log_dir, slot.round, slot.rank)[1]
         with contextlib.suppress(FileNotFoundError):
             os.unlink(error_file)  # a stale one would name another failure's cause
-        env = {**base, **extra, errorfile.ENV_VAR: error_file}
+        env = {**base, **extra, errorfile.ENV_VAR: error_file,
+               worker_env.STACKS_FILE: stacks_file(self.log_dir, slot.round, slot.rank)}
         assignment = {"env": env, "argv": list(self.entrypoint.args),
                       "script": self.entrypoint.script, "module": self.entrypoint.module,
                       "cwd": os.getcwd(), "no_python": self.entrypoint.no_python}

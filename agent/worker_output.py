@@ -27,6 +27,12 @@ def rank_files(log_dir: str, round_number: int, rank: int) -> tuple[str, str]:
             os.path.join(round_dir, f"rank-{rank}.error.json"))
 
 
+def stacks_file(log_dir: str, round_number: int, rank: int) -> str:
+    """Where ``rank`` of a round dumps its Python stacks when the agent asks
+    (:mod:`elastic.worker.stacks`), beside its log."""
+    return os.path.join(log_dir, f"round-{round_number}", f"rank-{rank}.stacks")
+
+
 def last_lines(w: WorkerProcess, n: int = 5) -> str:
     """The last ``n`` lines ``w`` printed while it had no log file, joined by `` | ``."""
     with w.lock:

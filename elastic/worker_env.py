@@ -18,6 +18,9 @@ Written for each worker of a round by :func:`agent.assign.worker_envs`:
   long waits before its next step (0: never).
 * :data:`CHECKPOINT_DIR`: the checkpoint root, set when the agent has one.
   Read by the Checkpointer and by scripts.
+* :data:`STACKS_FILE`: where the worker's Python stacks are dumped when the
+  agent asks (:mod:`elastic.worker.stacks`), in the node's private rank-log
+  directory. Read by the worker bootstrap.
 * :data:`MEMORY_DIR`: this node's memory-tier directory (on a tmpfs, owned,
   replicated and freed by the agent), set when the agent runs with the memory
   tier on. Read by the Checkpointer (:mod:`elastic.checkpoint.memory`).
@@ -52,6 +55,7 @@ HANG_TIMEOUT_S = "ELASTIC_HANG_TIMEOUT_S"
 LEASE_TTL_S = "ELASTIC_LEASE_TTL_S"
 CHECKPOINT_DIR = "ELASTIC_CHECKPOINT_DIR"
 MEMORY_DIR = "ELASTIC_MEMORY_DIR"
+STACKS_FILE = "ELASTIC_STACKS_FILE"
 
 PRELOAD = "ELASTIC_PRELOAD"
 BOOTSTRAP_STATUS_FD = "ELASTIC_BOOTSTRAP_STATUS_FD"
@@ -66,7 +70,7 @@ CHECKPOINT_MODE = "ELASTIC_CHECKPOINT_MODE"
 # The bootstrap's are left out: they are set in a worker's process only.
 NOT_OPTIONS = frozenset({ROUND, JOB_ID, NODE_ID, AGENT_SOCKET, HEARTBEAT_SOCKET, HANG_TIMEOUT_S,
                          LEASE_TTL_S, CHECKPOINT_DIR, MEMORY_DIR, PRELOAD, CHECKPOINT_TRUST,
-                         CHECKPOINT_MODE})
+                         CHECKPOINT_MODE, STACKS_FILE})
 
 
 class WorkerEnv:
@@ -83,6 +87,7 @@ class WorkerEnv:
         self.heartbeat_socket = self._text(HEARTBEAT_SOCKET)
         self.checkpoint_dir = self._text(CHECKPOINT_DIR)
         self.memory_dir = self._text(MEMORY_DIR)
+        self.stacks_file = self._text(STACKS_FILE)
 
     def _text(self, name: str) -> str | None:
         return self._environ.get(name) or None

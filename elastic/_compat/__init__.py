@@ -18,6 +18,8 @@ Modules:
   lifecycle across releases and is missing before 2.9.
 * :mod:`elastic._compat.torch_cuda`: whether a forked child could still use CUDA
   (``torch._C._cuda_isInBadFork``, for the template's fork check).
+* :mod:`elastic._compat.torch_flight_recorder`: torch's flight recorder, the
+  collectives in flight as JSON (``elastic.worker.stacks``, for the hang reason).
 * :mod:`elastic._compat.grpc_waits`: the slice of grpc-python's blocking
   waits, ``grpc._common.MAXIMUM_WAIT_TIMEOUT`` (``elastic.net``).
 * :mod:`elastic._compat.runpy_main`: ``runpy._run_module_as_main``, how

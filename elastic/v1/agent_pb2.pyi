@@ -5,6 +5,18 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class AgentCollectStacksRequest(_message.Message):
+    __slots__ = ["round"]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    def __init__(self, round: _Optional[int] = ...) -> None: ...
+
+class AgentCollectStacksResponse(_message.Message):
+    __slots__ = ["ranks"]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.RepeatedCompositeFieldContainer[RankStack]
+    def __init__(self, ranks: _Optional[_Iterable[_Union[RankStack, _Mapping]]] = ...) -> None: ...
+
 class AgentDrainRequest(_message.Message):
     __slots__ = ["reason"]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +169,26 @@ class MemoryTierStatus(_message.Message):
     replication_bytes_per_s: float
     def __init__(self, own_bytes: _Optional[int] = ..., own_slots: _Optional[int] = ..., replica_bytes: _Optional[int] = ..., replica_slots: _Optional[int] = ..., replica_source: _Optional[str] = ..., buddy: _Optional[str] = ..., newest_own_step: _Optional[int] = ..., acked_step: _Optional[int] = ..., lag_steps: _Optional[int] = ..., need_bytes: _Optional[int] = ..., replication_bytes_per_s: _Optional[float] = ..., free_bytes: _Optional[int] = ...) -> None: ...
 
+class RankStack(_message.Message):
+    __slots__ = ["collective", "dumped", "entered_ns", "node_id", "place", "progress_age_s", "rank", "step"]
+    COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
+    DUMPED_FIELD_NUMBER: _ClassVar[int]
+    ENTERED_NS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLACE_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    collective: str
+    dumped: bool
+    entered_ns: int
+    node_id: str
+    place: str
+    progress_age_s: float
+    rank: int
+    step: int
+    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., dumped: bool = ..., place: _Optional[str] = ..., collective: _Optional[str] = ..., step: _Optional[int] = ..., progress_age_s: _Optional[float] = ..., entered_ns: _Optional[int] = ...) -> None: ...
+
 class WorkerChannelCommitCheckpointRequest(_message.Message):
     __slots__ = ["entry"]
     ENTRY_FIELD_NUMBER: _ClassVar[int]
@@ -244,9 +276,10 @@ class WorkerChannelReportRestoreResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ["exit_code", "heartbeat_age_s", "last_step", "local_rank", "pid", "rank", "state", "step_rate"]
+    __slots__ = ["exit_code", "heartbeat_age_s", "judged", "last_step", "local_rank", "pid", "rank", "state", "step_rate"]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    JUDGED_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -255,10 +288,11 @@ class WorkerStatus(_message.Message):
     STEP_RATE_FIELD_NUMBER: _ClassVar[int]
     exit_code: int
     heartbeat_age_s: float
+    judged: bool
     last_step: int
     local_rank: int
     pid: int
     rank: int
     state: str
     step_rate: float
-    def __init__(self, local_rank: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., last_step: _Optional[int] = ..., step_rate: _Optional[float] = ..., heartbeat_age_s: _Optional[float] = ..., exit_code: _Optional[int] = ...) -> None: ...
+    def __init__(self, local_rank: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., last_step: _Optional[int] = ..., step_rate: _Optional[float] = ..., heartbeat_age_s: _Optional[float] = ..., exit_code: _Optional[int] = ..., judged: bool = ...) -> None: ...

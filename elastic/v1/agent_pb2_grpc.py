@@ -40,6 +40,11 @@ class AgentStub(object):
                 request_serializer=elastic_dot_v1_dot_agent__pb2.AgentReplicateRequest.SerializeToString,
                 response_deserializer=elastic_dot_v1_dot_agent__pb2.AgentReplicateResponse.FromString,
                 )
+        self.CollectStacks = channel.unary_unary(
+                '/elastic.v1.Agent/CollectStacks',
+                request_serializer=elastic_dot_v1_dot_agent__pb2.AgentCollectStacksRequest.SerializeToString,
+                response_deserializer=elastic_dot_v1_dot_agent__pb2.AgentCollectStacksResponse.FromString,
+                )
 
 
 class AgentServicer(object):
@@ -85,6 +90,15 @@ class AgentServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CollectStacks(self, request, context):
+        """What this agent's workers of a round are doing (a hang was judged somewhere
+        in the job): each dumps its Python stacks beside its rank log, and the
+        summary of each comes back, for the reason that names the rank to blame.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +126,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.Replicate,
                     request_deserializer=elastic_dot_v1_dot_agent__pb2.AgentReplicateRequest.FromString,
                     response_serializer=elastic_dot_v1_dot_agent__pb2.AgentReplicateResponse.SerializeToString,
+            ),
+            'CollectStacks': grpc.unary_unary_rpc_method_handler(
+                    servicer.CollectStacks,
+                    request_deserializer=elastic_dot_v1_dot_agent__pb2.AgentCollectStacksRequest.FromString,
+                    response_serializer=elastic_dot_v1_dot_agent__pb2.AgentCollectStacksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -206,6 +225,23 @@ class Agent(object):
         return grpc.experimental.unary_unary(request, target, '/elastic.v1.Agent/Replicate',
             elastic_dot_v1_dot_agent__pb2.AgentReplicateRequest.SerializeToString,
             elastic_dot_v1_dot_agent__pb2.AgentReplicateResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def CollectStacks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/elastic.v1.Agent/CollectStacks',
+            elastic_dot_v1_dot_agent__pb2.AgentCollectStacksRequest.SerializeToString,
+            elastic_dot_v1_dot_agent__pb2.AgentCollectStacksResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 

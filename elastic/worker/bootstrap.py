@@ -71,7 +71,7 @@ import types
 
 from elastic import errorfile, worker_env
 from elastic._compat import runpy_main
-from elastic.worker import priority, template
+from elastic.worker import priority, stacks, template
 from elastic.worker.template import TEMPLATE_FD_ENV
 
 # What a training script's start-up pays for: torch itself, and torch._dynamo,
@@ -372,13 +372,34 @@ def _host_once_torch_is_imported() -> None:
             or not os.environ.get("MASTER_PORT")
             or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
         return
-    sys.meta_path.insert(0, _AfterTorchImport())
+    _once_torch_is_imported(_host_store)
+
+
+def _host_store() -> None:
+    global _hosted_store
+    _hosted_store = _meet_at_the_rendezvous_store()
+
+
+# What runs right after the script's ``import torch`` (in this order).
+_after_torch_import: list = []
+
+
+def _once_torch_is_imported(callback) -> None:
+    """Call ``callback()`` once torch is imported: now if it is, else right
+    after the script's ``import torch`` completes (a script that never
+    imports torch calls nothing)."""
+    if "torch" in sys.modules:
+        callback()
+        return
+    if not _after_torch_import:
+        sys.meta_path.insert(0, _AfterTorchImport())
+    _after_torch_import.append(callback)
 
 
 class _AfterTorchImport:
     """A meta path finder that finds nothing itself: it wraps torch's own
-    loader so that :func:`_meet_at_the_rendezvous_store` runs once torch is
-    imported, then leaves ``sys.meta_path``."""
+    loader so that the callbacks of :func:`_once_torch_is_imported` run once
+    torch is imported, then leaves ``sys.meta_path``."""
 
     def find_spec(self, name, path=None, target=None):
         if name != "torch":
@@ -391,7 +412,7 @@ class _AfterTorchImport:
 
 
 class _HostingLoader:
-    """torch's loader, with the store hosted after its module has executed."""
+    """torch's loader, with the callbacks run after its module has executed."""
 
     def __init__(self, loader):
         self._loader = loader
@@ -401,11 +422,44 @@ class _HostingLoader:
 
     def exec_module(self, module) -> None:
         self._loader.exec_module(module)
-        global _hosted_store
-        _hosted_store = _meet_at_the_rendezvous_store()
+        for callback in _after_torch_import:
+            callback()
+        _after_torch_import.clear()
 
     def __getattr__(self, name):  # resources, get_filename...: torch's loader's own
         return getattr(self._loader, name)
+
+
+def _prepare_to_be_judged() -> None:
+    """What lets the agent judge and explain a hang of any script: its stacks
+    dumped on the agent's signal and, where torch records collectives, the
+    flight record on request (:mod:`elastic.worker.stacks`), and every
+    optimizer step counted as progress (torch's global optimizer step hook;
+    :func:`elastic.worker.runtime.optimizer_stepped`)."""
+    env = worker_env.WorkerEnv()
+    if env.stacks_file:
+        stacks.dump_on_signal(env.stacks_file)
+        stacks.serve_flight_recorder(env.stacks_file)
+    if env.agent_socket:
+        _once_torch_is_imported(_count_optimizer_steps)
+
+
+def _count_optimizer_steps() -> None:
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(_optimizer_stepped)
+
+
+_runtime = None  # elastic.worker.runtime, imported at the first optimizer step
+
+
+def _optimizer_stepped(optimizer, args, kwargs) -> None:
+    global _runtime
+    if _runtime is None:
+        from elastic.worker import runtime
+
+        _runtime = runtime
+    _runtime.optimizer_stepped()
 
 
 def _listen_on_master_addr(host: str, port: int) -> socket.socket:
@@ -488,6 +542,7 @@ def main() -> None:
         _hosted_store = _meet_at_the_rendezvous_store()
         if _hosted_store is None:
             _host_once_torch_is_imported()
+        _prepare_to_be_judged()
     try:
         _run(assignment)
     except SystemExit:

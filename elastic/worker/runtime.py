@@ -1,7 +1,11 @@
 """The worker side of elasticd: process group from the environment, heartbeats, progress.
 
-Works under ``torchrun`` too (no agent socket: no heartbeats, nothing else
-changes), so a script written for this library runs under either launcher.
+Progress is what the script numbers with :func:`step`, or, for a script that
+never calls it, its optimizer steps (:func:`optimizer_stepped`, called by the
+hook the worker bootstrap installs in every worker; heartbeats then start at
+the first one). Works under ``torchrun`` too (no agent socket: no
+heartbeats, nothing else changes), so a script written for this library runs
+under either launcher.
 """
 
 from __future__ import annotations
@@ -122,6 +126,8 @@ class Heartbeat:
 _heartbeat: Heartbeat | None = None
 _device: torch.device | None = None  # the GPU init() bound this process to
 _step = -1
+_script_steps = False  # the script called step(): its numbers are its progress
+_optimizer_steps = 0
 _step_listeners: list[Callable[[int], None]] = []
 # The agent's lease TTL (set by elasticd): a worker whose agent has not vouched
 # for its round that long waits before its next step.
@@ -138,10 +144,16 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> None:
     whatever ``init_process_group`` raises when the group cannot form within
     ``timeout_s``.
     """
-    global _heartbeat, _hold_after_s, _device
+    global _device
     if not dist.is_initialized():
         _device = join_process_group(backend, timeout_s, _env_int("LOCAL_RANK", 0), torch.cuda,
                                       dist.init_process_group)
+    _start_heartbeat()
+
+
+def _start_heartbeat() -> None:
+    """Start heartbeats to the agent named in the environment (none without one)."""
+    global _heartbeat, _hold_after_s
     env = WorkerEnv()
     socket_path = env.agent_socket
     if socket_path and _heartbeat is None:
@@ -218,7 +230,8 @@ def step(n: int | None = None) -> int:
     """Report that a training step completed; ``n`` is its number (default:
     one more than the last). Cheap: the heartbeat thread carries it to the
     agent. Returns the step number."""
-    global _step
+    global _step, _script_steps
+    _script_steps = True
     _step = _step + 1 if n is None else int(n)
     if _heartbeat is not None:
         _heartbeat.report(_step)
@@ -226,6 +239,28 @@ def step(n: int | None = None) -> int:
     for listener in tuple(_step_listeners):
         listener(_step)
     return _step
+
+
+def optimizer_stepped() -> None:
+    """An optimizer step completed (the worker bootstrap installs a hook that
+    calls this for every optimizer of every script): progress, for a script
+    that does not call :func:`step`. Starts heartbeats to the agent at the
+    first one, numbers the steps from 0, and holds like :func:`step` while the
+    agent has not vouched for the round. Once the script called :func:`step`,
+    its numbers alone are its progress and this does nothing."""
+    global _optimizer_steps
+    if _script_steps:
+        return
+    if _heartbeat is None:
+        if _optimizer_steps < 0:
+            return
+        _start_heartbeat()
+        if _heartbeat is None:  # no agent (plain torchrun): nothing to tell, ever
+            _optimizer_steps = -1
+            return
+    _heartbeat.report(_optimizer_steps)
+    _optimizer_steps += 1
+    _heartbeat.wait_until_confirmed(_hold_after_s)
 
 
 def on_step(listener: Callable[[int], None]) -> Callable[[], None]:
@@ -245,7 +280,8 @@ def saving(seconds: float) -> None:
     """Announce a checkpoint write of up to ``seconds`` (0 when done), so the
     agent's hang detection does not fire while no step completes."""
     if _heartbeat is not None:
-        _heartbeat.report(_step, saving_for_s=max(0.0, seconds))
+        # The step the agent last heard of: the script's, or its optimizer's.
+        _heartbeat.report(_heartbeat.step, saving_for_s=max(0.0, seconds))
 
 
 def shutdown() -> None:

@@ -239,3 +239,36 @@ def test_a_single_process_is_told_to_dcp_where_it_takes_no_dist(tmp_path, monkey
     restored = torch.nn.Linear(3, 2)
     assert Checkpointer(str(tmp_path), model=restored).restore() == 1
     assert torch.equal(restored.weight, model.weight)
+
+
+FLIGHT_RECORDER_WORKER = """
+import os, sys
+import torch, torch.distributed as dist
+from elastic._compat import torch_flight_recorder
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+dist.all_reduce(torch.ones(2))
+print(torch_flight_recorder.dump_json().decode())
+"""
+
+
+def test_the_flight_recorder_is_found_on_this_torch_and_records_gloo(tmp_path):
+    pytest.importorskip("torch")
+    from agent.stack_text import in_flight
+    from elastic.net import free_port
+
+    env = {**os.environ, "TORCH_FR_BUFFER_SIZE": "16", "PYTHONPATH": REPO}
+    out = subprocess.run([sys.executable, "-c", FLIGHT_RECORDER_WORKER,
+                          str(free_port("127.0.0.1"))], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    record = json.loads(out)
+    assert isinstance(record["entries"], list)  # onlyActive: the all_reduce is done
+    assert in_flight(out.encode()) is None
+
+
+def test_without_a_flight_recorder_nothing_is_dumped(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from elastic._compat import torch_flight_recorder
+
+    monkeypatch.setattr(torch._C, "_distributed_c10d", types.SimpleNamespace())
+    assert torch_flight_recorder.dump_json() is None

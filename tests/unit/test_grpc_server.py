@@ -17,6 +17,7 @@ import pytest
 from agent import peers
 from agent.assign import worker_envs
 from agent.grpc_server import AgentServer, grpc_code_for
+from agent.hang_attribution import RankStack
 from agent.peers import HealthWatcher, PeerHealth
 from elastic.errors import (
     ConfigError,
@@ -34,6 +35,8 @@ from elastic.rendezvous.api import Member, Round
 from elastic.v1 import agent_pb2, agent_pb2_grpc
 from elastic.worker.channel import WorkerChannelClient
 from tests.waiting import LOADED_SLACK_S
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -71,6 +74,15 @@ class RecordingControl:
         self.calls.append(("request_restart", reason))
         self._maybe_fail()
         return True, 3
+
+    # What CollectStacks answers: this agent's workers' stacks, summarised.
+    stacks = [agent_pb2.RankStack(rank=2, node_id="node-a", dumped=True,
+                                  place="train.py:88 in next_batch", step=41,
+                                  progress_age_s=3.5)]
+
+    def collect_stacks(self, round_number: int) -> list[agent_pb2.RankStack]:
+        self.calls.append(("collect_stacks", str(round_number)))
+        return self.stacks
 
 
 class RecordingSink:
@@ -651,3 +663,52 @@ def test_the_workers_heartbeat_thread_sends_datagrams(server, sink):
     finally:
         beat.close()
     assert len(sink.requests) >= 3 and sink.requests[-1].exiting
+
+
+def test_a_peer_s_stacks_come_back_summarised(server, control):
+    [stack] = peers.collect_stacks(server.address, 7, timeout_s=5.0)
+    assert control.calls == [("collect_stacks", "7")]
+    assert stack == RankStack(2, "node-a", True, place="train.py:88 in next_batch", step=41,
+                              progress_age_s=3.5)
+
+
+def test_a_peer_s_stacks_are_bounded_and_one_that_does_not_answer_gives_none(server, control):
+    control.stacks = [agent_pb2.RankStack(rank=-5, node_id="n" * 10_000, place="\x1b[2J" * 500,
+                                          collective="c" * 1000, step=-9, progress_age_s=-7.0)]
+    [stack] = peers.collect_stacks(server.address, 7, timeout_s=5.0)
+    assert stack.rank == 0 and stack.step == -1 and stack.progress_age_s == -1.0
+    assert len(stack.node_id) <= 128 and len(stack.place) <= 300 and "\x1b" not in stack.place
+    assert len(stack.collective) <= 64
+    assert peers.collect_stacks(f"127.0.0.1:{free_port('127.0.0.1')}", 7, timeout_s=0.3) == []
+
+
+def test_optimizer_steps_are_progress_until_the_script_numbers_its_steps(server, sink, tmp_path):
+    # A script that never calls elastic.step: its optimizer steps are numbered from 0
+    # (the hook the worker bootstrap installs); once it calls elastic.step(10), its
+    # own numbers are its progress and optimizer steps add nothing.
+    pytest.importorskip("torch")
+    script = tmp_path / "steps.py"
+    script.write_text(
+        "import time\n"
+        "import torch\n"
+        "from torch.optim.optimizer import register_optimizer_step_post_hook\n"
+        "from elastic.worker import runtime\n"
+        "register_optimizer_step_post_hook(lambda o, a, k: runtime.optimizer_stepped())\n"
+        "model = torch.nn.Linear(2, 1)\n"
+        "for p in model.parameters():\n"
+        "    p.grad = torch.ones_like(p)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "opt.step()\n"
+        "time.sleep(0.5)  # the first step goes at once, later ones with the next beat\n"
+        "opt.step()\n"
+        "runtime.step(10)\n"
+        "for _ in range(30):\n"
+        "    opt.step()\n"
+        "runtime.shutdown()\n")
+    env = {**os.environ, "ELASTIC_AGENT_SOCKET": "/nonexistent/agent.sock",
+           "ELASTIC_AGENT_HEARTBEAT_SOCKET": server.heartbeat_socket, "ELASTIC_ROUND": "1",
+           "PYTHONPATH": str(REPO_ROOT)}
+    subprocess.run([sys.executable, str(script)], env=env, check=True, timeout=120)
+    steps = [r.step for r in sink.requests if r.step >= 0]  # -1: the first beat, before
+    assert steps[0] == 0, "the first optimizer step is sent at once"
+    assert set(steps) <= {0, 1, 10} and steps[-1] == 10 and sink.requests[-1].exiting

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from agent.health import (
+    HangTimeouts,
     WorkerHealth,
     WorkerTable,
     hung_workers,
@@ -290,7 +291,7 @@ def test_no_verdict_is_due_without_detection_a_heard_worker_or_one_still_running
 class TestHang:
     def test_silent_script_is_never_judged(self):
         w = WorkerHealth(local_rank=0, rank=0, started_at=0.0)
-        assert hung_workers([w], now=10_000.0, hang_timeout_s=5) == []
+        assert hung_workers([w], now=10_000.0, timeouts=5) == []
 
     def test_no_heartbeat_past_the_timeout_is_a_hang(self):
         w = WorkerHealth(local_rank=0, rank=3, started_at=0.0)
@@ -359,3 +360,46 @@ class TestWorkerTable:
         assert before[0].step == 1 and before[0].steps == [(1.0, 1)]
         table.reset([7], now=5.0)
         assert [(w.rank, w.step, w.started_at) for w in table.snapshot()] == [(7, -1, 5.0)]
+
+
+# --- the first progress, and time that does not count ----------------------------------------
+
+FIRST_S = 100.0
+TWO = HangTimeouts(after_s=TIMEOUT_S, first_s=FIRST_S)
+
+
+def test_a_worker_is_not_judged_on_progress_before_its_first_unless_the_script_reported_before():
+    table = WorkerTable()
+    table.reset([0], now=T0)
+    [fresh] = table.snapshot()
+    assert not fresh.judged
+    assert hung_workers([fresh], T0 + 10 * FIRST_S, TWO) == []
+    table.beat(0, T0 + 1.0, 0, 0.0, False)  # its first optimizer step
+    assert table.snapshot()[0].judged
+    table.reset([0], now=T0 + 50.0)  # the next round: the script is known to report
+    [again] = table.snapshot()
+    assert again.judged and again.step == -1
+    assert hung_workers([again], T0 + 50.0 + FIRST_S - EPSILON, TWO) == []
+    [(_, reason)] = hung_workers([again], T0 + 50.0 + FIRST_S + EPSILON, TWO)
+    assert "made no progress for 100.5 s since its start (first-step hang timeout 100 s)" \
+        in reason
+    assert next_hang_verdict_at([again], TWO) == T0 + 50.0 + FIRST_S
+
+
+def test_the_short_timeout_applies_from_the_first_progress():
+    w = worker()
+    w.on_heartbeat(T0, -1, 0.0)  # speaking, no progress yet: silence gets the first timeout
+    assert hung_workers([w], T0 + TIMEOUT_S + EPSILON, TWO) == []
+    w.on_heartbeat(T0 + 1.0, 0, 0.0)
+    assert hung_workers([w], T0 + 1.0 + TIMEOUT_S - EPSILON, TWO) == []
+    [(_, reason)] = hung_workers([w], T0 + 1.0 + TIMEOUT_S + EPSILON, TWO)
+    assert reason.endswith("(hang timeout 30 s)")
+
+
+def test_time_before_not_before_does_not_count():
+    w = worker()
+    w.on_heartbeat(T0, 5, 0.0)
+    back = T0 + 2 * TIMEOUT_S  # etcd came back: the outage's time does not count
+    assert hung_workers([w], back + TIMEOUT_S - EPSILON, TIMEOUT_S, not_before=back) == []
+    assert hung_workers([w], back + TIMEOUT_S + EPSILON, TIMEOUT_S, not_before=back) != []
+    assert next_hang_verdict_at([w], TIMEOUT_S, not_before=back) == back + TIMEOUT_S

@@ -15,12 +15,14 @@ import urllib.request
 import pytest
 
 from agent import metrics as metrics_mod
+from agent.hang_attribution import HangKind
 from agent.health import PeerHealth, WorkerHealth, hung_workers, last_sign_of_life
 from agent.lifecycle import AgentState as S
 from agent.metrics import AgentMetrics, NoMetrics
 from agent.reactor import (
     AgentView,
     DrainRequested,
+    HangAttributed,
     LeaseState,
     PeerHealthChanged,
     RoundCommitted,
@@ -135,8 +137,12 @@ class TestRestartsDetectRecover:
         node.clock.advance(40.0)
         now = node.clock.monotonic()
         node.feed(Tick(hung=("rank 1 made no progress",), hung_since=now - 31.5))
+        assert node.restarts() == only(None), "nothing stops before the stacks are read"
+        node.feed(HangAttributed(1, "rank 1 (node a) is in t.py:3 in f while ... [...]",
+                                 HangKind.RANK_ELSEWHERE))
         assert node.restarts() == only("worker_hang")
         assert node.value("elasticd_detect_seconds_sum", reason="worker_hang") == 31.5
+        assert node.value("elasticd_hang_attributions_total", kind="rank_elsewhere") == 1
 
     def test_a_peer_unhealthy_for_a_ttl_is_detected_from_its_first_not_serving(self):
         node = running_node()

@@ -14,6 +14,11 @@ from agent.health import PeerHealth
 from agent.lifecycle import AgentState as S
 from agent.lifecycle import check_path
 from agent.reactor import (
+    ATTRIBUTION_WAIT_S,
+    STORE_DOUBT_KEEPALIVES,
+    AttributeHang,
+    HangAttributed,
+    hangs_count_from,
     AgentView,
     CheckPeersStore,
     DrainRequested,
@@ -46,6 +51,7 @@ from agent.reactor import (
     store_health,
 )
 from elastic.errors import RendezvousTimeoutError
+from elastic.store.api import KEEPALIVE_TTL_FRACTION
 from elastic.rendezvous.api import Member, ReportKind, Round
 
 SETTINGS = Settings(node_id="a", nproc=2, lease_ttl_s=4.0, join_timeout_s=60.0, job_id="j")
@@ -188,12 +194,56 @@ class TestWorkerExits:
         assert not any(isinstance(c, StopWorkers) for c in commands)
 
 
+def hang(view, tick, now, settings=SETTINGS, attributed=None):
+    """A hang verdict at ``now``, answered at once with the attribution
+    ``attributed`` (default: the verdict unchanged); the last reaction."""
+    view, asked = react(view, tick, now, settings)
+    assert asked == [AttributeHang(view.round_number, "; ".join(tick.hung))]
+    return react(view, HangAttributed(view.round_number, attributed or "; ".join(tick.hung)),
+                 now + 1.0, settings)
+
+
 class TestTicks:
-    def test_a_hung_worker_fails_the_round(self):
-        view, commands = react(running(3), Tick(hung=("rank 0 sent no heartbeat",)), 10.0,
+    def test_a_hung_worker_fails_the_round_with_the_attributed_reason(self):
+        view, asked = react(running(3), Tick(hung=("rank 0 sent no heartbeat",)), 10.0,
+                            SETTINGS)
+        assert view.state is S.RUNNING, "nothing stops before the stacks are read"
+        assert asked == [AttributeHang(3, "rank 0 sent no heartbeat")]
+        assert react(view, Tick(hung=("rank 0 sent no heartbeat",)), 10.5, SETTINGS)[1] == []
+        view, commands = react(view, HangAttributed(3, "rank 0 is in x.py:1 in f [...]"), 11.0,
                                SETTINGS)
         assert view.state is S.JOINING
-        assert RequestRestart(3, "rank 0 sent no heartbeat", failure=True) in commands
+        assert RequestRestart(3, "rank 0 is in x.py:1 in f [...]", failure=True) in commands
+
+    def test_a_lost_attribution_fails_the_round_with_the_verdict_alone(self):
+        view, _ = react(running(3), Tick(hung=("rank 0 made no progress",)), 10.0, SETTINGS)
+        assert react(view, Tick(hung=("rank 0 made no progress",)), 14.9, SETTINGS)[1] == []
+        view, commands = react(view, Tick(hung=("rank 0 made no progress",)), 15.1, SETTINGS)
+        assert RequestRestart(3, "rank 0 made no progress", failure=True) in commands
+        assert next_tick_at(running(3, hang_pending=(10.0, None)), Tick(), 14.0,
+                            SETTINGS) == 10.0 + ATTRIBUTION_WAIT_S
+
+    def test_an_attribution_for_a_round_already_stopped_changes_nothing(self):
+        view, _ = react(running(3), Tick(hung=("rank 0",)), 10.0, SETTINGS)
+        view, _ = react(view, WorkerExited(3, 1, 1, 99, 1), 10.5, SETTINGS)
+        assert react(view, HangAttributed(3, "late"), 11.0, SETTINGS)[1] == []
+
+    def test_no_hang_is_judged_while_etcd_is_in_doubt_and_that_time_never_counts(self):
+        late = STORE_DOUBT_KEEPALIVES * KEEPALIVE_TTL_FRACTION * SETTINGS.lease_ttl_s + 0.1
+        # A keep-alive late: a rank waiting on a commit through etcd is not hung.
+        view, commands = react(running(3), Tick(hung=("rank 0",), lease_unconfirmed_s=late),
+                               10.0, SETTINGS)
+        assert kinds(commands) in ([], ["CheckPeersStore"]) and view.store_doubt_since == 10.0
+        assert hangs_count_from(view, 12.0) == 12.0
+        # etcd noted down for everyone: still no verdict.
+        noted = dataclasses.replace(view, store_down_noted=True)
+        assert not any(isinstance(c, AttributeHang)
+                       for c in react(noted, Tick(hung=("rank 0",)), 13.0, SETTINGS)[1])
+        # Back: the verdicts count from here, not from before the outage.
+        view, commands = react(view, Tick(), 20.0, SETTINGS)
+        assert view.store_doubt_since is None and hangs_count_from(view, 25.0) == 20.0
+        view, commands = react(view, Tick(hung=("rank 0",)), 30.0, SETTINGS)
+        assert commands == [AttributeHang(3, "rank 0")]
 
     def test_a_peer_not_serving_for_longer_than_a_ttl_fails_the_round(self):
         view, _ = react(running(3), peer(PeerHealth.NOT_SERVING), 10.0, SETTINGS)
@@ -455,7 +505,7 @@ class TestStopGrace:
 
     def test_a_local_failure_and_a_hang_stop_with_the_failure_grace(self):
         _, crashed = react(running(3), WorkerExited(3, 1, 1, 99, 1), 10.0, SETTINGS)
-        _, hung = react(running(3), Tick(hung=("rank 1",)), 200.0, SETTINGS)
+        _, hung = hang(running(3), Tick(hung=("rank 1",)), 200.0)
         assert self.grace(crashed) is StopGrace.FAILURE
         assert self.grace(hung) is StopGrace.FAILURE
 
@@ -523,9 +573,9 @@ class TestStopCauses:
         assert self.stop(commands) == (StopCause.WORKER_EXIT, 0.0)
 
     def test_a_hang_is_detected_from_the_last_sign_of_life_when_known(self):
-        _, commands = react(running(3), Tick(hung=("rank 1",), hung_since=8.5), 40.0, SETTINGS)
+        _, commands = hang(running(3), Tick(hung=("rank 1",), hung_since=8.5), 40.0)
         assert self.stop(commands) == (StopCause.WORKER_HANG, 31.5)
-        _, commands = react(running(3), Tick(hung=("rank 1",)), 40.0, SETTINGS)
+        _, commands = hang(running(3), Tick(hung=("rank 1",)), 40.0)
         assert self.stop(commands) == (StopCause.WORKER_HANG, None)
 
     def test_an_unhealthy_peer_is_detected_from_its_first_not_serving(self):

@@ -7,12 +7,13 @@ import json
 
 import pytest
 
+from agent.status import render
 from agent.status_record import StatusRecord, WorkerRow
 from elastic.errors import MalformedRecordError
 from elastic.records import MAX_REASON_CHARS
 
 KEY = "/elastic/j/status/a"
-ROWS = (WorkerRow(0, 4, 101, "running", 9, 2.5, 0.3),
+ROWS = (WorkerRow(0, 4, 101, "running", 9, 2.5, 0.3, judged=True),
         WorkerRow(1, 5, 102, "succeeded", 12, 1.25, 1.0))
 
 
@@ -35,7 +36,8 @@ def test_the_json_record_keeps_its_fields_and_reads_back_the_same():
                            "round", "state", "step_rate", "workers"]
     assert obj["workers"][1] == {"local_rank": 1, "rank": 5, "pid": 102, "state": "succeeded",
                                  "last_step": 12, "step_rate": 1.25, "heartbeat_age_s": 1.0,
-                                 "exit_code": 0}
+                                 "exit_code": 0, "judged": False}
+    assert obj["workers"][0]["judged"] is True
     assert raw == json.dumps(obj, sort_keys=True).encode()
     assert StatusRecord.from_json(KEY, raw) == record()
     assert StatusRecord.from_json(KEY, record(node_rank=None).to_json()).node_rank is None
@@ -75,3 +77,12 @@ def test_the_summary_is_what_elasticctl_status_shows():
     assert list(summary) == ["source", "state", "round", "node_rank", "workers", "last_step",
                              "step_rate", "restarts", "last_failure"]
     assert summary["source"] == "etcd" and summary["workers"][0]["pid"] == 101
+
+
+def test_elasticctl_status_shows_how_many_workers_hang_detection_judges():
+    agent = json.loads(record().to_json())
+    status = {"job_id": "j", "round": None, "leader": "a", "checkpoint": None, "problems": [],
+              "nodes": [{"node_id": "a", "node_rank": 1, "role": "default", "host": "h",
+                         "nproc": 2, "agent": agent}]}
+    header, row = render(status, now=0.0).splitlines()[-2:]
+    assert header.split()[6] == "JUDGED" and row.split()[6] == "1/2"

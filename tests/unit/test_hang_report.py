@@ -1,0 +1,69 @@
+"""The reason of a hang verdict, put together from this node's and the peers' stacks."""
+
+from __future__ import annotations
+
+import logging
+
+from agent.hang_attribution import HangKind, RankStack
+from agent.hang_report import HangReporter
+from elastic.joblog import JobLogger
+from elastic.rendezvous.api import Member, Round
+from tests.fakes.clock import FakeClock
+
+ROUND = Round(number=4, members=(Member("a", 0, "h", 1, addr="a:1"),
+                                 Member("b", 1, "h", 1, addr="b:1"),
+                                 Member("c", 2, "h", 1, addr="c:1")),
+              master_addr="h", master_port=1, reason="why", leader="a", created_at=0.0)
+
+
+class Peers:
+    def __init__(self, answers):
+        self.answers, self.asked = answers, []
+
+    def collect_stacks(self, addrs, round_number, timeout_s):
+        self.asked.append((addrs, round_number))
+        return self.answers
+
+
+class Collector:
+    """This node's one worker: rank 0, waiting in all_reduce."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def collect(self, round_number, workers, health, now, timeout_s):
+        self.calls += 1
+        return [RankStack(0, "a", True, place="t.py:9 in main", collective="all_reduce",
+                          step=7)]
+
+    def path(self, round_number, rank):
+        return f"/logs/round-{round_number}/rank-{rank}.stacks"
+
+
+def reporter(peers, workers=lambda: [object()], collector=None):
+    return HangReporter(collector or Collector(), peers, "a", workers_of=workers,
+                        health_of=lambda: [], clock=FakeClock(),
+                        log=JobLogger(logging.getLogger("test"), "j", "a", lambda: 4))
+
+
+def test_the_reason_puts_the_attribution_before_the_verdict_and_names_silent_nodes():
+    peers = Peers([RankStack(1, "b", True, place="t.py:3 in load", step=6)])
+    found = reporter(peers).reason(ROUND, "rank 0 made no progress for 3.0 s")
+    reason = found.reason
+    assert found.kind is HangKind.RANK_ELSEWHERE
+    assert peers.asked == [(("b:1", "c:1"), 4)]
+    assert reason == ("rank 1 (node b) is in t.py:3 in load while the other rank waits in "
+                      "all_reduce (step 7); no stacks from node(s) c "
+                      "[rank 0 made no progress for 3.0 s]")
+
+
+def test_once_the_workers_are_stopped_a_peer_gets_the_stacks_read_last():
+    collector = Collector()
+    live = [[object()]]
+    r = reporter(Peers([]), workers=lambda: live[0], collector=collector)
+    first = r.local(4)
+    live[0] = []
+    assert r.local(4) == first and collector.calls == 1
+    live[0] = [object()]
+    r.local(5)
+    assert collector.calls == 2
