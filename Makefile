@@ -82,6 +82,7 @@ TORCH_TESTS ?= tests/unit/test_compat.py tests/unit/test_compat_torch_cuda.py \
 	$(wildcard tests/unit/test_checkpoint_*.py) tests/integration/test_security_checkpoint.py \
 	tests/unit/test_data.py tests/unit/test_health.py tests/unit/test_torchrun_store.py \
 	$(wildcard tests/integration/test_checkpoint_*.py) \
+	$(wildcard tests/unit/test_memory_*.py) $(wildcard tests/integration/test_memory_*.py) \
 	tests/integration/test_lying_checkpoint.py \
 	tests/integration/test_supervisor.py::test_module_entrypoint_runs_like_python_dash_m \
 	tests/integration/test_warm_template.py tests/integration/test_worker_store.py \
