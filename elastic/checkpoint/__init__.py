@@ -127,6 +127,19 @@ first file), ``ckpt.mid_write``, ``ckpt.after_shards_before_commit``,
 ``ckpt.after_rename_before_commit_log``, ``ckpt.after_commit_log_before_marker``,
 ``ckpt.mid_prune`` (a pruned checkpoint renamed to ``.trash-*``, not yet deleted).
 
+The memory tier (:mod:`elastic.checkpoint.memory`)
+-------------------------------------------------
+Under the agent's ``--memory-tier`` (``$ELASTIC_MEMORY_DIR``) or with
+``memory_dir=``, and with ``data=`` (the sampler or loader whose position each
+snapshot takes), the Checkpointer also snapshots each rank's state into host
+memory at ``elastic.step`` every k steps (``memory_every``, "auto": k keeps the
+cost under 1% of a step), with no collective per step; the agent replicates
+each node's snapshots to a buddy node and frees older rounds'. ``restore()``
+tries memory first: the newest snapshot complete for every rank of one round,
+not older than the disk commit (by round, then step), read in place, sent by a
+peer rank that holds it, or resharded through a DCP reader; anything else, or
+any failure of that path, is the disk restore above.
+
 The commit logs (``api``, ``commit``, ``etcd_log``, ``agent_log``) and
 ``layout`` import without torch, so the agent and elasticctl can read commit
 logs and layouts; :class:`Checkpointer` and the modules it is made of (see
