@@ -83,6 +83,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import signal
 import statistics
 import sys
@@ -109,6 +110,7 @@ from bench.recovery import (  # noqa: E402
     torch_version,
     wait_for,
 )
+from agent.memory_tier import DEFAULT_ROOT, user_base  # noqa: E402
 from elastic.rendezvous.config import DEFAULT_LEASE_TTL_S  # noqa: E402
 from elastic.store.server import EtcdServer  # noqa: E402
 
@@ -355,6 +357,13 @@ class GoodputRun(Run):
     def nodes(self) -> list:
         """The launchers of the nodes now alive, node a's first."""
         return [ln for ln in self.current if ln is not None]
+
+    def free_memory_tier(self) -> None:
+        """Remove the job's memory-tier directories: a node killed with everything
+        below it (its reaper too) leaves its own, as a dead machine would not."""
+        job = getattr(self, "job", None)
+        if self.bench.launcher == "elasticd-memory" and job:
+            shutil.rmtree(os.path.join(user_base(DEFAULT_ROOT), job), ignore_errors=True)
 
     def stop_job(self) -> None:
         """Thaw, SIGTERM the launchers, SIGKILL what is left (not etcd)."""
@@ -634,6 +643,7 @@ def run_launcher(bench: "Bench", faults: list[Fault]) -> dict:
         out["error"] = str(exc)
     finally:
         run.close_into(out)
+        run.free_memory_tier()
     return out
 
 
