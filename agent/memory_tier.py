@@ -196,13 +196,13 @@ def scan(memory_dir: str) -> list[SlotSeen]:
     found = []
     holders = [(layout.OWN, layout.own_dir(memory_dir))]
     replicas = os.path.join(memory_dir, layout.REPLICAS)
-    for source in _names(replicas):
+    for source in layout.names_in(replicas):
         try:
             holders.append((source, layout.replica_dir(memory_dir, source)))
         except ConfigError:
             continue  # not a node id: nothing the receiver wrote
     for holder, directory in holders:
-        for name in _names(directory):
+        for name in layout.names_in(directory):
             key = layout.parse_slot_name(name)
             if key is None:
                 continue
@@ -210,13 +210,6 @@ def scan(memory_dir: str) -> list[SlotSeen]:
             found.append(SlotSeen(holder, key, info.manifest.step, info.manifest.nbytes)
                           if info is not None else SlotSeen(holder, key))
     return found
-
-
-def _names(directory: str) -> list[str]:
-    try:
-        return sorted(os.listdir(directory))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
 
 
 def free_bytes(path: str) -> int:

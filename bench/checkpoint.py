@@ -627,19 +627,7 @@ def rank_memory_world2(rank: int, world: int, cfg: Config) -> None:
     saved = fingerprint(model, opt)
     disk = Checkpointer(root, model=model, optimizer=opt)
     kinds = {"disk": disk, "memory": ckpt, **({"disk_cold": disk} if cfg.cold else {})}
-    rows: dict[str, list] = {kind: [] for kind in kinds}
-    for i in range(cfg.restores):
-        for kind in (list(kinds) if i % 2 == 0 else list(reversed(kinds))):
-            perturb(model, opt)
-            if kind == "disk_cold":
-                evict(os.path.join(root, f"step-{MEMORY_STEP:012d}"))
-            dist.barrier()
-            started = time.perf_counter()
-            kinds[kind].restore()
-            seconds = time.perf_counter() - started
-            rows[kind].append({"seconds": seconds, "path": kinds[kind].restored_path,
-                               "verified_state": same_fingerprint(fingerprint(model, opt),
-                                                                  saved)})
+    rows = _interleaved_restores(cfg, kinds, model, opt, root, saved, before=dist.barrier)
     disk.close()
     ckpt.close()
     dist.destroy_process_group()
@@ -647,6 +635,27 @@ def rank_memory_world2(rank: int, world: int, cfg: Config) -> None:
     write_result(cfg, f"mem-w2-rank{rank}", {"fingerprint": saved, "same_world": rows,
                                              "train_s": train_s[1:],
                                              "snapshot_s": snapshot_s[1:]})
+
+
+def _interleaved_restores(cfg: Config, kinds: dict, model, opt, root: str, expect,
+                          before=lambda: None) -> dict[str, list]:
+    """``cfg.restores`` restores of MEMORY_STEP by each checkpointer of ``kinds``, in
+    alternating order, the model perturbed before each (and the files evicted for
+    ``disk_cold``); each timed and checked against the fingerprint ``expect``."""
+    rows: dict[str, list] = {kind: [] for kind in kinds}
+    for i in range(cfg.restores):
+        for kind in (list(kinds) if i % 2 == 0 else list(reversed(kinds))):
+            perturb(model, opt)
+            if kind == "disk_cold":
+                evict(os.path.join(root, f"step-{MEMORY_STEP:012d}"))
+            before()
+            started = time.perf_counter()
+            kinds[kind].restore()
+            seconds = time.perf_counter() - started
+            rows[kind].append({"seconds": seconds, "path": kinds[kind].restored_path,
+                               "verified_state": same_fingerprint(fingerprint(model, opt),
+                                                                  expect)})
+    return rows
 
 
 def rank_memory_world1(rank: int, world: int, cfg: Config) -> None:
@@ -669,18 +678,7 @@ def rank_memory_world1(rank: int, world: int, cfg: Config) -> None:
                                                    memory_every=1)}
     if cfg.cold:
         kinds["disk_cold"] = disk
-    rows: dict[str, list] = {kind: [] for kind in kinds}
-    for i in range(cfg.restores):
-        for kind in (list(kinds) if i % 2 == 0 else list(reversed(kinds))):
-            perturb(model, opt)
-            if kind == "disk_cold":
-                evict(os.path.join(root, f"step-{MEMORY_STEP:012d}"))
-            started = time.perf_counter()
-            kinds[kind].restore()
-            seconds = time.perf_counter() - started
-            rows[kind].append({"seconds": seconds, "path": kinds[kind].restored_path,
-                               "verified_state": same_fingerprint(fingerprint(model, opt),
-                                                                  expect)})
+    rows = _interleaved_restores(cfg, kinds, model, opt, root, expect)
     for ckpt in set(kinds.values()):
         ckpt.close()
     dist.destroy_process_group()

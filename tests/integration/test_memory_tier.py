@@ -11,25 +11,13 @@ import shutil
 
 import pytest
 
-from tests.integration.checkpointing import Worker, fsdp2_on_cpu, launch, run, seed_all
+from tests.fakes.data_position import Position
+from tests.integration.checkpointing import Worker, fsdp2_on_cpu, launch, seed_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300), fsdp2_on_cpu]
 
 TWO_NODES = ["node-a", "node-a", "node-b", "node-b"]
 STEPS = 8
-
-
-class Position:
-    """The data position a restore must bring back: samples consumed so far."""
-
-    def __init__(self):
-        self.samples = 0
-
-    def state_dict(self):
-        return {"samples": self.samples}
-
-    def load_state_dict(self, state):
-        self.samples = state["samples"]
 
 
 def task_train(w: Worker, root, mem, nodes, steps=STEPS, kind="fsdp", fresh=True, crash=None,

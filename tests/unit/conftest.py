@@ -9,6 +9,7 @@ import tempfile
 import pytest
 
 from agent.grpc_server import AgentServer
+from tests.tls_certs import make_certs
 
 
 @pytest.fixture
@@ -25,4 +26,14 @@ def socket_path(node):
         yield server.worker_socket
     finally:
         server.stop(grace_s=0.1)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def certs():
+    """A CA and the certificates signed by it (``tests.tls_certs``), once per module."""
+    directory = tempfile.mkdtemp(prefix="elastic-tls-")
+    try:
+        yield make_certs(directory)
+    finally:
         shutil.rmtree(directory, ignore_errors=True)

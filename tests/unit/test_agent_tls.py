@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 
 import grpc
 import pytest
@@ -29,7 +27,6 @@ from elastic.errors import (
     RateLimitedError,
 )
 from elastic.v1 import agent_pb2, agent_pb2_grpc
-from tests.tls_certs import make_certs
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -60,15 +57,6 @@ class Control:
 class Sink:
     def heartbeat(self, request):
         return False, False
-
-
-@pytest.fixture(scope="module")
-def certs():
-    directory = tempfile.mkdtemp(prefix="elastic-tls-")
-    try:
-        yield make_certs(directory)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def server_tls(certs) -> AgentTLS:

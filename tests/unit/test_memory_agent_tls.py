@@ -5,8 +5,6 @@ endpoint and callers without a certificate of the job's CA are refused."""
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import threading
 
 import pytest
@@ -18,18 +16,8 @@ from agent.tls import AgentTLS
 from elastic.checkpoint.memory import layout
 from elastic.errors import AgentUnreachableError, ElasticError
 from elastic.rendezvous.api import Member, Round
-from tests.tls_certs import make_certs
 
 CHUNKS = 3  # the slot's data spans several Replicate calls
-
-
-@pytest.fixture(scope="module")
-def certs():
-    directory = tempfile.mkdtemp(prefix="elastic-tls-")
-    try:
-        yield make_certs(directory)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 class Receiving:

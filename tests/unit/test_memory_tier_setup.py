@@ -12,17 +12,7 @@ from elastic.checkpoint.memory import capacity, layout
 from elastic.errors import ConfigError
 from elastic.worker import runtime
 from elastic.worker_env import MEMORY_DIR
-
-
-class Position:
-    def __init__(self):
-        self.samples = 0
-
-    def state_dict(self):
-        return {"samples": self.samples}
-
-    def load_state_dict(self, state):
-        self.samples = state["samples"]
+from tests.fakes.data_position import Position
 
 
 def model_and_optimizer():

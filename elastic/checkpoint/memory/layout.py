@@ -295,19 +295,20 @@ def list_slots(memory_dir: str) -> list[SlotInfo]:
     """Every complete slot in a node's memory directory, own and replicas."""
     found = [s for s in _slots_in(own_dir(memory_dir), OWN)]
     replicas = os.path.join(memory_dir, REPLICAS)
-    for source in _names(replicas):
+    for source in names_in(replicas):
         found.extend(_slots_in(os.path.join(replicas, source), source))
     return found
 
 
 def _slots_in(directory: str, holder: str) -> Iterator[SlotInfo]:
-    for name in _names(directory):
+    for name in names_in(directory):
         info = read_slot(os.path.join(directory, name), holder)
         if info is not None:
             yield info
 
 
-def _names(directory: str) -> list[str]:
+def names_in(directory: str) -> list[str]:
+    """The names in ``directory``, sorted; none when it is missing or no directory."""
     try:
         return sorted(os.listdir(directory))
     except (FileNotFoundError, NotADirectoryError):
