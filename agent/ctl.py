@@ -78,6 +78,7 @@ from elastic.errors import (
 )
 from elastic.events import Event
 from elastic.records import cap_text, validate_id
+from elastic.rendezvous.round_record import read_round
 from elastic.rendezvous.api import RestartRequest, Round
 from elastic.rendezvous.operator import (
     DEFAULT_OPERATOR_RESTART_INTERVAL_S,
@@ -185,8 +186,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _current_round(store: Store, keys: JobKeys) -> Round | None:
-    kv = store.get(keys.round)
-    return Round.from_json(kv.key, kv.value, kv.version) if kv else None
+    return read_round(store, keys)
 
 
 def _status(store: Store, args) -> str:

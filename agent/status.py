@@ -24,6 +24,7 @@ from elastic.errors import MalformedRecordError
 from elastic.events import Event
 from elastic.keyspace import JobKeys
 from elastic.records import cap_text, id_in_key
+from elastic.rendezvous import round_record
 from elastic.rendezvous.api import Member, NodeInfo, Round
 from elastic.store.api import KeyValue, Store
 
@@ -92,7 +93,7 @@ def collect(store: Store, job_id: str, query_agents: bool = True,
     by_key = {kv.key: kv for kv in kvs}
     problems: list[str] = []
     current = _parsed(by_key.get(keys.round), problems,
-                      lambda kv: Round.from_json(kv.key, kv.value, kv.version))
+                      lambda kv: round_record.from_reads(keys, [kv], kvs))
     registered = {info.node_id: info for info in _parsed_under(
         kvs, keys.nodes, problems, lambda kv: NodeInfo.from_json(kv.key, kv.value))}
     published = {node_id: record.summary("etcd") for node_id, record in _parsed_under(

@@ -5,69 +5,92 @@ For each N, N simulated nodes are spread over ``--processes`` worker processes
 :class:`~elastic.store.etcd.EtcdStore` shared by its nodes, as agents on many
 machines share one etcd cluster. Every node is a full
 :class:`~elastic.rendezvous.node.RendezvousNode` with its own lease (kept alive)
-and its own watches, against one real etcd on this machine. N-1 nodes join
-first; the clock starts when the last one joins and stops when all N have seen
-the committed round (the latest of the processes' "all my nodes saw it" times;
-``time.monotonic`` is one clock for all processes on Linux).
+and its own watches. N-1 nodes join first; the clock starts when the last one
+joins and stops when all N have seen the committed round (the latest of the
+processes' "all my nodes saw it" times; ``time.monotonic`` is one clock for
+all processes on Linux).
 
-Two cases:
+Cases:
 
 * ``--nnodes N:N`` (the round closes on the last join): the protocol's own
-  latency. Target at 1,024 nodes: within 2 s.
-* ``--nnodes N:2N`` with the settle window: the round closes once no node has
-  arrived for ``settle`` seconds, so the time is the window plus overhead.
+  latency. Target: within 2 s at 4,096 nodes.
+* ``--nnodes N:2N`` with the settle window (``--settle``; 0 skips it): the
+  round closes once no node has arrived for ``settle`` seconds.
+* ``--reform``: then a round that replaces the formed one with the same
+  members (a restart request from node 0, as after a worker failure).
+* ``--replace``: then a round that replaces a node (node N-1 leaves, a new
+  node joins: a failed machine swapped for a spare), timed from the new
+  node's join.
+* ``--idle S``: the steady load after that for S seconds (keep-alives, idle
+  watches) and etcd's resident memory.
 
-What etcd pays, from both ends:
+What etcd pays, from both ends, for each phase: requests counted by the
+stores (client side) per node; from each etcd member's ``/metrics``: gRPC
+requests handled (unary calls and stream messages), bytes sent to clients,
+raft proposals, etcd's CPU seconds; and the worker processes' own CPU
+seconds, which say whether a time measured here is etcd's or the simulated
+clients' (on a small machine they share the cores).
 
-* client side: requests counted by the stores for the whole rendezvous
-  (registration, election, watch creates, reads, the round commit), per node;
-  keep-alives and watch events apart;
-* server side, from etcd's own ``/metrics`` before the first node starts and
-  after the last saw the round (so the keep-alives of that time are in):
-  gRPC requests handled (unary calls, and stream messages received), bytes sent
-  to clients (the watch fan-out), raft proposals committed, and etcd's CPU
-  seconds. CPU per request and bytes per node are the "cost per operation"
-  that the model at the end extrapolates from.
+``--etcd-members 3`` runs a 3-member cluster on loopback ports (the chaos
+campaign's; no fsync), each process's clients listing the members in another
+order. ``--tree DIR`` imports the library from another checkout (e.g. the
+tree before a change), so that one bench measures both side by side: run it
+once per tree, back to back, on the same quiet machine.
 
 The model (printed after the table) takes the largest measured size and
-scales each cost by how it grows: requests and proposals with N, the round
-record with N, so the fan-out of the round to N watchers with N squared, and
-the steady keep-alive load with N / (TTL/3). It also says where a record
-limit is crossed (our 1 MiB record limit, etcd's default 1.5 MiB request limit).
+scales each cost by how it grows (see :func:`model`).
 
-    python bench/rendezvous.py [--sizes 64,256,1024] [--repeat 3] [--settle 1.0]
-                               [--processes P] [--json FILE]
+    python bench/rendezvous.py [--sizes 1024,4096] [--repeat 3] [--settle 0]
+                               [--processes P] [--reform] [--replace] [--idle S]
+                               [--etcd-members 1|3] [--tree DIR] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import logging
 import math
 import multiprocessing
 import os
 import re
+import resource
 import statistics
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
 import uuid
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The checkout whose library is measured: --tree, read before anything is
+# imported from it; worker processes (spawned) inherit it through the environment.
+_TREE_ENV = "BENCH_RENDEZVOUS_TREE"
+for _i, _arg in enumerate(sys.argv[:-1]):
+    if _arg == "--tree":
+        os.environ[_TREE_ENV] = os.path.abspath(sys.argv[_i + 1])
+sys.path.insert(0, os.environ.get(_TREE_ENV)
+                or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from elastic.records import MAX_RECORD_BYTES  # noqa: E402
+from elastic.keyspace import JobKeys  # noqa: E402
 from elastic.rendezvous.api import NodeInfo  # noqa: E402
-from elastic.rendezvous.config import RendezvousConfig  # noqa: E402
+from elastic.rendezvous.config import DEFAULT_LEASE_TTL_S, RendezvousConfig  # noqa: E402
 from elastic.rendezvous.node import RendezvousNode  # noqa: E402
 from elastic.store.etcd import EtcdStore  # noqa: E402
 from elastic.store.server import EtcdServer  # noqa: E402
 
 NODES_PER_PROCESS = 128
+# Longer than the default: 32 processes on a small machine can starve a
+# keep-alive for seconds (the model uses the default TTL).
 LEASE_TTL_S = 10.0
-TARGET_S = 2.0  # at 1,024 nodes, closes on the last join
+TARGET_S = 2.0  # at 4,096 nodes, closes on the last join
 ETCD_MAX_REQUEST_BYTES = int(1.5 * 1024 * 1024)  # etcd's default --max-request-bytes
+WATCHED_TARGET_BYTES = 64 * 1024  # the watched record, at any size
+# etcd CPU per GB it sends to watchers and readers (measured: 2.54 s for the
+# 2.11 GB the whole-record round sent at 4,096 nodes, 1 member, 2 cores).
+ETCD_CPU_S_PER_GB = 1.2
 # Client-side counts that are not requests a rendezvous makes.
 _NOT_REQUESTS = ("watch_event", "lease_keepalive", "retry", "watch_reconnect")
 
@@ -91,16 +114,35 @@ def _in_threads(nodes: list[RendezvousNode], action, threads: int = 8) -> None:
         w.join()
 
 
+def _cpu_s() -> float:
+    """CPU seconds (user + system) this process used so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _wait_all(nodes, after: int, expected: int) -> tuple[float, list[int]]:
+    """When every node saw a round after ``after``, and the sizes of those
+    that are not ``expected`` members."""
+    deadline = time.monotonic() + 120
+    rounds = [n.wait_for_round(after=after, timeout_s=max(deadline - time.monotonic(), 0.1))
+              for n in nodes]
+    return time.monotonic(), [len(r.members) for r in rounds if len(r.members) != expected]
+
+
 def _worker(conn, endpoint: str, config: RendezvousConfig, ids: list[int], last: int | None):
     """One process's share of the nodes. Protocol on ``conn``: sends "ready"
     once all but the last node are registered; on "go" starts the last node
     (if it holds it) and sends its start time; sends "done" when all its
-    nodes saw the round; on "stop" leaves and exits."""
+    nodes saw the round. Then, per command: "reform" (node 0 asks for a new
+    round with the same members), "replace" (the holder of the last node
+    stops it and starts node N in its place), each answered when all its
+    nodes saw the next round; "stop" leaves and exits."""
     logging.basicConfig(level=logging.WARNING)
     store = EtcdStore(endpoint)
     # The hosts are made up: rank 0's next MASTER_PORT is not probed on them.
-    nodes = {i: RendezvousNode(store, config, _node_info(i), port_picker=lambda _host: 29500)
-             for i in ids}
+    make = lambda i: RendezvousNode(store, config, _node_info(i),  # noqa: E731
+                                    port_picker=lambda _host: 29500)
+    nodes = {i: make(i) for i in ids}
     try:
         _in_threads([n for i, n in nodes.items() if i != last], RendezvousNode.start)
         conn.send(("ready", threading.active_count()))
@@ -109,15 +151,22 @@ def _worker(conn, endpoint: str, config: RendezvousConfig, ids: list[int], last:
         if last is not None:
             started_at = time.monotonic()
             nodes[last].start()
-        conn.send(("started", started_at))
-        deadline = time.monotonic() + 60
-        rounds = [n.wait_for_round(after=0, timeout_s=max(deadline - time.monotonic(), 0.1))
-                  for n in nodes.values()]
-        done_at = time.monotonic()
-        bad = [len(r.members) for r in rounds if len(r.members) != config.min_nodes]
-        conn.send(("done", done_at, store.ops.snapshot(),
-                   len(rounds[0].to_json()), bad, threading.active_count()))
-        assert conn.recv() == "stop"
+        conn.send(("started", started_at, _cpu_s()))
+        done_at, bad = _wait_all(nodes.values(), 0, config.min_nodes)
+        number = max(n.latest_round.number for n in nodes.values())
+        conn.send(("done", done_at, store.ops.snapshot(), bad, threading.active_count(),
+                   _cpu_s()))
+        while (command := conn.recv()) != "stop":
+            began = None
+            if command == "reform" and 0 in nodes:
+                nodes[0].request_restart("bench: a new round", number, failure=False)
+            elif command == "replace" and last in nodes:
+                nodes.pop(last).stop()
+                began = time.monotonic()
+                nodes[config.min_nodes] = make(config.min_nodes).start()
+            done_at, bad = _wait_all(nodes.values(), number, config.min_nodes)
+            number = max(n.latest_round.number for n in nodes.values())
+            conn.send((command, done_at, store.ops.snapshot(), bad, began, _cpu_s()))
     finally:
         _in_threads(list(nodes.values()), RendezvousNode.stop)
         store.close()
@@ -132,6 +181,7 @@ _METRICS = {
     "bytes_sent": re.compile(r"^etcd_network_client_grpc_sent_bytes_total (\S+)$"),
     "proposals": re.compile(r"^etcd_server_proposals_committed_total (\S+)$"),
     "cpu_s": re.compile(r"^process_cpu_seconds_total (\S+)$"),
+    "rss_bytes": re.compile(r"^process_resident_memory_bytes (\S+)$"),
 }
 
 
@@ -142,59 +192,127 @@ def write_json(path: str | None, data) -> None:
             json.dump(data, f, indent=2)
 
 
-def etcd_metrics(endpoint: str) -> dict[str, float]:
-    """Sums of the server-side counters in ``_METRICS``, from etcd's /metrics."""
-    with urllib.request.urlopen(endpoint + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
+def etcd_metrics(endpoints: str) -> dict[str, float]:
+    """Sums of the server-side counters in ``_METRICS`` over each etcd
+    member's /metrics (comma-separated endpoints). Every member counts the
+    cluster's proposals: the cluster's are the largest member's."""
     sums = dict.fromkeys(_METRICS, 0.0)
-    for line in text.splitlines():
-        for name, pattern in _METRICS.items():
-            m = pattern.match(line)
-            if m:
-                sums[name] += float(m.group(1))
+    proposals = []
+    for endpoint in endpoints.split(","):
+        with urllib.request.urlopen(endpoint + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        mine = dict.fromkeys(_METRICS, 0.0)
+        for line in text.splitlines():
+            for name, pattern in _METRICS.items():
+                m = pattern.match(line)
+                if m:
+                    mine[name] += float(m.group(1))
+        proposals.append(mine.pop("proposals"))
+        for name, value in mine.items():
+            sums[name] += value
+    sums["proposals"] = max(proposals)
     return sums
+
+
+def _diff(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in after if k != "rss_bytes"}
+
+
+def _sum_ops(snapshots) -> dict[str, int]:
+    ops: dict[str, int] = {}
+    for snapshot in snapshots:
+        for k, v in snapshot.items():
+            ops[k] = ops.get(k, 0) + v
+    return ops
+
+
+def _phase(seconds: float, server: dict, clients_cpu_s: float, ops: dict) -> dict:
+    return {"seconds": seconds, "server": server, "clients_cpu_s": clients_cpu_s,
+            "client_requests": sum(v for k, v in ops.items() if k not in _NOT_REQUESTS),
+            "watch_events": ops.get("watch_event", 0), "ops": ops,
+            "loadavg": os.getloadavg()[0]}
+
+
+def _round_bytes(endpoint: str, keys: JobKeys) -> dict[str, int]:
+    """The watched record's size and the stored rosters' (0 in a tree without)."""
+    with EtcdStore(endpoint) as store:
+        head = store.get(keys.round)
+        rosters = getattr(keys, "rosters", None)
+        stored = sum(len(kv.value) for kv in store.get_prefix(rosters)[0]) if rosters else 0
+    return {"watched": len(head.value) if head else 0, "stored_roster": stored}
 
 
 # ------------------------------------------------------------------ one run
 
-def run_once(endpoint: str, n: int, max_nodes: int, settle_s: float, processes: int) -> dict:
+def run_once(endpoint: str, n: int, max_nodes: int, settle_s: float, processes: int,
+             follow_ups: tuple[str, ...] = (), idle_s: float = 0.0) -> dict:
+    """One rendezvous of ``n`` nodes (closing at ``max_nodes`` or after
+    ``settle_s``), then each of ``follow_ups`` ("reform", "replace")."""
     config = RendezvousConfig(job_id=f"bench-{uuid.uuid4().hex[:12]}", min_nodes=n,
                               max_nodes=max_nodes, settle_s=settle_s, lease_ttl_s=LEASE_TTL_S)
+    keys = JobKeys(config.job_id)
     ctx = multiprocessing.get_context("spawn")
     before = etcd_metrics(endpoint)  # the whole rendezvous: registration to the round
     last = n - 1
+    members = endpoint.split(",")
     conns, procs = [], []
     for k in range(processes):
         ids = list(range(k, n, processes))
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=_worker, args=(child, endpoint, config, ids,
+        # Clients spread over the members, as agents list them in another order.
+        mine = ",".join(members[k % len(members):] + members[:k % len(members)])
+        p = ctx.Process(target=_worker, args=(child, mine, config, ids,
                                               last if last in ids else None), daemon=True)
         p.start()
         conns.append(parent)
         procs.append(p)
     try:
-        threads = [_expect(c, "ready", 300)[1] for c in conns]
+        threads = [_expect(c, "ready", 600)[1] for c in conns]
+        at_go = etcd_metrics(endpoint)
         for c in conns:
             c.send("go")
-        started_at = [_expect(c, "started", 60)[1] for c in conns]
-        t0 = next(t for t in started_at if t is not None)
-        dones = [_expect(c, "done", 90) for c in conns]
-        elapsed = max(d[1] for d in dones) - t0
+        started = [_expect(c, "started", 60) for c in conns]
+        t0 = next(s[1] for s in started if s[1] is not None)
+        dones = [_expect(c, "done", 180) for c in conns]
         after = etcd_metrics(endpoint)
-        bad = [b for d in dones for b in d[4]]
-        if bad:
-            raise AssertionError(f"rounds of the wrong size: {bad[:5]} (expected {n})")
-        ops: dict[str, int] = {}
-        for d in dones:
-            for k, v in d[2].items():
-                ops[k] = ops.get(k, 0) + v
-        server = {k: after[k] - before[k] for k in after}
-        return {"n": n, "seconds": elapsed, "processes": processes,
-                "requests": sum(v for k, v in ops.items() if k not in _NOT_REQUESTS),
-                "watch_events": ops.get("watch_event", 0), "ops": ops,
-                "round_bytes": dones[0][3], "server": server,
-                "threads_per_process": max(d[5] for d in dones),
-                "threads_before_last_join": max(threads)}
+        _check_sizes(dones, n)
+        result = {"n": n, "processes": processes, "threads_before_last_join": max(threads),
+                  "threads_per_process": max(d[4] for d in dones),
+                  "round_bytes": _round_bytes(endpoint, keys),
+                  "rendezvous": {"server": _diff(after, before),
+                                 "ops": _sum_ops(d[2] for d in dones)},
+                  "first": _phase(max(d[1] for d in dones) - t0, _diff(after, at_go),
+                                  sum(d[5] for d in dones) - sum(s[2] for s in started),
+                                  _sum_ops(d[2] for d in dones))}
+        cpu = {id(c): d[5] for c, d in zip(conns, dones)}
+        ops = [d[2] for d in dones]
+        for command in follow_ups:
+            at = etcd_metrics(endpoint)
+            sent_at = time.monotonic()
+            for c in conns:
+                c.send(command)
+            replies = [_expect(c, command, 180) for c in conns]
+            later = etcd_metrics(endpoint)
+            _check_sizes(replies, n)
+            began = next((r[4] for r in replies if r[4] is not None), sent_at)
+            now_ops = [r[2] for r in replies]
+            delta_ops = _sum_ops([{k: v - o.get(k, 0) for k, v in new.items()}
+                                  for new, o in zip(now_ops, ops)])
+            result[command] = _phase(max(r[1] for r in replies) - began, _diff(later, at),
+                                     sum(r[5] - cpu[id(c)] for c, r in zip(conns, replies)),
+                                     delta_ops)
+            result[command]["round_bytes"] = _round_bytes(endpoint, keys)
+            cpu = {id(c): r[5] for c, r in zip(conns, replies)}
+            ops = now_ops
+        if idle_s > 0:
+            # The steady load of a formed job: keep-alives on every lease,
+            # idle watches (no agent here publishes status).
+            at = etcd_metrics(endpoint)
+            time.sleep(idle_s)
+            later = etcd_metrics(endpoint)
+            result["idle_per_s"] = {k: v / idle_s for k, v in _diff(later, at).items()}
+            result["idle_per_s"]["rss_bytes"] = later["rss_bytes"]
+        return result
     finally:
         for c in conns:
             try:
@@ -205,6 +323,12 @@ def run_once(endpoint: str, n: int, max_nodes: int, settle_s: float, processes: 
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
+
+
+def _check_sizes(replies, n: int) -> None:
+    bad = [b for r in replies for b in r[3]]
+    if bad:
+        raise AssertionError(f"rounds of the wrong size: {bad[:5]} (expected {n})")
 
 
 def _expect(conn, tag: str, timeout_s: float):
@@ -218,38 +342,120 @@ def _expect(conn, tag: str, timeout_s: float):
 
 # -------------------------------------------------------------------- model
 
-def model(row: dict, sizes: tuple[int, ...] = (4096, 16384)) -> list[str]:
-    """Extrapolate one measured row (closes on last join) to larger jobs."""
+def _records(big: int) -> dict[str, tuple[int, int]] | None:
+    """``phase -> (watched record, stored roster)`` bytes of the rounds of
+    ``big`` nodes of this bench's names, as a tree with rosters writes them
+    (None in a tree without: its round lists every member)."""
+    try:
+        from elastic.rendezvous import round_record
+    except ImportError:
+        return None
+    from elastic.rendezvous.api import Member, Round
+    members = tuple(Member(node_id=i.node_id, node_rank=k, host=i.host, nproc=i.nproc,
+                           addr=i.addr)
+                    for k, i in enumerate(_node_info(j) for j in range(big)))
+    first = Round(number=1, members=members, master_addr=members[0].host, master_port=29500,
+                  reason=f"a node joined; closing with {big} nodes (max reached)",
+                  leader=members[0].node_id, created_at=time.time())
+    spare = _node_info(big)
+    replaced = dataclasses.replace(first, number=2, members=members[:-1] + (Member(
+        node_id=spare.node_id, node_rank=big - 1, host=spare.host, nproc=8, addr=spare.addr),))
+    head, name, stored = round_record.head_of(first, None, "")
+    again, _, _ = round_record.head_of(dataclasses.replace(first, number=2), first, name)
+    swapped, _, _ = round_record.head_of(replaced, first, name)
+    size = len(stored) if stored else 0
+    return {"first": (len(head), size), "reform": (len(again), 0), "replace": (len(swapped), 0)}
+
+
+def model(row: dict, sizes: tuple[int, ...] = (4096, 16384, 65536)) -> list[str]:
+    """Extrapolate one measured row (closes on last join) to larger jobs.
+
+    Per round, etcd sends the watched record to every node, and what nodes
+    read. With rosters (this tree's records, :func:`_records`): the first
+    round sends every node the roster once (inline, or read by each node), a
+    round that keeps the members the head alone, one that replaces a node
+    the head and a delta. Without (``--tree`` of an older checkout): the
+    whole record, N members, to N watchers, every round. Other bytes
+    (registrations, election, keep-alive answers), requests and proposals
+    grow with N; etcd CPU with N for its requests and with
+    ETCD_CPU_S_PER_GB for the bytes it sends; keep-alives with N / (TTL/3)
+    at the default TTL.
+    """
     n = row["n"]
-    s = row["server"]
-    requests = s["unary_requests"] + s["stream_messages"]
-    cpu_per_request = s["cpu_s"] / requests if requests else math.nan
-    # Bytes etcd sent: the round record to every node's watch dominates.
-    fanout = row["round_bytes"] * n
-    other_bytes = max(s["bytes_sent"] - fanout, 0.0)
-    lines = [f"measured at {n} nodes: {requests / n:.1f} etcd requests/node "
-             f"(unary + stream messages), {s['proposals'] / n:.1f} raft proposals/node, "
-             f"etcd CPU {1e6 * cpu_per_request:.0f} us/request, round record "
-             f"{row['round_bytes'] / n:.0f} B/member, {s['bytes_sent'] / 1e6:.1f} MB sent "
-             f"to clients ({fanout / 1e6:.1f} MB of it the round to {n} watchers)"]
+    lines = []
+    phases = [ph for ph in ("first", "reform", "replace") if ph in row]
+    at_n = _records(n)
+    for ph in phases:
+        p = row[ph]
+        s = p["server"]
+        requests = s["unary_requests"] + s["stream_messages"]
+        lines.append(
+            f"measured at {n} nodes, {ph} round: {p['seconds']:.3f} s, "
+            f"{requests / n:.2f} etcd requests/node, {s['proposals']:.0f} proposals, etcd CPU "
+            f"{s['cpu_s']:.2f} s, clients' CPU {p['clients_cpu_s']:.2f} s, "
+            f"{s['bytes_sent'] / 1e6:.1f} MB sent ({s['bytes_sent'] / n / 1e3:.1f} kB/node)")
+
+    def round_sent(records, nodes: int, ph: str) -> tuple[float, float]:
+        """(bytes sent for the round, watched record bytes)."""
+        if records is None:
+            watched = row["round_bytes"]["watched"] * nodes / n
+            return watched * nodes, watched
+        watched, stored = records[ph]
+        return nodes * (watched + stored), watched
+
     for big in sizes:
         scale = big / n
-        record = row["round_bytes"] * scale
-        sent = fanout * scale * scale + other_bytes * scale
-        cpu = s["cpu_s"] * scale  # per-request work; the fan-out's share is below
-        keepalives = big / (LEASE_TTL_S / 3)
-        limits = []
-        if record > MAX_RECORD_BYTES:
-            limits.append(f"exceeds our {MAX_RECORD_BYTES >> 20} MiB record limit")
-        if record > ETCD_MAX_REQUEST_BYTES:
-            limits.append("exceeds etcd's default 1.5 MiB --max-request-bytes")
-        lines.append(
-            f"model at {big:>6d} nodes: {requests * scale:>9.0f} requests, "
-            f"{s['proposals'] * scale:>8.0f} proposals, ~{cpu:.1f} etcd CPU-s for the requests, "
-            f"round record {record / 1024:.0f} KiB, {sent / 1e9:.2f} GB of watch fan-out, "
-            f"{keepalives:.0f} keep-alives/s at TTL {LEASE_TTL_S:.0f} s"
-            + (f"  -- the round record {' and '.join(limits)}" if limits else ""))
+        at_big = _records(big)
+        parts = []
+        for ph in phases:
+            s = row[ph]["server"]
+            measured, _ = round_sent(at_n, n, ph)
+            other = max(s["bytes_sent"] - measured, 0.0)
+            sent, watched = round_sent(at_big, big, ph)
+            sent += other * scale
+            cpu = (max(s["cpu_s"] - ETCD_CPU_S_PER_GB * s["bytes_sent"] / 1e9, 0.0) * scale
+                   + ETCD_CPU_S_PER_GB * sent / 1e9)
+            limit = ("" if watched <= WATCHED_TARGET_BYTES else " (over 64 KiB)") + (
+                "" if watched <= ETCD_MAX_REQUEST_BYTES else " (over etcd's request limit)")
+            parts.append(f"{ph}: watched {watched / 1024:.1f} KiB{limit}, {sent / 1e9:.3f} GB "
+                         f"sent, etcd CPU ~{cpu:.1f} s")
+        lines.append(f"model at {big:>6d} nodes: " + "; ".join(parts)
+                     + f"; {big / (DEFAULT_LEASE_TTL_S / 3):.0f} keep-alives/s at the default "
+                     f"TTL ({DEFAULT_LEASE_TTL_S:g} s)")
     return lines
+
+
+@contextlib.contextmanager
+def _etcd(members: int):
+    """The endpoints of one etcd (fsync on), or of a 3-member cluster on
+    loopback ports (tests/chaos/etcd_cluster.py's, as the campaign runs it)."""
+    if members == 1:
+        with EtcdServer(unsafe_no_fsync=False) as server:
+            server.start()
+            yield server.endpoint
+        return
+    from tests.chaos.etcd_cluster import EtcdCluster
+    from tests.chaos.topology import Host
+    with tempfile.TemporaryDirectory(prefix="bench-etcd-") as workdir:
+        cluster = EtcdCluster([Host(f"e{i}", "127.0.0.1") for i in range(members)], workdir,
+                              f"bench{os.getpid()}")
+        try:
+            cluster.start()
+            yield cluster.endpoints
+        finally:
+            cluster.stop()
+
+
+def _print_phase(label: str, n: int, runs: list[dict]) -> None:
+    seconds = [r["seconds"] for r in runs]
+    s = runs[0]["server"]
+    loads = ", ".join(f"{r['loadavg']:.1f}" for r in runs)
+    print(f"{'':4s}{label:8s} median {statistics.median(seconds):7.3f} s (runs "
+          f"{', '.join(f'{x:.3f}' for x in seconds)}); first run: etcd "
+          f"{(s['unary_requests'] + s['stream_messages']) / n:.2f} requests/node, "
+          f"{s['proposals']:.0f} proposals, etcd CPU {s['cpu_s']:.2f} s, clients' CPU "
+          f"{runs[0]['clients_cpu_s']:.2f} s, sent {s['bytes_sent'] / 1e6:.1f} MB; load "
+          f"average {loads}", flush=True)
 
 
 def main() -> int:
@@ -260,42 +466,65 @@ def main() -> int:
                     help="settle window of the second case (0: skip that case)")
     ap.add_argument("--processes", type=int, default=0,
                     help=f"worker processes per run (default: one per {NODES_PER_PROCESS} nodes)")
+    ap.add_argument("--reform", action="store_true",
+                    help="then a round that replaces the first with the same members")
+    ap.add_argument("--replace", action="store_true",
+                    help="then a round in which a new node replaces one that left")
+    ap.add_argument("--idle", type=float, default=0.0,
+                    help="after the rounds, measure etcd's steady load for this long (s)")
+    ap.add_argument("--etcd-members", type=int, default=1, choices=(1, 3),
+                    help="one etcd, or a 3-member cluster on loopback ports")
+    ap.add_argument("--tree", default=None,
+                    help="import the library from this checkout (default: this one)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     sizes = [int(s) for s in args.sizes.split(",")]
     cases = [("closes on last join", 0.0)] + ([("settle window", args.settle)]
                                                if args.settle > 0 else [])
+    follow_ups = tuple(c for c, on in (("reform", args.reform), ("replace", args.replace)) if on)
+    tree = os.environ.get(_TREE_ENV) or os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__)))
     results = []
-    print(f"# {os.cpu_count()} CPUs; lease TTL {LEASE_TTL_S:.0f} s; target: all of 1,024 "
-          f"nodes see the round within {TARGET_S:.0f} s of the last join", flush=True)
-    with EtcdServer(unsafe_no_fsync=False) as server:
-        server.start()
+    print(f"# tree {tree}; {os.cpu_count()} CPUs; {args.etcd_members} etcd member(s); lease "
+          f"TTL {LEASE_TTL_S:.0f} s; target: every node of 4,096 sees the round within "
+          f"{TARGET_S:.0f} s of the last join; load average {os.getloadavg()[0]:.2f}",
+          flush=True)
+    with _etcd(args.etcd_members) as endpoint:
         for case, settle in cases:
             for n in sizes:
                 max_nodes = n if settle == 0.0 else 2 * n
                 procs = args.processes or max(1, math.ceil(n / NODES_PER_PROCESS))
-                runs = [run_once(server.endpoint, n, max_nodes, settle, procs)
+                runs = [run_once(endpoint, n, max_nodes, settle, procs,
+                                 follow_ups if settle == 0.0 else (), args.idle)
                         for _ in range(args.repeat)]
-                median = statistics.median(r["seconds"] for r in runs)
                 first = runs[0]
-                s = first["server"]
                 row = {"case": case, "nnodes": f"{n}:{max_nodes}", "settle_s": settle, "n": n,
-                       "processes": procs, "median_s": median,
-                       "runs_s": [r["seconds"] for r in runs],
-                       "requests_per_node": first["requests"] / n,
-                       "watch_events_per_node": first["watch_events"] / n,
-                       "round_bytes": first["round_bytes"], "server": s, "ops": first["ops"],
-                       "threads_per_process": first["threads_per_process"]}
+                       "processes": procs, "round_bytes": first["round_bytes"],
+                       "rendezvous": first["rendezvous"],
+                       "threads_per_process": first["threads_per_process"],
+                       "runs": runs}
+                for phase in ("first", *follow_ups):
+                    if phase in first:
+                        row[phase] = dict(first[phase], seconds=statistics.median(
+                            r[phase]["seconds"] for r in runs))
                 results.append(row)
-                print(f"{case:20s} nnodes {row['nnodes']:>10s} ({procs} proc)  median "
-                      f"{median:6.3f} s  (runs {', '.join(f'{x:.3f}' for x in row['runs_s'])})"
-                      f"  requests/node: client {row['requests_per_node']:.1f}, etcd "
-                      f"{(s['unary_requests'] + s['stream_messages']) / n:.1f}  "
-                      f"proposals/node {s['proposals'] / n:.1f}  watch events/node "
-                      f"{row['watch_events_per_node']:.1f}  etcd CPU {s['cpu_s']:.2f} s  "
-                      f"sent {s['bytes_sent'] / 1e6:.1f} MB  threads/process "
-                      f"{row['threads_per_process']}", flush=True)
+                rz = first["rendezvous"]
+                print(f"{case:20s} nnodes {row['nnodes']:>10s} ({procs} proc): watched record "
+                      f"{row['round_bytes']['watched']} B, stored roster "
+                      f"{row['round_bytes']['stored_roster']} B; whole rendezvous: client "
+                      f"{sum(v for k, v in rz['ops'].items() if k not in _NOT_REQUESTS) / n:.1f}"
+                      f" requests/node, {rz['server']['proposals'] / n:.2f} proposals/node, "
+                      f"threads/process {row['threads_per_process']}", flush=True)
+                for phase in ("first", *follow_ups):
+                    if phase in first:
+                        _print_phase(phase, n, [r[phase] for r in runs])
+                idle = first.get("idle_per_s")
+                if idle:
+                    print(f"{'':4s}idle: etcd {idle['unary_requests'] + idle['stream_messages']:.0f}"
+                          f" requests/s, {idle['proposals']:.1f} proposals/s, CPU "
+                          f"{100 * idle['cpu_s']:.1f}% of a core, RSS "
+                          f"{idle['rss_bytes'] / 2**20:.0f} MiB", flush=True)
     largest = max((r for r in results if r["settle_s"] == 0.0), key=lambda r: r["n"])
     print()
     for line in model(largest):

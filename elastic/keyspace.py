@@ -23,6 +23,11 @@ class JobKeys:
     (``suspect/``), or that it answered no probe for the freeze timeout
     (``frozen/``). Reports live under their writer's lease.
 
+    ``rosters/<digest>/<chunk>`` holds the member list of the round whose
+    ``round`` record names that digest, when it is too large to sit in the
+    record itself (:mod:`elastic.rendezvous.round_record`): written before or
+    with that record, deleted with the record that replaces it.
+
     ``torchrun/`` belongs to torchrun's ``etcd3`` rendezvous backend
     (:mod:`elastic.torchrun`), whose job id is torchrun's ``--rdzv-id``:
     ``torchrun/closed`` marks the rendezvous closed (torch's ``set_closed``),
@@ -36,6 +41,7 @@ class JobKeys:
         self.nodes = self.prefix + "nodes/"
         self.leader = self.prefix + "leader"
         self.round = self.prefix + "round"
+        self.rosters = self.prefix + "rosters/"
         self.standbys = self.prefix + "standbys"
         self.config = self.prefix + "config"
         self.requests = self.prefix + "requests/"
@@ -53,6 +59,13 @@ class JobKeys:
         self.operator_restart = self.prefix + "operator-restart"
         self.torchrun_closed = self.prefix + "torchrun/closed"
         self.torchrun_stores = self.prefix + "torchrun/store/"
+
+    def roster(self, digest: str) -> str:
+        """The prefix of the chunks of the roster named ``digest``."""
+        return f"{self.rosters}{digest}/"
+
+    def roster_chunk(self, digest: str, index: int) -> str:
+        return f"{self.roster(digest)}{index:04d}"
 
     def node(self, node_id: str) -> str:
         return self.nodes + node_id

@@ -194,13 +194,22 @@ class Round:
         not an :class:`Outcome`'s value. ``reason`` is capped at MAX_REASON_CHARS.
         """
         obj = load_object(key, raw)
+        members = tuple(member_from_json(key, i, m)
+                        for i, m in enumerate(typed_field(key, obj, "members", list)))
+        return cls.from_fields(key, obj, version, members)
+
+    @classmethod
+    def from_fields(cls, key: str, obj: dict, version: int,
+                    members: tuple[Member, ...]) -> "Round":
+        """The round whose fields but ``members`` are the record ``obj`` at
+        ``key`` (etcd version ``version``), and whose members are ``members``
+        (read from wherever the record says they are). Raises
+        MalformedRecordError as :meth:`from_json` does."""
         number = int_field(key, obj, "number", 1)
         if number != version:
             raise MalformedRecordError(
                 key, f"round number {number} does not match the key's version {version}"
             )
-        members = tuple(_member(key, i, m)
-                        for i, m in enumerate(typed_field(key, obj, "members", list)))
         if [m.node_rank for m in members] != list(range(len(members))):
             raise MalformedRecordError(key, "node ranks are not 0..n-1 in order")
         if len({m.node_id for m in members}) != len(members):
@@ -231,8 +240,9 @@ class Round:
 _OUTCOME_VALUES = tuple(outcome.value for outcome in Outcome)
 
 
-def _member(key: str, index: int, obj: Any) -> Member:
-    """Member ``index`` of the round record at ``key``; MalformedRecordError if invalid."""
+def member_from_json(key: str, index: int, obj: Any) -> Member:
+    """Member ``index`` of the round's members read at ``key``; MalformedRecordError
+    naming the field (``members[index].host``) if invalid."""
     named, name = element_fields(key, "members", index, obj)
     return Member(
         node_id=id_field(key, named, name("node_id")),

@@ -1,13 +1,15 @@
 """The latest committed round as one node knows it, and waiting for the next.
 
-The follower applies what the ``round`` key's watch and re-reads deliver; the
-leader applies its own commits at once. Both go through :meth:`CommittedRound.apply`,
-which keeps the version the leader fences on from ever going back.
+The follower applies what the ``round`` key's watch and re-reads deliver
+(:meth:`CommittedRound.apply`); the leader applies its own commits at once
+(:meth:`CommittedRound.committed`). Both keep the version the leader fences
+on from ever going back. A head whose roster this node cannot rebuild from
+what it holds (:func:`~elastic.rendezvous.round_record.resolve`) waits, as
+:attr:`CommittedRound.awaiting`, until the follower reads head and rosters.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 from typing import Callable, Sequence
 
@@ -15,17 +17,9 @@ from elastic.clock import Clock
 from elastic.errors import MalformedRecordError
 from elastic.joblog import JobLogger
 from elastic.rendezvous.api import Round
+from elastic.rendezvous.round_record import parse_head, resolve
 
 ReportBad = Callable[[MalformedRecordError, int], None]
-
-
-@functools.lru_cache(maxsize=4)
-def _parse_round(key: str, value: bytes, version: int) -> Round:
-    """``Round.from_json``, once per record in a process: nodes that share one
-    (tests, the simulator, bench/rendezvous.py's 128 per process) get the same
-    bytes, and a 1,024-member round takes ~7 ms to check. Rounds are immutable;
-    a malformed record raises each time (exceptions are not cached)."""
-    return Round.from_json(key, value, version)
 
 
 class CommittedRound:
@@ -45,6 +39,8 @@ class CommittedRound:
         self._round: Round | None = None
         self._version = 0  # of the round key as last seen (0: absent)
         self._revision = 0  # the store revision that round was written at
+        self._roster = ""  # the digest of that round's roster
+        self._awaiting = 0  # a head's revision whose roster is still to be read
 
     @property
     def latest(self) -> Round | None:
@@ -60,13 +56,26 @@ class CommittedRound:
     def revision(self) -> int:
         return self._revision
 
-    def apply(self, key: str, value: bytes | None, version: int, revision: int) -> None:
+    @property
+    def roster(self) -> str:
+        """The digest of the latest round's roster ("" while there is none)."""
+        return self._roster
+
+    @property
+    def awaiting(self) -> bool:
+        """Whether a head arrived whose roster this node does not hold: the
+        follower reads head and rosters (it is then applied or refused)."""
+        return self._awaiting > self._revision
+
+    def apply(self, key: str, value: bytes | None, version: int, revision: int,
+              stored: dict[str, bytes] | None = None) -> None:
         """Apply the round key as written at ``revision`` (``value`` None:
-        deleted). A valid new round is logged and passed to ``on_committed`` once."""
-        parsed = None
+        deleted); ``stored``: the rosters read with it, when it was read. A
+        valid new round is logged and passed to ``on_committed`` once."""
+        head = None
         if value is not None:
             try:
-                parsed = _parse_round(key, value, version)
+                head = parse_head(key, value, version)
             except MalformedRecordError as exc:
                 self._report_bad(exc, version)
         with self._cond:
@@ -75,15 +84,37 @@ class CommittedRound:
                 # delivered after a commit or a re-read): applying it would set
                 # the version back and fence every later commit on a stale one.
                 return
-            if parsed is not None and self._round is not None:
-                if parsed.number == self._round.number:
-                    return  # our own commit, applied already, now echoed by the watch
-                if parsed.number < self._round.number:
-                    return  # a re-read racing a newer watch event: keep the newer
-            self._version = version if value is not None else 0
+            if head is not None and self._round is not None and head.number <= self._round.number:
+                return  # our own commit echoed by the watch, or a re-read racing a newer event
+            known, known_roster = self._round, self._roster
+        parsed = None
+        if head is not None:
+            try:
+                parsed = resolve(head, known, known_roster, stored)
+            except MalformedRecordError as exc:
+                self._report_bad(exc, version)
+            else:
+                if parsed is None:
+                    self._awaiting = revision  # no roster to rebuild it from: read it
+                    return
+        self._set(parsed, head.roster if parsed is not None else "", value is None, version,
+                  revision)
+
+    def committed(self, record: Round, roster: str, revision: int) -> None:
+        """Apply this node's own commit of ``record`` (whose roster is
+        ``roster``) at ``revision``."""
+        self._set(record, roster, False, record.number, revision)
+
+    def _set(self, parsed: Round | None, roster: str, deleted: bool, version: int,
+             revision: int) -> None:
+        with self._cond:
+            if revision < self._revision:
+                return
+            self._version = 0 if deleted else version
             self._revision = revision
-            if parsed is not None or value is None:
+            if parsed is not None or deleted:
                 self._round = parsed
+                self._roster = roster
             # Else garbage replaced the round: the last valid one stays, its
             # workers run on, and the leader writes it again on top
             # (see Leader.lead).

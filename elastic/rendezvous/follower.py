@@ -18,6 +18,7 @@ from elastic.clock import Clock
 from elastic.errors import MalformedRecordError
 from elastic.joblog import JobLogger
 from elastic.keyspace import JobKeys
+from elastic.rendezvous import round_record
 from elastic.rendezvous.api import Standbys
 from elastic.rendezvous.committed import CommittedRound
 from elastic.rendezvous.election import leader_in
@@ -31,7 +32,8 @@ class Part:
 
     ``load(kvs, revision, now)``: what a read found (for a key: at most one
     entry) at store ``revision``; ``apply(events, now)``: a batch of watch
-    events. Neither calls the store.
+    events. Neither calls the store. ``read``: how the part is read, when not
+    as its key or prefix alone (the round: its head and rosters at once).
     """
 
     name: PartName
@@ -40,6 +42,7 @@ class Part:
     leader_only: bool
     load: Callable[[list[KeyValue], int, float], None]
     apply: Callable[[Sequence[WatchEvent], float], None]
+    read: Callable[[], tuple[list[KeyValue], int]] | None = None
 
 
 def value_of(event: WatchEvent) -> bytes | None:
@@ -88,7 +91,7 @@ class Follower:
     @property
     def settled(self) -> bool:
         """Whether a leader is known and no part waits to be read again."""
-        return self.leader_id is not None and not self.pending
+        return self.leader_id is not None and not self.pending and not self.rounds.awaiting
 
     def add_leader_parts(self, parts: Iterable[Part], on_stop_leading: Callable[[], None]
                          ) -> None:
@@ -112,7 +115,9 @@ class Follower:
         store's errors."""
         self.pending.add(name)
         part = self._parts[name]
-        if part.prefix:
+        if part.read is not None:
+            kvs, revision = part.read()
+        elif part.prefix:
             kvs, revision = self.store.get_prefix(part.key)
         else:
             kvs, revision = self._read(part.key)
@@ -123,8 +128,12 @@ class Follower:
         self.pending.discard(name)
 
     def resync_pending(self) -> None:
+        """Read again every pending part, and the round with its rosters when
+        a head came whose roster this node lacks; raises the store's errors."""
         for name in sorted(self.pending):
             self.resync(name)
+        if self.rounds.awaiting:
+            self.read_round()
 
     def apply(self, changed: Changed, now: float) -> None:
         """Apply a batch of watch events; no store calls (a failure here would
@@ -154,9 +163,15 @@ class Follower:
         self._watches = []
 
     def read_round(self) -> None:
-        """Read the round key again and apply it (after a commit lost its fence)."""
-        kvs, revision = self._read(self.keys.round)
+        """Read the round again, head and rosters, and apply it (after a commit
+        lost its fence, or for a head whose roster this node lacks)."""
+        kvs, revision = self._read_round()
         self._load_round(kvs, revision, self._clock.wall())
+
+    def _read_round(self) -> tuple[list[KeyValue], int]:
+        """The head (if any) then the rosters, as one revision has them."""
+        result = self.store.txn([], round_record.reads(self.keys))
+        return [*result.results[0][:1], *result.results[1]], result.revision
 
     def _read(self, key: str) -> tuple[list[KeyValue], int]:
         """The key and the store revision it was read at: watching from that
@@ -167,7 +182,8 @@ class Follower:
     def _own_parts(self) -> tuple[Part, ...]:
         keys = self.keys
         return (
-            Part(PartName.ROUND, keys.round, False, False, self._load_round, self._apply_round),
+            Part(PartName.ROUND, keys.round, False, False, self._load_round, self._apply_round,
+                 self._read_round),
             Part(PartName.LEADER, keys.leader, False, False, self._load_leader,
                  self._apply_leader),
             Part(PartName.STANDBYS, keys.standbys, False, False, self._load_standbys,
@@ -175,8 +191,12 @@ class Follower:
         )
 
     def _load_round(self, kvs: list[KeyValue], revision: int, now: float) -> None:
-        if kvs:
-            self.rounds.apply(kvs[0].key, kvs[0].value, kvs[0].version, kvs[0].mod_revision)
+        head = [kv for kv in kvs if kv.key == self.keys.round]
+        stored = round_record.stored_rosters(self.keys,
+                                             [kv for kv in kvs if kv.key != self.keys.round])
+        if head:
+            self.rounds.apply(head[0].key, head[0].value, head[0].version, head[0].mod_revision,
+                              stored)
         else:
             self.rounds.apply(self.keys.round, None, 0, revision)
 

@@ -22,7 +22,7 @@ from elastic.clock import Clock
 from elastic.fence import current_round_number, fenced_txn
 from elastic.joblog import JobLogger
 from elastic.keyspace import JobKeys
-from elastic.rendezvous import decisions
+from elastic.rendezvous import decisions, round_record
 from elastic.rendezvous.api import Member, Outcome, Round, Standbys
 from elastic.rendezvous.committed import CommittedRound
 from elastic.rendezvous.config import RendezvousConfig
@@ -32,7 +32,7 @@ from elastic.rendezvous.follower import BadRecords, Part, value_of
 from elastic.rendezvous.inbox import PartName
 from elastic.rendezvous.revoke import FrozenRevoker
 from elastic.rendezvous.view import LeaderView
-from elastic.store.api import Delete, EventType, KeyValue, Put, Store, WatchEvent
+from elastic.store.api import Delete, EventType, KeyValue, Store, WatchEvent
 
 # How often a leader asks lost members again whether their workers stopped.
 FENCE_RETRY_S = 0.25
@@ -220,8 +220,7 @@ class Leader:
         # request is consumed exactly by the round that answers it.
         served = [Delete(k) for k, r in self.view.restarts.items()
                   if r.round <= number - 1][:_SERVED_PER_COMMIT]
-        ops = [Put(self.keys.round, record.to_json()),
-               events.event_op(self.keys, self._clock, self.node_id, number, "round",
+        ops = [events.event_op(self.keys, self._clock, self.node_id, number, "round",
                                f"round {number} formed with {list(decision.members)}: "
                                f"{decision.reason}")]
         if not self._commit(number, record, ops + served):
@@ -242,8 +241,7 @@ class Leader:
         reason = (f"round {current.number} written again: a malformed record replaced it "
                   f"(the workers of round {current.workers_round} run on)")
         record = current.continued(number, reason, self.node_id, self._clock.wall())
-        ops = [Put(self.keys.round, record.to_json()),
-               events.event_op(self.keys, self._clock, self.node_id, number, "round",
+        ops = [events.event_op(self.keys, self._clock, self.node_id, number, "round",
                                f"round {number}: {reason}")]
         if not self._commit(number, record, ops):
             return False
@@ -257,8 +255,7 @@ class Leader:
         final = dataclasses.replace(current, number=number, outcome=outcome,
                                     reason=decision.reason, leader=self.node_id,
                                     created_at=self._clock.wall(), failures=decision.failures)
-        ops = [Put(self.keys.round, final.to_json()),
-               events.event_op(self.keys, self._clock, self.node_id, number, "outcome",
+        ops = [events.event_op(self.keys, self._clock, self.node_id, number, "outcome",
                                f"job {outcome}: {decision.reason}")]
         if not self._commit(number, final, ops):
             return False
@@ -266,17 +263,27 @@ class Leader:
         return True
 
     def _commit(self, number: int, record: Round, ops: list) -> bool:
-        """Write round ``number`` fenced by the round before it and this node's
-        leadership; apply it at once on success (the watch echo is then a no-op)."""
-        result = fenced_txn(self.store, self.keys, number - 1, ops,
-                            also=[self.election.holds()])
+        """Write round ``number`` (its head, its roster: see
+        :mod:`elastic.rendezvous.round_record`) and ``ops``, fenced by the round
+        before it and this node's leadership; apply it at once on success (the
+        watch echo is then a no-op)."""
+        earlier, with_head, roster = round_record.commit_ops(
+            self.keys, record, self._rounds.latest, self._rounds.roster)
+        also = [self.election.holds()]
+        result = None
+        for chunk in earlier:  # a roster too large for the head's transaction
+            result = fenced_txn(self.store, self.keys, number - 1, chunk, also=also)
+            if not result.succeeded:
+                break
+        if result is None or result.succeeded:
+            result = fenced_txn(self.store, self.keys, number - 1, with_head + ops, also=also)
         if not result.succeeded:
             self._log.info("round %d was not committed (the job is in round %d, or "
                            "leadership moved); re-reading", number,
                            current_round_number(result))
             self._read_round()
             return False
-        self._rounds.apply(self.keys.round, record.to_json(), number, result.revision)
+        self._rounds.committed(record, roster, result.revision)
         return True
 
     # ------------------------------------------------ the leader's parts

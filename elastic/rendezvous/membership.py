@@ -25,6 +25,7 @@ from elastic.keyspace import JobKeys
 from elastic.records import cap_text
 from elastic.rendezvous.api import NodeInfo, Outcome, Round
 from elastic.rendezvous.config import RendezvousConfig
+from elastic.rendezvous.round_record import parse_head
 from elastic.store.api import Compare, Get, KeyValue, Put, Session, Store
 
 Takeover = Callable[[NodeInfo], bool]
@@ -208,7 +209,7 @@ class Membership:
         if not round_kvs:
             return
         try:
-            last = Round.from_json(self.keys.round, round_kvs[0].value, round_kvs[0].version)
+            last = parse_head(self.keys.round, round_kvs[0].value, round_kvs[0].version)
         except MalformedRecordError:
             return
         if last.outcome:

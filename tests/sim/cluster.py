@@ -53,6 +53,7 @@ from elastic.errors import ElasticError, MalformedRecordError, exit_code_for
 from elastic.keyspace import JobKeys
 from elastic.rendezvous.api import NodeInfo, Outcome, Round
 from elastic.rendezvous.node import SESSION_CHECK_S, RendezvousNode
+from elastic.rendezvous.round_record import from_reads, parse_head
 from tests.fakes.clock import FakeClock
 from tests.fakes.memory_store import MemoryStore
 from tests.sim.faults import (
@@ -459,7 +460,7 @@ class Cluster:
         if kv is None:
             return None
         try:
-            return Round.from_json(kv.key, kv.value, kv.version).workers_round
+            return parse_head(kv.key, kv.value, kv.version).workers_round
         except MalformedRecordError:
             return None
 
@@ -494,7 +495,8 @@ class Cluster:
         if kv is None or self.final is not None or kv.version == self.result.rounds:
             return
         try:
-            r = Round.from_json(kv.key, kv.value, kv.version)
+            # The simulator's rounds are small: their members sit in the record.
+            r = from_reads(self.keys, [kv], [])
         except MalformedRecordError as exc:
             if kv.value != b"garbage":  # not what a garbage_round fault wrote
                 v.append(f"the round key holds garbage: {exc}")

@@ -1,0 +1,249 @@
+"""The ``round`` record as etcd holds it: a small head every node watches, and
+the members as a roster (:mod:`elastic.rendezvous.roster`).
+
+Every node watches ``round``, so its size is paid once per node per round.
+The head holds every field of a :class:`~elastic.rendezvous.api.Round` but
+the members, plus ``nnodes``, ``world_size`` and ``roster`` (the digest of the
+member list), and at most one of:
+
+* ``packed``: the roster itself (compressed, base64), when it is at most
+  INLINE_BYTES: a job of up to a few thousand nodes reads nothing else;
+* ``delta``: how the roster follows from the one before (``base``): a node
+  that holds that one rebuilds it with no read, so a round that loses or adds
+  a few nodes costs O(1) bytes per node at any size.
+
+A roster not inline is kept under ``rosters/<digest>/`` in chunks of at most
+CHUNK_BYTES, written with the head in its one fenced transaction when it fits
+in TXN_ROSTER_BYTES, else in fenced transactions just before it. Nothing
+refers to a roster until a head naming it commits, and the head that
+replaces it deletes it, so at every revision the current head's roster is
+there: a half-written round is invisible. A node that holds neither the
+roster nor its base reads head and rosters in one transaction
+(:func:`read_reads`), so what it reads is one revision's.
+
+Records of the whole form (``members`` as a list of objects, as
+:meth:`Round.to_json` writes them) are read as they are.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import json
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+from elastic.errors import MalformedRecordError
+from elastic.keyspace import JobKeys
+from elastic.records import cap_text, int_field, load_object, text_field, typed_field
+from elastic.rendezvous import roster
+from elastic.rendezvous.api import Member, Outcome, Round
+from elastic.store.api import Delete, Get, KeyValue, Op, Put, Store
+
+# A roster sits in the head up to this many bytes of base64 (about 4,000
+# members of regular names): the head stays under 64 KiB with a reason and
+# failures beside it.
+INLINE_BYTES = 48 * 1024
+# A stored roster's chunks, and how much of it goes in the head's own
+# transaction: etcd refuses requests over 1.5 MiB (--max-request-bytes).
+CHUNK_BYTES = 512 * 1024
+TXN_ROSTER_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True, eq=False)
+class RoundHead:
+    """The ``round`` record read at ``key`` (etcd version ``version``),
+    members not yet resolved. ``whole``: the round, when the record lists its
+    members itself (whole form). Compared and hashed by identity:
+    :func:`parse_head` returns one object per record and process."""
+
+    key: str
+    version: int
+    fields: dict
+    number: int
+    roster: str
+    nnodes: int
+    outcome: Outcome = Outcome.NONE
+    reason: str = ""
+    packed: bytes | None = None
+    delta: dict | None = None
+    whole: Round | None = None
+
+    @property
+    def workers_round(self) -> int:
+        return int(self.fields.get("continues") or 0) or self.number
+
+
+@functools.lru_cache(maxsize=8)
+def parse_head(key: str, value: bytes, version: int) -> RoundHead:
+    """The head record ``value`` at ``key``. Raises MalformedRecordError naming
+    the key and field when it is not a head (or a whole round), its number is
+    not ``version``, its roster digest or inline roster is not valid, or its
+    delta names no valid base. Cached per process (records are immutable)."""
+    obj = load_object(key, value)
+    number = int_field(key, obj, "number", 1)
+    if number != version:
+        raise MalformedRecordError(
+            key, f"round number {number} does not match the key's version {version}")
+    if "members" in obj:
+        whole = Round.from_json(key, value, version)
+        return RoundHead(key, version, obj, number, roster.digest(roster.canonical(whole.members)),
+                         len(whole.members), whole.outcome, whole.reason, whole=whole)
+    outcome = typed_field(key, obj, "outcome", str, "")
+    if outcome not in tuple(Outcome):
+        raise MalformedRecordError(key, f"field 'outcome' is {cap_text(outcome, 64)!r}")
+    digest = typed_field(key, obj, "roster", str)
+    if not roster.valid_digest(digest):
+        raise MalformedRecordError(key, "field 'roster' is not a roster's digest")
+    nnodes = int_field(key, obj, "nnodes", 1)
+    packed = None
+    if "packed" in obj:
+        try:
+            packed = base64.b64decode(typed_field(key, obj, "packed", str), validate=True)
+        except binascii.Error as exc:
+            raise MalformedRecordError(key, f"field 'packed' is not base64: {exc}") from exc
+    change = typed_field(key, obj, "delta", dict, None)
+    if change is not None and not roster.valid_digest(change.get("base")):
+        raise MalformedRecordError(key, "field 'delta.base' is not a roster's digest")
+    return RoundHead(key, version, obj, number, digest, nnodes, Outcome(outcome),
+                     text_field(key, obj, "reason"), packed, change)
+
+
+def stored_rosters(keys: JobKeys, kvs: Sequence[KeyValue]) -> dict[str, bytes]:
+    """The rosters under ``rosters/`` in ``kvs`` (in key order; other keys
+    are skipped), each its chunks joined, by digest. A chunk whose key is not
+    ``<digest>/<index>`` is left out (the digest check then refuses a roster
+    it belonged to)."""
+    chunks: dict[str, list[bytes]] = {}
+    for kv in kvs:
+        if not kv.key.startswith(keys.rosters):
+            continue
+        name, _, index = kv.key[len(keys.rosters):].partition("/")
+        if roster.valid_digest(name) and index.isdigit() \
+                and int(index) == len(chunks.setdefault(name, [])):
+            chunks[name].append(kv.value)
+    return {name: b"".join(parts) for name, parts in chunks.items()}
+
+
+def resolve(head: RoundHead, known: Round | None, known_roster: str,
+            stored: dict[str, bytes] | None = None) -> Round | None:
+    """The round ``head`` is, its members taken from what the reader has:
+    ``known`` (whose roster is named ``known_roster``), the head itself, or
+    ``stored`` (the rosters read with the head, at its revision). None when
+    none of them has its roster and nothing was read (the reader then reads).
+
+    Raises MalformedRecordError naming the key when the roster read with the
+    head is missing or is not the one it names, or a field is invalid."""
+    members: tuple[Member, ...] | None = None
+    if head.whole is not None:
+        return head.whole
+    if known is not None and known_roster == head.roster:
+        members = known.members
+    elif head.packed is not None:
+        members = roster.unpack(head.key, head.packed, head.roster)
+    elif head.delta is not None and known is not None and known_roster == head.delta["base"]:
+        members = roster.apply_delta(head.key, known.members, known_roster, head.delta,
+                                     head.roster)
+    if members is None:
+        if stored is None:
+            return None
+        if head.roster not in stored:
+            raise MalformedRecordError(head.key, f"its roster {head.roster} is not stored")
+        members = roster.unpack(head.key, stored[head.roster], head.roster)
+    if len(members) != head.nnodes:
+        raise MalformedRecordError(head.key, f"field 'nnodes' is {head.nnodes}, its roster "
+                                             f"lists {len(members)}")
+    return _assembled(head, _Members(members, head.roster))
+
+
+class _Members:
+    """Members keyed by their roster's digest (hashing them would cost what
+    the cache saves)."""
+
+    def __init__(self, members: tuple[Member, ...], name: str):
+        self.members, self.name = members, name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Members) and other.name == self.name
+
+
+@functools.lru_cache(maxsize=8)
+def _assembled(head: RoundHead, members: _Members) -> Round:
+    return Round.from_fields(head.key, head.fields, head.version, members.members)
+
+
+def head_of(record: Round, previous: Round | None, previous_roster: str
+            ) -> tuple[bytes, str, bytes | None]:
+    """``(head, roster digest, roster to store or None)`` for committing
+    ``record`` after ``previous`` (whose roster is ``previous_roster``)."""
+    name, packed = roster.pack(record.members)
+    obj: dict[str, Any] = asdict(record)
+    del obj["members"]
+    obj.update(nnodes=len(record.members), world_size=record.world_size, roster=name)
+    text = base64.b64encode(packed).decode()
+    stored = None
+    if len(text) <= INLINE_BYTES:
+        obj["packed"] = text
+    else:
+        stored = packed
+        change = (roster.delta(previous.members, record.members)
+                  if previous is not None and previous_roster != name else None)
+        if change is not None:
+            obj["delta"] = {"base": previous_roster, **change}
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode(), name, stored
+
+
+def commit_ops(keys: JobKeys, record: Round, previous: Round | None, previous_roster: str
+               ) -> tuple[list[list[Op]], list[Op], str]:
+    """What committing ``record`` writes: ``(earlier, with_head, digest)``.
+    ``earlier``: transactions to apply (fenced, in order) before the head's,
+    each a roster chunk (empty unless the roster exceeds TXN_ROSTER_BYTES);
+    ``with_head``: the head's own ops (the head, roster chunks, and the
+    deletion of the previous roster when it differs)."""
+    head, name, stored = head_of(record, previous, previous_roster)
+    ops: list[Op] = [Put(keys.round, head)]
+    earlier: list[list[Op]] = []
+    if stored is not None:
+        chunks = [Put(keys.roster_chunk(name, i), stored[at:at + CHUNK_BYTES])
+                  for i, at in enumerate(range(0, len(stored), CHUNK_BYTES))]
+        if len(stored) <= TXN_ROSTER_BYTES:
+            ops += chunks
+        else:
+            earlier = [[chunk] for chunk in chunks]
+    if previous_roster and previous_roster != name:
+        ops.append(Delete(keys.roster(previous_roster), prefix=True))
+    return earlier, ops, name
+
+
+def reads(keys: JobKeys) -> list[Op]:
+    """The reads of one transaction that has the whole round: the head, and
+    the rosters (normally one) at the same revision."""
+    return [Get(keys.round), Get(keys.rosters, prefix=True)]
+
+
+def from_reads(keys: JobKeys, head_kvs: Sequence[KeyValue], roster_kvs: Sequence[KeyValue]
+               ) -> Round | None:
+    """The round that :func:`reads` found (None: no round yet). Raises
+    MalformedRecordError naming the key when it is not a valid round."""
+    if not head_kvs:
+        return None
+    kv = head_kvs[0]
+    head = parse_head(kv.key, kv.value, kv.version)
+    return resolve(head, None, "", stored_rosters(keys, roster_kvs))
+
+
+def read_round(store: Store, keys: JobKeys, timeout_s: float | None = None) -> Round | None:
+    """The job's current round, whole (None: none yet). For readers that do
+    not follow the job (elasticctl, tests). Raises MalformedRecordError and
+    the store's errors."""
+    result = store.txn([], reads(keys), timeout_s=timeout_s)
+    return from_reads(keys, result.results[0], result.results[1])
+
+
+def roster_of(record: Round) -> str:
+    """The digest of ``record``'s roster (what a head committing it names)."""
+    return roster.digest(roster.canonical(record.members))
