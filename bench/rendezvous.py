@@ -129,7 +129,8 @@ def _wait_all(nodes, after: int, expected: int) -> tuple[float, list[int]]:
     return time.monotonic(), [len(r.members) for r in rounds if len(r.members) != expected]
 
 
-def _worker(conn, endpoint: str, config: RendezvousConfig, ids: list[int], last: int | None):
+def _worker(conn, endpoint: str, config: RendezvousConfig, ids: list[int], last: int | None,
+            inline_bytes: int | None):
     """One process's share of the nodes. Protocol on ``conn``: sends "ready"
     once all but the last node are registered; on "go" starts the last node
     (if it holds it) and sends its start time; sends "done" when all its
@@ -138,6 +139,9 @@ def _worker(conn, endpoint: str, config: RendezvousConfig, ids: list[int], last:
     stops it and starts node N in its place), each answered when all its
     nodes saw the next round; "stop" leaves and exits."""
     logging.basicConfig(level=logging.WARNING)
+    if inline_bytes is not None:
+        from elastic.rendezvous import round_record
+        round_record.INLINE_BYTES = inline_bytes  # whichever node leads writes the rounds
     store = EtcdStore(endpoint)
     # The hosts are made up: rank 0's next MASTER_PORT is not probed on them.
     make = lambda i: RendezvousNode(store, config, _node_info(i),  # noqa: E731
@@ -245,7 +249,8 @@ def _round_bytes(endpoint: str, keys: JobKeys) -> dict[str, int]:
 # ------------------------------------------------------------------ one run
 
 def run_once(endpoint: str, n: int, max_nodes: int, settle_s: float, processes: int,
-             follow_ups: tuple[str, ...] = (), idle_s: float = 0.0) -> dict:
+             follow_ups: tuple[str, ...] = (), idle_s: float = 0.0,
+             inline_bytes: int | None = None) -> dict:
     """One rendezvous of ``n`` nodes (closing at ``max_nodes`` or after
     ``settle_s``), then each of ``follow_ups`` ("reform", "replace")."""
     config = RendezvousConfig(job_id=f"bench-{uuid.uuid4().hex[:12]}", min_nodes=n,
@@ -262,7 +267,8 @@ def run_once(endpoint: str, n: int, max_nodes: int, settle_s: float, processes: 
         # Clients spread over the members, as agents list them in another order.
         mine = ",".join(members[k % len(members):] + members[:k % len(members)])
         p = ctx.Process(target=_worker, args=(child, mine, config, ids,
-                                              last if last in ids else None), daemon=True)
+                                              last if last in ids else None, inline_bytes),
+                        daemon=True)
         p.start()
         conns.append(parent)
         procs.append(p)
@@ -474,6 +480,9 @@ def main() -> int:
                     help="after the rounds, measure etcd's steady load for this long (s)")
     ap.add_argument("--etcd-members", type=int, default=1, choices=(1, 3),
                     help="one etcd, or a 3-member cluster on loopback ports")
+    ap.add_argument("--inline-bytes", type=int, default=None,
+                    help="the largest roster a round record carries itself (default: the "
+                         "tree's; 0: every roster stored and read)")
     ap.add_argument("--tree", default=None,
                     help="import the library from this checkout (default: this one)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
@@ -486,7 +495,8 @@ def main() -> int:
     tree = os.environ.get(_TREE_ENV) or os.path.dirname(os.path.dirname(os.path.abspath(
         __file__)))
     results = []
-    print(f"# tree {tree}; {os.cpu_count()} CPUs; {args.etcd_members} etcd member(s); lease "
+    inline = "" if args.inline_bytes is None else f"; rosters inline up to {args.inline_bytes} B"
+    print(f"# tree {tree}{inline}; {os.cpu_count()} CPUs; {args.etcd_members} etcd member(s); lease "
           f"TTL {LEASE_TTL_S:.0f} s; target: every node of 4,096 sees the round within "
           f"{TARGET_S:.0f} s of the last join; load average {os.getloadavg()[0]:.2f}",
           flush=True)
@@ -496,7 +506,8 @@ def main() -> int:
                 max_nodes = n if settle == 0.0 else 2 * n
                 procs = args.processes or max(1, math.ceil(n / NODES_PER_PROCESS))
                 runs = [run_once(endpoint, n, max_nodes, settle, procs,
-                                 follow_ups if settle == 0.0 else (), args.idle)
+                                 follow_ups if settle == 0.0 else (), args.idle,
+                                 args.inline_bytes)
                         for _ in range(args.repeat)]
                 first = runs[0]
                 row = {"case": case, "nnodes": f"{n}:{max_nodes}", "settle_s": settle, "n": n,
