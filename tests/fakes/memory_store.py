@@ -364,6 +364,11 @@ class MemoryStore(Store):
         with self._lock:
             return self._kvs.get(key)
 
+    def peek_prefix(self, prefix: str) -> list[KeyValue]:
+        """The keys under ``prefix``, in key order, as :meth:`peek` reads one."""
+        with self._lock:
+            return self._range_locked(prefix, prefix=True)
+
     def deliver_pending(self, *, hold: str | None = None) -> int:
         """Synchronous mode: run every queued watch callback, in watch order,
         until none is left; returns how many batches ran. Watches on the key

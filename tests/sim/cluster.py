@@ -32,7 +32,8 @@ alone must keep a zombie group from training) and ``memory`` (the memory tier
 always on, faults that lose or keep a node's memory, see
 :func:`tests.sim.faults.make_memory_schedule`). The memory tier runs in
 :data:`MEMORY_SHARE` of the other profiles' seeds, with a snapshot interval
-and a replication lag drawn per seed.
+and a replication lag drawn per seed. Odd seeds keep every round's roster out of
+its record, as a large job's rounds do (:mod:`elastic.rendezvous.round_record`).
 
 The same seed gives the same run, bit for bit: replay a failure with
 ``python -m tests.sim --seed N -v``.
@@ -40,6 +41,7 @@ The same seed gives the same run, bit for bit: replay a failure with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
@@ -53,6 +55,7 @@ from elastic.errors import ElasticError, MalformedRecordError, exit_code_for
 from elastic.keyspace import JobKeys
 from elastic.rendezvous.api import NodeInfo, Outcome, Round
 from elastic.rendezvous.node import SESSION_CHECK_S, RendezvousNode
+from elastic.rendezvous import round_record
 from elastic.rendezvous.round_record import from_reads, parse_head
 from tests.fakes.clock import FakeClock
 from tests.fakes.memory_store import MemoryStore
@@ -495,8 +498,7 @@ class Cluster:
         if kv is None or self.final is not None or kv.version == self.result.rounds:
             return
         try:
-            # The simulator's rounds are small: their members sit in the record.
-            r = from_reads(self.keys, [kv], [])
+            r = from_reads(self.keys, [kv], self.store.peek_prefix(self.keys.rosters))
         except MalformedRecordError as exc:
             if kv.value != b"garbage":  # not what a garbage_round fault wrote
                 v.append(f"the round key holds garbage: {exc}")
@@ -567,8 +569,23 @@ def run(seed: int, *, verbose: bool = False, profile: str = "mixed",
     if not verbose:
         logging.disable(logging.CRITICAL)
     try:
-        return Cluster(seed, verbose=verbose, profile=profile, memory=memory,
-                       choose=choose).run()
+        with _rosters(stored=seed % 2 == 1):
+            return Cluster(seed, verbose=verbose, profile=profile, memory=memory,
+                           choose=choose).run()
     finally:
         if not verbose:
             logging.disable(logging.NOTSET)
+
+
+@contextlib.contextmanager
+def _rosters(stored: bool):
+    """Odd seeds run their rounds as a large job's are, whatever their size:
+    no roster in the round record (stored, read by the nodes that lack it,
+    rebuilt by the others from a delta). The parity draws nothing from the
+    seed's generator, so schedules stay as they were."""
+    inline = round_record.INLINE_BYTES
+    round_record.INLINE_BYTES = 0 if stored else inline
+    try:
+        yield
+    finally:
+        round_record.INLINE_BYTES = inline
