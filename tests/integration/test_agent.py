@@ -14,6 +14,7 @@ import pytest
 from agent import peers
 from elastic.keyspace import JobKeys
 from elastic.rendezvous.api import NodeInfo, Round
+from elastic.rendezvous.round_record import read_round
 from tests.integration.procs import REPO, AgentProcess, read_progress, wait_progress
 from tests.proctable import alive
 
@@ -37,8 +38,7 @@ def agents(etcd_endpoint, job_id):
 
 
 def final_round(store, job_id) -> Round:
-    kv = store.get(JobKeys(job_id).round)
-    return Round.from_json(kv.key, kv.value, kv.version)
+    return read_round(store, JobKeys(job_id))
 
 
 # For a node whose workers this test never restarts (it is killed, frozen or drained

@@ -24,6 +24,7 @@ from elastic.hostport import HostPort
 from elastic.keyspace import JobKeys
 from elastic.net import free_port
 from elastic.rendezvous.api import NodeInfo, Outcome, Round
+from elastic.rendezvous.round_record import read_round
 from elastic.v1 import agent_pb2, agent_pb2_grpc
 from tests.integration.procs import REPO, AgentProcess
 from tests.tls_certs import make_certs
@@ -58,8 +59,7 @@ def progress(directory) -> list[dict]:
 
 
 def current_round(store, job_id) -> Round | None:
-    kv = store.get(JobKeys(job_id).round)
-    return Round.from_json(kv.key, kv.value, kv.version) if kv else None
+    return read_round(store, JobKeys(job_id))
 
 
 def agent_addr(store, job_id, node_id) -> str:

@@ -25,7 +25,8 @@ import uuid
 import pytest
 
 from elastic.keyspace import JobKeys
-from elastic.rendezvous.api import Outcome, Round
+from elastic.rendezvous.api import Outcome
+from elastic.rendezvous.round_record import read_round
 from tests.integration.procs import REPO
 from tests.proctable import alive, pids_with_env
 from tests.integration.tcp_proxy import TcpProxy
@@ -271,8 +272,7 @@ def test_agent_restarted_with_the_same_node_id_takes_its_place_back(cluster, etc
                 & {r["round"] for r in records if r["node"] == "node-b" and r["round"] > r0})
     assert together, (f"a round after {r0} must hold both nodes, but node-b ran no worker in "
                       f"node-a's round {new_round}\n{cluster.tails()}")
-    final = etcd_store.get(cluster.keys.round)
-    assert Round.from_json(final.key, final.value, final.version).outcome is Outcome.SUCCEEDED
+    assert read_round(etcd_store, cluster.keys).outcome is Outcome.SUCCEEDED
 
 
 # ----------------------------------------------------------- 2. exit barrier

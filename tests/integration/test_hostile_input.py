@@ -30,6 +30,7 @@ from elastic.checkpoint.etcd_log import decode_latest
 from elastic.keyspace import JobKeys
 from elastic.records import MAX_RECORD_BYTES
 from elastic.rendezvous.api import NodeInfo, Round
+from elastic.rendezvous.round_record import read_round
 from elastic.store.etcd import EtcdStore
 from elastic.v1 import agent_pb2, agent_pb2_grpc
 from tests.integration.procs import REPO, AgentProcess
@@ -86,9 +87,8 @@ class Job:
                                                             timeout=timeout_s)
 
     def round(self) -> Round | None:
-        kv = self.store.get(self.keys.round)
         try:
-            return Round.from_json(kv.key, kv.value, kv.version) if kv else None
+            return read_round(self.store, self.keys)
         except Exception:  # noqa: BLE001 - garbage is what the tests write
             return None
 

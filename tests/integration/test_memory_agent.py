@@ -20,7 +20,7 @@ from agent.memory_tier import user_base
 from agent.status_record import human_bytes
 from elastic.checkpoint.memory import layout
 from elastic.keyspace import JobKeys
-from elastic.rendezvous.api import Round
+from elastic.rendezvous.round_record import read_round
 from tests.integration.procs import AgentProcess
 from tests.proctable import alive
 
@@ -120,8 +120,8 @@ def test_each_node_replicates_to_its_buddy_byte_for_byte_and_frees_on_exit(
     assert f"own 12.0 MiB in 4 slots (newest step {STEPS - 1})" in line
     assert f"buddy b has step {STEPS - 1} (lag 0" in line
     assert "needs up to 24.0 MiB" in line  # twice 2 x 3 MiB, own and replicated
-    kv = etcd_store.get(JobKeys(job_id).round)  # where the nodes sit reaches the round
-    assert {m.node_id: m.rack for m in Round.from_json(kv.key, kv.value, kv.version).members} \
+    # where the nodes sit reaches the round
+    assert {m.node_id: m.rack for m in read_round(etcd_store, JobKeys(job_id)).members} \
         == {"a": "r1", "b": "r2"}
 
     a.proc.send_signal(signal.SIGTERM)

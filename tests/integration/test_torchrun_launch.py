@@ -21,7 +21,7 @@ import time
 import pytest
 
 from elastic.keyspace import JobKeys
-from elastic.rendezvous.api import Round
+from elastic.rendezvous.round_record import read_round
 
 pytestmark = pytest.mark.integration
 
@@ -99,8 +99,7 @@ def test_a_killed_worker_restarts_both_launchers_in_a_new_round(etcd_endpoint, e
     assert sorted((r["rank"], r["world"]) for r in done) == [(0, 2), (1, 2)]
     assert max(r["restart"] for r in done) == 1  # the killed rank's launcher used its one restart
     keys = JobKeys(job_id)
-    kv = etcd_store.get(keys.round)
-    assert Round.from_json(kv.key, kv.value, kv.version).number >= 2
+    assert read_round(etcd_store, keys).number >= 2
 
 
 def test_a_late_launcher_is_admitted_by_restarting_the_running_group(etcd_endpoint, job_id,
