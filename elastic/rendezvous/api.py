@@ -13,6 +13,7 @@ decision types, :mod:`elastic.rendezvous.decisions`.
 from __future__ import annotations
 
 import enum
+import functools
 import json
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -172,10 +173,12 @@ class Round:
         return tuple(m.node_id for m in self.members)
 
     def member(self, node_id: str) -> Member | None:
-        for m in self.members:
-            if m.node_id == node_id:
-                return m
-        return None
+        return self._by_id.get(node_id)
+
+    @functools.cached_property
+    def _by_id(self) -> dict[str, Member]:
+        # Every node looks itself up in every round: O(1), not O(members).
+        return {m.node_id: m for m in self.members}
 
     def to_json(self) -> bytes:
         obj = asdict(self)
