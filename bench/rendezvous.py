@@ -55,6 +55,7 @@ import logging
 import math
 import multiprocessing
 import os
+import random
 import re
 import resource
 import statistics
@@ -359,9 +360,13 @@ def _records(big: int) -> dict[str, tuple[int, int]] | None:
     except ImportError:
         return None
     from elastic.rendezvous.api import Member, Round
+    # Ranked in the order they registered: here, concurrently from many
+    # processes, so not in id order (which would compress better).
+    order = list(range(big))
+    random.Random(0).shuffle(order)
     members = tuple(Member(node_id=i.node_id, node_rank=k, host=i.host, nproc=i.nproc,
                            addr=i.addr)
-                    for k, i in enumerate(_node_info(j) for j in range(big)))
+                    for k, i in enumerate(_node_info(j) for j in order))
     first = Round(number=1, members=members, master_addr=members[0].host, master_port=29500,
                   reason=f"a node joined; closing with {big} nodes (max reached)",
                   leader=members[0].node_id, created_at=time.time())

@@ -170,7 +170,8 @@ class Follower:
 
     def _read_round(self) -> tuple[list[KeyValue], int]:
         """The head (if any) then the rosters, as one revision has them."""
-        result = self.store.txn([], round_record.reads(self.keys))
+        result = self.store.txn([], round_record.reads(self.keys),
+                                timeout_s=round_record.READ_TIMEOUT_S)
         return [*result.results[0][:1], *result.results[1]], result.revision
 
     def _read(self, key: str) -> tuple[list[KeyValue], int]:

@@ -43,8 +43,9 @@ from elastic.store.api import Delete, Get, KeyValue, Op, Put, Store
 
 # A roster sits in the head up to this many bytes of base64 (about 4,000
 # members of regular names): the head stays under 64 KiB with a reason and
-# failures beside it.
-INLINE_BYTES = 48 * 1024
+# failures beside it. Pushed on the watch every node has, it costs etcd less
+# than as many reads of a stored roster, and no node waits for a read.
+INLINE_BYTES = 56 * 1024
 # A stored roster's chunks, and how much of it goes in the head's own
 # transaction: etcd refuses requests over 1.5 MiB (--max-request-bytes).
 CHUNK_BYTES = 512 * 1024
@@ -234,6 +235,12 @@ def from_reads(keys: JobKeys, head_kvs: Sequence[KeyValue], roster_kvs: Sequence
     kv = head_kvs[0]
     head = parse_head(kv.key, kv.value, kv.version)
     return resolve(head, None, "", stored_rosters(keys, roster_kvs))
+
+
+# A read of the round with its rosters: every node of a new job makes one at
+# once (N reads of a roster of N members), which a loaded etcd serves in
+# seconds; a short deadline would cancel them all and start them again.
+READ_TIMEOUT_S = 30.0
 
 
 def read_round(store: Store, keys: JobKeys, timeout_s: float | None = None) -> Round | None:
