@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import faulthandler
 import json
 import logging
 import math
@@ -58,6 +59,7 @@ import os
 import random
 import re
 import resource
+import signal
 import statistics
 import sys
 import tempfile
@@ -142,6 +144,8 @@ def _worker(conn, endpoint: str, config: RendezvousConfig, ids: list[int], last:
     stops it and starts node N in its place), each answered when all its
     nodes saw the next round; "stop" leaves and exits."""
     logging.basicConfig(level=logging.WARNING)
+    # `kill -USR1 <pid>` prints every thread's stack: where a slow run spends its time.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if inline_bytes is not None:
         from elastic.rendezvous import round_record
         round_record.INLINE_BYTES = inline_bytes  # whichever node leads writes the rounds
