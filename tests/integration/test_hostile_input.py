@@ -420,6 +420,6 @@ def test_malformed_and_oversized_requests_to_the_worker_socket_are_refused_clear
             grpc.StatusCode.UNIMPLEMENTED
         # Still answering: a valid heartbeat of the running round.
         response = stub.Heartbeat(agent_pb2.WorkerChannelHeartbeatRequest(
-            rank=0, local_rank=0, pid=os.getpid(), round=rnd.number, step=1), timeout=5)
+            rank=0, local_rank=0, pid=os.getpid(), round=rnd.workers_round, step=1), timeout=5)
         assert not response.stop_requested
     job.assert_carries_on(rnd)
