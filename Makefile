@@ -28,7 +28,7 @@ demo: setup
 # on two cores; the CPU-bound ones share one worker (tests/marks.py). TEST_JOBS=0 runs serially.
 TEST_JOBS ?= 2
 test: setup
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadgroup
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadgroup --durations=25
 
 # The tests on the oldest dependencies pyproject.toml allows (tools/floor_constraints.py),
 # in a venv of their own: torch is the pinned CPU build (its floor is a CUDA download).
