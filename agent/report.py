@@ -62,7 +62,8 @@ from elastic.events import (
 )
 from elastic.rendezvous.api import Round
 
-GOODPUT_SOURCE = "timeline (elasticctl report), not the agents' goodput metric"
+# Goodput.source: computed by elasticctl report from the events, not the agents' metric.
+GOODPUT_SOURCE = "timeline"
 TIER_DISK = "disk"
 TIER_MEMORY = "memory"
 
@@ -85,13 +86,14 @@ class _RoundLog:
 
 def build_report(job_id: str, events: Iterable[Event], now: float, *,
                  current: Round | None = None, latest: CommitEntry | None = None,
-                 statuses: Sequence[StatusRecord] = (), unreadable: int = 0) -> JobReport:
+                 statuses: Sequence[StatusRecord] = (),
+                 unreadable: Sequence[str] = ()) -> JobReport:
     """The timeline of ``job_id`` as of ``now`` (wall seconds).
 
     ``events``: its history, in any order; ``current``: its round record;
     ``latest``: its latest checkpoint commit; ``statuses``: its agents'
-    status records; ``unreadable``: how many events could not be parsed
-    (the history is then incomplete). Never raises on odd histories: what
+    status records; ``unreadable``: the keys of the records (events among
+    them) that could not be parsed: the history is then incomplete. Never raises on odd histories: what
     the events do not say is left None, UNKNOWN or OTHER.
     """
     history = sorted(events, key=lambda e: (e.time, e.node_id))
@@ -102,7 +104,7 @@ def build_report(job_id: str, events: Iterable[Event], now: float, *,
     commits = sorted(c.time for c in checkpoints if c.ok and c.tier == TIER_DISK
                      and c.time is not None)
     rounds, faults = _timeline(logs, outcome, frozen, commits, current, now)
-    record = _history(history, logs, current, outcome, unreadable)
+    record = _history(history, logs, current, unreadable)
     end = outcome.time if outcome else now
     return JobReport(
         job_id=job_id, made_at=now,
@@ -272,7 +274,7 @@ def _checkpoints(history: list[Event], latest: CommitEntry | None,
 
 
 def _history(history: list[Event], logs: dict[int, _RoundLog], current: Round | None,
-             outcome: Event | None, unreadable: int) -> History:
+             unreadable: Sequence[str]) -> History:
     """Whether events may be missing, which, and from when the history is whole."""
     gaps: list[str] = []
     whole_from = [history[0].time] if history else []
@@ -300,7 +302,9 @@ def _history(history: list[Event], logs: dict[int, _RoundLog], current: Round | 
     if last >= expected:
         gaps.append(f"round {last}, the job's current round, not in the history")
     if unreadable:
-        gaps.append(f"{unreadable} unreadable event(s) skipped")
+        more = f" and {len(unreadable) - 3} more" if len(unreadable) > 3 else ""
+        gaps.append(f"{len(unreadable)} unreadable record(s) skipped: "
+                    f"{', '.join(unreadable[:3])}{more}")
     return History(events=len(history), complete=not gaps,
                    complete_from=max(whole_from) if whole_from else None, gaps=tuple(gaps))
 
