@@ -93,8 +93,9 @@ def build_report(job_id: str, events: Iterable[Event], now: float, *,
     ``events``: its history, in any order; ``current``: its round record;
     ``latest``: its latest checkpoint commit; ``statuses``: its agents'
     status records; ``unreadable``: the keys of the records (events among
-    them) that could not be parsed: the history is then incomplete. Never raises on odd histories: what
-    the events do not say is left None, UNKNOWN or OTHER.
+    them) that could not be parsed: the history is then incomplete. Never
+    raises on odd histories: what the events do not say is left None,
+    UNKNOWN or OTHER.
     """
     history = sorted(events, key=lambda e: (e.time, e.node_id))
     logs = _round_logs(history)
@@ -161,7 +162,7 @@ def _timeline(logs: dict[int, _RoundLog], outcome: Event | None, frozen: list[Ev
         bands.append(band)
         fault = _fault(band, log, ends, frozen)
         if fault is not None:
-            faults.append(_recovered(fault, band, formed[i + 1:], logs, outcome, commits, now))
+            faults.append(_recovered(fault, band, formed[i + 1:], outcome, commits, now))
     return bands, faults
 
 
@@ -195,49 +196,70 @@ def _first_hand(log: _RoundLog) -> list[tuple[Event, read.Transition]]:
     return [(e, t) for e, t in log.stops if read.is_first_hand(t)]
 
 
+@dataclass(frozen=True)
+class _Cause:
+    """Who and what broke a round, and when it was seen (None: when the round ended)."""
+
+    kind: FaultKind
+    text: str
+    node: str | None
+    rank: int | None
+    by: str
+    at: float | None
+
+
+def _node_causes(band: RoundBand, ends: Event | None, frozen: list[Event]) -> list[_Cause]:
+    """The node-level causes of ``band``'s end, the strongest first."""
+    found = [_Cause(FaultKind.NODE_FROZEN, e.message, node, None, e.node_id, e.time)
+             for e in frozen if (node := read.revoked_node(e.message)) in band.members
+             and band.formed_at <= e.time <= (band.ended_at or math.inf)]
+    found += [_Cause(t.kind, t.cause, t.node, None, ends.node_id if ends else "", None)
+              for t in read.triggers(band.end_reason) if t.kind in _NODE_CAUSES]
+    return sorted(found, key=lambda c: _NODE_CAUSES.index(c.kind))
+
+
+def _cause(band: RoundBand, log: _RoundLog, ends: Event | None,
+           frozen: list[Event]) -> _Cause | None:
+    """What ended ``band``: a node-level cause (with that node's own reason,
+    if it gave one), else the first failure a member saw itself, else the
+    failure a restart request names; None when nothing says."""
+    seen = _first_hand(log)
+    nodes = _node_causes(band, ends, frozen)
+    if nodes:
+        c = nodes[0]
+        own = next((t.reason for e, t in seen if e.node_id == c.node), None)
+        return dataclasses.replace(c, text=f"{c.text} ({c.node}: {own})") if own else c
+    if seen:
+        e, t = seen[0]
+        return _Cause(read.fault_kind(t.reason) or FaultKind.OTHER, t.reason,
+                      read.named_node(t.reason) or e.node_id, read.named_rank(t.reason),
+                      e.node_id, e.time)
+    asked = [t for t in read.triggers(band.end_reason) if t.kind is not None]
+    if asked:
+        t = asked[0]
+        return _Cause(t.kind, t.cause, t.node, read.named_rank(t.cause),
+                      t.by or (ends.node_id if ends else ""), None)
+    return None  # a job that failed without a failure (an exit barrier timed out)
+
+
 def _fault(band: RoundBand, log: _RoundLog, ends: Event | None,
            frozen: list[Event]) -> Fault | None:
     """The fault that ended ``band`` (recovery still to be worked out), if one did."""
-    if band.end not in (RoundEnd.FAULT, RoundEnd.FAILED):
+    c = _cause(band, log, ends, frozen) if band.end in (RoundEnd.FAULT, RoundEnd.FAILED) \
+        else None
+    if c is None:
         return None
-    seen = _first_hand(log)
-    found = [t for t in read.triggers(band.end_reason) if t.kind is not None]
-    leader = ends.node_id if ends else ""
-    candidates: list[tuple[FaultKind, str, str | None, str, float | None]] = []
-    for e in frozen:
-        node = read.revoked_node(e.message)
-        if node in band.members and band.formed_at <= e.time <= (band.ended_at or math.inf):
-            candidates.append((FaultKind.NODE_FROZEN, e.message, node, e.node_id, e.time))
-    candidates += [(t.kind, t.cause, t.node, leader, None) for t in found
-                   if t.kind in _NODE_CAUSES]
-    candidates.sort(key=lambda c: _NODE_CAUSES.index(c[0]))
-    if candidates:
-        kind, cause, node, by, at = candidates[0]
-        own = next((t.reason for e, t in seen if e.node_id == node), None)
-        cause = f"{cause} ({node}: {own})" if own else cause
-        rank = None
-    elif seen:
-        e, t = seen[0]
-        kind, cause, by, at = read.fault_kind(t.reason), t.reason, e.node_id, e.time
-        node, rank = read.named_node(cause) or e.node_id, read.named_rank(cause)
-    elif found:
-        t = found[0]
-        kind, cause, by, at = t.kind, t.cause, t.by or leader, None
-        node, rank = t.node, read.named_rank(t.cause)
-    else:
-        return None  # a job that failed without a failure (an exit barrier timed out)
-    times = [x for x in (at, band.stopped_at, band.ended_at) if x is not None]
-    return Fault(time=min(times), round=band.number, kind=kind or FaultKind.OTHER, cause=cause,
-                 rank=rank, node=node, reported_by=by, undetected_s=read.undetected_s(cause),
-                 recovered_at=min(times), recovery=Recovery.NOT_YET, lost_s=0.0, rework_s=0.0)
+    seen_at = min(x for x in (c.at, band.stopped_at, band.ended_at, math.inf) if x is not None)
+    return Fault(time=seen_at, round=band.number, kind=c.kind, cause=c.text, rank=c.rank,
+                 node=c.node, reported_by=c.by, undetected_s=read.undetected_s(c.text),
+                 recovered_at=seen_at, recovery=Recovery.NOT_YET, lost_s=0.0, rework_s=0.0)
 
 
 def _recovered(fault: Fault, band: RoundBand, later: list[tuple[int, _RoundLog]],
-               logs: dict[int, _RoundLog], outcome: Event | None, commits: list[float],
-               now: float) -> Fault:
+               outcome: Event | None, commits: list[float], now: float) -> Fault:
     """``fault`` with its recovery, lost time and repeated work filled in."""
     if later:
-        number, log = later[0]
+        log = later[0][1]
         running_at = _running_at(log, read.round_members(log.formed.message))
         recovery, at = ((Recovery.WORKERS_RUNNING, running_at) if running_at is not None
                         else (Recovery.ROUND_FORMED, log.formed.time))

@@ -40,7 +40,8 @@ class Job:
         for i, node in enumerate(members):
             self.state(t, node, number, "JOINING", "STARTING",
                        f"node rank {i} of {len(members)}, world size {nproc * len(members)}")
-            self.state(t + 0.1 * i, node, number, "STARTING", "RUNNING", f"{nproc} workers started")
+            self.state(t + 0.1 * i, node, number, "STARTING", "RUNNING",
+                       f"{nproc} workers started")
         return self
 
     def commit(self, t: float, node: str, number: int, step: int) -> "Job":

@@ -271,3 +271,25 @@ def test_html_is_self_contained_and_shows_hostile_text_as_text():
                          page)
     assert "default-src 'none'" in page
     assert page.count('class="fault"') == 1 and page.count('class="round"') == 2
+
+
+@pytest.mark.parametrize("why,stop,kind,node", [
+    ("round 1: registered again: b; closing with 2 nodes", None, FaultKind.AGENT_RESTARTED, "b"),
+    ("round 1: b did not start workers within 60 s; closing with 1 node", None,
+     FaultKind.NO_START, "b"),
+    ("round 1: restart requested by b: cut off from etcd for 1.5 s while ...; closing with 2 "
+     "nodes", "cut off from etcd for 1.5 s while the lease was unconfirmed: stopping the workers "
+     "before this node's lease can expire", FaultKind.CUT_OFF, "b"),
+    ("round 1: restart requested by a: peer b has reported its workers unhealthy (NOT_SERVING) "
+     "for over 2 s; closing with 2 nodes", None, FaultKind.PEER_UNHEALTHY, "b"),
+])
+def test_each_cause_a_round_gives_is_a_kind_of_fault_naming_its_node(why, stop, kind, node):
+    job = first_round(Job())
+    if stop:
+        job.stop(9.0, "b", 1, stop)
+    job.formed(10.0, 2, ["a", "b"], why).run(11.0, 2, ["a", "b"])
+
+    [fault] = job.report(now=20.0).faults
+
+    assert (fault.kind, fault.node) == (kind, node)
+    assert fault.time == T0 + (9.0 if stop else 10.0)
