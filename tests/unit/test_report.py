@@ -1,23 +1,29 @@
 """The job report from hand-built histories (tests/fakes/job_history.py): pure,
-times given, no store. tests/integration/test_report.py checks the same against a
-real job, and renders the page in a real browser."""
+times given, no store (the last test reads one from the in-memory store).
+tests/integration/test_report.py checks the same against a real job, and renders
+the page in a real browser."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import re
+import uuid
 
 import pytest
 
 from agent import report_html, report_text
 from agent.report import GOODPUT_SOURCE
+from agent.report_source import read_report
 from agent.report_model import FaultKind, JobReport, Recovery, RoundEnd
 from agent.status_record import MemoryTierRow, StatusRecord
 from elastic.checkpoint.api import CommitEntry
-from elastic.events import EVENTS_PER_WRITER
+from elastic.events import EVENTS_PER_WRITER, KIND_ROUND, event_op
+from elastic.keyspace import JobKeys
 from elastic.rendezvous.api import Member, Round
+from tests.fakes.clock import FakeClock
 from tests.fakes.job_history import CRASH, T0, Job, crashed_job, first_round
+from tests.fakes.memory_store import MemoryStore
 
 def parts_add_up(report: JobReport) -> None:
     g = report.goodput
@@ -293,3 +299,18 @@ def test_each_cause_a_round_gives_is_a_kind_of_fault_naming_its_node(why, stop, 
 
     assert (fault.kind, fault.node) == (kind, node)
     assert fault.time == T0 + (9.0 if stop else 10.0)
+
+
+def test_the_report_read_from_a_store_names_its_unreadable_records_and_reads_the_rest():
+    clock = FakeClock(wall_s=T0)
+    store, keys = MemoryStore(clock=clock), JobKeys("report-" + uuid.uuid4().hex[:8])
+    store.txn([], [event_op(keys, clock, "a", 1, KIND_ROUND,
+                            "round 1 formed with ['a']: first round: 1 node registered")])
+    store.put(keys.events + "a/0063", b"not json")
+    store.put(keys.round, b'{"number": "one"}')
+
+    report = read_report(store, keys.job_id, T0 + 5.0)
+
+    assert [r.number for r in report.rounds] == [1]
+    assert report.history.gaps == (f"2 unreadable record(s) skipped: {keys.events}a/0063, "
+                                   f"{keys.round}",)
