@@ -40,11 +40,12 @@ browser:
 	$$SUDO env $(APT_INSTALL) >/dev/null || { $$SUDO apt-get update -q >/dev/null && \
 		$$SUDO env $(APT_INSTALL) >/dev/null; } || \
 		echo "warning: apt-get could not install chromium: the browser test will skip" >&2
+test: browser
 
 # Two xdist workers: most integration tests wait (etcd, rounds, processes) and overlap well
 # on two cores; the CPU-bound ones share one worker (tests/marks.py). TEST_JOBS=0 runs serially.
 TEST_JOBS ?= 2
-test: setup browser
+test: setup
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadgroup
 
 # The tests on the oldest dependencies pyproject.toml allows (tools/floor_constraints.py),
