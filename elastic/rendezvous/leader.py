@@ -221,7 +221,7 @@ class Leader:
         served = [Delete(k) for k, r in self.view.restarts.items()
                   if r.round <= number - 1][:_SERVED_PER_COMMIT]
         ops = [Put(self.keys.round, record.to_json()),
-               events.event_op(self.keys, self._clock, self.node_id, number, "round",
+               events.event_op(self.keys, self._clock, self.node_id, number, events.KIND_ROUND,
                                f"round {number} formed with {list(decision.members)}: "
                                f"{decision.reason}")]
         if not self._commit(number, record, ops + served):
@@ -243,7 +243,7 @@ class Leader:
                   f"(the workers of round {current.workers_round} run on)")
         record = current.continued(number, reason, self.node_id, self._clock.wall())
         ops = [Put(self.keys.round, record.to_json()),
-               events.event_op(self.keys, self._clock, self.node_id, number, "round",
+               events.event_op(self.keys, self._clock, self.node_id, number, events.KIND_ROUND,
                                f"round {number}: {reason}")]
         if not self._commit(number, record, ops):
             return False
@@ -258,7 +258,7 @@ class Leader:
                                     reason=decision.reason, leader=self.node_id,
                                     created_at=self._clock.wall(), failures=decision.failures)
         ops = [Put(self.keys.round, final.to_json()),
-               events.event_op(self.keys, self._clock, self.node_id, number, "outcome",
+               events.event_op(self.keys, self._clock, self.node_id, number, events.KIND_OUTCOME,
                                f"job {outcome}: {decision.reason}")]
         if not self._commit(number, final, ops):
             return False
