@@ -30,11 +30,13 @@ class SnapshotTier:
     into ``memory_dir`` as ``identity``'s rank, at the steps ``cadence`` picks.
     ``local_ranks``: this node's ranks (for the capacity check); ``extras``
     returns what each snapshot carries as extras; ``news_level``: the log level
-    of routine news (INFO on rank 0)."""
+    of routine news (INFO on rank 0); ``on_written`` is called after each
+    snapshot completed (the worker runtime tells the agent, which replicates it)."""
 
     def __init__(self, memory_dir: str, identity: Identity, *, chunks: Sequence[state.Chunk],
                  schedulers: Sequence[Any], data: Any, cadence: Cadence, local_ranks: int,
-                 extras: Callable[[], Any], news_level: int):
+                 extras: Callable[[], Any], news_level: int,
+                 on_written: Callable[[], None] = lambda: None):
         self.memory_dir = memory_dir
         self._writer = SnapshotWriter(memory_dir, identity)
         self._live = LiveState(chunks)
@@ -44,6 +46,7 @@ class SnapshotTier:
         self._local_ranks = local_ranks
         self._extras = extras
         self._news = news_level
+        self._on_written = on_written
         self._checked = False
         self.costs: list[float] = []  # seconds per snapshot taken
         self.failures = 0  # snapshots whose write failed
@@ -83,6 +86,7 @@ class SnapshotTier:
         if not self._checked:
             self._check_room(plan.data_bytes + len(local))
         self._writer.write(step, plan, local)
+        self._on_written()
         cost = time.monotonic() - started
         self.costs.append(cost)
         return cost
