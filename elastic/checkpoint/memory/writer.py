@@ -61,14 +61,16 @@ class SnapshotWriter:
     def __init__(self, memory_dir: str, identity: Identity):
         self.identity = identity
         self._own = layout.own_dir(memory_dir)
+        self._keys = [layout.SlotKey(identity.round, identity.rank, slot)
+                      for slot in range(layout.SLOTS_PER_RANK)]
+        self._dirs = [os.path.join(self._own, key.name) for key in self._keys]
         self._next = self._older_slot()
         self._mapped: dict[int, _Mapped] = {}
         self._objects: tuple[bytes | None, bytes] = (None, b"")  # (plain pickle, file bytes)
         self.written: layout.SlotKey | None = None  # the last complete snapshot's slot
 
     def slot_dir(self, slot: int) -> str:
-        return os.path.join(self._own, layout.SlotKey(self.identity.round, self.identity.rank,
-                                                      slot).name)
+        return self._dirs[slot]
 
     def _older_slot(self) -> int:
         """The slot to write first: an incomplete one, else the older snapshot's. A
@@ -95,7 +97,7 @@ class SnapshotWriter:
         serialized state) as of ``step`` into the next slot. Raises OSError
         when the memory directory refuses a write (the slot stays incomplete)."""
         slot = self._next
-        path = self.slot_dir(slot)
+        path = self._dirs[slot]
         layout.begin_write(path)
         mapped = self._mapping(slot, path, plan)
         if mapped.tensors is not plan.tensors:
@@ -118,7 +120,7 @@ class SnapshotWriter:
             objects=tuple(plan.objects), written_at=time.time())
         layout.finish_write(path, manifest_json(head, mapped.tensors_json))
         self._next = 1 - slot
-        self.written = layout.SlotKey(ident.round, ident.rank, slot)
+        self.written = self._keys[slot]
         return self.written
 
     def _mapping(self, slot: int, path: str, plan: SlotPlan) -> _Mapped:
@@ -178,7 +180,11 @@ def manifest_json(head: layout.Manifest, tensors_json: bytes) -> bytes:
     return head.to_json().replace(_EMPTY_TENSORS, b'"tensors":' + tensors_json, 1)
 
 
-def _write_file(path: str, data: Any) -> None:
+def _write_file(path: str, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, layout.FILE_MODE)
-    with open(fd, "wb") as f:
-        f.write(data)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
