@@ -382,6 +382,7 @@ def test_malformed_and_oversized_requests_to_the_tcp_server_are_refused_clearly(
     ({"saving_for_s": math.inf}, "saving_for_s"),
     ({"saving_for_s": -1.0}, "saving_for_s"),
     ({"round": -3}, "round"),
+    ({"snapshots": -1}, "snapshots"),
 ])
 def test_absurd_heartbeats_are_invalid_arguments(job, fields, field):
     rnd = job.wait_running()
