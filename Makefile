@@ -1,5 +1,6 @@
 # Everything a fresh machine needs is installed here, into .venv: no root, no
-# hand-installed tools. `make demo` and `make test` are the two entry points.
+# hand-installed tools; `make test` also installs the one system package its tests use,
+# chromium (`make browser`, with apt-get). `make demo` and `make test` are the two entry points.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-oldest test-torch sim bench protos clean
+.PHONY: setup demo test test-oldest test-torch sim bench protos clean browser
 
 setup: $(STAMP)
 
@@ -24,11 +25,28 @@ $(STAMP): pyproject.toml Makefile tools/protoc-requirements.txt
 demo: setup
 	$(PY) examples/demo.py
 
+# The one system package the tests use: Debian's chromium, the headless browser that lays
+# out elasticctl report's page (tests/integration/test_report.py). Installed with apt-get
+# when missing, as root or with password-less sudo; where it cannot be, a warning here and
+# that test skips, saying why. Nothing is done when it is already there.
+CHROMIUM ?= /usr/bin/chromium
+APT_INSTALL := DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
+browser:
+	@if [ -x $(CHROMIUM) ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then SUDO=; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then SUDO="sudo -n"; \
+	else echo "warning: $(CHROMIUM) is missing and apt-get needs root: the browser test will" \
+		"skip (install the chromium package)" >&2; exit 0; fi; \
+	$$SUDO env $(APT_INSTALL) >/dev/null || { $$SUDO apt-get update -q >/dev/null && \
+		$$SUDO env $(APT_INSTALL) >/dev/null; } || \
+		echo "warning: apt-get could not install chromium: the browser test will skip" >&2
+test: browser
+
 # Two xdist workers: most integration tests wait (etcd, rounds, processes) and overlap well
 # on two cores; the CPU-bound ones share one worker (tests/marks.py). TEST_JOBS=0 runs serially.
 TEST_JOBS ?= 2
 test: setup
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadgroup
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadgroup --durations=25
 
 # The tests on the oldest dependencies pyproject.toml allows (tools/floor_constraints.py),
 # in a venv of their own: torch is the pinned CPU build (its floor is a CUDA download).

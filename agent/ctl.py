@@ -3,6 +3,7 @@
     elasticctl status   --etcd URL --job-id ID [--json] [--watch [--interval S]]
     elasticctl events   --etcd URL --job-id ID [--json] [--limit N] [--follow]
     elasticctl checkpoints --etcd URL --job-id ID [--json]
+    elasticctl report   --etcd URL --job-id ID [--json] [--html FILE]
     elasticctl restart  --etcd URL --job-id ID [--reason TEXT]
     elasticctl drain    --etcd URL --job-id ID NODE_ID
     elasticctl --version
@@ -13,6 +14,11 @@ plus the two below.
 ``drain`` refuses a node id that is not registered in the job (exit 2): a
 drain request waits for its node, so a typo would eject whoever takes that id
 later. A ``--reason`` longer than 1024 characters is cut to that length.
+``report`` prints the job's timeline from its events (agent/report.py):
+rounds, faults with their cause, rank and lost time, checkpoints,
+stragglers, goodput, and whether the history is complete; ``--html FILE``
+also writes it as one self-contained page with an SVG timeline (a FILE that
+cannot be written: exit 2).
 ``restart`` is refused (exit 2, saying from when the next is allowed) less
 than ``--operator-restart-interval`` seconds (default 60, env
 ELASTIC_OPERATOR_RESTART_INTERVAL) after the job's last operator restart,
@@ -61,7 +67,9 @@ import time
 from dataclasses import asdict
 from typing import Callable, TextIO
 
+from agent import report_html, report_text
 from agent import status as status_view
+from agent.report_source import read_report
 from agent.tls import ENV as TLS_ENV
 from agent.tls import agent_tls_from_options
 from elastic import __version__, events
@@ -171,6 +179,10 @@ def parser() -> argparse.ArgumentParser:
                     help="then print new events as they happen, until Ctrl-C")
     sub.add_parser("checkpoints", parents=[common],
                    help="the latest committed checkpoint and the commit history", **layout)
+    rp = sub.add_parser("report", parents=[common], help="the job's timeline: rounds, faults "
+                        "and their causes, checkpoints, stragglers, goodput", **layout)
+    rp.add_argument("--html", metavar="FILE",
+                    help="also write the timeline as one HTML page (inline SVG) to FILE")
     rs = sub.add_parser("restart", parents=[common],
                         help="ask for a new round with the same members", **layout)
     rs.add_argument("--reason", default="requested by an operator")
@@ -353,6 +365,22 @@ def _checkpoints(store: Store, args) -> str:
     return "\n".join(out)
 
 
+def _report(store: Store, args) -> str:
+    """The job's report as text or JSON; with ``--html``, also written as a
+    page (ConfigError naming the file when it cannot be)."""
+    report = read_report(store, args.job_id, time.time())
+    if args.html:
+        try:
+            with open(args.html, "w", encoding="utf-8") as f:
+                f.write(report_html.render(report))
+        except OSError as exc:
+            raise ConfigError(f"--html {args.html}: cannot write the report there "
+                              f"({exc.strerror or exc})") from exc
+    if args.json:
+        return json.dumps(report.to_dict(), indent=2)
+    return report_text.render(report) + (f"\n\ntimeline: {args.html}" if args.html else "")
+
+
 def _restart(store: Store, args) -> str:
     keys = JobKeys(args.job_id)
     current = _current_round(store, keys)
@@ -384,7 +412,7 @@ def _drain(store: Store, args) -> str:
 
 
 COMMANDS = {"status": _status, "events": _events, "checkpoints": _checkpoints,
-            "restart": _restart, "drain": _drain}
+            "report": _report, "restart": _restart, "drain": _drain}
 
 
 def _interval(args) -> float:

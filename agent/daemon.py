@@ -450,8 +450,8 @@ class Agent:
             if r is None:
                 self.inbox.put(reactor.HangAttributed(command.round, command.verdict))
             else:
-                found = self.hang_reporter.reason(r, command.verdict)
-                self.inbox.put(reactor.HangAttributed(command.round, found.reason, found.kind))
+                self.hang_reporter.report(r, command.verdict, lambda found: self.inbox.put(
+                    reactor.HangAttributed(command.round, found.reason, found.kind)))
         elif isinstance(command, reactor.Note):
             self.log.warning("%s", command.message)
         elif isinstance(command, reactor.Fail):

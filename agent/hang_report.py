@@ -14,6 +14,7 @@ its log.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Protocol
 
@@ -74,6 +75,15 @@ class HangReporter:
                            s.where(), where)
         return stacks
 
+    def report(self, round_: Round, verdict: str,
+               deliver: Callable[[Attribution], None]) -> None:
+        """Hand :meth:`reason` to ``deliver`` from a thread of its own, and
+        return at once: the collection takes up to about
+        :data:`PEERS_TIMEOUT_S`, during which the agent's loop goes on
+        (a node may die meanwhile)."""
+        threading.Thread(target=lambda: deliver(self.reason(round_, verdict)),
+                         name="hang-attribution", daemon=True).start()
+
     def reason(self, round_: Round, verdict: str) -> Attribution:
         """``verdict`` (this node's hang verdict) with the attribution of the
         whole round's stacks before it, and the rule's kind. Never raises."""
@@ -104,5 +114,8 @@ class VerdictOnly:
     def local(self, round_number: int) -> list[RankStack]:
         return []
 
-    def reason(self, round_: Round, verdict: str) -> Attribution:
-        return Attribution(verdict, HangKind.NO_STACKS)
+    def report(self, round_: Round, verdict: str,
+               deliver: Callable[[Attribution], None]) -> None:
+        """The verdict alone, delivered at once (in the caller's thread: the
+        simulator stays deterministic)."""
+        deliver(Attribution(verdict, HangKind.NO_STACKS))

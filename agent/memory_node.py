@@ -17,7 +17,7 @@ from agent import memory_tier
 from agent.memory_client import ReplicaClient
 from agent.memory_reaper import Reaper
 from agent.memory_receiver import ReplicaReceiver
-from agent.memory_replication import Replicator
+from agent.memory_replication import Replicator, SnapshotsTaken
 from agent.status_record import MemoryTierRow, human_bytes
 from agent.tls import AgentTLS
 from elastic.checkpoint.memory import capacity
@@ -70,6 +70,10 @@ class MemoryTier:
     def receive(self, request: agent_pb2.AgentReplicateRequest) -> int:
         """A buddy's ``Replicate`` request (:meth:`ReplicaReceiver.receive`)."""
         return self.receiver.receive(request)
+
+    def heard(self, taken: SnapshotsTaken) -> None:
+        """A worker's heartbeat told its snapshot count (:meth:`Replicator.heard`)."""
+        self.replicator.heard(taken)
 
     def status(self) -> MemoryTierRow:
         return self.replicator.status()

@@ -4,9 +4,11 @@
 pass (:meth:`Replicator.run_once`) it
 
 1. looks at ``own/`` (one directory listing and one ``lstat`` of each
-   manifest; a manifest is read again only when its file changed), every
-   :data:`POLL_RUNNING_S` while this node's workers run, else every
-   :data:`POLL_IDLE_S`;
+   manifest; a manifest is read again only when its file changed): at once
+   when a worker says it completed a snapshot (:meth:`Replicator.heard`, a
+   :class:`SnapshotsTaken` from its heartbeat), and otherwise every
+   :data:`POLL_RUNNING_S` while this node's workers run (the safety net, for
+   a worker that does not say it), else every :data:`POLL_IDLE_S`;
 2. frees what :func:`agent.memory_rules.slots_to_free` says, every
    :data:`FULL_SCAN_S` (replicas included);
 3. sends what :func:`agent.memory_rules.to_send` says to the buddy
@@ -26,6 +28,7 @@ drive :meth:`run_once` by hand.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import threading
@@ -43,12 +46,21 @@ from elastic.rendezvous.api import Round
 
 log = logging.getLogger(__name__)
 
-POLL_RUNNING_S = 0.02
+POLL_RUNNING_S = 0.25
 POLL_IDLE_S = 0.5
 FULL_SCAN_S = 1.0
 RETRY_S = 1.0
 # The replication rate is measured over this many recent sends.
 RATE_WINDOW = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotsTaken:
+    """A worker's heartbeat: the memory snapshots its process completed so far."""
+
+    local_rank: int
+    pid: int
+    count: int
 
 
 class _OwnSlots:
@@ -129,6 +141,8 @@ class Replicator:
         self._problem = ""
         self._row = MemoryTierRow()
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._taken: dict[int, tuple[int, int]] = {}  # local rank -> (pid, count) heard
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -138,9 +152,17 @@ class Replicator:
     def stop(self) -> None:
         """Stop the thread: a send in progress is abandoned at its next chunk."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join()
         self._client.close()
+
+    def heard(self, taken: SnapshotsTaken) -> None:
+        """A worker's snapshot count (any thread): a pass at once when it moved."""
+        seen = (taken.pid, taken.count)
+        if self._taken.get(taken.local_rank) != seen:
+            self._taken[taken.local_rank] = seen
+            self._wake.set()
 
     def status(self) -> MemoryTierRow:
         """What the memory tier holds and how replication stands (any thread)."""
@@ -149,6 +171,7 @@ class Replicator:
     def _run(self) -> None:
         failed = ""
         while not self._stop.is_set():
+            self._wake.clear()  # a snapshot heard during the pass makes the next one at once
             try:
                 self.run_once()
                 failed = ""
@@ -157,7 +180,7 @@ class Replicator:
                     self._log.exception("memory tier: a pass failed (said once until it "
                                         "passes again)")
                 failed = repr(exc)
-            self._stop.wait(POLL_RUNNING_S if self._workers_running() else POLL_IDLE_S)
+            self._wake.wait(POLL_RUNNING_S if self._workers_running() else POLL_IDLE_S)
 
     def run_once(self) -> None:
         """One pass: look, free, send, report."""

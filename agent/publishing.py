@@ -95,7 +95,7 @@ class Publisher:
     def transition(self, t: Transition) -> None:
         """Queue a transition's event (the lifecycle's publisher)."""
         self._metrics.observe_transition(t.after, self._clock.monotonic())
-        self.event(t.round, "state", f"{t.before.value} -> {t.after.value}: {t.reason}")
+        self.event(t.round, events.KIND_STATE, f"{t.before.value} -> {t.after.value}: {t.reason}")
 
     def event(self, round_number: int, kind: str, message: str) -> None:
         """Queue an event of this node about ``round_number``."""

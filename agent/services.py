@@ -19,6 +19,7 @@ from agent.config import AgentConfig
 from agent.hang_report import HangReporter, VerdictOnly
 from agent.health import WorkerTable
 from agent.memory_node import MemoryTier
+from agent.memory_replication import SnapshotsTaken
 from agent.metrics import NoMetrics
 from agent.peers import rank_stacks_to_pb
 from agent.status_record import StatusRecord
@@ -78,6 +79,9 @@ class WorkerChannel:
                                       req.exiting)
             if progress is not None:
                 a.metrics.observe_heartbeat(*progress)
+        memory = a.memory
+        if memory is not None and req.snapshots:
+            memory.heard(SnapshotsTaken(req.local_rank, req.pid, req.snapshots))
         return reply.stop, reply.hold
 
     def commit_checkpoint(self, entry: agent_pb2.CheckpointEntry) -> tuple[bool, str]:

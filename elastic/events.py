@@ -34,6 +34,17 @@ log = logging.getLogger(__name__)
 EVENTS_PER_WRITER = 64
 MAX_EVENTS = 1000  # what prune keeps by default
 
+# Kinds of events, each written in one place and read back by ``elasticctl
+# report`` (agent/report_reading.py): the leader's new round and the job's end,
+# an agent's lifecycle transition, a revoked lease, a rank named as slow.
+# (Checkpoints: elastic.checkpoint.etcd_log.EVENT_KIND; GPU checks:
+# agent.gpu_health.EVENT_KINDS.)
+KIND_ROUND = "round"
+KIND_OUTCOME = "outcome"
+KIND_STATE = "state"
+KIND_FROZEN = "frozen"
+KIND_STRAGGLER = "straggler"
+
 
 @dataclass(frozen=True)
 class Event:

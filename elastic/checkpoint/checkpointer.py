@@ -216,7 +216,8 @@ class Checkpointer:
             chunks=chunks, schedulers=schedulers, data=self.data,
             cadence=Cadence(self._memory_every, self._agree_every),
             local_ranks=environment.local_world_size(), extras=lambda: self._snapshot_extras,
-            news_level=self._group.news_level)
+            news_level=self._group.news_level,
+            on_written=environment.default_snapshot_notice())
         hook = environment.default_step_hook()
         return memory, tier, hook(tier.on_step) if hook is not None else None
 

@@ -137,6 +137,16 @@ def local_world_size() -> int:
         return 1
 
 
+def default_snapshot_notice() -> Callable[[], None]:
+    """The worker runtime's ``snapshot_written`` (the agent replicates a snapshot
+    when told), or a no-op where the worker runtime cannot be imported."""
+    try:
+        from elastic.worker import runtime
+    except ImportError:
+        return lambda: None
+    return runtime.snapshot_written
+
+
 def default_step_hook() -> Callable[[Callable[[int], None]], Callable[[], None]] | None:
     """The worker runtime's ``on_step`` (the memory tier snapshots at each
     ``elastic.step(n)``), or None where the worker runtime cannot be imported."""

@@ -25,7 +25,6 @@ new rank): reproducible for a given resume, different on every rank.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import io
@@ -157,7 +156,8 @@ def local_nbytes(state_dict: Any) -> int:
 def capture_local(*, step: int, rank: int, world_size: int, schedulers: Sequence[Any],
                   data_state: Any, extras: Any) -> bytes:
     """This rank's non-tensor state, serialized now (so later mutation by the
-    training loop cannot leak into a save still being written)."""
+    training loop cannot leak into a save still being written; serializing
+    before returning is what makes copies of the values needless)."""
     cuda_rng = cuda_rngs = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         cuda_rng = torch.cuda.get_rng_state()  # the current device's, for older readers
@@ -175,9 +175,9 @@ def capture_local(*, step: int, rank: int, world_size: int, schedulers: Sequence
             "python": _python_state(),
             "numpy": _numpy_state() if numpy is not None else None,
         },
-        "schedulers": [copy.deepcopy(s.state_dict()) for s in schedulers],
-        "data_state": copy.deepcopy(data_state),
-        "extras": copy.deepcopy(extras),
+        "schedulers": [s.state_dict() for s in schedulers],
+        "data_state": data_state,
+        "extras": extras,
     }
     buffer = io.BytesIO()
     torch.save(record, buffer)
@@ -221,7 +221,8 @@ def _numpy_state() -> tuple:
     """numpy's global RNG state with its key as bytes, not an array, so that
     reading it back needs none of numpy's types (:mod:`elastic.checkpoint.trust`)."""
     kind, keys, position, has_gauss, cached = numpy.random.get_state(legacy=True)
-    return (kind, _words(keys.tolist()), int(position), int(has_gauss), float(cached))
+    return (kind, keys.astype("<u4", copy=False).tobytes(), int(position), int(has_gauss),
+            float(cached))
 
 
 def _restore_python(saved: tuple) -> None:

@@ -220,7 +220,7 @@ class Leader:
         # request is consumed exactly by the round that answers it.
         served = [Delete(k) for k, r in self.view.restarts.items()
                   if r.round <= number - 1][:_SERVED_PER_COMMIT]
-        ops = [events.event_op(self.keys, self._clock, self.node_id, number, "round",
+        ops = [events.event_op(self.keys, self._clock, self.node_id, number, events.KIND_ROUND,
                                f"round {number} formed with {list(decision.members)}: "
                                f"{decision.reason}")]
         if not self._commit(number, record, ops + served):
@@ -241,7 +241,7 @@ class Leader:
         reason = (f"round {current.number} written again: a malformed record replaced it "
                   f"(the workers of round {current.workers_round} run on)")
         record = current.continued(number, reason, self.node_id, self._clock.wall())
-        ops = [events.event_op(self.keys, self._clock, self.node_id, number, "round",
+        ops = [events.event_op(self.keys, self._clock, self.node_id, number, events.KIND_ROUND,
                                f"round {number}: {reason}")]
         if not self._commit(number, record, ops):
             return False
@@ -255,7 +255,7 @@ class Leader:
         final = dataclasses.replace(current, number=number, outcome=outcome,
                                     reason=decision.reason, leader=self.node_id,
                                     created_at=self._clock.wall(), failures=decision.failures)
-        ops = [events.event_op(self.keys, self._clock, self.node_id, number, "outcome",
+        ops = [events.event_op(self.keys, self._clock, self.node_id, number, events.KIND_OUTCOME,
                                f"job {outcome}: {decision.reason}")]
         if not self._commit(number, final, ops):
             return False

@@ -119,7 +119,8 @@ class FrozenRevoker:
             [Compare.version(self.keys.round, "==", number), *target.holds],
             [Put(self.keys.frozen_report(target.node_id), confirmed.to_json(), lease=lease_id),
              Get(target.lease_key),
-             events.event_op(self.keys, self._clock, self.node_id, number, "frozen", reason)])
+             events.event_op(self.keys, self._clock, self.node_id, number, events.KIND_FROZEN,
+                             reason)])
         if not result.succeeded:
             self._log.info("not revoking the lease of %s: the round, its registration or the "
                            "leadership changed meanwhile", target.node_id)

@@ -204,13 +204,14 @@ class WorkerChannelCommitCheckpointResponse(_message.Message):
     def __init__(self, committed: bool = ..., message: _Optional[str] = ...) -> None: ...
 
 class WorkerChannelHeartbeatRequest(_message.Message):
-    __slots__ = ["exiting", "local_rank", "pid", "rank", "round", "saving_for_s", "step"]
+    __slots__ = ["exiting", "local_rank", "pid", "rank", "round", "saving_for_s", "snapshots", "step"]
     EXITING_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SAVING_FOR_S_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     exiting: bool
     local_rank: int
@@ -218,8 +219,9 @@ class WorkerChannelHeartbeatRequest(_message.Message):
     rank: int
     round: int
     saving_for_s: float
+    snapshots: int
     step: int
-    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., saving_for_s: _Optional[float] = ..., exiting: bool = ...) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., saving_for_s: _Optional[float] = ..., exiting: bool = ..., snapshots: _Optional[int] = ...) -> None: ...
 
 class WorkerChannelHeartbeatResponse(_message.Message):
     __slots__ = ["hold", "stop_requested"]

@@ -49,9 +49,10 @@ _DEFAULT_HANG_TIMEOUT_S = 300.0
 
 class Heartbeat:
     """A background thread that tells the agent, every ``interval_s`` seconds
-    and at once on the first step and on each save announced, that this worker
-    is alive and where it is (rank, round and step from the environment and
-    :meth:`report`).
+    and at once on the first step, on each save announced and after each
+    memory snapshot, that this worker is alive and where it is (rank, round and
+    step from the environment and :meth:`report`; snapshots taken:
+    :meth:`report_snapshot`).
 
     ``client`` is the channel to the agent (a
     :class:`~elastic.worker.channel.WorkerChannelClient`, or anything with its
@@ -66,6 +67,7 @@ class Heartbeat:
         self.local_rank = _env_int("LOCAL_RANK", 0)
         self.round = _round_or_0(WorkerEnv())
         self.step = -1
+        self.snapshots = 0
         # Monotonic time the announced save should be over: each heartbeat
         # sends what is left of it (the proto's "for this many seconds from
         # now"), so a save that overruns is judged like any hang.
@@ -78,7 +80,8 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.client.heartbeat(self.rank, self.local_rank, os.getpid(), self.round, self.step,
-                                  max(0.0, self.saving_until - time.monotonic()))
+                                  max(0.0, self.saving_until - time.monotonic()),
+                                  snapshots=self.snapshots)
             self._wake.wait(self.interval_s)
             self._wake.clear()
 
@@ -109,6 +112,12 @@ class Heartbeat:
             self.saving_until = time.monotonic() + saving_for_s if saving_for_s > 0 else 0.0
         if first or saving_for_s is not None:
             self._wake.set()  # the agent hears at once about the first step and saves
+
+    def report_snapshot(self) -> None:
+        """A memory snapshot was completed: sent at once, so the agent
+        replicates it now rather than when it next looks."""
+        self.snapshots += 1
+        self._wake.set()
 
     def close(self) -> None:
         """Stop the thread (waiting up to 2 s for it), tell the agent this
@@ -274,6 +283,13 @@ def on_step(listener: Callable[[int], None]) -> Callable[[], None]:
             _step_listeners.remove(listener)
 
     return remove
+
+
+def snapshot_written() -> None:
+    """A memory-tier snapshot of this worker's state is complete in its slot:
+    the agent hears it at once (it replicates the slot to its buddy node)."""
+    if _heartbeat is not None:
+        _heartbeat.report_snapshot()
 
 
 def saving(seconds: float) -> None:

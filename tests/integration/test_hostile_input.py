@@ -382,6 +382,7 @@ def test_malformed_and_oversized_requests_to_the_tcp_server_are_refused_clearly(
     ({"saving_for_s": math.inf}, "saving_for_s"),
     ({"saving_for_s": -1.0}, "saving_for_s"),
     ({"round": -3}, "round"),
+    ({"snapshots": -1}, "snapshots"),
 ])
 def test_absurd_heartbeats_are_invalid_arguments(job, fields, field):
     rnd = job.wait_running()
@@ -420,6 +421,6 @@ def test_malformed_and_oversized_requests_to_the_worker_socket_are_refused_clear
             grpc.StatusCode.UNIMPLEMENTED
         # Still answering: a valid heartbeat of the running round.
         response = stub.Heartbeat(agent_pb2.WorkerChannelHeartbeatRequest(
-            rank=0, local_rank=0, pid=os.getpid(), round=rnd.number, step=1), timeout=5)
+            rank=0, local_rank=0, pid=os.getpid(), round=rnd.workers_round, step=1), timeout=5)
         assert not response.stop_requested
     job.assert_carries_on(rnd)

@@ -665,6 +665,28 @@ def test_the_workers_heartbeat_thread_sends_datagrams(server, sink):
     assert len(sink.requests) >= 3 and sink.requests[-1].exiting
 
 
+def test_a_memory_snapshot_is_told_to_the_agent_at_once_with_its_count(server, sink):
+    # The agent's replicator wakes on the count (agent.memory_replication), so it must
+    # not wait for the next beat: 60 s away here.
+    pytest.importorskip("torch")
+    from elastic.worker import runtime
+
+    beat = runtime.Heartbeat(WorkerChannelClient("/nonexistent/agent.sock",
+                                                 heartbeat_socket=server.heartbeat_socket), 60)
+    try:
+        deadline = time.monotonic() + 10
+        while not sink.requests and time.monotonic() < deadline:
+            time.sleep(0.02)  # the beat sent when the thread starts
+        assert [r.snapshots for r in sink.requests] == [0]
+        beat.report_snapshot()
+        beat.report_snapshot()
+        while sink.requests[-1].snapshots < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        beat.close()
+    assert sink.requests[-2].snapshots == 2 and not sink.requests[-2].exiting
+
+
 def test_a_peer_s_stacks_come_back_summarised(server, control):
     [stack] = peers.collect_stacks(server.address, 7, timeout_s=5.0)
     assert control.calls == [("collect_stacks", "7")]

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 
-from agent.hang_attribution import HangKind, RankStack
-from agent.hang_report import HangReporter
+from agent.hang_attribution import Attribution, HangKind, RankStack
+from agent.hang_report import HangReporter, VerdictOnly
 from elastic.joblog import JobLogger
 from elastic.rendezvous.api import Member, Round
 from tests.fakes.clock import FakeClock
@@ -67,3 +69,31 @@ def test_once_the_workers_are_stopped_a_peer_gets_the_stacks_read_last():
     live[0] = [object()]
     r.local(5)
     assert collector.calls == 2
+
+
+class SlowPeers(Peers):
+    """Peers whose answer waits until the test releases it."""
+
+    def __init__(self, answers):
+        super().__init__(answers)
+        self.release = threading.Event()
+
+    def collect_stacks(self, addrs, round_number, timeout_s):
+        assert self.release.wait(10), "the test never released the peers"
+        return super().collect_stacks(addrs, round_number, timeout_s)
+
+
+def test_report_returns_while_the_peers_are_still_asked_and_delivers_the_reason_later():
+    peers = SlowPeers([RankStack(1, "b", True, place="t.py:3 in load", step=6)])
+    delivered: queue.Queue = queue.Queue()
+    reporter(peers).report(ROUND, "rank 0 made no progress for 3.0 s", delivered.put)
+    assert delivered.empty(), "report waited for the peers: it would block the agent's loop"
+    peers.release.set()
+    found = delivered.get(timeout=10)
+    assert found.kind is HangKind.RANK_ELSEWHERE and found.reason.startswith("rank 1 (node b)")
+
+
+def test_the_verdict_alone_is_delivered_at_once_in_the_callers_thread():
+    delivered = []
+    VerdictOnly().report(ROUND, "rank 0 made no progress", delivered.append)
+    assert delivered == [Attribution("rank 0 made no progress", HangKind.NO_STACKS)]

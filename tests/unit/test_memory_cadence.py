@@ -58,7 +58,21 @@ class TestCadence:
         assert due[:CALIBRATION_STEPS] == [True] * CALIBRATION_STEPS
         assert agreed == [4]  # 4 ms / (k * 100 ms) <= 1%: k = 4, proposed once
         assert cadence.every == 7
-        assert [s for s in range(CALIBRATION_STEPS, 20) if due[s]] == [7, 14]
+        assert [s for s in range(CALIBRATION_STEPS, 20) if due[s]] == \
+            [s for s in range(CALIBRATION_STEPS, 20) if s % 7 == 0]
+
+    def test_a_group_s_costly_first_steps_do_not_set_k(self):
+        # the first snapshots pay once-only costs (mapping, an LR warm-up's objects):
+        # the steady steps' cost decides
+        cadence = Cadence(None, agree=max)
+        now = 0.0
+        for step in range(CALIBRATION_STEPS):
+            now += 0.064
+            assert cadence.due(step)
+            cost = 0.002 if step < 4 else 0.0004
+            cadence.record(now, cost)
+            now += cost
+        assert cadence.proposal() == 1  # 0.4 ms of a 64 ms step: 0.6%
 
     def test_the_interval_leaves_the_snapshot_out(self):
         cadence = Cadence(None, agree=max)

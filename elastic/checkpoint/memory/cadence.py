@@ -20,8 +20,12 @@ from elastic.errors import ConfigError
 AUTO = "auto"
 BUDGET = 0.01
 # Snapshots taken (one per step) before k is fixed; the first is left out of the
-# measure (it maps the slot's memory for the first time).
-CALIBRATION_STEPS = 4
+# measure (it collects the state and maps the slot's memory for the first time).
+# The median of the rest must be a steady step's: the first few steps of a
+# group pay once-only costs (the other slot mapped, an LR warm-up changing the
+# hyperparameters that each snapshot then serializes again), so most of the
+# measured snapshots come after them.
+CALIBRATION_STEPS = 10
 MAX_EVERY = 1_000_000
 
 

@@ -2,7 +2,8 @@
 
 :class:`SnapshotTier` is called at every ``elastic.step(n)`` (a listener the
 Checkpointer registers on the worker runtime). When the cadence says so it
-collects the state (the same state dict as a disk save), lays it out, checks
+takes the state (the same state dict as a disk save, collected once and
+reused while the live tensors stay the same: :mod:`.live`), checks
 at the first snapshot that the node has room (:mod:`.capacity`, a
 ConfigError before anything is written), and writes it (:mod:`.writer`).
 No collective per step: the ranks agree once, on k, after calibration.
@@ -18,7 +19,7 @@ from typing import Any, Callable, Sequence
 from elastic.checkpoint import state
 from elastic.checkpoint.memory import capacity
 from elastic.checkpoint.memory.cadence import Cadence
-from elastic.checkpoint.memory.items import plan_slot
+from elastic.checkpoint.memory.live import LiveState
 from elastic.checkpoint.memory.writer import Identity, SnapshotWriter
 
 log = logging.getLogger(__name__)
@@ -29,22 +30,24 @@ class SnapshotTier:
     into ``memory_dir`` as ``identity``'s rank, at the steps ``cadence`` picks.
     ``local_ranks``: this node's ranks (for the capacity check); ``extras``
     returns what each snapshot carries as extras; ``news_level``: the log level
-    of routine news (INFO on rank 0)."""
+    of routine news (INFO on rank 0); ``on_written`` is called after each
+    snapshot completed (the worker runtime tells the agent, which replicates it)."""
 
     def __init__(self, memory_dir: str, identity: Identity, *, chunks: Sequence[state.Chunk],
                  schedulers: Sequence[Any], data: Any, cadence: Cadence, local_ranks: int,
-                 extras: Callable[[], Any], news_level: int):
+                 extras: Callable[[], Any], news_level: int,
+                 on_written: Callable[[], None] = lambda: None):
         self.memory_dir = memory_dir
         self._writer = SnapshotWriter(memory_dir, identity)
-        self._chunks = chunks
+        self._live = LiveState(chunks)
         self._schedulers = schedulers
         self._data = data
         self.cadence = cadence
         self._local_ranks = local_ranks
         self._extras = extras
         self._news = news_level
+        self._on_written = on_written
         self._checked = False
-        self._shards: dict = {}  # DTensors' chunks, remembered (items.plan_slot)
         self.costs: list[float] = []  # seconds per snapshot taken
         self.failures = 0  # snapshots whose write failed
 
@@ -75,8 +78,7 @@ class SnapshotTier:
     def snapshot(self, step: int) -> float:
         """Write the state as of ``step`` now; returns the seconds it took."""
         started = time.monotonic()
-        tensors = state.collect(self._chunks)
-        plan = plan_slot(tensors.state_dict, self._shards)
+        plan = self._live.plan()
         ident = self.identity
         local = state.capture_local(step=step, rank=ident.rank, world_size=ident.world_size,
                                     schedulers=self._schedulers,
@@ -84,6 +86,7 @@ class SnapshotTier:
         if not self._checked:
             self._check_room(plan.data_bytes + len(local))
         self._writer.write(step, plan, local)
+        self._on_written()
         cost = time.monotonic() - started
         self.costs.append(cost)
         return cost

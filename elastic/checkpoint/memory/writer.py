@@ -7,7 +7,9 @@ tensors: a synchronous copy to host), then the small files and the manifest.
 The slot being written is made incomplete first (:func:`layout.begin_write`),
 so the previous snapshot, in the other slot, stays complete meanwhile. The
 manifest's tensor list is serialized once per layout; per snapshot only its
-head (step, file sizes, time) is.
+head (step, file sizes, time) is. ``objects.pt`` is serialized again only when
+the objects changed (compared by their plain pickle), and a slot's copy of it
+is rewritten only when it differs from what this writer last wrote there.
 
 A writer only ever touches its own two slots of its own (round, rank): older
 rounds' slots are the agent's to free.
@@ -19,6 +21,7 @@ import dataclasses
 import io
 import json
 import os
+import pickle
 import time
 from typing import Any
 
@@ -42,9 +45,13 @@ class Identity:
 
 @dataclasses.dataclass
 class _Mapped:
+    items: tuple  # the plan's items this mapping was made or last checked for
     signature: tuple
     views: list[torch.Tensor]
     tensors_json: bytes
+    tensors: tuple = ()  # the plan's tensors that ``sources`` are the local parts of
+    sources: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    objects: bytes | None = None  # the objects.pt this writer last wrote into the slot
 
 
 class SnapshotWriter:
@@ -54,13 +61,16 @@ class SnapshotWriter:
     def __init__(self, memory_dir: str, identity: Identity):
         self.identity = identity
         self._own = layout.own_dir(memory_dir)
+        self._keys = [layout.SlotKey(identity.round, identity.rank, slot)
+                      for slot in range(layout.SLOTS_PER_RANK)]
+        self._dirs = [os.path.join(self._own, key.name) for key in self._keys]
         self._next = self._older_slot()
         self._mapped: dict[int, _Mapped] = {}
+        self._objects: tuple[bytes | None, bytes] = (None, b"")  # (plain pickle, file bytes)
         self.written: layout.SlotKey | None = None  # the last complete snapshot's slot
 
     def slot_dir(self, slot: int) -> str:
-        return os.path.join(self._own, layout.SlotKey(self.identity.round, self.identity.rank,
-                                                      slot).name)
+        return self._dirs[slot]
 
     def _older_slot(self) -> int:
         """The slot to write first: an incomplete one, else the older snapshot's. A
@@ -87,33 +97,39 @@ class SnapshotWriter:
         serialized state) as of ``step`` into the next slot. Raises OSError
         when the memory directory refuses a write (the slot stays incomplete)."""
         slot = self._next
-        path = self.slot_dir(slot)
+        path = self._dirs[slot]
         layout.begin_write(path)
         mapped = self._mapping(slot, path, plan)
+        if mapped.tensors is not plan.tensors:
+            mapped.tensors, mapped.sources = plan.tensors, [local_tensor(t) for t in plan.tensors]
         with torch.no_grad():
-            for view, tensor in zip(mapped.views, plan.tensors):
-                view.copy_(local_tensor(tensor))
-        objects = io.BytesIO()
-        torch.save(plan.objects, objects)
-        _write_file(os.path.join(path, layout.OBJECTS), objects.getbuffer())
+            for view, source in zip(mapped.views, mapped.sources):
+                view.copy_(source)
+        objects = self._objects_file(plan.objects)
+        if mapped.objects is not objects:
+            mapped.objects = None
+            _write_file(os.path.join(path, layout.OBJECTS), objects)
+            mapped.objects = objects
         _write_file(os.path.join(path, layout.LOCAL), local)
         ident = self.identity
         head = layout.Manifest(
             job_id=ident.job_id, node_id=ident.node_id, round=ident.round, step=step,
             rank=ident.rank, world_size=ident.world_size,
-            files={layout.DATA: plan.data_bytes, layout.OBJECTS: objects.getbuffer().nbytes,
+            files={layout.DATA: plan.data_bytes, layout.OBJECTS: len(objects),
                    layout.LOCAL: len(local)},
             objects=tuple(plan.objects), written_at=time.time())
         layout.finish_write(path, manifest_json(head, mapped.tensors_json))
         self._next = 1 - slot
-        self.written = layout.SlotKey(ident.round, ident.rank, slot)
+        self.written = self._keys[slot]
         return self.written
 
     def _mapping(self, slot: int, path: str, plan: SlotPlan) -> _Mapped:
         """The slot's mapped ``data.bin`` with a view per tensor, made anew when the
         layout changed."""
         mapped = self._mapped.get(slot)
-        if mapped is not None and mapped.signature == plan.signature:
+        if mapped is not None and (mapped.items is plan.items
+                                   or mapped.signature == plan.signature):
+            mapped.items = plan.items
             return mapped
         self._mapped.pop(slot, None)
         data_path = os.path.join(path, layout.DATA)
@@ -128,9 +144,25 @@ class SnapshotWriter:
                  for i in plan.items]
         tensors_json = json.dumps([i.to_record() for i in plan.items],
                                   separators=(",", ":")).encode()
-        mapped = _Mapped(plan.signature, views, tensors_json)
+        mapped = _Mapped(plan.items, plan.signature, views, tensors_json)
         self._mapped[slot] = mapped
         return mapped
+
+    def _objects_file(self, objects: dict[str, Any]) -> bytes:
+        """``objects.pt``'s bytes for ``objects``: the last ones when the objects
+        pickle to the same bytes (equal pickles: the same values, -0.0 and 0.0
+        told apart), else serialized anew."""
+        try:
+            key = pickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001 - only torch.save can: never reused
+            key = None
+        last_key, last = self._objects
+        if key is not None and key == last_key:
+            return last
+        buffer = io.BytesIO()
+        torch.save(objects, buffer)
+        self._objects = (key, buffer.getvalue())
+        return self._objects[1]
 
     def close(self) -> None:
         """Drop the mappings (the files stay: they are the snapshots)."""
@@ -148,7 +180,11 @@ def manifest_json(head: layout.Manifest, tensors_json: bytes) -> bytes:
     return head.to_json().replace(_EMPTY_TENSORS, b'"tensors":' + tensors_json, 1)
 
 
-def _write_file(path: str, data: Any) -> None:
+def _write_file(path: str, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, layout.FILE_MODE)
-    with open(fd, "wb") as f:
-        f.write(data)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
