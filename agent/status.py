@@ -115,12 +115,12 @@ def collect(store: Store, job_id: str, query_agents: bool = True,
                       members[n].node_rank if n in members else 1 << 30, n))],
         "gpu_checks": _gpu_checks(keys, kvs, current, set(registered) | set(members)),
         "checkpoint": checkpoint,
-        "goodput": _goodput(published),
+        "goodput": job_goodput(published),
         "problems": problems,
     }
 
 
-def _goodput(published: dict[str, dict]) -> dict | None:
+def job_goodput(published: dict[str, dict]) -> dict | None:
     """The goodput of the node that has accounted the longest (its agent has
     seen the most of the job), from the records in etcd (at most
     agent.publishing.STATUS_PROGRESS_S old); None when no record has one."""
