@@ -290,6 +290,7 @@ class GoodputTracker:
         self._lock = threading.Lock()
         self._acct = Accountant(start)
         self._window = Window(window_s)
+        self._window.add(start, 0.0, 0.0)
 
     def observe(self, commands: Iterable[reactor.Command], now: float) -> None:
         """The loop's reaction at ``now`` produced ``commands``."""
