@@ -32,9 +32,14 @@ The rules, and why:
   redone execution (not the first one) as repeated keeps every series a
   counter, and the total is the same: a step takes as long either time.
   The steps the job keeps are then exactly the productive ones.
-* A round's first step ends its recovery, and the time up to it (start-up,
-  restore, that first step) is recovery: it is not known how much of it
-  the step took.
+* A round's first step ends its recovery: the time up to it is recovery,
+  less one step's time (the last heard), which is that step's own.
+* The time from the last step heard to a restart's stop (the *tail*) is
+  held until the next round's first step says where it resumed: steps made
+  in the tail that the restored state keeps (a memory snapshot taken after
+  the last heartbeat) get one step's time each, as productive; the rest of
+  the tail is recovery. Without this, every unheard step a memory restore
+  keeps would count as recovery. Until then the totals trail by the tail.
 * A restart during a recovery (a crash loop) charges what follows to the
   new cause; a standby included in a round recovers as ``node_joined``, the
   cause its peers' workers stop for.
@@ -151,6 +156,10 @@ class Accountant:
     high_step: int = -1  # the highest step seen: a step at or below it is a repeat
     redo_cause: str = reactor.StopCause.REQUESTED.value
     awaiting_first: bool = False  # workers started, no step heard from them yet
+    step_s: float | None = None  # a step's time, as last heard
+    # Time from the last step heard to a restart's stop, held until the next
+    # round's first step: (where it goes, seconds, the highest step heard then).
+    tail: tuple[tuple[Kind, str], float, int] | None = None
 
     def __post_init__(self) -> None:
         self.since = self.start
@@ -167,6 +176,7 @@ class Accountant:
             if self.charging == (Kind.OTHER, STANDBY):
                 self.charging = (Kind.RECOVERY, _JOINED)
             return
+        self._flush_tail()  # a second stop before a first step: the tail stays lost
         if isinstance(event, WorkersStopped) and event.restart:
             to = (Kind.RECOVERY, event.cause)
             self.redo_cause = event.cause
@@ -174,9 +184,12 @@ class Accountant:
             to = (Kind.OTHER, ENDED)
         else:
             to = (Kind.OTHER, event.why)
-        # While stepping, the time since the last step heard goes where the
-        # stop sends it: those steps, if any, will be done again.
-        self._add(self.charging or to, now - self.since)
+        if self.charging is None and to[0] is Kind.RECOVERY:
+            # Steps made since the last one heard may survive in the state the
+            # next round restores: the next round's first step tells.
+            self.tail = (to, now - self.since, self.high_step)
+        else:
+            self._add(self.charging or to, now - self.since)
         self.since = now
         self.charging, self.awaiting_first = to, False
 
@@ -190,16 +203,43 @@ class Accountant:
             self._add(self.charging, now - self.since)
             self.since = now
 
+    def _flush_tail(self) -> None:
+        if self.tail is not None:
+            key, seconds, _ = self.tail
+            self._add(key, seconds)
+            self.tail = None
+
+    def _step_kind(self, step: int) -> tuple[Kind, str]:
+        return (Kind.REPEATED, self.redo_cause) if step <= self.high_step \
+            else (Kind.PRODUCTIVE, STEPS)
+
+    def _first_step(self, step: int, now: float) -> None:
+        """The first step of a round's workers: the recovery ends, less the
+        step's own time; the tail of the last round is settled by where this
+        round resumed (``step - 1``: the state restored)."""
+        assert self.charging is not None
+        gap = now - self.since
+        own = min(gap, self.step_s or 0.0)
+        self._add(self.charging, gap - own)
+        if self.tail is not None:
+            key, seconds, high = self.tail
+            survived = min(seconds, max(0, step - 1 - high) * (self.step_s or 0.0))
+            self._add((Kind.PRODUCTIVE, STEPS), survived)
+            self._add(key, seconds - survived)
+            if survived > 0:
+                self.high_step = max(self.high_step, step - 1)
+            self.tail = None
+        self._add(self._step_kind(step), own)
+        self.charging, self.awaiting_first, self.since = None, False, now
+        self.last_step, self.high_step = step, max(self.high_step, step)
+
     def _stepped(self, step: int, now: float) -> None:
         if step < 0:
             return
         if self.charging is not None:
-            if not self.awaiting_first:
-                return  # a heartbeat of workers being stopped: nothing new starts
-            self._charge(now)
-            self.charging, self.awaiting_first = None, False
-            self.last_step, self.high_step = step, max(self.high_step, step)
-            return
+            if self.awaiting_first:
+                self._first_step(step, now)
+            return  # else a heartbeat of workers being stopped: nothing new starts
         done = step - self.last_step
         if done <= 0:
             return  # no new step yet: its time is charged with the next one
@@ -207,12 +247,12 @@ class Accountant:
         again = min(done, max(0, self.high_step - self.last_step))
         self._add((Kind.REPEATED, self.redo_cause), seconds * again / done)
         self._add((Kind.PRODUCTIVE, STEPS), seconds * (done - again) / done)
-        self.since, self.last_step = now, step
+        self.since, self.last_step, self.step_s = now, step, seconds / done
         self.high_step = max(self.high_step, step)
 
     def settle(self, now: float) -> None:
         """Charge the time up to ``now`` where it goes without a step (never
-        while stepping: that time waits for the next step)."""
+        while stepping, nor a restart's tail: they wait for the next step)."""
         self._charge(max(now, self.since))
 
     def total(self, kind: Kind | None = None) -> float:

@@ -88,8 +88,9 @@ class TestAccountant:
         again = steps(acct, 22, 40, last + 2.1, 0.1, every=6)
         got = totals(acct)
         assert got[("other", STARTUP)] == 1.0
-        assert got[("recovery", EXIT)] == pytest.approx(2.0)  # last step heard to first after
-        assert got[("repeated", EXIT)] == pytest.approx(0.9)  # steps 22..30 (21 was recovery)
+        # From the last step heard to the first after, less that step's own 0.1 s.
+        assert got[("recovery", EXIT)] == pytest.approx(1.9)
+        assert got[("repeated", EXIT)] == pytest.approx(1.0)  # steps 21..30, again
         assert got[("productive", STEPS)] == pytest.approx(3.0 + 1.0)  # 1..30, then 31..40
         assert acct.total() == pytest.approx(again)
 
@@ -102,7 +103,8 @@ class TestAccountant:
         acct.feed(WorkersStarted(), 1.0)
         acct.feed(Stepped(15), 2.0)
         acct.feed(Stepped(25), 3.0)  # 16..20 again, 21..25 new
-        assert acct.totals[(Kind.REPEATED, HANG)] == pytest.approx(0.5)
+        # Step 15's own 0.1 s (a step's time as last heard), then half of the second.
+        assert acct.totals[(Kind.REPEATED, HANG)] == pytest.approx(0.1 + 0.5)
         assert acct.totals[(Kind.PRODUCTIVE, STEPS)] == pytest.approx(1.5)
 
     def test_recovery_is_charged_to_each_restart_s_cause_and_a_crash_loop_to_the_latest(self):
@@ -114,9 +116,9 @@ class TestAccountant:
         acct.feed(WorkersStarted(), 3.0)
         acct.feed(WorkersStopped(HANG, restart=True), 4.0)  # the new round hangs at once
         acct.feed(WorkersStarted(), 5.0)
-        acct.feed(Stepped(11), 7.0)
-        assert totals(acct) == {("productive", STEPS): 1.0, ("recovery", EXIT): 3.0,
-                                ("recovery", HANG): 3.0}
+        acct.feed(Stepped(11), 7.0)  # step 11's own 0.1 s is productive
+        assert totals(acct) == pytest.approx({("productive", STEPS): 1.1,
+                                              ("recovery", EXIT): 3.0, ("recovery", HANG): 2.9})
 
     def test_heartbeats_of_stopped_workers_start_nothing(self):
         acct = Accountant(start=0.0)
@@ -125,7 +127,11 @@ class TestAccountant:
         acct.feed(WorkersStopped(EXIT, restart=True), 1.0)
         acct.feed(Stepped(6), 1.5)  # a survivor of the old round, still beating
         acct.settle(2.0)
-        assert totals(acct) == {("recovery", EXIT): 2.0}
+        # The tail (0 to 1 s) waits for the next round's first step.
+        assert totals(acct) == {("recovery", EXIT): 1.0}
+        acct.feed(WorkersStarted(), 2.0)
+        acct.feed(Stepped(6), 3.0)
+        assert totals(acct) == {("recovery", EXIT): 3.0}
 
     def test_a_standby_is_other_and_its_return_is_recovery_of_the_scale_up(self):
         acct = Accountant(start=0.0)
@@ -137,9 +143,25 @@ class TestAccountant:
         acct.feed(WorkersStarted(), 10.0)
         acct.feed(Stepped(50), 12.0)  # the job went on without this node: nothing repeated
         acct.feed(Stepped(60), 13.0)
-        assert totals(acct) == {("other", STARTUP): 1.0, ("productive", STEPS): 2.0,
-                                ("recovery", "node_left"): 1.5, ("other", STANDBY): 6.5,
-                                ("recovery", JOINED): 2.0}
+        assert totals(acct) == pytest.approx({
+            ("other", STARTUP): 1.0, ("productive", STEPS): 1.0 + 0.1 + 1.0,
+            ("recovery", "node_left"): 1.5, ("other", STANDBY): 6.5, ("recovery", JOINED): 1.9})
+
+    def test_steps_unheard_before_a_kill_that_the_restore_keeps_are_productive(self):
+        """Heard up to step 10; steps 11..15 made before the kill but never
+        heard; the memory tier restores step 15: the next round starts at 16."""
+        acct = Accountant(start=0.0)
+        acct.feed(WorkersStarted(), 0.0)
+        acct.feed(Stepped(0), 0.0)
+        acct.feed(Stepped(10), 1.0)
+        acct.feed(WorkersStopped(EXIT, restart=True), 1.5)
+        acct.feed(WorkersStarted(), 2.0)
+        acct.feed(Stepped(16), 3.0)
+        assert totals(acct) == pytest.approx({("productive", STEPS): 1.0 + 0.5 + 0.1,
+                                              ("recovery", EXIT): 1.4})
+        acct.feed(Stepped(17), 3.1)  # step 16's was not a repeat, nor is 17
+        assert totals(acct)[("productive", STEPS)] == pytest.approx(1.7)
+        assert ("repeated", EXIT) not in totals(acct)
 
     def test_the_end_of_the_job_is_other(self):
         acct = Accountant(start=0.0)
@@ -219,8 +241,9 @@ def test_the_reactor_s_commands_feed_the_tracker_with_their_causes():
     tracker.stepped(6, 5.0)
     tracker.stepped(12, 6.0)
     snap = tracker.snapshot(6.0)
-    assert snap.totals[(Kind.RECOVERY, EXIT)] == pytest.approx(2.0)  # last step to first
-    assert snap.totals[(Kind.REPEATED, EXIT)] == pytest.approx(4 / 6)
+    # The last step heard to the first after, less that one's own time.
+    assert snap.totals[(Kind.RECOVERY, EXIT)] == pytest.approx(1.9)
+    assert snap.totals[(Kind.REPEATED, EXIT)] == pytest.approx(0.1 + 4 / 6)
     assert snap.totals[(Kind.PRODUCTIVE, STEPS)] == pytest.approx(1.0 + 2 / 6)
     assert snap.lost_by_cause() == {EXIT: pytest.approx(2.0 + 4 / 6)}
 
