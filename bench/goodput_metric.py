@@ -8,7 +8,8 @@ scrapes every agent alive once a second (:class:`Scraper`, and once more just be
 it kills a node), and :func:`merge` adds up, interval by interval, the increments of
 one *observer*: an agent that answered at both ends of the interval (the same
 process), kept for as long as its node is in the job (RUNNING at either end),
-otherwise another that is. This is what a dashboard's "the node that saw the most"
+otherwise another that is; an observer that misses a few scrapes (a loaded machine,
+a freeze) covers the gap when it answers again. This is what a dashboard's "the node that saw the most"
 does, without its blind spots. Its error: where the observer changes, the two
 agents' counters trail the truth by different amounts (each at most one heartbeat
 interval, 2 s here), once per change.
@@ -25,12 +26,15 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from typing import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
 SCRAPE_EVERY_S = 1.0
 SCRAPE_TIMEOUT_S = 0.5  # a frozen agent does not answer: it is skipped
 TOLERANCE = 0.02
+# No agent answered at both ends of a gap this long: every one died or was replaced.
+GIVE_UP_S = 10.0
 KINDS = ("productive", "repeated", "recovery", "other")
 
 
@@ -104,39 +108,54 @@ class Scraper:
         self._thread.join(timeout=5)
 
 
-def _observer(current: str | None, before: dict[str, AgentSample],
-              after: dict[str, AgentSample]) -> str | None:
-    """Whose increments count for an interval: the current observer while it
-    answered at both ends and its node ran the job at either end; else another
-    that did; else the current one, or any that answered at both ends."""
-    both = sorted(set(before) & set(after))
-    in_job = [a for a in both if before[a].running or after[a].running]
+def _observer(current: str | None, candidates: list[str],
+              running: Callable[[str], bool]) -> str:
+    """Whose increments count: the current observer while its node runs the
+    job; else another whose node does; else the current one, or any."""
+    in_job = [a for a in candidates if running(a)]
     if current in in_job:
         return current
     if in_job:
         return in_job[0]
-    return current if current in both else (both[0] if both else None)
+    return current if current in candidates else candidates[0]
 
 
 def merge(rounds: list[tuple[float, dict[str, AgentSample]]], t_start: float,
           t_end: float) -> dict:
-    """The job's goodput seconds in [t_start, t_end], from the scrape ``rounds``."""
+    """The job's goodput seconds in [t_start, t_end], from the scrape ``rounds``.
+
+    The time is counted up to the last round an observer answered in; the next
+    interval is the increments of an agent that answered then and now (an
+    observer that misses scrapes, loaded or frozen, covers the gap when it
+    answers again). When none did for :data:`GIVE_UP_S` (every agent died or was
+    replaced), that gap is unobserved and counting starts again from now."""
     window = sorted((r for r in rounds if t_start <= r[0] <= t_end), key=lambda r: r[0])
     totals: dict[tuple[str, str], float] = {}
     observer, changes, unobserved = None, 0, 0.0
-    for (t0, before), (t1, after) in zip(window, window[1:]):
-        chosen = _observer(observer, before, after)
-        if chosen is None:
-            unobserved += t1 - t0
+    last: dict[str, tuple[float, AgentSample]] = {}  # each agent's latest answer
+    counted_until: float | None = None
+    for t, got in window:
+        before = dict(last)
+        last.update((a, (t, sample)) for a, sample in got.items())
+        if counted_until is None:
+            counted_until = t
             continue
+        both = sorted(a for a in got if a in before and before[a][0] == counted_until)
+        if not both:
+            if t - counted_until > GIVE_UP_S:
+                unobserved += t - counted_until
+                counted_until, observer = t, None
+            continue
+        chosen = _observer(observer, both, lambda a: before[a][1].running or got[a].running)
         changes += observer is not None and chosen != observer
         observer = chosen
-        for key, value in after[chosen].seconds.items():
-            totals[key] = totals.get(key, 0.0) + max(0.0, value - before[chosen].seconds.get(
-                key, 0.0))
+        old = before[chosen][1].seconds
+        for key, value in got[chosen].seconds.items():
+            totals[key] = totals.get(key, 0.0) + max(0.0, value - old.get(key, 0.0))
+        counted_until = t
     span = window[-1][0] - window[0][0] if len(window) > 1 else 0.0
     by_kind = {k: sum(v for (kind, _), v in totals.items() if kind == k) for k in KINDS}
-    lost = {}
+    lost: dict[str, float] = {}
     for (kind, cause), v in totals.items():
         if kind in ("repeated", "recovery") and v > 0:
             lost[cause] = lost.get(cause, 0.0) + v

@@ -14,9 +14,10 @@ import time
 
 import pytest
 
+from agent import status as status_view
+from elastic.net import free_port
 from tests.integration.procs import AgentProcess
 from tests.integration.test_metrics_agent import sample, scrape
-from elastic.net import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -39,8 +40,8 @@ def rank0_times(records, restart: int) -> dict[int, float]:
     return {r["step"]: r["t"] for r in records if r["rank"] == 0 and r["restart"] == restart}
 
 
-def test_a_killed_worker_s_lost_time_is_recovery_and_repeated_steps(etcd_endpoint, job_id,
-                                                                    tmp_path):
+def test_a_killed_worker_s_lost_time_is_recovery_and_repeated_steps(etcd_endpoint, etcd_store,
+                                                                    job_id, tmp_path):
     port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}/metrics"
     path = str(tmp_path / "progress.jsonl")
@@ -71,6 +72,9 @@ def test_a_killed_worker_s_lost_time_is_recovery_and_repeated_steps(etcd_endpoin
             time.sleep(0.2)
         assert seen is not None, f"the new round did not get past the kill:\n{agent.text}"
         records = progress(path)
+        # elasticctl status: one line, from the record the agent published in etcd.
+        status = status_view.collect(etcd_store, job_id, query_agents=False)
+        line = [x for x in status_view.render(status).splitlines() if x.startswith("goodput")]
     finally:
         agent.stop()
 
@@ -98,3 +102,5 @@ def test_a_killed_worker_s_lost_time_is_recovery_and_repeated_steps(etcd_endpoin
     accounted = sample(seen, "elasticd_goodput_seconds_total")
     assert sample(seen, "elasticd_ettr") == pytest.approx(
         seconds("productive", "steps") / accounted, abs=0.02)
+    assert status["goodput"]["node_id"] == "a"
+    assert len(line) == 1 and line[0].startswith("goodput (as node a sees it): ETTR "), line
