@@ -134,6 +134,7 @@ def merge(rounds: list[tuple[float, dict[str, AgentSample]]], t_start: float,
     observer, changes, unobserved = None, 0, 0.0
     last: dict[str, tuple[float, AgentSample]] = {}  # each agent's latest answer
     counted_until: float | None = None
+    trace: list[list] = []  # per interval counted: [time, observer, seconds by kind...]
     for t, got in window:
         before = dict(last)
         last.update((a, (t, sample)) for a, sample in got.items())
@@ -150,8 +151,12 @@ def merge(rounds: list[tuple[float, dict[str, AgentSample]]], t_start: float,
         changes += observer is not None and chosen != observer
         observer = chosen
         old = before[chosen][1].seconds
+        step = {k: 0.0 for k in KINDS}
         for key, value in got[chosen].seconds.items():
-            totals[key] = totals.get(key, 0.0) + max(0.0, value - old.get(key, 0.0))
+            delta = max(0.0, value - old.get(key, 0.0))
+            totals[key] = totals.get(key, 0.0) + delta
+            step[key[0]] = step.get(key[0], 0.0) + delta
+        trace.append([round(t, 3), chosen, *(round(step[k], 3) for k in KINDS)])
         counted_until = t
     span = window[-1][0] - window[0][0] if len(window) > 1 else 0.0
     by_kind = {k: sum(v for (kind, _), v in totals.items() if kind == k) for k in KINDS}
@@ -163,7 +168,7 @@ def merge(rounds: list[tuple[float, dict[str, AgentSample]]], t_start: float,
             if span > 0 else None, **{f"{k}_s": round(v, 1) for k, v in by_kind.items()},
             "lost_by_cause": {c: round(v, 1) for c, v in sorted(lost.items())},
             "observer_changes": changes, "unobserved_s": round(unobserved, 1),
-            "scrapes": len(window)}
+            "scrapes": len(window), "trace": trace}
 
 
 def compare(metric_goodput: float | None, bench_goodput: float | None,
