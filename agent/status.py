@@ -128,7 +128,7 @@ def job_goodput(published: dict[str, dict]) -> dict | None:
             if s.get("goodput")]
     if not rows:
         return None
-    best, node_id = max(rows, key=lambda r: (r[0].accounted_s, r[1]))
+    _, node_id = max(rows, key=lambda r: (r[0].accounted_s, r[1]))
     return {"node_id": node_id, **published[node_id]["goodput"]}
 
 

@@ -9,10 +9,10 @@ it kills a node), and :func:`merge` adds up, interval by interval, the increment
 one *observer*: an agent that answered at both ends of the interval (the same
 process), kept for as long as its node is in the job (RUNNING at either end),
 otherwise another that is; an observer that misses a few scrapes (a loaded machine,
-a freeze) covers the gap when it answers again. This is what a dashboard's "the node that saw the most"
-does, without its blind spots. Its error: where the observer changes, the two
-agents' counters trail the truth by different amounts (each at most one heartbeat
-interval, 2 s here), once per change.
+a freeze) covers the gap when it answers again. This is what a dashboard's "the node
+that saw the most" does, without its blind spots. Its error: where the observer
+changes, the two agents' counters trail the truth by different amounts (each at most
+one heartbeat interval, 2 s here), once per change.
 
 The comparison (:func:`compare`) is relative: the metric's goodput (productive
 seconds over the span the scrapes cover) within ``tolerance`` (2 %) of the bench's
