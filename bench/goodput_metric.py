@@ -34,12 +34,16 @@ from typing import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent.goodput import Kind
+from agent.lifecycle import AgentState
+
 SCRAPE_EVERY_S = 1.0
 SCRAPE_TIMEOUT_S = 0.5  # a frozen agent does not answer: it is skipped
 TOLERANCE = 0.02
 # No agent answered at both ends of a gap this long: every one died or was replaced.
 GIVE_UP_S = 10.0
-KINDS = ("productive", "repeated", "recovery", "other")
+KINDS = tuple(k.value for k in Kind)
+LOST = (Kind.REPEATED.value, Kind.RECOVERY.value)
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,8 @@ def parse(text: str) -> AgentSample:
         for s in family.samples:
             if s.name == "elasticd_goodput_seconds_total":
                 seconds[(s.labels["kind"], s.labels["cause"])] = s.value
-            elif s.name == "elasticd_agent_state" and s.labels.get("state") == "RUNNING":
+            elif s.name == "elasticd_agent_state" \
+                    and s.labels.get("state") == AgentState.RUNNING.value:
                 running = s.value == 1
     return AgentSample(running, seconds)
 
@@ -166,9 +171,10 @@ def merge(rounds: list[tuple[float, dict[str, AgentSample]]], t_start: float,
     by_kind = {k: sum(v for (kind, _), v in totals.items() if kind == k) for k in KINDS}
     lost: dict[str, float] = {}
     for (kind, cause), v in totals.items():
-        if kind in ("repeated", "recovery") and v > 0:
+        if kind in LOST and v > 0:
             lost[cause] = lost.get(cause, 0.0) + v
-    return {"span_s": round(span, 1), "goodput": round(by_kind["productive"] / span, 4)
+    productive = by_kind[Kind.PRODUCTIVE.value]
+    return {"span_s": round(span, 1), "goodput": round(productive / span, 4)
             if span > 0 else None, **{f"{k}_s": round(v, 1) for k, v in by_kind.items()},
             "lost_by_cause": {c: round(v, 1) for c, v in sorted(lost.items())},
             "observer_changes": changes, "unobserved_s": round(unobserved, 1),
