@@ -40,8 +40,6 @@ from agent.lifecycle import AgentState
 SCRAPE_EVERY_S = 1.0
 SCRAPE_TIMEOUT_S = 0.5  # a frozen agent does not answer: it is skipped
 TOLERANCE = 0.02
-# No agent answered at both ends of a gap this long: every one died or was replaced.
-GIVE_UP_S = 10.0
 KINDS = tuple(k.value for k in Kind)
 LOST = (Kind.REPEATED.value, Kind.RECOVERY.value)
 
@@ -136,12 +134,14 @@ def merge(rounds: list[tuple[float, dict[str, AgentSample]]], t_start: float,
     The time is counted up to the last round an observer answered in; the next
     interval is the increments of an agent that answered then and now (an
     observer that misses scrapes, loaded or frozen, covers the gap when it
-    answers again). When none did for :data:`GIVE_UP_S` (every agent died or was
-    replaced), that gap is unobserved and counting starts again from now."""
+    answers again). When every agent that answered then never answers again
+    (they died or were replaced), the gap up to now is unobserved and counting
+    starts again from now."""
     window = sorted((r for r in rounds if t_start <= r[0] <= t_end), key=lambda r: r[0])
     totals: dict[tuple[str, str], float] = {}
     observer, changes, unobserved = None, 0, 0.0
     last: dict[str, tuple[float, AgentSample]] = {}  # each agent's latest answer
+    last_answer = {a: t for t, got in window for a in got}  # each agent's very last
     counted_until: float | None = None
     trace: list[list] = []  # per interval counted: [time, observer, seconds by kind...]
     for t, got in window:
@@ -152,7 +152,9 @@ def merge(rounds: list[tuple[float, dict[str, AgentSample]]], t_start: float,
             continue
         both = sorted(a for a in got if a in before and before[a][0] == counted_until)
         if not both:
-            if t - counted_until > GIVE_UP_S:
+            if not any(last_answer[a] > counted_until for a, (seen, _) in before.items()
+                       if seen == counted_until):
+                # Every agent that answered then is gone for good: nobody saw this gap.
                 unobserved += t - counted_until
                 counted_until, observer = t, None
             continue

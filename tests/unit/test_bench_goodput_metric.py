@@ -33,20 +33,20 @@ def test_a_frozen_node_s_agent_hands_over_to_the_one_that_sees_the_job():
 
 
 def test_an_observer_that_misses_scrapes_covers_the_gap_when_it_answers_again():
-    rounds = [(0.0, {"a1": sample(True, 1.0), "b1": sample(True, 1.0)}),
-              (1.0, {}), (2.0, {}),  # nobody answered in time
-              (3.0, {"a1": sample(True, 4.0)})]
-    m = merge(rounds, 0.0, 3.0)
-    assert m["productive_s"] == 3.0 and m["unobserved_s"] == 0.0
+    rounds = [(0.0, {"a1": sample(True, 1.0), "b1": sample(True, 1.0)})]
+    rounds += [(float(t), {}) for t in range(1, 30)]  # a loaded machine: nobody in time
+    rounds += [(30.0, {"a1": sample(True, 28.0)})]
+    m = merge(rounds, 0.0, 30.0)
+    assert m["productive_s"] == 27.0 and m["unobserved_s"] == 0.0
 
 
 def test_a_gap_after_every_agent_was_replaced_is_unobserved():
-    """Both nodes died at 1.0; the new agents answer from 2.0: what happened
-    between nobody could say, and counting starts again once one was seen twice."""
+    """Both nodes died after 1.0; the new agents answer from 2.0: what happened
+    between nobody could say, and counting starts again from there."""
     rounds = [(0.0, {"a1": sample(True, 1.0)}), (1.0, {"a1": sample(True, 2.0)})]
     rounds += [(float(t), {"a2": sample(t >= 14, max(0.0, t - 14.0))}) for t in range(2, 20)]
     m = merge(rounds, 0.0, 19.0)
-    assert m["unobserved_s"] == pytest.approx(11.0)  # from 1.0 to 12.0, when it gave up
+    assert m["unobserved_s"] == pytest.approx(1.0)
     assert m["productive_s"] == pytest.approx(1.0 + 5.0)
 
 
