@@ -77,7 +77,9 @@ How to run (about 2 x (duration + 1 min); run nothing heavy beside it)::
     .venv/bin/python bench/goodput.py --only elasticd --json /tmp/goodput.json --keep
 
 Targets: goodput >= 90 % under elasticd and strictly above torchrun's (issue 8); >= 97 %
-under elasticd-memory and above both others (issue 26).
+under elasticd-memory and above both others (issue 26); under both elasticd launchers, the
+agents' goodput metric within 2 % of the bench's own figure (issue 27: a full run; the
+metric's edge error makes a 90 s smoke run a check that the comparison works, not of 2 %).
 Every process carries bench/recovery.py's environment tag and is cleaned up the same way.
 """
 
