@@ -48,6 +48,7 @@ from agent import torchrun_cli
 from agent.config_file import read_file
 from agent.console import ConsoleFilter, Streams, parse_local_ranks, parse_streams
 from agent.devices import SYSTEM_DEVICES, HostDevices, parse_nproc_per_node, resolve_nproc
+from agent.goodput import DEFAULT_WINDOW_S as DEFAULT_GOODPUT_WINDOW_S
 from agent.gpu_health import GPU_CHECK_MODES, GpuExpectation, expected_gpus
 from agent.health import HangTimeouts
 from agent.memory_tier import DEFAULT_ROOT as DEFAULT_MEMORY_ROOT
@@ -317,6 +318,10 @@ OPTIONS = [
     Option("metrics-port", _port, 0,
            "serve Prometheus metrics over HTTP on this port, on the --listen host (0: off)",
            "PORT", field="metrics_port"),
+    Option("goodput-window", positive(float), DEFAULT_GOODPUT_WINDOW_S,
+           "the window of the effective training time ratio (elasticd_ettr, elasticctl "
+           "status): productive over accounted time in the last this many seconds",
+           "SECONDS", field="goodput_window_s"),
     Option("stop-grace", non_negative(float), 5.0,
            "after SIGTERM, wait this long before SIGKILL of a worker (torchrun: 30): for a "
            "drain, a signal, the job's end, a scale-up; time for a final checkpoint", "SECONDS",
@@ -470,6 +475,7 @@ class AgentConfig:
     # --freeze-timeout: 0 here (the lease alone decides), the option's default from load().
     freeze_timeout_s: float = 0.0
     hang_timeout_first_s: float = DEFAULT_HANG_TIMEOUT_FIRST_S
+    goodput_window_s: float = DEFAULT_GOODPUT_WINDOW_S
 
     def rendezvous(self) -> RendezvousConfig:
         """The rendezvous' settings (:class:`elastic.rendezvous.config.RendezvousConfig`)."""

@@ -31,6 +31,7 @@ from typing import Any, Callable, Protocol
 from agent import config as agent_config
 from agent import hardening, localfiles, reactor
 from agent.assign import startup_env, worker_envs
+from agent.goodput import GoodputTracker, row as goodput_row
 from agent.gpu_gate import GpuGate
 from agent.gpu_health import NO_GPU_READER, GpuReader
 from agent.grpc_server import AgentServer
@@ -169,6 +170,8 @@ class Agent:
         self.gpus = GpuGate(config, gpus, supervisor, clock, sleep, self.log)
         self.commit_log = EtcdCommitLog(store, rendezvous.keys, clock, config.node_id)
         self.workers = WorkerTable()
+        # Where the job's time goes, as this node sees it (fed in _react and by heartbeats).
+        self.goodput = GoodputTracker(clock.monotonic(), config.goodput_window_s)
         # Who broke the job, read from every member's stacks at a hang verdict.
         self.hang_reporter = hang_reporter or VerdictOnly()
         self.channel = WorkerChannel(self)  # the workers' gRPC service
@@ -180,6 +183,7 @@ class Agent:
                                    if self.view.running_round else [])
         if memory is not None:
             metrics.watch_memory_tier(memory.status)
+        metrics.watch_goodput(lambda: self.goodput.snapshot(self.clock.monotonic()))
         self.notifier = notifier or SystemdNotifier(environ={})
         self._last_pass = clock.monotonic()
 
@@ -363,6 +367,8 @@ class Agent:
                            self.workers.snapshot(),
                            {w.local_rank: w.pid for w in self.supervisor.workers()},
                            self.clock.monotonic())
+        record = dataclasses.replace(
+            record, goodput=goodput_row(self.goodput.snapshot(self.clock.monotonic())))
         if self.memory is None:
             return record
         return dataclasses.replace(record, memory_tier=self.memory.status())
@@ -376,6 +382,7 @@ class Agent:
                    after.state)
         self.view = after
         self.metrics.observe(event, after, commands, now)
+        self.goodput.observe(commands, now)
         for command in commands:
             self._apply(command)
 

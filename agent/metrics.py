@@ -59,10 +59,10 @@ import math
 from typing import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 
-from agent import reactor
+from agent import goodput, reactor
 from agent.gpu_health import PROBLEMS as GPU_PROBLEMS
 from agent.gpu_health import GpuAction
 from agent.hang_attribution import HangKind
@@ -128,6 +128,9 @@ class NoMetrics:
     def watch_memory_tier(self, status: Callable[[], MemoryTierRow]) -> None:
         """``status()`` is the memory tier's state (any thread), read at every scrape."""
 
+    def watch_goodput(self, snapshot: Callable[[], goodput.Snapshot]) -> None:
+        """``snapshot()`` is the goodput accounting now (any thread), read at every scrape."""
+
     def serve(self, host: str, port: int) -> str:
         """Serve the metrics over HTTP; returns the URL. Nothing to serve here."""
         return ""
@@ -185,6 +188,8 @@ class AgentMetrics(NoMetrics):
         for kind in HangKind:
             self._hang_attributions.labels(*ids, kind.value)
         self._states_source: Callable[[], Iterable[str]] = tuple
+        self._goodput_source: Callable[[], goodput.Snapshot | None] = lambda: None
+        r.register(_GoodputCollector(ids, lambda: self._goodput_source()))
         r.register(_WorkersCollector("elasticd_workers",
                                      "This node's workers of the running round, by state.",
                                      ids, lambda: self._states_source()))
@@ -327,6 +332,9 @@ class AgentMetrics(NoMetrics):
     def watch_memory_tier(self, status: Callable[[], MemoryTierRow]) -> None:
         self.registry.register(_MemoryTierCollector(self._ids, status))
 
+    def watch_goodput(self, snapshot: Callable[[], goodput.Snapshot]) -> None:
+        self._goodput_source = snapshot
+
     # ------------------------------------------------------------ serving
 
     def serve(self, host: str, port: int) -> str:
@@ -415,6 +423,38 @@ class _MemoryTierCollector:
 
     def collect(self):
         yield from self._families(self._status())
+
+    def describe(self):
+        yield from self._families(None)
+
+
+class _GoodputCollector:
+    """``elasticd_goodput_seconds{kind, cause}`` and ``elasticd_ettr``, read
+    from the agent's goodput tracker at each scrape: every (kind, cause) pair
+    always, at 0 until time is charged to it."""
+
+    def __init__(self, ids: tuple[str, str], snapshot: Callable[[], goodput.Snapshot | None]):
+        self._ids = ids
+        self._snapshot = snapshot
+
+    def _families(self, snap: goodput.Snapshot | None):
+        seconds = CounterMetricFamily(
+            "elasticd_goodput_seconds",
+            "Where the job's wall time went as this node sees it, by kind (productive, "
+            "repeated, recovery, other) and cause (agent.goodput).",
+            labels=_LABELS + ("kind", "cause"))
+        ettr = GaugeMetricFamily(
+            "elasticd_ettr", "Effective training time ratio: productive over accounted time "
+            "in the last --goodput-window (-1: nothing accounted yet).", labels=_LABELS)
+        totals = snap.totals if snap is not None else {}
+        for kind, cause in goodput.series():
+            seconds.add_metric([*self._ids, kind.value, cause], totals.get((kind, cause), 0.0))
+        if snap is not None:
+            ettr.add_metric(list(self._ids), -1.0 if snap.ettr is None else snap.ettr)
+        return [seconds, ettr]
+
+    def collect(self):
+        yield from self._families(self._snapshot())
 
     def describe(self):
         yield from self._families(None)

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from agent import grpc_input, reactor
 from agent.config import AgentConfig
+from agent.goodput import GoodputTracker
 from agent.hang_report import HangReporter, VerdictOnly
 from agent.health import WorkerTable
 from agent.memory_node import MemoryTier
@@ -43,6 +44,7 @@ class Served(Protocol):
     view: reactor.AgentView
     workers: WorkerTable
     metrics: NoMetrics
+    goodput: GoodputTracker
     commit_log: EtcdCommitLog
     inbox: queue.Queue
     store: Store
@@ -79,6 +81,7 @@ class WorkerChannel:
                                       req.exiting)
             if progress is not None:
                 a.metrics.observe_heartbeat(*progress)
+                a.goodput.stepped(progress[0], now)
         memory = a.memory
         if memory is not None and req.snapshots:
             memory.heard(SnapshotsTaken(req.local_rank, req.pid, req.snapshots))

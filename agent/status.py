@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from agent.gpu_health import EVENT_KINDS as GPU_EVENT_KINDS
 from agent.gpu_health import GpuAction
-from agent.status_record import MemoryTierRow, StatusRecord
+from agent.status_record import GoodputRow, MemoryTierRow, StatusRecord
 from elastic.checkpoint.etcd_log import decode_latest
 from elastic.errors import MalformedRecordError
 from elastic.events import Event
@@ -116,8 +116,21 @@ def collect(store: Store, job_id: str, query_agents: bool = True,
                       members[n].node_rank if n in members else 1 << 30, n))],
         "gpu_checks": _gpu_checks(keys, kvs, current, set(registered) | set(members)),
         "checkpoint": checkpoint,
+        "goodput": job_goodput(published),
         "problems": problems,
     }
+
+
+def job_goodput(published: dict[str, dict]) -> dict | None:
+    """The goodput of the node that has accounted the longest (its agent has
+    seen the most of the job), from the records in etcd (at most
+    agent.publishing.STATUS_PROGRESS_S old); None when no record has one."""
+    rows = [(GoodputRow(**s["goodput"]), node_id) for node_id, s in published.items()
+            if s.get("goodput")]
+    if not rows:
+        return None
+    _, node_id = max(rows, key=lambda r: (r[0].accounted_s, r[1]))
+    return {"node_id": node_id, **published[node_id]["goodput"]}
 
 
 def _parsed(kv: KeyValue | None, problems: list[str], parse):
@@ -269,6 +282,10 @@ def render(status: dict, now: float | None = None) -> str:
                    for n in status["nodes"] if (n["agent"] or {}).get("memory_tier"))
     else:
         out.append("no nodes registered")
+    g = status.get("goodput")
+    if g:
+        fields = {k: v for k, v in g.items() if k != "node_id"}
+        out.append(GoodputRow(**fields).line(g["node_id"]))
     for g in status.get("gpu_checks", []):
         if g["result"] != "passed":
             out.append(f"GPU check: node {g['node_id']} {g['result']} in round {g['round']}, "

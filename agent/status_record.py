@@ -153,6 +153,61 @@ class MemoryTierRow:
                 f"{human_bytes(self.need_bytes)}, {human_bytes(self.free_bytes)} free")
 
 
+# Causes a goodput row names (agent.goodput.RESTART_CAUSES): short words, a few.
+_CAUSE_CHARS = 32
+MAX_GOODPUT_CAUSES = 16
+
+
+@dataclass(frozen=True)
+class GoodputRow:
+    """Where the job's wall time went as the node sees it (:mod:`agent.goodput`):
+    seconds by kind, the repeated and recovery seconds of each restart cause
+    that lost any, and the ETTR over ``window_s`` (-1: nothing accounted yet)."""
+
+    ettr: float = -1.0
+    window_s: float = 0.0
+    productive_s: float = 0.0
+    repeated_s: float = 0.0
+    recovery_s: float = 0.0
+    other_s: float = 0.0
+    lost_by_cause: tuple[tuple[str, float], ...] = ()
+
+    @classmethod
+    def from_dict(cls, key: str, obj: Any) -> "GoodputRow":
+        """The ``goodput`` object of the record at ``key``; MalformedRecordError
+        naming the field."""
+        if not isinstance(obj, dict):
+            raise MalformedRecordError(key, "field 'goodput' is not an object")
+        named = {f"goodput.{name}": value for name, value in obj.items()}
+        pairs = typed_field(key, named, "goodput.lost_by_cause", list, [])
+        if len(pairs) > MAX_GOODPUT_CAUSES or not all(
+                isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
+            raise MalformedRecordError(key, "field 'goodput.lost_by_cause' is not a short list "
+                                            "of [cause, seconds] pairs")
+        lost = tuple((cap_text(c, _CAUSE_CHARS),
+                      _number(key, {"goodput.lost_by_cause": s}, "goodput.lost_by_cause"))
+                     for c, s in pairs)
+        return cls(ettr=_number(key, named, "goodput.ettr", low=-1.0),
+                   window_s=_number(key, named, "goodput.window_s"),
+                   productive_s=_number(key, named, "goodput.productive_s"),
+                   repeated_s=_number(key, named, "goodput.repeated_s"),
+                   recovery_s=_number(key, named, "goodput.recovery_s"),
+                   other_s=_number(key, named, "goodput.other_s"), lost_by_cause=lost)
+
+    @property
+    def accounted_s(self) -> float:
+        return self.productive_s + self.repeated_s + self.recovery_s + self.other_s
+
+    def line(self, node_id: str) -> str:
+        """One line for ``elasticctl status``."""
+        ettr = f"{100 * self.ettr:.1f} %" if self.ettr >= 0 else "-"
+        causes = ", ".join(f"{c} {s:.0f} s" for c, s in self.lost_by_cause)
+        return (f"goodput (as node {node_id} sees it): ETTR {ettr} over the last "
+                f"{self.window_s / 60:g} min; productive {self.productive_s:.0f} s, repeated "
+                f"{self.repeated_s:.0f} s, recovery {self.recovery_s:.0f} s"
+                + (f" ({causes})" if causes else "") + f", other {self.other_s:.0f} s")
+
+
 def human_bytes(n: int) -> str:
     """``n`` bytes as people read them: 512 B, 1.5 KiB, 3.2 GiB."""
     size = float(n)
@@ -177,11 +232,14 @@ class StatusRecord(FieldsAsJson):
     restarts: int  # rounds this agent started workers in, minus one
     last_failure: str
     memory_tier: MemoryTierRow | None = None  # None: the memory tier is off
+    # In the etcd record only (not in the Status RPC's answer): None when not accounted.
+    goodput: GoodputRow | None = None
 
     def to_json(self) -> bytes:
         obj = dataclasses.asdict(self)
-        if self.memory_tier is None:
-            del obj["memory_tier"]
+        for optional in ("memory_tier", "goodput"):
+            if obj[optional] is None:
+                del obj[optional]
         return json.dumps(obj, sort_keys=True).encode()
 
     @classmethod
@@ -216,7 +274,9 @@ class StatusRecord(FieldsAsJson):
                    restarts=int_field(key, obj, "restarts", 0, default=0),
                    last_failure=text_field(key, obj, "last_failure"),
                    memory_tier=MemoryTierRow.from_dict(key, obj["memory_tier"])
-                   if obj.get("memory_tier") is not None else None)
+                   if obj.get("memory_tier") is not None else None,
+                   goodput=GoodputRow.from_dict(key, obj["goodput"])
+                   if obj.get("goodput") is not None else None)
 
     def to_pb(self, job_id: str, world_size: int, version: str
               ) -> agent_pb2.AgentStatusResponse:
@@ -247,8 +307,9 @@ class StatusRecord(FieldsAsJson):
         "agent" (asked live) or "etcd" (the record it last published)."""
         fields = dataclasses.asdict(self)
         del fields["node_id"]
-        if fields["memory_tier"] is None:
-            del fields["memory_tier"]
+        for optional in ("memory_tier", "goodput"):
+            if fields[optional] is None:
+                del fields[optional]
         return {"source": source, **fields, "workers": list(fields["workers"])}
 
 

@@ -141,7 +141,10 @@ def load_weights_only(stream: Any, allowed: Sequence[Any], map_location: Any = N
         return torch.load(stream, map_location=map_location, weights_only=True)
 
 
-_UNSUPPORTED_GLOBAL = re.compile(r"GLOBAL ([\w.]+) was not an allowed global")
+# torch's words for a refused global: one outside the allow-list, or one of a
+# module it blocks outright (os, posix, subprocess, ...), which it says even when
+# it cannot list a file's globals (the unzipped format).
+_UNSUPPORTED_GLOBAL = re.compile(r"GLOBAL ([\w.]+) (?:was not an allowed global|whose module)")
 
 
 def unsafe_globals(data: bytes, error: BaseException, allowed: Sequence[Any]) -> list[str]:

@@ -73,15 +73,19 @@ def _refused(excinfo, name: str) -> None:
 # --- rank-<r>.pt ------------------------------------------------------------------------------
 
 
-def test_a_rank_state_with_a_command_runs_nothing_and_names_the_function(marker):
+@pytest.mark.parametrize("zip_format", [True, False], ids=["zip", "unzipped (memory tier)"])
+def test_a_rank_state_with_a_command_runs_nothing_and_names_the_function(marker, zip_format):
     record = {"format": state.LOCAL_FORMAT, "extras": RunsCommand(f"touch {marker}")}
+    buffer = io.BytesIO()
+    torch.save(record, buffer, _use_new_zipfile_serialization=zip_format)
     with pytest.raises(CheckpointError) as excinfo:
-        state.load_local(_saved(record), LoadPolicy(), "rank-00000.pt")
+        state.load_local(buffer.getvalue(), LoadPolicy(), "rank-00000.pt")
     _refused(excinfo, f"{os.system.__module__}.system")
     assert str(excinfo.value).startswith("rank-00000.pt needs ")
 
 
-def test_what_a_rank_state_holds_loads_under_the_default_allow_list():
+@pytest.mark.parametrize("zip_format", [True, False], ids=["zip", "unzipped (memory tier)"])
+def test_what_a_rank_state_holds_loads_under_the_default_allow_list(zip_format):
     import numpy
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
@@ -97,7 +101,9 @@ def test_what_a_rank_state_holds_loads_under_the_default_allow_list():
     numpy.random.seed(5)
     data = state.capture_local(step=3, rank=0, world_size=1, schedulers=schedulers,
                                data_state=sampler.state_dict(),
-                               extras={"loss": 0.5, "ids": (1, 2), "blob": b"\x00\xff"})
+                               extras={"loss": 0.5, "ids": (1, 2), "blob": b"\x00\xff"},
+                               zip_format=zip_format)
+    assert data.startswith(b"PK") == zip_format
     expected_numpy = numpy.random.rand(3)
     record = state.load_local(data, LoadPolicy(), "rank-00000.pt")
     assert record["data_state"] == sampler.state_dict()
