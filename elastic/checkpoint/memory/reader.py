@@ -114,6 +114,23 @@ def load_objects(data: bytes, policy: trust.LoadPolicy = trust.DEFAULT_POLICY,
     return found
 
 
+def put_objects(state_dict: dict[str, Any], objects: Mapping[str, Any]) -> None:
+    """Set each non-tensor value of a checkpoint state dict (``{"model": {...},
+    "optim": {...}}``) that ``objects`` holds under its flattened key
+    (``<group>.<key>``, the slot's and DCP's name for it)."""
+    for group, values in state_dict.items():
+        if isinstance(values, dict):
+            for key in values:
+                found = objects.get(f"{group}.{key}", _ABSENT)
+                if found is not _ABSENT:
+                    values[key] = found
+        elif group in objects:
+            state_dict[group] = objects[group]
+
+
+_ABSENT = object()
+
+
 # --- metadata -------------------------------------------------------------------------------
 
 
@@ -353,10 +370,19 @@ class MemoryStorageReader(StorageReader):
             raw = raw.clone()
         return raw.view(dtype).view(item.shape)
 
-    def _object_stream(self, holder: Holder, key: str) -> io.BytesIO:
-        """``key``'s value as the planner's ``load_bytes`` takes it: a ``torch.save``
-        stream. The value passed the allow-list already, so the stream holds only
-        allowed types, whatever unpickler the planner uses."""
+    def read_objects(self, plan: LoadPlan) -> dict[str, Any]:
+        """The values of ``plan``'s non-tensor (``BYTE_IO``) items by key, each from
+        a holder present here, through the allow-list (one ``objects.pt`` read per
+        rank); tensor items are left out. Raises CheckpointError as ``read_data``
+        does."""
+        try:
+            return {item.storage_index.fqn: self._object(
+                        self._present_holder(item.storage_index), item.storage_index.fqn)
+                    for item in plan.items if item.type == LoadItemType.BYTE_IO}
+        finally:
+            self.reset()
+
+    def _object(self, holder: Holder, key: str) -> Any:
         objects = self._objects.get(holder.rank)
         if objects is None:
             source = self._sources[holder.rank]
@@ -366,7 +392,13 @@ class MemoryStorageReader(StorageReader):
         if key not in objects:
             raise CheckpointError(f"{layout.OBJECTS} of rank {holder.rank} lacks {key!r}, "
                                   f"which its manifest lists")
-        value = objects[key]
+        return objects[key]
+
+    def _object_stream(self, holder: Holder, key: str) -> io.BytesIO:
+        """``key``'s value as the planner's ``load_bytes`` takes it: a ``torch.save``
+        stream. The value passed the allow-list already, so the stream holds only
+        allowed types, whatever unpickler the planner uses."""
+        value = self._object(holder, key)
         # Flattened optimizer options share one object per parameter group (pickle's
         # memo keeps that): serialize each once. ``objects`` keeps it alive, so its id
         # stays its own until reset().
@@ -465,13 +497,21 @@ class PlannedLoad:
                                for item in self.plan.items], prefer)
 
     def run(self, sources: Mapping[int, SlotData],
-            policy: trust.LoadPolicy = trust.DEFAULT_POLICY) -> None:
+            policy: trust.LoadPolicy = trust.DEFAULT_POLICY, *,
+            objects: bool = True) -> dict[str, Any]:
         """Load: ``sources`` as :class:`MemoryStorageReader` takes them, holding the
-        data of at least the ranks :meth:`ranks` named. Raises what its
-        ``read_data`` raises."""
+        data of at least the ranks :meth:`ranks` named. Without ``objects``, the
+        non-tensor values are not put in through the planner (a ``torch.save``
+        round trip each) but returned, by DCP's flattened key, for the caller
+        to set; else ``{}``. Raises what the reader's ``read_data`` raises."""
         reader = MemoryStorageReader(sources, policy, self.metadata)
         # The reader's own plan hooks return the plans as given: the plan stands.
-        reader.read_data(self.plan, self._planner).wait()
+        if objects:
+            reader.read_data(self.plan, self._planner).wait()
+            return {}
+        tensors = [item for item in self.plan.items if item.type != LoadItemType.BYTE_IO]
+        reader.read_data(dataclasses.replace(self.plan, items=tensors), self._planner).wait()
+        return reader.read_objects(self.plan)
 
 
 def needed_ranks(state_dict: Any, manifests: Mapping[int, layout.Manifest],

@@ -55,7 +55,7 @@ from elastic.checkpoint.memory.choice import (
 )
 from elastic.checkpoint.memory.fetch import Fetched, exchange, open_local, unchanged
 from elastic.checkpoint.memory.items import dtype_of, plan_slot
-from elastic.checkpoint.memory.reader import PlannedLoad, SlotData, load_objects
+from elastic.checkpoint.memory.reader import PlannedLoad, SlotData, load_objects, put_objects
 from elastic.checkpoint.memory.slotfile import SlotFile, fillable
 from elastic.checkpoint.restore import Restored
 from elastic.checkpoint.staging import local_tensor
@@ -132,7 +132,8 @@ class MemoryRestore:
 
     def _choose(self, commit_log: CommitLog) -> _Attempt:
         """Step 1 of the module docstring: the inventory, gathered, and the choice."""
-        slots = layout.list_slots(self.memory_dir)
+        # Tensor items are read only for the slots this rank uses (below).
+        slots = layout.list_slots(self.memory_dir, tensors=False)
         disk: DiskLatest | None | str = None
         if self._group.rank == 0:
             try:
@@ -147,13 +148,18 @@ class MemoryRestore:
         if isinstance(disk, str):
             return _Attempt(Choice(DISK, disk), {})
         choice = choose([s for ranks, _ in gathered for s in ranks], disk)
-        held = {}
+        attempt = _Attempt(choice, {})
         if choice.source == MEMORY:
             for slot in slots:
                 keys = choice.holders.get(slot.key.rank, {})
-                if keys.get(self._group.rank) == slot.key and slot.key.rank not in held:
-                    held[slot.key.rank] = slot
-        return _Attempt(choice, held)
+                if keys.get(self._group.rank) == slot.key and slot.key.rank not in attempt.held:
+                    full = layout.with_tensors(slot)
+                    if full is None:
+                        attempt.failure = f"the slot {slot.key.name} on this node changed or " \
+                                          f"is damaged"
+                    else:
+                        attempt.held[slot.key.rank] = full
+        return attempt
 
     def _bring(self, attempt: _Attempt) -> None:
         """Step 2: open the needed slots held here, receive the others, send what
@@ -201,7 +207,7 @@ class MemoryRestore:
                 copy_slot(tensors.state_dict, attempt.fetched[rank].slot, self._policy,
                           self._shards)
             else:
-                self._reshard(attempt)
+                self._reshard(tensors.state_dict, attempt)
             state.apply(self._chunks, tensors)
             source = attempt.fetched[rank if same_world else 0]
             local = state.load_local(source.local, self._policy,
@@ -215,12 +221,13 @@ class MemoryRestore:
             attempt.failure = f"loading {choice.label} failed: {describe_failure(exc)}"
             return None
 
-    def _reshard(self, attempt: _Attempt) -> None:
-        """The planned load (step 2), from the slots now here."""
+    def _reshard(self, state_dict: dict[str, Any], attempt: _Attempt) -> None:
+        """The planned load (step 2), from the slots now here; the non-tensor
+        values set as :func:`copy_slot` sets them (no pickling round trip each)."""
         assert attempt.planned is not None  # planned in _bring, or failed there
         sources = {r: attempt.fetched[r].slot if r in attempt.fetched else SlotData(m)
                    for r, m in attempt.manifests.items()}
-        attempt.planned.run(sources, self._policy)
+        put_objects(state_dict, attempt.planned.run(sources, self._policy, objects=False))
 
     def _accept(self, attempt: _Attempt, local: Any) -> Restored:
         """Step 4: schedulers and RNGs, as the disk restore does. Raises
@@ -285,15 +292,8 @@ def copy_slot(state_dict: dict[str, Any], slot: SlotData, policy: trust.LoadPoli
             local.copy_(raw.view(dtype_of(found.dtype)).view(found.shape))
     if direct:
         slot.data.read_into(direct)
-    objects = load_objects(slot.objects, policy, f"{layout.OBJECTS} of old rank "
-                                                 f"{slot.manifest.rank}")
-    for group, values in state_dict.items():
-        if isinstance(values, dict):
-            for key in values:
-                if f"{group}.{key}" in objects:
-                    values[key] = objects[f"{group}.{key}"]
-        elif group in objects:
-            state_dict[group] = objects[group]
+    put_objects(state_dict, load_objects(slot.objects, policy, f"{layout.OBJECTS} of old "
+                                                              f"rank {slot.manifest.rank}"))
 
 
 def _byte_view(data: Any) -> torch.Tensor:
