@@ -38,7 +38,7 @@ from typing import Any, Sequence
 
 import torch
 
-from elastic.checkpoint import state, trust
+from elastic.checkpoint import state, timing, trust
 from elastic.checkpoint.api import CommitLog
 from elastic.checkpoint.dcp_io import LoadPlanner
 from elastic.checkpoint.failures import describe_failure
@@ -112,6 +112,7 @@ class MemoryRestore:
         self._report(attempt, origins, time.monotonic() - started)
         return restored
 
+    @timing.timed("memory_agree")
     def _agree(self, attempt: _Attempt) -> dict[str, int] | None:
         """How many slots came from each origin, over every rank, when every rank
         loaded; else None, and rank 0 warns about the first failure."""
@@ -130,6 +131,7 @@ class MemoryRestore:
                 counts[origin] = counts.get(origin, 0) + 1
         return counts
 
+    @timing.timed("memory_choose")
     def _choose(self, commit_log: CommitLog) -> _Attempt:
         """Step 1 of the module docstring: the inventory, gathered, and the choice."""
         # Tensor items are read only for the slots this rank uses (below).
@@ -161,6 +163,7 @@ class MemoryRestore:
                         attempt.held[slot.key.rank] = full
         return attempt
 
+    @timing.timed("memory_bring")
     def _bring(self, attempt: _Attempt) -> None:
         """Step 2: open the needed slots held here, receive the others, send what
         peers need. Every rank runs every collective, failed or not."""
@@ -195,6 +198,7 @@ class MemoryRestore:
         attempt.failure = attempt.failure or "; ".join(problems)
         attempt.manifests = manifests
 
+    @timing.timed("memory_load")
     def _load(self, attempt: _Attempt) -> Any:
         """Step 3; returns the ``local.pt`` record to restore, or None with
         ``attempt.failure`` set."""
