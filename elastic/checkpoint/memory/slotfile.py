@@ -33,9 +33,11 @@ _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 def fillable(tensor: torch.Tensor) -> bool:
-    """Whether :meth:`SlotFile.read_into` can fill ``tensor`` (a plain, contiguous
-    CPU tensor: its bytes are one range of this process's memory)."""
-    return tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.layout == torch.strided
+    """Whether :meth:`SlotFile.read_into` can fill ``tensor``: a plain, contiguous
+    CPU tensor, whose bytes are one range of this process's memory and mean what
+    they say (no lazy conjugate or negative view)."""
+    return (tensor.device.type == "cpu" and tensor.layout == torch.strided
+            and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg())
 
 
 class SlotFile:
