@@ -23,10 +23,10 @@ new sharding) plans and copies exactly as it does from files:
 A load through this reader needs no global plan (DCP's default planner reads
 each rank's own chunks; nothing is coordinated), so each rank may load alone:
 :class:`PlannedLoad` plans once (the plan that says which slots to fetch is the
-one the load then reads by), with no collective, through DCP's public
-planner and reader calls in the order ``dcp.load`` makes them; ``dcp.load``
-with this reader works too. A rank that fails then fails alone, and the caller
-gathers outcomes.
+one the load then reads by), with no collective, through the planner's public
+calls in ``dcp.load``'s order (this reader's own plan hooks change nothing);
+``dcp.load`` with this reader works too. A rank that fails then fails alone,
+and the caller gathers outcomes.
 
 The contract for ``objects.pt`` (the writer's side): ``torch.save`` of one dict
 from each state-dict key the manifest lists in ``objects`` (the flattened key,
