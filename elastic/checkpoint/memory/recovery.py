@@ -34,7 +34,7 @@ import dataclasses
 import logging
 import time
 import warnings
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -69,7 +69,8 @@ class _Attempt:
     """One rank's restore of the chosen snapshot so far."""
 
     choice: Choice
-    held: dict[int, layout.SlotInfo]          # old rank -> its slot on this node
+    held: dict[int, layout.SlotInfo]          # old rank -> its slot on this node, as listed
+    in_full: set[int] = dataclasses.field(default_factory=set)  # held ones read in full
     fetched: dict[int, Fetched] = dataclasses.field(default_factory=dict)
     manifests: dict[int, layout.Manifest] = dataclasses.field(default_factory=dict)
     tensors: state.TensorState | None = None  # the live state, collected once
@@ -150,18 +151,30 @@ class MemoryRestore:
         if isinstance(disk, str):
             return _Attempt(Choice(DISK, disk), {})
         choice = choose([s for ranks, _ in gathered for s in ranks], disk)
-        attempt = _Attempt(choice, {})
+        held = {}
         if choice.source == MEMORY:
             for slot in slots:
                 keys = choice.holders.get(slot.key.rank, {})
-                if keys.get(self._group.rank) == slot.key and slot.key.rank not in attempt.held:
-                    full = layout.with_tensors(slot)
-                    if full is None:
-                        attempt.failure = f"the slot {slot.key.name} on this node changed or " \
-                                          f"is damaged"
-                    else:
-                        attempt.held[slot.key.rank] = full
-        return attempt
+                if keys.get(self._group.rank) == slot.key and slot.key.rank not in held:
+                    held[slot.key.rank] = slot
+        return _Attempt(choice, held)
+
+    def _in_full(self, attempt: _Attempt, ranks: Iterable[int]) -> dict[int, layout.SlotInfo]:
+        """The held slots of ``ranks`` read in full (the listing skipped their tensor
+        items); a slot that changed since it was listed, or is damaged, fails the attempt."""
+        found = {}
+        for rank in ranks:
+            if rank in attempt.in_full:
+                found[rank] = attempt.held[rank]
+                continue
+            full = layout.with_tensors(attempt.held[rank])
+            if full is None:
+                attempt.failure = attempt.failure or (
+                    f"the slot {attempt.held[rank].key.name} on this node changed or is damaged")
+            else:
+                found[rank] = attempt.held[rank] = full
+                attempt.in_full.add(rank)
+        return found
 
     @timing.timed("memory_bring")
     def _bring(self, attempt: _Attempt) -> None:
@@ -171,8 +184,9 @@ class MemoryRestore:
         same_world = choice.world_size == self._group.size
         manifests: dict[int, layout.Manifest] = {}
         if not same_world:
-            mine = {r: s.manifest for r, s in attempt.held.items()
-                    if min(choice.holders[r]) == self._group.rank}
+            mine = {r: s.manifest for r, s in self._in_full(
+                attempt, [r for r in attempt.held if min(choice.holders[r]) == self._group.rank]
+            ).items()}
             for part in self._group.all_gather(mine, "gathering memory snapshot manifests"):
                 manifests.update(part)
         needs: set[int] = {self._group.rank} if same_world else set()
@@ -191,8 +205,10 @@ class MemoryRestore:
         received, problems = exchange(self._group, plan, attempt.held, expected)
         attempt.fetched.update(received)
         try:
-            for rank in needs - set(received):
-                attempt.fetched[rank] = open_local(attempt.held[rank])
+            local = needs - set(received)
+            full = self._in_full(attempt, local & set(attempt.held))
+            for rank in local:
+                attempt.fetched[rank] = open_local(full[rank])
         except (OSError, KeyError) as exc:
             problems.append(f"cannot open a slot held on this node: {exc!r}")
         attempt.failure = attempt.failure or "; ".join(problems)
