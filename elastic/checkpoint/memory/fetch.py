@@ -1,9 +1,10 @@
-"""A memory snapshot's slots as a restoring rank holds them: mapped in place, or sent by a peer.
+"""A memory snapshot's slots as a restoring rank holds them: read in place, or sent by a peer.
 
 A slot on this rank's node (own memory or a replica) is opened in place:
 ``data.bin`` read straight into the tensors that need it, or mapped read-only
-where a view is needed (:class:`~.slotfile.SlotFile`; :func:`open_local`). A slot on another node is sent by a rank of that node
-over the checkpointer's gloo group (:func:`exchange`, point to point, following
+where a view is needed (:class:`~.slotfile.SlotFile`; :func:`open_local`). A
+slot on another node is sent by a rank of that node over the checkpointer's
+gloo group (:func:`exchange`, point to point, following
 a plan every rank computed alike: :func:`choice.plan_transfers`): a header of
 four sizes, then the manifest, ``data.bin``, ``objects.pt`` and ``local.pt``.
 A sender that cannot read its slot sends a header of -1s (its receiver then
