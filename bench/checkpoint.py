@@ -74,7 +74,9 @@ the load average before and after)::
     .venv/bin/python bench/checkpoint.py --cold       # also restore from evicted files
     .venv/bin/python bench/checkpoint.py --restore-only --restores 9   # section 2 only
     .venv/bin/python bench/checkpoint.py --memory --size-mb 12 --restores 9 --cold
-        # only: resharded restore (2 -> 1) from the memory tier vs from disk (target <= 0.5x)
+        # only: the memory tier's snapshot cost, and restores from it vs from disk at the
+        # saved world size (target <= 0.2x) and resharded 2 -> 1 (target <= 0.5x), with
+        # the memory restore's phases and the first restore of the process
 
 How to read it: every "ratio" is ours / reference (lower is better), next to its target
 and MET / MISSED, judged on the medians. The ratio of the fastest runs (in parentheses)
@@ -641,7 +643,10 @@ def _interleaved_restores(cfg: Config, kinds: dict, model, opt, root: str, expec
                           before=lambda: None) -> dict[str, list]:
     """``cfg.restores`` restores of MEMORY_STEP by each checkpointer of ``kinds``, in
     alternating order, the model perturbed before each (and the files evicted for
-    ``disk_cold``); each timed and checked against the fingerprint ``expect``."""
+    ``disk_cold``); each timed, its phases recorded (``elastic.checkpoint.timing``)
+    and checked against the fingerprint ``expect``."""
+    probe = Probe()
+    instrument(probe)
     rows: dict[str, list] = {kind: [] for kind in kinds}
     for i in range(cfg.restores):
         for kind in (list(kinds) if i % 2 == 0 else list(reversed(kinds))):
@@ -649,13 +654,30 @@ def _interleaved_restores(cfg: Config, kinds: dict, model, opt, root: str, expec
             if kind == "disk_cold":
                 evict(os.path.join(root, f"step-{MEMORY_STEP:012d}"))
             before()
+            probe.take()
             started = time.perf_counter()
             kinds[kind].restore()
             seconds = time.perf_counter() - started
             rows[kind].append({"seconds": seconds, "path": kinds[kind].restored_path,
+                               "parts": probe.take(),
                                "verified_state": same_fingerprint(fingerprint(model, opt),
                                                                   expect)})
     return rows
+
+
+_MEMORY_PARTS = [("memory_choose", "choose"), ("memory_bring", "bring"),
+                 ("memory_bring.collect", "of which collect"), ("memory_load", "load"),
+                 ("memory_load.collect", "of which collect"),
+                 ("memory_load.apply", "apply"), ("memory_agree", "agree")]
+
+
+def _print_memory_parts(rows_by_rank: list[list[dict]]) -> None:
+    """Where a memory restore's time goes: per phase, the median over restores
+    of the mean over ranks; and the first restore of the process (a restarted
+    worker restores once: its caches are cold)."""
+    parts = parts_mean(rows_by_rank)
+    print(f"    memory restore phases: {fmt_parts(parts, _MEMORY_PARTS)}; first restore "
+          f"{max(rows[0]['seconds'] for rows in rows_by_rank):.4f} s")
 
 
 def rank_memory_world1(rank: int, world: int, cfg: Config) -> None:
@@ -712,6 +734,7 @@ def run_memory(cfg: Config) -> dict[str, Any]:
             ratio = ratios[kind] = med(memory) / med(seconds[kind])
             print(f"  memory / {kind:<9} {ratio:.2f} ({min(memory) / min(seconds[kind]):.2f}), "
                   f"target <= {TARGET_MEMORY_RESHARD}: {verdict(ratio, TARGET_MEMORY_RESHARD)}")
+    _print_memory_parts([rows["memory"]])
     verified = all(r["verified_state"] for kind_rows in rows.values() for r in kind_rows)
     verified = verified and same_world["restored_state_verified"]
     _report_verified(verified)
@@ -749,6 +772,7 @@ def _report_memory_same_world(cfg: Config, w2: list[dict]) -> dict[str, Any]:
             print(f"  memory / {kind:<9} {ratio_of:.2f} "
                   f"({min(rows['memory']) / min(rows[kind]):.2f}), target <= "
                   f"{TARGET_MEMORY_RESTORE}: {verdict(ratio_of, TARGET_MEMORY_RESTORE)}")
+    _print_memory_parts([r["same_world"]["memory"] for r in w2])
     verified = all(row["verified_state"] for r in w2 for kind in r["same_world"].values()
                    for row in kind)
     return {"memory_same_world": rows, "same_world_ratio": ratio,
@@ -1033,11 +1057,14 @@ def main() -> int:
             "state_mib": state_bytes / MiB, "param_mib": state_bytes / 3 / MiB,
             "free_disk_mib": free / MiB, "scratch": scratch, "args": vars(args)}
     print(f"state {state_bytes / MiB:.1f} MiB (width {width}, depth {args.depth}); "
-          f"free disk {free / 2**30:.1f} GiB; scratch {scratch}", flush=True)
+          f"free disk {free / 2**30:.1f} GiB; scratch {scratch}; load average "
+          f"{_loadavg()}", flush=True)
     started = time.monotonic()
     try:
         if args.memory:
             results = run_memory(cfg)
+            meta["loadavg_after"] = os.getloadavg()
+            print(f"load average after: {_loadavg()}")
             meta["wall_s"] = time.monotonic() - started
             results["meta"] = meta
             return _finish(args, results)
@@ -1056,6 +1083,10 @@ def main() -> int:
         if not args.keep_dir:
             shutil.rmtree(scratch, ignore_errors=True)
     return _finish(args, results)
+
+
+def _loadavg() -> str:
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg()) + " (1, 5, 15 min)"
 
 
 def _finish(args: argparse.Namespace, results: dict[str, Any]) -> int:

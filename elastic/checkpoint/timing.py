@@ -16,7 +16,10 @@ The phases:
   marker, retention);
 * ``choose`` (a restore's candidates) and ``load`` (one candidate verified and
   loaded, of which ``dcp_load``);
-* ``crc``: one CRC-32 (:func:`elastic.checkpoint.layout.crc32`).
+* ``crc``: one CRC-32 (:func:`elastic.checkpoint.layout.crc32`);
+* a restore from the memory tier (:mod:`elastic.checkpoint.memory.recovery`):
+  ``memory_choose``, ``memory_bring`` (slots opened, fetched, and the
+  resharded load planned), ``memory_load`` and ``memory_agree``.
 
 No torch here.
 """

@@ -88,3 +88,23 @@ def test_slot_names_round_trip_and_other_names_are_ignored():
     assert layout.parse_slot_name(key.name) == key
     assert layout.parse_slot_name("round-1.rank-2.slot-0") is None
     assert layout.parse_slot_name(key.name + ".tmp") is None
+
+
+def test_a_listing_without_tensor_items_reads_them_for_the_slot_used_while_unchanged(tmp_path):
+    slot = write_slot(str(tmp_path), SlotKey(3, 1, 0), manifest(step=7))
+    [listed] = layout.list_slots(str(tmp_path), tensors=False)
+    assert listed.manifest.tensors == () and listed.manifest.step == 7
+    assert layout.with_tensors(listed).manifest == manifest(step=7)
+    layout.begin_write(slot)
+    layout.finish_write(slot, manifest(step=9))
+    assert layout.with_tensors(listed) is None  # not the manifest that was listed
+
+
+def test_damaged_tensor_items_are_found_when_the_slot_is_read_in_full(tmp_path):
+    bad = manifest()
+    bad = Manifest(**{**bad.__dict__, "tensors": (TensorItem("model.w", "float32", (2, 2),
+                                                             (0, 0), (2, 2), 8, 16),)})
+    write_slot(str(tmp_path), SlotKey(3, 1, 0), bad)  # its bytes lie outside data.bin
+    [listed] = layout.list_slots(str(tmp_path), tensors=False)
+    assert layout.list_slots(str(tmp_path)) == []
+    assert layout.with_tensors(listed) is None

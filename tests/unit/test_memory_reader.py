@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import mmap
+import os
 
 import pytest
 
@@ -24,12 +25,15 @@ from elastic.checkpoint import dcp_io, trust  # noqa: E402
 from elastic.checkpoint.memory import layout  # noqa: E402
 from elastic.checkpoint.memory.reader import (  # noqa: E402
     MemoryStorageReader,
+    PlannedLoad,
     SlotData,
     choose_holders,
     load_objects,
     needed_ranks,
+    put_objects,
     snapshot_metadata,
 )
+from elastic.checkpoint.memory.slotfile import SlotFile  # noqa: E402
 from elastic.errors import CheckpointError  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
@@ -128,6 +132,32 @@ def rows_of(whole: torch.Tensor, start: int, stop: int) -> RowsOf:
     destination = whole.as_subclass(RowsOf)
     destination.rows = (start, stop)
     return destination
+
+
+class PartOf(torch.Tensor):
+    """Like :class:`RowsOf`, for any box: ``offsets`` and ``sizes`` in every dimension."""
+
+    def __create_chunk_list__(self):
+        return [ChunkStorageMetadata(offsets=torch.Size(self.box[0]),
+                                     sizes=torch.Size(self.box[1]))]
+
+    def __get_tensor_shard__(self, index):
+        part = self.as_subclass(torch.Tensor)
+        for dim, (offset, size) in enumerate(zip(*self.box)):
+            part = part.narrow(dim, offset, size)
+        return part
+
+
+def part_of(whole: torch.Tensor, offsets: tuple, sizes: tuple) -> PartOf:
+    destination = whole.as_subclass(PartOf)
+    destination.box = (offsets, sizes)
+    return destination
+
+
+def on_file(slot: SlotData, path) -> SlotData:
+    """``slot`` with its data.bin written to ``path`` and read from there."""
+    path.write_bytes(slot.data)
+    return dataclasses.replace(slot, data=SlotFile(str(path), len(slot.data)))
 
 
 class Planted:
@@ -248,6 +278,56 @@ def test_data_may_be_an_mmap_or_a_mapped_tensor_read_only_and_unaligned(tmp_path
     target = {"model": {"w": torch.zeros(5, 3)}}
     load(target, {0: shifted})
     assert same_bits(target["model"]["w"], weight)
+
+
+@pytest.mark.parametrize("offsets, sizes, read_calls", [
+    ((2, 0, 0), (4, 3, 2), 2),  # rows: one range of each old shard's file, read into place
+    ((0, 1, 0), (6, 2, 2), 0),  # columns: apart in the file, copied from its mapping
+    ((3, 2, 1), (1, 1, 1), 1),  # one element
+    ((0, 0, 0), (6, 3, 2), 2),  # whole
+])
+def test_slot_files_load_like_their_bytes_whatever_part_is_asked(tmp_path, monkeypatch,
+                                                                 offsets, sizes, read_calls):
+    torch.manual_seed(6)
+    weight = torch.randn(6, 3, 2)
+    slots = {r: write_slot(r, 2, {"model.w": shard, "optim.lr": 0.5})
+             for r, shard in enumerate(row_shards(weight, 2))}
+    files = {r: on_file(slot, tmp_path / f"data-{r}.bin") for r, slot in slots.items()}
+    calls = []
+    real_preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda *args: calls.append(1) or real_preadv(*args))
+    loaded = []
+    for sources in (slots, files):
+        place = torch.zeros(6, 3, 2)
+        target = {"model": {"w": part_of(place, offsets, sizes)}, "optim": {"lr": 1.0}}
+        load(target, sources)
+        loaded.append(place)
+        assert target["optim"]["lr"] == 0.5
+    box = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+    assert same_bits(loaded[1], loaded[0]) and same_bits(loaded[1][box], weight[box])
+    assert len(calls) == read_calls
+
+
+def test_a_planned_load_names_its_ranks_then_loads_by_that_plan_and_hands_back_objects(tmp_path):
+    """The plan that says which old ranks to fetch is the one the load reads by:
+    the absent ranks stay absent; the objects come back for the caller to set."""
+    torch.manual_seed(7)
+    weight = torch.randn(8, 2)
+    slots = {r: on_file(write_slot(r, 4, {"model.w": shard, "optim.param_groups.w.lr": 0.1}),
+                        tmp_path / f"data-{r}.bin")
+             for r, shard in enumerate(row_shards(weight, 4))}
+    place = torch.zeros(8, 2)
+    target = {"model": {"w": rows_of(place, 4, 8)}, "optim": {"param_groups.w.lr": 1.0}}
+    planned = PlannedLoad(target, {r: s.manifest for r, s in slots.items()},
+                          dcp_io.LoadPlanner())
+    assert planned.ranks(prefer={0}) == {0, 2, 3}  # rows 4-7: old ranks 2 and 3; lr: rank 0
+    sources = {r: s if r in {0, 2, 3} else absent(s) for r, s in slots.items()}
+    objects = planned.run(sources, objects=False)
+    assert objects == {"optim.param_groups.w.lr": 0.1}
+    assert target["optim"]["param_groups.w.lr"] == 1.0  # left to the caller
+    put_objects(target, objects)
+    assert target["optim"]["param_groups.w.lr"] == 0.1
+    assert same_bits(place[4:], weight[4:]) and not place[:4].any()
 
 
 # --- errors -----------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
-"""A memory snapshot's slots as a restoring rank holds them: mapped in place, or sent by a peer.
+"""A memory snapshot's slots as a restoring rank holds them: read in place, or sent by a peer.
 
 A slot on this rank's node (own memory or a replica) is opened in place:
-``data.bin`` mapped read-only, nothing copied through storage
-(:func:`open_local`). A slot on another node is sent by a rank of that node
-over the checkpointer's gloo group (:func:`exchange`, point to point, following
+``data.bin`` read straight into the tensors that need it, or mapped read-only
+where a view is needed (:class:`~.slotfile.SlotFile`; :func:`open_local`). A
+slot on another node is sent by a rank of that node over the checkpointer's
+gloo group (:func:`exchange`, point to point, following
 a plan every rank computed alike: :func:`choice.plan_transfers`): a header of
 four sizes, then the manifest, ``data.bin``, ``objects.pt`` and ``local.pt``.
 A sender that cannot read its slot sends a header of -1s (its receiver then
@@ -15,7 +16,6 @@ parse, be the slot asked for, and list the sizes received.
 from __future__ import annotations
 
 import dataclasses
-import mmap
 import os
 import warnings
 from typing import Any, Mapping, Sequence
@@ -27,12 +27,10 @@ from elastic.checkpoint.group import CheckpointGroup
 from elastic.checkpoint.memory import layout
 from elastic.checkpoint.memory.choice import Transfer
 from elastic.checkpoint.memory.reader import SlotData
+from elastic.checkpoint.memory.slotfile import SlotFile
 from elastic.errors import CheckpointError
 
 _FILES = 4  # manifest, data, objects, local
-# Populated at once: the kernel maps every page in one call instead of one fault each
-# (the restore then reads at memory speed).
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 @dataclasses.dataclass
@@ -49,13 +47,14 @@ class Fetched:
 
 
 def open_local(info: layout.SlotInfo) -> Fetched:
-    """The slot at ``info.path``, ``data.bin`` mapped read-only. Raises OSError."""
+    """The slot at ``info.path``: its small files read, ``data.bin`` as a
+    :class:`~.slotfile.SlotFile` (read when the load needs it). Raises OSError."""
     with open(os.path.join(info.path, layout.MANIFEST), "rb") as f:
         manifest_json = f.read(layout.MAX_MANIFEST_BYTES + 1)
     data: Any = b""
-    if info.manifest.files.get(layout.DATA, 0):
-        with open(os.path.join(info.path, layout.DATA), "rb") as f:
-            data = mmap.mmap(f.fileno(), 0, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
+    size = info.manifest.files.get(layout.DATA, 0)
+    if size:
+        data = SlotFile(os.path.join(info.path, layout.DATA), size)
     return Fetched(SlotData(info.manifest, data, _read(info.path, layout.OBJECTS)),
                    _read(info.path, layout.LOCAL),
                    "own" if info.holder == layout.OWN else "replica", info, manifest_json)
@@ -97,7 +96,9 @@ def _send(group: CheckpointGroup, transfer: Transfer, info: layout.SlotInfo | No
         if info is None:
             raise CheckpointError("this rank does not hold it")
         opened = open_local(info)
-        parts = [opened.manifest_json, opened.slot.data, opened.slot.objects, opened.local]
+        data = opened.slot.data
+        parts = [opened.manifest_json, data.mapping() if isinstance(data, SlotFile) else data,
+                 opened.slot.objects, opened.local]
     except (OSError, CheckpointError) as exc:
         problem = f"cannot read the slot of old rank {transfer.source} to send it: {exc}"
     sizes = [-1] * _FILES if problem else [len(memoryview(p)) for p in parts]

@@ -174,11 +174,13 @@ class Manifest:
         return json.dumps(record, separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> "Manifest":
+    def from_json(cls, data: bytes, *, tensors: bool = True) -> "Manifest":
         """Raises ValueError naming what is wrong: not a JSON object of format
         FORMAT, an id that is not a valid id, a number out of range (``rank``
         below ``world_size``), a file name that is not a plain name, a tensor
-        item that is malformed or lies outside ``data.bin``."""
+        item that is malformed or lies outside ``data.bin``. Without
+        ``tensors`` the tensor items are neither read nor checked (the
+        manifest's ``tensors`` is empty): for a listing that only chooses."""
         try:
             record = json.loads(data)
         except RecursionError:
@@ -189,11 +191,11 @@ class Manifest:
             raise ValueError(f"unknown memory snapshot format {_shown(record.get('format'))}")
         world_size = _int(record, "world_size", 1, MAX_WORLD_SIZE)
         files = _files(record.get("files"))
-        tensors = record.get("tensors", [])
+        records = record.get("tensors", [])
         objects = record.get("objects", [])
-        if not isinstance(tensors, list) or not isinstance(objects, list):
+        if not isinstance(records, list) or not isinstance(objects, list):
             raise ValueError("'tensors' and 'objects' must be lists")
-        items = tuple(TensorItem.from_record(t) for t in tensors)
+        items = tuple(TensorItem.from_record(t) for t in records) if tensors else ()
         data_size = files.get(DATA, 0)
         if any(t.offset + t.nbytes > data_size for t in items):
             raise ValueError(f"a tensor's bytes lie outside {DATA} ({data_size} bytes)")
@@ -220,7 +222,9 @@ class SlotInfo:
 
     ``holder`` is ``OWN`` for this node's own snapshots, else the node id of the
     replica's source. ``stamp`` identifies the manifest file read (device,
-    inode, modification time, size) for :func:`still_same`.
+    inode, modification time, size) for :func:`still_same`. A slot listed
+    without its tensor items (``read_slot(..., tensors=False)``) has an empty
+    ``manifest.tensors``: :func:`with_tensors` reads them.
     """
 
     path: str
@@ -251,11 +255,12 @@ def finish_write(slot_dir: str, manifest: Manifest | bytes) -> None:
     os.replace(tmp, os.path.join(slot_dir, MANIFEST))
 
 
-def read_slot(slot_dir: str, holder: str = OWN) -> SlotInfo | None:
+def read_slot(slot_dir: str, holder: str = OWN, *, tensors: bool = True) -> SlotInfo | None:
     """The slot at ``slot_dir`` if it is complete (its name parses, its manifest
     parses and agrees with the name, every listed file has its size), else None.
     Never raises for what a slot holds: an incomplete or damaged slot is one
-    nobody may use."""
+    nobody may use. Without ``tensors``, the manifest's tensor items are
+    skipped (see :meth:`Manifest.from_json`)."""
     key = parse_slot_name(os.path.basename(slot_dir))
     if key is None:
         return None
@@ -267,7 +272,7 @@ def read_slot(slot_dir: str, holder: str = OWN) -> SlotInfo | None:
             data = f.read(MAX_MANIFEST_BYTES + 1)
         if len(data) > MAX_MANIFEST_BYTES:
             return None
-        manifest = Manifest.from_json(data)
+        manifest = Manifest.from_json(data, tensors=tensors)
     except (OSError, ValueError):
         return None
     if (manifest.round, manifest.rank) != (key.round, key.rank):
@@ -282,6 +287,16 @@ def read_slot(slot_dir: str, holder: str = OWN) -> SlotInfo | None:
                     (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
 
 
+def with_tensors(info: SlotInfo) -> SlotInfo | None:
+    """``info`` read again in full (tensor items too), or None when the slot is
+    no longer complete, its manifest is no longer the one ``info`` was read
+    from, or its tensor items are damaged."""
+    full = read_slot(info.path, info.holder)
+    if full is None or full.stamp != info.stamp:
+        return None
+    return full
+
+
 def still_same(info: SlotInfo) -> bool:
     """Whether the slot's manifest is still the one ``info`` was read from."""
     try:
@@ -291,18 +306,19 @@ def still_same(info: SlotInfo) -> bool:
     return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size) == info.stamp
 
 
-def list_slots(memory_dir: str) -> list[SlotInfo]:
-    """Every complete slot in a node's memory directory, own and replicas."""
-    found = [s for s in _slots_in(own_dir(memory_dir), OWN)]
+def list_slots(memory_dir: str, *, tensors: bool = True) -> list[SlotInfo]:
+    """Every complete slot in a node's memory directory, own and replicas
+    (without ``tensors``: see :func:`read_slot`)."""
+    found = [s for s in _slots_in(own_dir(memory_dir), OWN, tensors)]
     replicas = os.path.join(memory_dir, REPLICAS)
     for source in names_in(replicas):
-        found.extend(_slots_in(os.path.join(replicas, source), source))
+        found.extend(_slots_in(os.path.join(replicas, source), source, tensors))
     return found
 
 
-def _slots_in(directory: str, holder: str) -> Iterator[SlotInfo]:
+def _slots_in(directory: str, holder: str, tensors: bool) -> Iterator[SlotInfo]:
     for name in names_in(directory):
-        info = read_slot(os.path.join(directory, name), holder)
+        info = read_slot(os.path.join(directory, name), holder, tensors=tensors)
         if info is not None:
             yield info
 

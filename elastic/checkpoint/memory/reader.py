@@ -14,15 +14,19 @@ new sharding) plans and copies exactly as it does from files:
   ``BytesStorageMetadata``. Its ``storage_data`` maps each chunk's
   ``MetadataIndex`` to the :class:`Holder`\\ s that hold a copy.
 * The reader serves each of DCP's read items from a holder whose data is in this
-  process. A tensor's bytes are a view of the slot's buffer (no copy) until DCP
-  copies the wanted part into the state dict's tensor.
+  process, with one copy: from a slot file on this node straight into the
+  destination (:mod:`.slotfile`, batched), else from a view of the slot's
+  buffer (no copy until DCP's destination takes the wanted part).
 * :func:`needed_ranks` says, before any data moves, which old ranks' slots a
   load reads, so a restoring rank fetches from peers only those.
 
 A load through this reader needs no global plan (DCP's default planner reads
-each rank's own chunks; nothing is coordinated), so each rank may call
-``dcp.load`` alone (``no_dist=True``), sparing DCP's gather and scatter of the
-plans; a rank that fails then fails alone, and the caller gathers outcomes.
+each rank's own chunks; nothing is coordinated), so each rank may load alone:
+:class:`PlannedLoad` plans once (the plan that says which slots to fetch is the
+one the load then reads by), with no collective, through the planner's public
+calls in ``dcp.load``'s order (this reader's own plan hooks change nothing);
+``dcp.load`` with this reader works too. A rank that fails then fails alone,
+and the caller gathers outcomes.
 
 The contract for ``objects.pt`` (the writer's side): ``torch.save`` of one dict
 from each state-dict key the manifest lists in ``objects`` (the flattened key,
@@ -57,6 +61,7 @@ from torch.futures import Future
 
 from elastic.checkpoint import trust
 from elastic.checkpoint.memory import layout
+from elastic.checkpoint.memory.slotfile import SlotFile, fillable
 from elastic.errors import CheckpointError
 
 
@@ -66,7 +71,8 @@ class SlotData:
 
     ``manifest``: always (every rank knows every manifest). ``data``: the bytes of
     ``data.bin``, or None when this process does not hold them (a peer's slot not
-    fetched). Accepted: anything with the buffer protocol (``bytes``,
+    fetched). Accepted: a :class:`~.slotfile.SlotFile` (read straight into the
+    destinations), anything with the buffer protocol (``bytes``,
     ``bytearray``, ``memoryview``, ``mmap.mmap``, read-only ones included) or a
     1-D contiguous CPU ``torch.uint8`` tensor (e.g. ``torch.from_file(path,
     shared=True, size=n, dtype=torch.uint8)``). The reader never writes into it
@@ -106,6 +112,23 @@ def load_objects(data: bytes, policy: trust.LoadPolicy = trust.DEFAULT_POLICY,
         raise CheckpointError(f"{what} holds a {type(found).__name__}, not a dict from "
                               f"state-dict keys to values")
     return found
+
+
+def put_objects(state_dict: dict[str, Any], objects: Mapping[str, Any]) -> None:
+    """Set each non-tensor value of a checkpoint state dict (``{"model": {...},
+    "optim": {...}}``) that ``objects`` holds under its flattened key
+    (``<group>.<key>``, the slot's and DCP's name for it)."""
+    for group, values in state_dict.items():
+        if isinstance(values, dict):
+            for key in values:
+                found = objects.get(f"{group}.{key}", _ABSENT)
+                if found is not _ABSENT:
+                    values[key] = found
+        elif group in objects:
+            state_dict[group] = objects[group]
+
+
+_ABSENT = object()
 
 
 # --- metadata -------------------------------------------------------------------------------
@@ -219,15 +242,19 @@ class MemoryStorageReader(StorageReader):
     CheckpointError for a chunk whose every holder is absent here (naming the key
     and those ranks), for a buffer shorter than its manifest says, and for an
     ``objects.pt`` outside the policy's allow-list (:func:`load_objects`).
+    ``metadata``: :func:`snapshot_metadata` of these very manifests, where the
+    caller built it already (:class:`PlannedLoad`); else it is built here.
     One reader serves any number of loads, one at a time.
     """
 
     def __init__(self, sources: Mapping[int, SlotData],
-                 policy: trust.LoadPolicy = trust.DEFAULT_POLICY):
+                 policy: trust.LoadPolicy = trust.DEFAULT_POLICY,
+                 metadata: Metadata | None = None):
         super().__init__()
         self._sources = dict(sources)
         self._policy = policy
-        self._metadata = snapshot_metadata({r: s.manifest for r, s in self._sources.items()})
+        self._metadata = metadata if metadata is not None else snapshot_metadata(
+            {r: s.manifest for r, s in self._sources.items()})
         self._storage: dict[MetadataIndex, tuple[Holder, ...]] = self._metadata.storage_data
         self._buffers: dict[int, torch.Tensor] = {}
         self._objects: dict[int, dict[str, Any]] = {}
@@ -262,18 +289,59 @@ class MemoryStorageReader(StorageReader):
         """Copy every read item of ``plan`` into its place through ``planner``
         (DCP's ``resolve_tensor``/``commit_tensor`` and ``load_bytes``). Raises
         CheckpointError as the class docstring says."""
+        direct: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        done_later = []
         try:
             for item in plan.items:
                 holder = self._present_holder(item.storage_index)
                 if item.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(item, self._object_stream(holder, item.storage_index.fqn))
+                    continue
+                target = planner.resolve_tensor(item).detach()
+                if tuple(target.size()) != tuple(item.lengths):
+                    raise CheckpointError(f"{item.storage_index.fqn!r}: the snapshot's part has "
+                                          f"shape {tuple(item.lengths)}, its place "
+                                          f"{tuple(target.size())}")
+                offset = self._file_offset(item, holder)
+                if offset is not None and fillable(target):
+                    direct.setdefault(holder.rank, []).append((offset, target))
+                    done_later.append((item, target))
                 else:
-                    self._copy_tensor(item, holder, planner)
+                    target.copy_(_narrow(self._tensor_view(holder), item.storage_offsets,
+                                         item.lengths))
+                    planner.commit_tensor(item, target)
+            for rank, reads in direct.items():
+                self._read_file(rank, reads)
+            for item, target in done_later:
+                planner.commit_tensor(item, target)
         finally:
             self.reset()
         done: Future = Future()
         done.set_result(None)
         return done
+
+    def _file_offset(self, read: Any, holder: Holder) -> int | None:
+        """Where the part ``read`` asks for starts in the holder's slot file, when
+        the holder's data is a file on this node and the part is one range of it."""
+        item = holder.item
+        assert item is not None  # a tensor's holder always has its item
+        if not isinstance(self._sources[holder.rank].data, SlotFile):
+            return None
+        start = _contiguous_start(item.shape, read.storage_offsets, read.lengths)
+        if start is None:
+            return None
+        return item.offset + start * _dtype(item.dtype, item.fqn).itemsize
+
+    def _read_file(self, rank: int, reads: list[tuple[int, torch.Tensor]]) -> None:
+        source = self._sources[rank]
+        expected = source.manifest.files.get(layout.DATA, 0)
+        if len(source.data) < expected:
+            raise CheckpointError(f"rank {rank}'s snapshot data has {len(source.data)} bytes, "
+                                  f"its manifest lists {expected}")
+        try:
+            source.data.read_into(reads)
+        except OSError as exc:
+            raise CheckpointError(f"cannot read rank {rank}'s snapshot data: {exc}") from exc
 
     def _present_holder(self, index: MetadataIndex) -> Holder:
         holders = self._storage.get(index)
@@ -287,15 +355,6 @@ class MemoryStorageReader(StorageReader):
         raise CheckpointError(
             f"{index.fqn!r}{where} is held only by old rank(s) {_ranks(h.rank for h in holders)}, "
             f"whose memory snapshot is not in this process")
-
-    def _copy_tensor(self, read: Any, holder: Holder, planner: LoadPlanner) -> None:
-        saved = _narrow(self._tensor_view(holder), read.storage_offsets, read.lengths)
-        target = planner.resolve_tensor(read).detach()
-        if target.size() != saved.size():
-            raise CheckpointError(f"{read.storage_index.fqn!r}: the snapshot's part has shape "
-                                  f"{tuple(saved.size())}, its place {tuple(target.size())}")
-        target.copy_(saved)
-        planner.commit_tensor(read, target)
 
     def _tensor_view(self, holder: Holder) -> torch.Tensor:
         """The saved chunk as a tensor over the slot's buffer (a copy only when its
@@ -311,10 +370,19 @@ class MemoryStorageReader(StorageReader):
             raw = raw.clone()
         return raw.view(dtype).view(item.shape)
 
-    def _object_stream(self, holder: Holder, key: str) -> io.BytesIO:
-        """``key``'s value as the planner's ``load_bytes`` takes it: a ``torch.save``
-        stream. The value passed the allow-list already, so the stream holds only
-        allowed types, whatever unpickler the planner uses."""
+    def read_objects(self, plan: LoadPlan) -> dict[str, Any]:
+        """The values of ``plan``'s non-tensor (``BYTE_IO``) items by key, each from
+        a holder present here, through the allow-list (one ``objects.pt`` read per
+        rank); tensor items are left out. Raises CheckpointError as ``read_data``
+        does."""
+        try:
+            return {item.storage_index.fqn: self._object(
+                        self._present_holder(item.storage_index), item.storage_index.fqn)
+                    for item in plan.items if item.type == LoadItemType.BYTE_IO}
+        finally:
+            self.reset()
+
+    def _object(self, holder: Holder, key: str) -> Any:
         objects = self._objects.get(holder.rank)
         if objects is None:
             source = self._sources[holder.rank]
@@ -324,7 +392,13 @@ class MemoryStorageReader(StorageReader):
         if key not in objects:
             raise CheckpointError(f"{layout.OBJECTS} of rank {holder.rank} lacks {key!r}, "
                                   f"which its manifest lists")
-        value = objects[key]
+        return objects[key]
+
+    def _object_stream(self, holder: Holder, key: str) -> io.BytesIO:
+        """``key``'s value as the planner's ``load_bytes`` takes it: a ``torch.save``
+        stream. The value passed the allow-list already, so the stream holds only
+        allowed types, whatever unpickler the planner uses."""
+        value = self._object(holder, key)
         # Flattened optimizer options share one object per parameter group (pickle's
         # memo keeps that): serialize each once. ``objects`` keeps it alive, so its id
         # stays its own until reset().
@@ -340,6 +414,8 @@ def _byte_tensor(source: SlotData) -> torch.Tensor:
     """``source.data`` as a 1-D uint8 tensor sharing its memory; raises
     CheckpointError when it is shorter than the manifest's ``data.bin``."""
     data = source.data
+    if isinstance(data, SlotFile):
+        data = data.mapping()
     if isinstance(data, torch.Tensor):
         if data.dtype != torch.uint8 or data.device.type != "cpu" or not data.is_contiguous():
             raise CheckpointError(f"rank {source.manifest.rank}'s snapshot data is a "
@@ -360,6 +436,21 @@ def _byte_tensor(source: SlotData) -> torch.Tensor:
     return whole
 
 
+def _contiguous_start(shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]
+                      ) -> int | None:
+    """The first element (row-major) of the part ``offsets``/``lengths`` of a
+    tensor of ``shape`` when the part is one range of its elements (every
+    dimension after the innermost cut one is whole, every one before it has
+    length 1), else None."""
+    cuts = [dim for dim, (size, length) in enumerate(zip(shape, lengths)) if length != size]
+    if cuts and any(length != 1 for length in lengths[:cuts[-1]]):
+        return None
+    start = 0
+    for size, offset in zip(shape, offsets):
+        start = start * size + offset
+    return start
+
+
 def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]
             ) -> torch.Tensor:
     """The part of a saved chunk that a read item asks for (a view)."""
@@ -372,30 +463,64 @@ def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]
 # --- what a load reads ----------------------------------------------------------------------
 
 
+class PlannedLoad:
+    """A load of ``state_dict`` from the memory snapshot that ``manifests`` (every
+    old rank's) describe, planned once, with no collective: first which old
+    ranks' slots it reads (:meth:`ranks`), then, once those are here, the load
+    itself (:meth:`run`), by the very plan that named them.
+
+    The plan is ``planner``'s (DCP's public ``set_up_planner``,
+    ``create_local_plan``, ``create_global_plan`` and ``finish_plan``, in
+    ``dcp.load``'s order; meta tensors in ``state_dict`` are materialized as
+    ``dcp.load`` would). Raises CheckpointError for manifests that are not one
+    snapshot (:func:`snapshot_metadata`) and for a state dict that the snapshot
+    cannot fill (a key it lacks, another size)."""
+
+    def __init__(self, state_dict: Any, manifests: Mapping[int, layout.Manifest],
+                 planner: LoadPlanner):
+        self.metadata = snapshot_metadata(manifests)
+        self._planner = planner
+        try:
+            planner.set_up_planner(state_dict, self.metadata, True)
+            local = planner.create_local_plan()
+            self.plan = planner.finish_plan(planner.create_global_plan([local])[0])
+        except (RuntimeError, ValueError) as exc:
+            raise CheckpointError(f"the memory snapshot cannot fill this state dict: "
+                                  f"{exc}") from exc
+
+    def ranks(self, prefer: Collection[int] = ()) -> set[int]:
+        """The old ranks whose slots the load reads: a chunk held by several ranks
+        comes from a rank in ``prefer`` when one holds it (e.g. the caller's
+        local slots), else from as few distinct ranks as a greedy cover finds."""
+        storage = self.metadata.storage_data
+        return choose_holders([{h.rank for h in storage[item.storage_index]}
+                               for item in self.plan.items], prefer)
+
+    def run(self, sources: Mapping[int, SlotData],
+            policy: trust.LoadPolicy = trust.DEFAULT_POLICY, *,
+            objects: bool = True) -> dict[str, Any]:
+        """Load: ``sources`` as :class:`MemoryStorageReader` takes them, holding the
+        data of at least the ranks :meth:`ranks` named. Without ``objects``, the
+        non-tensor values are not put in through the planner (a ``torch.save``
+        round trip each) but returned, by DCP's flattened key, for the caller
+        to set; else ``{}``. Raises what the reader's ``read_data`` raises."""
+        reader = MemoryStorageReader(sources, policy, self.metadata)
+        # The reader's own plan hooks return the plans as given: the plan stands.
+        if objects:
+            reader.read_data(self.plan, self._planner).wait()
+            return {}
+        tensors = [item for item in self.plan.items if item.type != LoadItemType.BYTE_IO]
+        reader.read_data(dataclasses.replace(self.plan, items=tensors), self._planner).wait()
+        return reader.read_objects(self.plan)
+
+
 def needed_ranks(state_dict: Any, manifests: Mapping[int, layout.Manifest],
                  prefer: Collection[int] = ()) -> set[int]:
     """The old ranks whose slots ``dcp.load(state_dict, storage_reader=...)`` reads
     through a :class:`MemoryStorageReader` over ``manifests`` (every old rank's),
-    when the reader holds the data of exactly these ranks.
-
-    The read items are DCP's default load planner's for this state dict (its
-    public ``set_up_planner``/``create_local_plan``; meta tensors in
-    ``state_dict`` are materialized as ``dcp.load`` would). A chunk held by
-    several ranks comes from a rank in ``prefer`` when one holds it (e.g. the
-    caller's local slots), else from as few distinct ranks as a greedy cover
-    finds. Raises CheckpointError for manifests that are not one snapshot
-    (:func:`snapshot_metadata`) and for a state dict that the snapshot cannot
-    fill (a key it lacks, another size)."""
-    metadata = snapshot_metadata(manifests)
-    planner = DefaultLoadPlanner()
-    try:
-        planner.set_up_planner(state_dict, metadata, True)
-        plan = planner.create_local_plan()
-    except (RuntimeError, ValueError) as exc:
-        raise CheckpointError(f"the memory snapshot cannot fill this state dict: {exc}") from exc
-    storage = metadata.storage_data
-    return choose_holders([{h.rank for h in storage[item.storage_index]}
-                           for item in plan.items], prefer)
+    when the reader holds the data of exactly these ranks: :meth:`PlannedLoad.ranks`
+    with DCP's default load planner (raising as :class:`PlannedLoad` does)."""
+    return PlannedLoad(state_dict, manifests, DefaultLoadPlanner()).ranks(prefer)
 
 
 def choose_holders(holders_per_item: Sequence[Collection[int]],

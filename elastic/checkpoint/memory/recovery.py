@@ -7,22 +7,25 @@ Every rank of the new group, together (the rule is
    rank 0 adds the disk tier's latest commit; one gather, and every rank
    computes the same choice. Disk wins: return None, the disk restore runs.
 2. Which old ranks' slots each rank needs: at the snapshot's world size its
-   own old rank's; at another, those that DCP's load of its state dict reads
-   (:func:`reader.needed_ranks`, over every old rank's manifest, gathered)
-   and old rank 0's (for its ``local.pt``). A slot on the rank's node is
-   mapped in place; the others are sent by a rank of a node that holds one
-   (:mod:`.fetch`).
-3. Load: at the same world size, one copy per tensor from the slot into the
-   live state (shapes, dtypes and chunks must match the manifest); at another,
-   ``dcp.load`` through :class:`reader.MemoryStorageReader`. Non-tensor values
-   and ``local.pt`` are read through :mod:`elastic.checkpoint.trust`'s
-   allow-lists (a replica came over the network: nothing of it runs).
-4. The outcomes are gathered, after step 2 and after step 3 (a resharding
-   load is a collective: no rank may enter it alone): if any rank failed, every rank returns None
-   (the caller falls back to the disk restore, rank 0 warning why); otherwise
-   each restores its schedulers and RNGs as the disk restore does
-   (:mod:`elastic.checkpoint.state`: its own old rank's at the same world size,
-   old rank 0's and derived seeds at another).
+   own old rank's; at another, those that its load reads (the load is planned
+   here, once, over every old rank's manifest, gathered:
+   :class:`reader.PlannedLoad`) and old rank 0's (for its ``local.pt``). A
+   slot on the rank's node is read in place; the others are sent by a rank of
+   a node that holds one (:mod:`.fetch`).
+3. Load, each rank alone (no collective): the live state dict is collected
+   once; at the same world size, each tensor is read from the slot straight
+   into its live tensor (shapes, dtypes and chunks must match the manifest:
+   :func:`copy_slot`), no DCP; at another, by the plan of step 2 through
+   :class:`reader.MemoryStorageReader`. Non-tensor values and ``local.pt`` are
+   read through :mod:`elastic.checkpoint.trust`'s allow-lists (a replica came
+   over the network: nothing of it runs). A slot read on this node must still
+   be the one its manifest vouched for after the reads (``layout.still_same``).
+4. The outcomes (and where the slots came from, for rank 0's report) are
+   gathered once: if any rank failed, every rank returns None (the caller
+   falls back to the disk restore, rank 0 warning why); otherwise each
+   restores its schedulers and RNGs as the disk restore does
+   (:mod:`elastic.checkpoint.state`: its own old rank's at the same world
+   size, old rank 0's and derived seeds at another).
 """
 
 from __future__ import annotations
@@ -31,13 +34,11 @@ import dataclasses
 import logging
 import time
 import warnings
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
-import torch.distributed.checkpoint as dcp
 
-from elastic._compat import torch_checkpoint as compat
-from elastic.checkpoint import state, trust
+from elastic.checkpoint import state, timing, trust
 from elastic.checkpoint.api import CommitLog
 from elastic.checkpoint.dcp_io import LoadPlanner
 from elastic.checkpoint.failures import describe_failure
@@ -54,12 +55,8 @@ from elastic.checkpoint.memory.choice import (
 )
 from elastic.checkpoint.memory.fetch import Fetched, exchange, open_local, unchanged
 from elastic.checkpoint.memory.items import dtype_of, plan_slot
-from elastic.checkpoint.memory.reader import (
-    MemoryStorageReader,
-    SlotData,
-    load_objects,
-    needed_ranks,
-)
+from elastic.checkpoint.memory.reader import PlannedLoad, SlotData, load_objects, put_objects
+from elastic.checkpoint.memory.slotfile import SlotFile, fillable
 from elastic.checkpoint.restore import Restored
 from elastic.checkpoint.staging import local_tensor
 from elastic.errors import CheckpointError
@@ -72,9 +69,12 @@ class _Attempt:
     """One rank's restore of the chosen snapshot so far."""
 
     choice: Choice
-    held: dict[int, layout.SlotInfo]          # old rank -> its slot on this node
+    held: dict[int, layout.SlotInfo]          # old rank -> its slot on this node, as listed
+    in_full: set[int] = dataclasses.field(default_factory=set)  # held ones read in full
     fetched: dict[int, Fetched] = dataclasses.field(default_factory=dict)
     manifests: dict[int, layout.Manifest] = dataclasses.field(default_factory=dict)
+    tensors: state.TensorState | None = None  # the live state, collected once
+    planned: PlannedLoad | None = None       # at another world size
     failure: str = ""
 
 
@@ -104,28 +104,39 @@ class MemoryRestore:
                     self._round, attempt.choice.reason)
             return None
         self._bring(attempt)
-        # Agreed before the load too: a resharding load is a collective of its own.
-        if not self._agree(attempt):
-            return None
-        local = self._load(attempt)
-        if not self._agree(attempt):
+        # No rank waits for another before its load: each loads alone.
+        local = None if attempt.failure else self._load(attempt)
+        origins = self._agree(attempt)
+        if origins is None:
             return None
         restored = self._accept(attempt, local)
-        self._report(attempt, time.monotonic() - started)
+        self._report(attempt, origins, time.monotonic() - started)
         return restored
 
-    def _agree(self, attempt: _Attempt) -> bool:
-        """Whether every rank got this far; rank 0 warns about the first failure."""
-        failures = [(r, f) for r, f in enumerate(self._group.all_gather(
-            attempt.failure, "agreeing on the memory restore")) if f]
-        if failures and self._group.rank == 0:
-            log.warning("Rank 0 cannot restore %s in round %d (rank %d: %s); restoring from "
-                        "disk instead.", attempt.choice.label, self._round, *failures[0])
-        return not failures
+    @timing.timed("memory_agree")
+    def _agree(self, attempt: _Attempt) -> dict[str, int] | None:
+        """How many slots came from each origin, over every rank, when every rank
+        loaded; else None, and rank 0 warns about the first failure."""
+        mine = (attempt.failure, sorted(f.origin for f in attempt.fetched.values()))
+        gathered = self._group.all_gather(mine, "agreeing on the memory restore")
+        failures = [(r, failure) for r, (failure, _) in enumerate(gathered) if failure]
+        if failures:
+            if self._group.rank == 0:
+                log.warning("Rank 0 cannot restore %s in round %d (rank %d: %s); restoring "
+                            "from disk instead.", attempt.choice.label, self._round,
+                            *failures[0])
+            return None
+        counts: dict[str, int] = {}
+        for _, origins in gathered:
+            for origin in origins:
+                counts[origin] = counts.get(origin, 0) + 1
+        return counts
 
+    @timing.timed("memory_choose")
     def _choose(self, commit_log: CommitLog) -> _Attempt:
         """Step 1 of the module docstring: the inventory, gathered, and the choice."""
-        slots = layout.list_slots(self.memory_dir)
+        # Tensor items are read only for the slots this rank uses (below).
+        slots = layout.list_slots(self.memory_dir, tensors=False)
         disk: DiskLatest | None | str = None
         if self._group.rank == 0:
             try:
@@ -148,6 +159,24 @@ class MemoryRestore:
                     held[slot.key.rank] = slot
         return _Attempt(choice, held)
 
+    def _in_full(self, attempt: _Attempt, ranks: Iterable[int]) -> dict[int, layout.SlotInfo]:
+        """The held slots of ``ranks`` read in full (the listing skipped their tensor
+        items); a slot that changed since it was listed, or is damaged, fails the attempt."""
+        found = {}
+        for rank in ranks:
+            if rank in attempt.in_full:
+                found[rank] = attempt.held[rank]
+                continue
+            full = layout.with_tensors(attempt.held[rank])
+            if full is None:
+                attempt.failure = attempt.failure or (
+                    f"the slot {attempt.held[rank].key.name} on this node changed or is damaged")
+            else:
+                found[rank] = attempt.held[rank] = full
+                attempt.in_full.add(rank)
+        return found
+
+    @timing.timed("memory_bring")
     def _bring(self, attempt: _Attempt) -> None:
         """Step 2: open the needed slots held here, receive the others, send what
         peers need. Every rank runs every collective, failed or not."""
@@ -155,15 +184,18 @@ class MemoryRestore:
         same_world = choice.world_size == self._group.size
         manifests: dict[int, layout.Manifest] = {}
         if not same_world:
-            mine = {r: s.manifest for r, s in attempt.held.items()
-                    if min(choice.holders[r]) == self._group.rank}
+            mine = {r: s.manifest for r, s in self._in_full(
+                attempt, [r for r in attempt.held if min(choice.holders[r]) == self._group.rank]
+            ).items()}
             for part in self._group.all_gather(mine, "gathering memory snapshot manifests"):
                 manifests.update(part)
         needs: set[int] = {self._group.rank} if same_world else set()
         if not same_world:
             try:
-                needs = needed_ranks(state.collect(self._chunks).state_dict, manifests,
-                                     prefer=attempt.held) | {0}
+                attempt.tensors = state.collect(self._chunks)
+                attempt.planned = PlannedLoad(attempt.tensors.state_dict, manifests,
+                                              LoadPlanner(policy=self._policy))
+                needs = attempt.planned.ranks(prefer=attempt.held) | {0}
             except CheckpointError as exc:
                 attempt.failure = str(exc)
         every = ([[r] for r in range(self._group.size)] if same_world else
@@ -173,13 +205,16 @@ class MemoryRestore:
         received, problems = exchange(self._group, plan, attempt.held, expected)
         attempt.fetched.update(received)
         try:
-            for rank in needs - set(received):
-                attempt.fetched[rank] = open_local(attempt.held[rank])
+            local = needs - set(received)
+            full = self._in_full(attempt, local & set(attempt.held))
+            for rank in local:
+                attempt.fetched[rank] = open_local(full[rank])
         except (OSError, KeyError) as exc:
             problems.append(f"cannot open a slot held on this node: {exc!r}")
         attempt.failure = attempt.failure or "; ".join(problems)
         attempt.manifests = manifests
 
+    @timing.timed("memory_load")
     def _load(self, attempt: _Attempt) -> Any:
         """Step 3; returns the ``local.pt`` record to restore, or None with
         ``attempt.failure`` set."""
@@ -187,7 +222,7 @@ class MemoryRestore:
         same_world = choice.world_size == self._group.size
         rank = self._group.rank
         try:
-            tensors = state.collect(self._chunks)
+            tensors = attempt.tensors or state.collect(self._chunks)
             if same_world:
                 copy_slot(tensors.state_dict, attempt.fetched[rank].slot, self._policy,
                           self._shards)
@@ -207,15 +242,12 @@ class MemoryRestore:
             return None
 
     def _reshard(self, state_dict: dict[str, Any], attempt: _Attempt) -> None:
-        manifests = attempt.manifests
+        """The planned load (step 2), from the slots now here; the non-tensor
+        values set as :func:`copy_slot` sets them (no pickling round trip each)."""
+        assert attempt.planned is not None  # planned in _bring, or failed there
         sources = {r: attempt.fetched[r].slot if r in attempt.fetched else SlotData(m)
-                   for r, m in manifests.items()}
-        reader = MemoryStorageReader(sources, self._policy)
-        # Each rank loads alone where DCP allows it (the reader needs no global plan);
-        # otherwise over the checkpoint group, which every rank enters (agreed before).
-        alone = compat.single_process(True) or {"process_group": self._group.pg}
-        dcp.load(state_dict, storage_reader=reader, planner=LoadPlanner(policy=self._policy),
-                 **alone)
+                   for r, m in attempt.manifests.items()}
+        put_objects(state_dict, attempt.planned.run(sources, self._policy, objects=False))
 
     def _accept(self, attempt: _Attempt, local: Any) -> Restored:
         """Step 4: schedulers and RNGs, as the disk restore does. Raises
@@ -234,13 +266,8 @@ class MemoryRestore:
         return Restored(step=choice.step, path=choice.label, size_bytes=size,
                         data_state=local["data_state"], extras=local["extras"])
 
-    def _report(self, attempt: _Attempt, seconds: float) -> None:
+    def _report(self, attempt: _Attempt, counts: dict[str, int], seconds: float) -> None:
         """Rank 0 says, in one line, where the shards came from and how long it took."""
-        origins = [sorted(f.origin for f in attempt.fetched.values())]
-        counts: dict[str, int] = {}
-        for part in self._group.all_gather(origins[0], "reporting the memory restore"):
-            for origin in part:
-                counts[origin] = counts.get(origin, 0) + 1
         choice = attempt.choice
         log.log(self._group.news_level, "Rank 0 restored %s (%d ranks) with %d ranks in round %d "
                 "in %.3f s: slots from own memory %d, replicas %d, sent by peers %d; resuming at "
@@ -252,7 +279,8 @@ class MemoryRestore:
 def copy_slot(state_dict: dict[str, Any], slot: SlotData, policy: trust.LoadPolicy,
               chunks: dict | None = None) -> None:
     """Fill ``state_dict`` (this rank's live state) from its own old rank's slot:
-    each tensor copied from the slot's bytes, each other value set from
+    each tensor's bytes read from the slot into the tensor (one copy, batched
+    for a slot file: :class:`~.slotfile.SlotFile`), each other value set from
     ``objects.pt``. Raises CheckpointError when the slot does not hold exactly
     this state (a key missing or extra, another dtype, shape or chunk)."""
     live = plan_slot(state_dict, chunks)
@@ -263,29 +291,34 @@ def copy_slot(state_dict: dict[str, Any], slot: SlotData, policy: trust.LoadPoli
                          - set(saved) - set(slot.manifest.objects))
         raise CheckpointError(f"the snapshot holds other keys than this rank's state "
                               f"(e.g. missing {missing[:3]})")
-    data = _byte_view(slot.data)
+    from_file = isinstance(slot.data, SlotFile)
+    direct: list[tuple[int, torch.Tensor]] = []
+    data: torch.Tensor | None = None
     with torch.no_grad():
         for item, tensor in zip(live.items, live.tensors):
             found = saved[item.fqn]
-            if (found.dtype, found.shape, found.offsets, found.global_shape) != \
-                    (item.dtype, item.shape, item.offsets, item.global_shape):
+            if (found.dtype, found.shape, found.offsets, found.global_shape, found.nbytes) != \
+                    (item.dtype, item.shape, item.offsets, item.global_shape, item.nbytes):
                 raise CheckpointError(f"{item.fqn} is {found.dtype} {found.shape} at "
-                                      f"{found.offsets} in the snapshot, {item.dtype} "
-                                      f"{item.shape} at {item.offsets} here")
+                                      f"{found.offsets} ({found.nbytes} bytes) in the snapshot, "
+                                      f"{item.dtype} {item.shape} at {item.offsets} here")
+            local = local_tensor(tensor)
+            if from_file and fillable(local):
+                direct.append((found.offset, local))
+                continue
+            if data is None:
+                data = _byte_view(slot.data)
             raw = data[found.offset:found.offset + found.nbytes]
-            local_tensor(tensor).copy_(raw.view(dtype_of(found.dtype)).view(found.shape))
-    objects = load_objects(slot.objects, policy, f"{layout.OBJECTS} of old rank "
-                                                 f"{slot.manifest.rank}")
-    for group, values in state_dict.items():
-        if isinstance(values, dict):
-            for key in values:
-                if f"{group}.{key}" in objects:
-                    values[key] = objects[f"{group}.{key}"]
-        elif group in objects:
-            state_dict[group] = objects[group]
+            local.copy_(raw.view(dtype_of(found.dtype)).view(found.shape))
+    if direct:
+        slot.data.read_into(direct)
+    put_objects(state_dict, load_objects(slot.objects, policy, f"{layout.OBJECTS} of old "
+                                                              f"rank {slot.manifest.rank}"))
 
 
 def _byte_view(data: Any) -> torch.Tensor:
+    if isinstance(data, SlotFile):
+        data = data.mapping()
     if isinstance(data, torch.Tensor):
         return data
     if not len(memoryview(data)):
