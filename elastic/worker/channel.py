@@ -64,6 +64,7 @@ class WorkerChannelClient:
         step: int,
         saving_for_s: float = 0.0,
         exiting: bool = False,
+        step_time_s: float = 0.0,
     ) -> bool:
         """Tell the agent this worker is alive at ``step`` (-1 before the first) of ``round``.
 
@@ -71,7 +72,8 @@ class WorkerChannelClient:
         seconds, during which the agent does not judge progress. Returns
         stop_requested: True when the agent is stopping this round and the
         worker should exit. ``exiting`` says the script ended: from then on
-        the agent does not judge this worker's silence.
+        the agent does not judge this worker's silence. ``step_time_s``: the
+        mean seconds per step since the last heartbeat (0: none timed).
 
         Never raises for a failed call: when the agent cannot be reached
         (it may be restarting), answers with an error, or this client is
@@ -80,7 +82,7 @@ class WorkerChannelClient:
         """
         request = agent_pb2.WorkerChannelHeartbeatRequest(
             rank=rank, local_rank=local_rank, pid=pid, round=round, step=step,
-            saving_for_s=saving_for_s, exiting=exiting,
+            saving_for_s=saving_for_s, exiting=exiting, step_time_s=step_time_s,
         )
         with self._lock:
             if self._closed:
