@@ -25,6 +25,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 from typing import Any, Callable, Protocol
 
@@ -43,7 +44,7 @@ from agent.memory_node import MemoryTier
 from agent.logsetup import LogSetup, keep_secrets
 from agent.metrics import NO_METRICS, AgentMetrics, NoMetrics
 from agent.nvml import NvmlReader
-from agent.peers import GrpcPeerMesh
+from agent.peers import GrpcPeerMesh, request_drain
 from agent.probe import LEADER_CHECK_S
 from agent.publishing import Publisher, status_of, summary_line
 from agent.reactor import AgentView
@@ -51,6 +52,7 @@ from agent.sdnotify import SystemdNotifier
 from agent.stack_dumps import LocalWorker, StackCollector
 from agent.services import AgentService, WorkerChannel
 from agent.status_record import StatusRecord
+from agent.straggler_watch import StragglerWatch
 from agent.supervisor import WorkerExit, WorkerSupervisor
 from elastic import __version__, errorfile
 from elastic.checkpoint.etcd_log import EtcdCommitLog
@@ -68,7 +70,7 @@ from elastic.errors import (
 from elastic.hostport import HostPort
 from elastic.joblog import JobLogger
 from elastic.net import free_port, relax_grpc_blocking_waits
-from elastic.rendezvous.api import NodeInfo, Round
+from elastic.rendezvous.api import Member, NodeInfo, Round
 from elastic.rendezvous.node import RendezvousNode
 from elastic.store import PASSWORD_ENV, open_store
 from elastic.store.api import Store
@@ -171,6 +173,11 @@ class Agent:
         self.workers = WorkerTable()
         # Who broke the job, read from every member's stacks at a hang verdict.
         self.hang_reporter = hang_reporter or VerdictOnly()
+        # Which rank is persistently slower than its peers (--straggler-*).
+        self.stragglers = StragglerWatch(config.stragglers, store, rendezvous.keys,
+                                         config.node_id, clock, event=self.publisher.event,
+                                         drain=self._drain_for_straggler, metrics=metrics,
+                                         log=self.log, timeout_s=timeout_s)
         self.channel = WorkerChannel(self)  # the workers' gRPC service
         self.service = AgentService(self)  # operators' and peers'
         self._peer_watch: Any = None
@@ -321,6 +328,7 @@ class Agent:
                                          else "react")
                 if isinstance(item, RoundChanged):
                     self.inbox.put(item)
+        self._watch_stragglers()
         self.flush()
         self._pass_done()
 
@@ -357,12 +365,43 @@ class Agent:
             self.log.debug("etcd did not take everything yet (will retry): %s", exc)
             self.metrics.store_error("flush")
 
+    def _watch_stragglers(self) -> None:
+        """Publish this node's step times; as leader, judge every member's."""
+        rdzv = self.rdzv
+        try:
+            self.stragglers.run(self.clock.monotonic(), lease=rdzv.lease_id,
+                                running=self.view.round if self.view.running_round else None,
+                                leading=rdzv.latest_round if rdzv.is_leader else None,
+                                standbys=rdzv.standby_addrs)
+        except StoreError as exc:
+            self.log.debug("step times not exchanged with etcd yet (will retry): %s", exc)
+            self.metrics.store_error("flush")
+
+    def _drain_for_straggler(self, member: Member, reason: str) -> None:
+        """Make ``member``'s node leave the job as ``elasticctl drain`` does:
+        this node at once, another through its Drain call (on a thread of its
+        own: the loop never waits on a peer)."""
+        if member.node_id == self.config.node_id:
+            self.inbox.put(reactor.DrainRequested(reason))
+            return
+
+        def ask() -> None:
+            try:
+                request_drain(member.addr, reason, tls=self.config.tls)
+            except ElasticError as exc:
+                self.log.warning("could not drain straggler node %s: %s", member.node_id, exc)
+
+        threading.Thread(target=ask, name="elasticd-straggler-drain", daemon=True).start()
+
     def status_record(self) -> StatusRecord:
         """This agent's status as published (any thread)."""
         record = status_of(self.config.node_id, self.lifecycle.published, self.view,
                            self.workers.snapshot(),
                            {w.local_rank: w.pid for w in self.supervisor.workers()},
                            self.clock.monotonic())
+        stragglers = self.stragglers.rows()
+        if stragglers:
+            record = dataclasses.replace(record, stragglers=stragglers)
         if self.memory is None:
             return record
         return dataclasses.replace(record, memory_tier=self.memory.status())
