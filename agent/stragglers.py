@@ -31,7 +31,7 @@ The rules:
 
 from __future__ import annotations
 
-import statistics
+import bisect
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -122,8 +122,9 @@ def judge(state: StragglerState, times: list[RankTime], now: float,
     slow_since: dict[int, float] = {}
     named: dict[int, Straggler] = {}
     newly: list[Straggler] = []
+    ordered = sorted(t.step_s for t in times)  # once: a job may have 100,000 ranks
     for t in times:
-        peers_s = statistics.median(o.step_s for o in times if o.rank != t.rank)
+        peers_s = median_without(ordered, bisect.bisect_left(ordered, t.step_s))
         before = state.named.get(t.rank)
         if before is not None:
             if t.step_s > peers_s * policy.clear_ratio():  # the episode goes on
@@ -140,3 +141,14 @@ def judge(state: StragglerState, times: list[RankTime], now: float,
             newly.append(named[t.rank])
     cleared = tuple(s for r, s in state.named.items() if r not in named)
     return Judgement(StragglerState(slow_since, named), tuple(newly), cleared)
+
+
+def median_without(ordered: list[float], i: int) -> float:
+    """The median of ``ordered`` (sorted, at least 2 values) without its value at ``i``."""
+    n = len(ordered) - 1
+
+    def at(k: int) -> float:  # the k-th of the others
+        return ordered[k] if k < i else ordered[k + 1]
+
+    half = n // 2
+    return at(half) if n % 2 else (at(half - 1) + at(half)) / 2

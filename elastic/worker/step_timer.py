@@ -11,36 +11,38 @@ loading, a restore) is never timed. Does not import torch.
 
 from __future__ import annotations
 
-import threading
-
 
 class StepTimer:
-    """Thread-safe; times are the caller's monotonic seconds."""
+    """Times are the caller's monotonic seconds.
+
+    No lock on the training thread's path (it runs at every step): one thread
+    marks the steps and keeps running totals, replaced as one tuple (atomic
+    under the GIL); the heartbeat thread alone takes the difference since its
+    last take. ``untimed`` may come from another thread (a background save
+    ending): at worst one step is timed or left out wrongly.
+    """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self._last_end: float | None = None
         self._untimed = False
-        self._total_s = 0.0
-        self._steps = 0
+        self._totals = (0.0, 0)  # seconds and steps timed since the start
+        self._taken = (0.0, 0)  # the totals at the last take
 
     def step_ended(self, now: float) -> None:
         """A step ended at ``now``: timed unless it is the first or was marked untimed."""
-        with self._lock:
-            if self._last_end is not None and not self._untimed and now > self._last_end:
-                self._total_s += now - self._last_end
-                self._steps += 1
-            self._last_end, self._untimed = now, False
+        last = self._last_end
+        if last is not None and not self._untimed and now > last:
+            seconds, steps = self._totals
+            self._totals = (seconds + now - last, steps + 1)
+        self._last_end, self._untimed = now, False
 
     def untimed(self) -> None:
         """The step in progress says nothing of this rank's speed."""
-        with self._lock:
-            self._untimed = True
+        self._untimed = True
 
     def take(self) -> float:
         """The mean seconds per step of the steps timed since the last call
         (0.0: none), and start counting afresh."""
-        with self._lock:
-            mean = self._total_s / self._steps if self._steps else 0.0
-            self._total_s, self._steps = 0.0, 0
-            return mean
+        totals, (seconds, steps) = self._totals, self._taken
+        self._taken = totals
+        return (totals[0] - seconds) / (totals[1] - steps) if totals[1] > steps else 0.0

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import random
+import statistics
 
 from agent.stragglers import (
     MIN_EXCESS_S,
+    median_without,
     RankTime,
     StragglerPolicy,
     StragglerState,
@@ -150,3 +152,20 @@ def test_the_period_fits_several_observations_in_a_window_and_is_at_most_5_s():
     assert StragglerPolicy(window_s=60).period_s() == 5.0
     assert StragglerPolicy(window_s=6).period_s() == 1.0
     assert StragglerPolicy(window_s=0.1).period_s() == 0.25
+
+
+def test_the_peers_median_is_the_median_of_the_others():
+    rng = random.Random(3)
+    for n in (2, 3, 4, 5, 10, 11):
+        values = sorted(rng.choice((0.1, 0.2, 0.3, rng.random())) for _ in range(n))
+        for i, v in enumerate(values):
+            assert median_without(values, i) == statistics.median(values[:i] + values[i + 1:])
+
+
+def test_a_job_of_16384_nodes_of_8_ranks_names_its_one_slow_rank():
+    # Its cost at this size: bench/stragglers.py.
+    rng = random.Random(5)
+    observed = [RankTime(r, f"n{r // 8}", 0.2 * rng.uniform(0.95, 1.05) + (0.2 if r == 77 else 0))
+                for r in range(131_072)]
+    j = judge(StragglerState(slow_since={77: 0.0}), observed, POLICY.window_s, POLICY)
+    assert [(s.rank, s.node_id) for s in j.named] == [(77, "n9")]
