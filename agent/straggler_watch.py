@@ -24,6 +24,7 @@ dropped. Off (nothing published, nothing read) without a policy.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 from agent.metrics import NoMetrics
@@ -71,6 +72,8 @@ class StragglerWatch:
         self._actions: dict[int, str] = {}  # rank named -> what was done
         self._drained: set[str] = set()  # nodes drained in the round judged
         self._bad_keys: set[str] = set()  # malformed records reported in it
+        # key -> (its mod revision, the record parsed); kept across rounds.
+        self._records: dict[str, _Parsed] = {}
 
     def run(self, now: float, *, lease: int | None, running: Round | None,
             leading: Round | None, standbys: tuple[str, ...]) -> None:
@@ -121,6 +124,9 @@ class StragglerWatch:
             self._forget(now)
             self._judged_round = latest.workers_round
         kvs, _ = self._store.get_prefix(self._keys.step_times, timeout_s=self._timeout_s)
+        if len(self._records) > len(kvs):  # records of nodes gone: forget them
+            present = {kv.key for kv in kvs}
+            self._records = {k: v for k, v in self._records.items() if k in present}
         times = self._times_of(kvs, latest)
         verdict = judge(self._state, times, now, self.policy)
         self._state = verdict.state
@@ -156,27 +162,46 @@ class StragglerWatch:
         self._event(latest.number, EVENT_KIND, message)
         self._metrics.straggler_named(outcome)
 
+    def _parsed(self, kv) -> _Parsed:
+        """What ``kv`` says, parsed again only when it was written again: in a
+        steady job most records stay as they were. Raises MalformedRecordError."""
+        cached = self._records.get(kv.key)
+        if cached is None or cached.revision != kv.mod_revision:
+            node_id = id_in_key(kv.key, self._keys.step_times)
+            record = StepTimeRecord.from_json(kv.key, kv.value)
+            cached = _Parsed(kv.mod_revision, node_id, record.round, tuple(
+                RankTime(rank, node_id, step_s) for rank, step_s in record.step_s.items()))
+            self._records[kv.key] = cached
+        return cached
+
     def _times_of(self, kvs: list, latest: Round) -> list[RankTime]:
         """The members' step times for ``latest``'s workers, one per rank; a
         record that is malformed, not a member's, of another round or naming
         a rank outside the world counts for nothing (a malformed one is
         logged once per round)."""
         times: dict[int, RankTime] = {}
-        world = latest.world_size
+        world, members = latest.world_size, frozenset(latest.node_ids)
         for kv in kvs:
             try:
-                node_id = id_in_key(kv.key, self._keys.step_times)
-                if latest.member(node_id) is None:
-                    continue
-                record = StepTimeRecord.from_json(kv.key, kv.value)
+                parsed = self._parsed(kv)
             except MalformedRecordError as exc:
                 if kv.key not in self._bad_keys:
                     self._bad_keys.add(kv.key)
                     self._log.warning("ignores a step-time record: %s.", exc)
                 continue
-            if record.round != latest.workers_round:
+            if parsed.node_id not in members or parsed.round != latest.workers_round:
                 continue
-            for rank, step_s in record.step_s.items():
-                if rank < world:
-                    times.setdefault(rank, RankTime(rank, node_id, step_s))
-        return [times[r] for r in sorted(times)]
+            for t in parsed.times:
+                if t.rank < world:
+                    times.setdefault(t.rank, t)
+        return list(times.values())
+
+
+@dataclass(frozen=True)
+class _Parsed:
+    """A node's step-time record as the leader keeps it between passes."""
+
+    revision: int  # the key's mod revision
+    node_id: str
+    round: int
+    times: tuple[RankTime, ...]

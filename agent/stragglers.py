@@ -123,9 +123,14 @@ def judge(state: StragglerState, times: list[RankTime], now: float,
     named: dict[int, Straggler] = {}
     newly: list[Straggler] = []
     ordered = sorted(t.step_s for t in times)  # once: a job may have 100,000 ranks
+    # No rank's peers have a median under this (the median without the slowest):
+    # a rank this fast is slow for nobody, and needs no median of its own.
+    fast_s = median_without(ordered, len(ordered) - 1) * policy.threshold
     for t in times:
-        peers_s = median_without(ordered, bisect.bisect_left(ordered, t.step_s))
         before = state.named.get(t.rank)
+        if before is None and t.step_s <= fast_s:
+            continue
+        peers_s = median_without(ordered, bisect.bisect_left(ordered, t.step_s))
         if before is not None:
             if t.step_s > peers_s * policy.clear_ratio():  # the episode goes on
                 slow_since[t.rank] = before.slow_since
