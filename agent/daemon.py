@@ -25,7 +25,6 @@ import os
 import queue
 import signal
 import sys
-import threading
 import time
 from typing import Any, Callable, Protocol
 
@@ -44,7 +43,7 @@ from agent.memory_node import MemoryTier
 from agent.logsetup import LogSetup, keep_secrets
 from agent.metrics import NO_METRICS, AgentMetrics, NoMetrics
 from agent.nvml import NvmlReader
-from agent.peers import GrpcPeerMesh, request_drain
+from agent.peers import GrpcPeerMesh
 from agent.probe import LEADER_CHECK_S
 from agent.publishing import Publisher, status_of, summary_line
 from agent.reactor import AgentView
@@ -52,7 +51,7 @@ from agent.sdnotify import SystemdNotifier
 from agent.stack_dumps import LocalWorker, StackCollector
 from agent.services import AgentService, WorkerChannel
 from agent.status_record import StatusRecord
-from agent.straggler_watch import StragglerWatch
+from agent.straggler_watch import StragglerWatch, drain_as_asked
 from agent.supervisor import WorkerExit, WorkerSupervisor
 from elastic import __version__, errorfile
 from elastic.checkpoint.etcd_log import EtcdCommitLog
@@ -70,7 +69,7 @@ from elastic.errors import (
 from elastic.hostport import HostPort
 from elastic.joblog import JobLogger
 from elastic.net import free_port, relax_grpc_blocking_waits
-from elastic.rendezvous.api import Member, NodeInfo, Round
+from elastic.rendezvous.api import NodeInfo, Round
 from elastic.rendezvous.node import RendezvousNode
 from elastic.store import PASSWORD_ENV, open_store
 from elastic.store.api import Store
@@ -176,8 +175,9 @@ class Agent:
         # Which rank is persistently slower than its peers (--straggler-*).
         self.stragglers = StragglerWatch(config.stragglers, store, rendezvous.keys,
                                          config.node_id, clock, event=self.publisher.event,
-                                         drain=self._drain_for_straggler, metrics=metrics,
-                                         log=self.log, timeout_s=timeout_s)
+                                         drain=drain_as_asked(config.node_id, inbox,
+                                                              config.tls, self.log),
+                                         metrics=metrics, log=self.log, timeout_s=timeout_s)
         self.channel = WorkerChannel(self)  # the workers' gRPC service
         self.service = AgentService(self)  # operators' and peers'
         self._peer_watch: Any = None
@@ -376,22 +376,6 @@ class Agent:
         except StoreError as exc:
             self.log.debug("step times not exchanged with etcd yet (will retry): %s", exc)
             self.metrics.store_error("flush")
-
-    def _drain_for_straggler(self, member: Member, reason: str) -> None:
-        """Make ``member``'s node leave the job as ``elasticctl drain`` does:
-        this node at once, another through its Drain call (on a thread of its
-        own: the loop never waits on a peer)."""
-        if member.node_id == self.config.node_id:
-            self.inbox.put(reactor.DrainRequested(reason))
-            return
-
-        def ask() -> None:
-            try:
-                request_drain(member.addr, reason, tls=self.config.tls)
-            except ElasticError as exc:
-                self.log.warning("could not drain straggler node %s: %s", member.node_id, exc)
-
-        threading.Thread(target=ask, name="elasticd-straggler-drain", daemon=True).start()
 
     def status_record(self) -> StatusRecord:
         """This agent's status as published (any thread)."""

@@ -24,15 +24,20 @@ dropped. Off (nothing published, nothing read) without a policy.
 from __future__ import annotations
 
 import math
+import queue
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
+from agent import reactor
 from agent.metrics import NoMetrics
+from agent.peers import request_drain
 from agent.status_record import StragglerRow
 from agent.step_times import PublishRule, StepTimeRecord, StepTimes
 from agent.stragglers import RankTime, Straggler, StragglerPolicy, StragglerState, judge
+from agent.tls import AgentTLS
 from elastic.clock import Clock
-from elastic.errors import MalformedRecordError
+from elastic.errors import ElasticError, MalformedRecordError
 from elastic.joblog import JobLogger
 from elastic.keyspace import JobKeys
 from elastic.records import id_in_key
@@ -44,6 +49,27 @@ EVENT_KIND = "straggler"
 Drain = Callable[[Member, str], None]
 # event(round, kind, message): queue an event of this node.
 Event = Callable[[int, str, str], None]
+
+
+def drain_as_asked(own_id: str, inbox: queue.Queue, tls: AgentTLS | None,
+                   log: JobLogger) -> Drain:
+    """The drain the leader asks for, as ``elasticctl drain`` does it: of its
+    own node through its loop's inbox, of another through that agent's Drain
+    call, on a thread of its own (the loop never waits on a peer)."""
+    def drain(member: Member, reason: str) -> None:
+        if member.node_id == own_id:
+            inbox.put(reactor.DrainRequested(reason))
+            return
+
+        def ask() -> None:
+            try:
+                request_drain(member.addr, reason, tls=tls)
+            except ElasticError as exc:
+                log.warning("could not drain straggler node %s: %s", member.node_id, exc)
+
+        threading.Thread(target=ask, name="elasticd-straggler-drain", daemon=True).start()
+
+    return drain
 
 
 class StragglerWatch:
