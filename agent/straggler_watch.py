@@ -98,7 +98,7 @@ class StragglerWatch:
         self._actions: dict[int, str] = {}  # rank named -> what was done
         self._drained: set[str] = set()  # nodes drained in the round judged
         self._bad_keys: set[str] = set()  # malformed records reported in it
-        # key -> (its mod revision, the record parsed); kept across rounds.
+        # key -> what its record said at its mod revision; kept across rounds.
         self._records: dict[str, _Parsed] = {}
 
     def run(self, now: float, *, lease: int | None, running: Round | None,
@@ -112,7 +112,7 @@ class StragglerWatch:
         if lease is not None and running is not None:
             self._publish_times(now, lease, running)
         if leading is None or leading.outcome:
-            self._forget(now)
+            self._forget()
         elif now >= self._next_judge_at:
             self._next_judge_at = now + self.policy.period_s()
             self._judge(now, leading, standbys)
@@ -136,7 +136,7 @@ class StragglerWatch:
                         timeout_s=self._timeout_s)
         self._publish.written(record, now)
 
-    def _forget(self, now: float) -> None:
+    def _forget(self) -> None:
         """Drop what was judged: another round, or no longer leading."""
         if self._state.named:
             self._metrics.stragglers_now(())
@@ -147,7 +147,7 @@ class StragglerWatch:
 
     def _judge(self, now: float, latest: Round, standbys: tuple[str, ...]) -> None:
         if latest.workers_round != self._judged_round:
-            self._forget(now)
+            self._forget()
             self._judged_round = latest.workers_round
         kvs, _ = self._store.get_prefix(self._keys.step_times, timeout_s=self._timeout_s)
         if len(self._records) > len(kvs):  # records of nodes gone: forget them

@@ -106,7 +106,8 @@ class StragglerState:
 @dataclass(frozen=True)
 class Judgement:
     """The state after an observation, the ranks it named (new episodes
-    only), and the ranks whose named episode ended."""
+    only), and the ranks whose named episode ended (with their times now, or
+    as last seen when they have none)."""
 
     state: StragglerState
     named: tuple[Straggler, ...] = ()
@@ -122,6 +123,7 @@ def judge(state: StragglerState, times: list[RankTime], now: float,
     slow_since: dict[int, float] = {}
     named: dict[int, Straggler] = {}
     newly: list[Straggler] = []
+    cleared: list[Straggler] = []
     ordered = sorted(t.step_s for t in times)  # once: a job may have 100,000 ranks
     # No rank's peers have a median under this (the median without the slowest):
     # a rank this fast is slow for nobody, and needs no median of its own.
@@ -132,10 +134,12 @@ def judge(state: StragglerState, times: list[RankTime], now: float,
             continue
         peers_s = median_without(ordered, bisect.bisect_left(ordered, t.step_s))
         if before is not None:
+            now_s = Straggler(t.rank, t.node_id, t.step_s, peers_s, before.slow_since)
             if t.step_s > peers_s * policy.clear_ratio():  # the episode goes on
                 slow_since[t.rank] = before.slow_since
-                named[t.rank] = Straggler(t.rank, t.node_id, t.step_s, peers_s,
-                                          before.slow_since)
+                named[t.rank] = now_s
+            else:
+                cleared.append(now_s)
             continue
         if t.step_s <= peers_s * policy.threshold or t.step_s - peers_s < MIN_EXCESS_S:
             continue  # not slow: a window counts only a rank slow throughout
@@ -144,8 +148,10 @@ def judge(state: StragglerState, times: list[RankTime], now: float,
         if now - since >= policy.window_s:
             named[t.rank] = Straggler(t.rank, t.node_id, t.step_s, peers_s, since)
             newly.append(named[t.rank])
-    cleared = tuple(s for r, s in state.named.items() if r not in named)
-    return Judgement(StragglerState(slow_since, named), tuple(newly), cleared)
+    if len(named) + len(cleared) < len(state.named):  # some named rank has no time now
+        seen = {t.rank for t in times}
+        cleared += [s for r, s in state.named.items() if r not in seen]  # as last seen
+    return Judgement(StragglerState(slow_since, named), tuple(newly), tuple(cleared))
 
 
 def median_without(ordered: list[float], i: int) -> float:

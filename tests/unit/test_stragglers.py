@@ -107,6 +107,7 @@ def test_a_named_rank_stays_named_above_the_clear_ratio_and_is_cleared_below_it(
 
     assert len(named) == 2, "named once per episode, again only after it ended"
     assert len(cleared) == 1
+    assert cleared[0][1].step_s == 0.105, "cleared with its time then"
     first, second = named[0][0], named[1][0]
     assert cleared[0][0] == (periods(60) + periods(120)) * PERIOD_S
     assert first < cleared[0][0] < second
