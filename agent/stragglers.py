@@ -148,7 +148,8 @@ def judge(state: StragglerState, times: list[RankTime], now: float,
         if now - since >= policy.window_s:
             named[t.rank] = Straggler(t.rank, t.node_id, t.step_s, peers_s, since)
             newly.append(named[t.rank])
-    if len(named) + len(cleared) < len(state.named):  # some named rank has no time now
+    if sum(r in state.named for r in named) + len(cleared) < len(state.named):
+        # Some rank named before has no time now.
         seen = {t.rank for t in times}
         cleared += [s for r, s in state.named.items() if r not in seen]  # as last seen
     return Judgement(StragglerState(slow_since, named), tuple(newly), tuple(cleared))

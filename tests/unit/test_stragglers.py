@@ -139,14 +139,18 @@ def test_two_ranks_compare_with_each_other_and_one_rank_alone_is_never_judged():
     assert named == []
 
 
-def test_a_rank_that_disappears_ends_its_episode():
-    observations = [times(0.1, 0.1, 0.2)] * periods(60) + [times(0.1, 0.1)]
+def test_a_rank_that_disappears_ends_its_episode_even_as_another_is_named():
+    # Rank 2 is named; later rank 3 is named at the observation where rank 2 has no time.
+    observations = ([times(0.1, 0.1, 0.2, 0.1, 0.1)] * periods(60)
+                    + [times(0.1, 0.1, 0.2, 0.2, 0.1)] * (periods(60) - 1)
+                    + [[t for t in times(0.1, 0.1, 0.2, 0.2, 0.1) if t.rank != 2]])
 
     state, named, cleared = run(observations)
 
-    assert [s.rank for _, s in named] == [2]
+    assert [s.rank for _, s in named] == [2, 3]
     assert [s.rank for _, s in cleared] == [2]
-    assert state.named == {} and state.slow_since == {}
+    assert named[1][0] == cleared[0][0], "at the same observation"
+    assert list(state.named) == [3]
 
 
 def test_the_period_fits_several_observations_in_a_window_and_is_at_most_5_s():
