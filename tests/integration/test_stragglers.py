@@ -73,7 +73,7 @@ def first_published(store, job_id: str, rank: int, timeout_s: float) -> float:
         for kv in store.get_prefix(prefix)[0]:
             if str(rank) in json.loads(kv.value)["step_s"]:
                 return time.monotonic()
-        time.sleep(0.05)
+        time.sleep(0.1)
     raise AssertionError(f"no step time of rank {rank} published within {timeout_s} s")
 
 
@@ -106,9 +106,9 @@ def test_a_rank_slowed_on_purpose_is_named_with_its_node_within_its_window(
     leader = wait_for(lambda: next((x for x in (a, b) if named in x.text), None),
                       WINDOW_S + 10, "the straggler named")
     # Named within its window: no sooner than a whole window after its time
-    # first reached the leader, and no later than a loop pass or two after it.
+    # first reached etcd, and no later than a few of the leader's passes after it.
     delay_s = time.monotonic() - published_at
-    assert WINDOW_S - 0.5 <= delay_s <= WINDOW_S + 4.0, delay_s
+    assert WINDOW_S - 0.5 <= delay_s <= WINDOW_S + 5.0, delay_s
 
     status = elasticctl_status(etcd_endpoint, job_id)
     assert re.search(rf"straggler: rank 3 \(node {node}\), steps of {SECONDS}, {RATIO} its "
