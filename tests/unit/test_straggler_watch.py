@@ -9,16 +9,20 @@ a standby waits.
 from __future__ import annotations
 
 import logging
+import queue
+import time
 
 import pytest
 
 from agent.metrics import AgentMetrics
 from agent.step_times import CHANGE, MIN_SAMPLES, PublishRule, StepTimeRecord, StepTimes
-from agent.straggler_watch import StragglerWatch
+from agent.reactor import DrainRequested
+from agent.straggler_watch import StragglerWatch, drain_as_asked
 from agent.stragglers import StragglerPolicy
 from elastic.errors import MalformedRecordError
 from elastic.joblog import JobLogger
 from elastic.keyspace import JobKeys
+from elastic.net import free_port
 from elastic.rendezvous.api import Member, Round
 from tests.fakes.clock import FakeClock
 from tests.fakes.memory_store import MemoryStore
@@ -187,3 +191,21 @@ def test_a_malformed_step_time_record_says_which_field(raw, says):
     with pytest.raises(MalformedRecordError, match="step_s|round") as caught:
         StepTimeRecord.from_json("k", raw)
     assert says in str(caught.value)
+
+
+def test_the_leader_drains_its_own_node_through_its_loop_and_another_through_its_agent(caplog):
+    inbox: queue.Queue = queue.Queue()
+    drain = drain_as_asked("a", inbox, None, JobLogger(logging.getLogger("test"), "j", "a"))
+
+    drain(ROUND.members[0], "straggler: rank 1 (node a) ...")
+    assert inbox.get_nowait() == DrainRequested("straggler: rank 1 (node a) ...")
+
+    # Another node's agent is asked over gRPC; one that does not answer is logged.
+    gone = Member("b", 1, "h", 2, addr=f"127.0.0.1:{free_port('127.0.0.1')}")
+    with caplog.at_level(logging.WARNING):
+        drain(gone, "straggler: rank 3 (node b) ...")
+        deadline = time.monotonic() + 30
+        while "could not drain straggler node b" not in caplog.text:
+            assert time.monotonic() < deadline, "the failed drain was not logged"
+            time.sleep(0.05)
+    assert inbox.empty()
