@@ -54,6 +54,8 @@ from agent.health import HangTimeouts
 from agent.memory_tier import DEFAULT_ROOT as DEFAULT_MEMORY_ROOT
 from agent.netaddr import SYSTEM_NETWORK, HostNetwork, choose_advertise_addr
 from agent.reactor import Settings
+from agent.stragglers import ACTIONS as STRAGGLER_ACTIONS
+from agent.stragglers import DEFAULT_THRESHOLD, DEFAULT_WINDOW_S, StragglerPolicy
 from agent.supervisor import Entrypoint
 from elastic import __version__, worker_env
 from elastic.errors import EXIT_CODES_HELP, ConfigError
@@ -120,6 +122,14 @@ def _choice(*allowed: str) -> Callable[[str, Any], str]:
             raise ConfigError(f"--{name} {raw!r}: expected one of {', '.join(allowed)}")
         return text
     return parse
+
+
+def _straggler_threshold(name: str, raw: Any) -> float:
+    value = non_negative(float)(name, raw)
+    if 0 < value <= 1:
+        raise ConfigError(f"--{name} {raw!r}: must be above 1 (1.2: 20% slower than its "
+                          "peers) or 0 (straggler detection off)")
+    return value
 
 
 def _port(name: str, raw: Any) -> int:
@@ -405,6 +415,16 @@ OPTIONS = [
            "where this node sits (a rack, a switch, a zone): the memory tier replicates "
            "each node's snapshots to a node of another rack when it can", "NAME",
            field="rack"),
+    Option("straggler-threshold", _straggler_threshold, DEFAULT_THRESHOLD,
+           "the leader names a rank a straggler when its step time (the median of its recent "
+           "heartbeats') is this many times its peers' median for a whole --straggler-window "
+           "(1.2: 20%% slower; 0: straggler detection off)", "RATIO"),
+    Option("straggler-window", positive(float), DEFAULT_WINDOW_S,
+           "how long a rank must be that slow before it is named", "SECONDS"),
+    Option("straggler-action", _choice(*STRAGGLER_ACTIONS), "report",
+           "what the leader does about a straggler: report (an event, a metric, a line in "
+           "elasticctl status, a warning in its log), or replace (the same, and it drains "
+           "the straggler's node when a standby waits to take its place)", "report|replace"),
     Option("local-ranks-filter", parse_local_ranks, None,
            "copy only these local ranks' output to the console, e.g. 0 or 0,1 (every rank's "
            "output still goes to its log)", "RANKS"),
@@ -476,6 +496,9 @@ class AgentConfig:
     freeze_timeout_s: float = 0.0
     hang_timeout_first_s: float = DEFAULT_HANG_TIMEOUT_FIRST_S
     goodput_window_s: float = DEFAULT_GOODPUT_WINDOW_S
+    # --straggler-*: None (off) here, the options' policy from load(): agents
+    # built in-process (tests, the simulator) judge no stragglers unless they ask.
+    stragglers: StragglerPolicy | None = None
 
     def rendezvous(self) -> RendezvousConfig:
         """The rendezvous' settings (:class:`elastic.rendezvous.config.RendezvousConfig`)."""
@@ -820,6 +843,8 @@ def load(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         prestart=v["prestart"] and not found.no_python,
         console=ConsoleFilter(redirected=v["redirects"], local_ranks=v["local_ranks_filter"]),
         freeze_timeout_s=(default_freeze_timeout_s(v["lease_ttl"])
-                          if v["freeze_timeout"] is None else v["freeze_timeout"]))
+                          if v["freeze_timeout"] is None else v["freeze_timeout"]),
+        stragglers=StragglerPolicy(v["straggler_threshold"], v["straggler_window"],
+                                   v["straggler_action"]) if v["straggler_threshold"] else None)
     config.rendezvous()  # its checks across options (--freeze-timeout below --lease-ttl) now
     return config

@@ -52,6 +52,7 @@ from agent.sdnotify import SystemdNotifier
 from agent.stack_dumps import LocalWorker, StackCollector
 from agent.services import AgentService, WorkerChannel
 from agent.status_record import StatusRecord
+from agent.straggler_watch import StragglerWatch, drain_as_asked
 from agent.supervisor import WorkerExit, WorkerSupervisor
 from elastic import __version__, errorfile
 from elastic.checkpoint.etcd_log import EtcdCommitLog
@@ -174,6 +175,12 @@ class Agent:
         self.goodput = GoodputTracker(clock.monotonic(), config.goodput_window_s)
         # Who broke the job, read from every member's stacks at a hang verdict.
         self.hang_reporter = hang_reporter or VerdictOnly()
+        # Which rank is persistently slower than its peers (--straggler-*).
+        self.stragglers = StragglerWatch(config.stragglers, store, rendezvous.keys,
+                                         config.node_id, clock, event=self.publisher.event,
+                                         drain=drain_as_asked(config.node_id, inbox,
+                                                              config.tls, self.log),
+                                         metrics=metrics, log=self.log, timeout_s=timeout_s)
         self.channel = WorkerChannel(self)  # the workers' gRPC service
         self.service = AgentService(self)  # operators' and peers'
         self._peer_watch: Any = None
@@ -325,6 +332,7 @@ class Agent:
                                          else "react")
                 if isinstance(item, RoundChanged):
                     self.inbox.put(item)
+        self._watch_stragglers()
         self.flush()
         self._pass_done()
 
@@ -361,6 +369,18 @@ class Agent:
             self.log.debug("etcd did not take everything yet (will retry): %s", exc)
             self.metrics.store_error("flush")
 
+    def _watch_stragglers(self) -> None:
+        """Publish this node's step times; as leader, judge every member's."""
+        rdzv = self.rdzv
+        try:
+            self.stragglers.run(self.clock.monotonic(), lease=rdzv.lease_id,
+                                running=self.view.round if self.view.running_round else None,
+                                leading=rdzv.latest_round if rdzv.is_leader else None,
+                                standbys=rdzv.standby_addrs)
+        except StoreError as exc:
+            self.log.debug("step times not exchanged with etcd yet (will retry): %s", exc)
+            self.metrics.store_error("flush")
+
     def status_record(self) -> StatusRecord:
         """This agent's status as published (any thread)."""
         record = status_of(self.config.node_id, self.lifecycle.published, self.view,
@@ -369,6 +389,9 @@ class Agent:
                            self.clock.monotonic())
         record = dataclasses.replace(
             record, goodput=goodput_row(self.goodput.snapshot(self.clock.monotonic())))
+        stragglers = self.stragglers.rows()
+        if stragglers:
+            record = dataclasses.replace(record, stragglers=stragglers)
         if self.memory is None:
             return record
         return dataclasses.replace(record, memory_tier=self.memory.status())

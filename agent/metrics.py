@@ -81,6 +81,9 @@ WORKER_STATES = ("starting", "running", "succeeded")
 # passed on to a worker (a checkpoint commit).
 STORE_OPS = ("round_read", "react", "flush", "checkpoint_commit")
 _LABELS = ("job_id", "node_id")
+# What the leader did about a straggler (agent.straggler_watch): "drained" only
+# with --straggler-action replace and a standby waiting.
+STRAGGLER_OUTCOMES = ("reported", "drained")
 
 _DETECT_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 _RECOVER_BUCKETS_S = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
@@ -120,6 +123,13 @@ class NoMetrics:
 
     def store_error(self, op: str) -> None:
         """The loop met an etcd error during ``op`` (one of STORE_OPS)."""
+
+    def straggler_named(self, outcome: str) -> None:
+        """The leader named a straggler and did ``outcome`` (one of STRAGGLER_OUTCOMES)."""
+
+    def stragglers_now(self, named: Iterable[tuple[int, str, float]]) -> None:
+        """The ranks the leader names stragglers now: (rank, node, step time
+        over its peers' median); the ones left out are no longer named."""
 
     def count_workers_with(self, states: Callable[[], Iterable[str]]) -> None:
         """``states()`` lists the state of each worker of this node (any
@@ -187,6 +197,7 @@ class AgentMetrics(NoMetrics):
             "stacks (agent.hang_attribution.HangKind).", _LABELS + ("kind",), registry=r)
         for kind in HangKind:
             self._hang_attributions.labels(*ids, kind.value)
+        self._define_straggler_series(r, ids)
         self._states_source: Callable[[], Iterable[str]] = tuple
         self._goodput_source: Callable[[], goodput.Snapshot | None] = lambda: None
         r.register(_GoodputCollector(ids, lambda: self._goodput_source()))
@@ -229,6 +240,21 @@ class AgentMetrics(NoMetrics):
         self._restore_bytes = _series(
             r, ids, Counter, "elasticd_checkpoint_restore_bytes",
             "Bytes of the checkpoints restored by this node's rank 0 (all ranks' files).")
+
+    def _define_straggler_series(self, r: CollectorRegistry, ids: tuple[str, str]) -> None:
+        """The leader's straggler detection (agent.stragglers): rank and node
+        are labels of the slowdown gauge only while the rank is named, so the
+        series stay as few as the stragglers."""
+        self._stragglers = Counter(
+            "elasticd_stragglers", "Ranks this node, as leader, named stragglers, by what "
+            "it did about them (reported; drained: their node left for a standby).",
+            _LABELS + ("action",), registry=r)
+        for outcome in STRAGGLER_OUTCOMES:
+            self._stragglers.labels(*ids, outcome)
+        self._straggler_slowdown = Gauge(
+            "elasticd_straggler_slowdown", "Step time over the peers' median of each rank "
+            "the leader names a straggler now.", _LABELS + ("rank", "straggler_node"),
+            registry=r)
 
     def _define_gpu_series(self, r: CollectorRegistry, ids: tuple[str, str]) -> None:
         """The series of the GPU checks before a round (``--gpu-check``)."""
@@ -304,6 +330,16 @@ class AgentMetrics(NoMetrics):
     def store_error(self, op: str) -> None:
         self._store_errors.labels(self.job_id, self.node_id,
                                   op if op in STORE_OPS else "other").inc()
+
+    def straggler_named(self, outcome: str) -> None:
+        self._stragglers.labels(self.job_id, self.node_id,
+                                outcome if outcome in STRAGGLER_OUTCOMES else "reported").inc()
+
+    def stragglers_now(self, named: Iterable[tuple[int, str, float]]) -> None:
+        self._straggler_slowdown.clear()
+        for rank, node_id, ratio in named:
+            self._straggler_slowdown.labels(self.job_id, self.node_id, str(rank),
+                                            node_id).set(ratio)
 
     # ------------------------------------------------------------ the workers
 

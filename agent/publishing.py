@@ -72,7 +72,8 @@ def summary_line(state: AgentState, view: AgentView) -> str:
 def _meaning(record: StatusRecord) -> tuple:
     """What, changed, makes the record worth a write at once."""
     done = frozenset(w.local_rank for w in record.workers if w.state == "succeeded")
-    return record.state, record.round, record.last_failure, done
+    stragglers = tuple((s.rank, s.node_id, s.action) for s in record.stragglers)
+    return record.state, record.round, record.last_failure, done, stragglers
 
 
 class Publisher:

@@ -24,6 +24,7 @@ from agent.memory_replication import SnapshotsTaken
 from agent.metrics import NoMetrics
 from agent.peers import rank_stacks_to_pb
 from agent.status_record import StatusRecord
+from agent.straggler_watch import StragglerWatch
 from elastic import __version__
 from elastic.checkpoint.etcd_log import EtcdCommitLog
 from elastic.clock import Clock
@@ -51,6 +52,7 @@ class Served(Protocol):
     rdzv: RendezvousNode
 
     hang_reporter: HangReporter | VerdictOnly
+    stragglers: StragglerWatch
 
     def status_record(self) -> StatusRecord: ...
 
@@ -79,6 +81,7 @@ class WorkerChannel:
         if reply.current:
             progress = a.workers.beat(req.local_rank, now, req.step, req.saving_for_s,
                                       req.exiting)
+            a.stragglers.times.observe(req.round, req.rank, req.step_time_s)
             if progress is not None:
                 a.metrics.observe_heartbeat(*progress)
                 a.goodput.stepped(progress[0], now)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from agent.gpu_health import EVENT_KINDS as GPU_EVENT_KINDS
 from agent.gpu_health import GpuAction
-from agent.status_record import GoodputRow, MemoryTierRow, StatusRecord
+from agent.status_record import GoodputRow, MemoryTierRow, StatusRecord, StragglerRow
 from elastic.checkpoint.etcd_log import decode_latest
 from elastic.errors import MalformedRecordError
 from elastic.events import Event
@@ -280,6 +280,8 @@ def render(status: dict, now: float | None = None) -> str:
                           "RATE", "RESTARTS", "LAST FAILURE"], rows))
         out.extend(MemoryTierRow(**n["agent"]["memory_tier"]).line(n["node_id"])
                    for n in status["nodes"] if (n["agent"] or {}).get("memory_tier"))
+        out.extend(StragglerRow(**row).line() for n in status["nodes"]
+                   for row in (n["agent"] or {}).get("stragglers", ()))
     else:
         out.append("no nodes registered")
     g = status.get("goodput")

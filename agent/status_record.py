@@ -37,6 +37,9 @@ from elastic.v1 import agent_pb2
 # Worker states (``WorkerRow.state``) and agent states are short words.
 _STATE_CHARS = 32
 _NODE_ID_CHARS = 128
+_ACTION_CHARS = 256
+# Stragglers listed in one record at most (the leader's; others list none).
+MAX_STRAGGLERS = 64
 
 
 @dataclass(frozen=True)
@@ -208,6 +211,49 @@ class GoodputRow:
                 + (f" ({causes})" if causes else "") + f", other {self.other_s:.0f} s")
 
 
+@dataclass(frozen=True)
+class StragglerRow:
+    """A rank the leader names a straggler now (:mod:`agent.stragglers`): its
+    windowed step time, its peers' median, how long it has been that slow,
+    and what the leader did (``action``)."""
+
+    rank: int
+    node_id: str
+    step_s: float
+    peers_s: float
+    slow_for_s: float
+    action: str
+
+    @classmethod
+    def from_dict(cls, key: str, i: int, row: Any) -> "StragglerRow":
+        """Row ``i`` of the record at ``key``; MalformedRecordError naming the field."""
+        named, field = element_fields(key, "stragglers", i, row)
+        return cls(rank=int_field(key, named, field("rank"), 0),
+                   node_id=text_field(key, named, field("node_id"), limit=_NODE_ID_CHARS),
+                   step_s=_number(key, named, field("step_s")),
+                   peers_s=_number(key, named, field("peers_s")),
+                   slow_for_s=_number(key, named, field("slow_for_s")),
+                   action=text_field(key, named, field("action"), limit=_ACTION_CHARS))
+
+    @classmethod
+    def from_pb(cls, s: agent_pb2.StragglerStatus) -> "StragglerRow":
+        """The row an agent sent, its text made printable and capped, its times
+        clamped to what can be true."""
+        def seconds(x: float) -> float:
+            return x if math.isfinite(x) and x > 0 else 0.0
+
+        return cls(rank=max(0, s.rank), node_id=cap_text(s.node_id, _NODE_ID_CHARS),
+                   step_s=seconds(s.step_s), peers_s=seconds(s.peers_s),
+                   slow_for_s=seconds(s.slow_for_s), action=cap_text(s.action, _ACTION_CHARS))
+
+    def line(self) -> str:
+        """One line for ``elasticctl status``."""
+        ratio = f"{self.step_s / self.peers_s:.2f}x" if self.peers_s > 0 else "slower than"
+        return (f"straggler: rank {self.rank} (node {self.node_id}), steps of "
+                f"{self.step_s:.3f} s, {ratio} its peers' median of {self.peers_s:.3f} s, "
+                f"for {self.slow_for_s:.0f} s; {self.action}")
+
+
 def human_bytes(n: int) -> str:
     """``n`` bytes as people read them: 512 B, 1.5 KiB, 3.2 GiB."""
     size = float(n)
@@ -234,12 +280,16 @@ class StatusRecord(FieldsAsJson):
     memory_tier: MemoryTierRow | None = None  # None: the memory tier is off
     # In the etcd record only (not in the Status RPC's answer): None when not accounted.
     goodput: GoodputRow | None = None
+    # The ranks the leader names stragglers now; the leader's record alone has any.
+    stragglers: tuple[StragglerRow, ...] = ()
 
     def to_json(self) -> bytes:
         obj = dataclasses.asdict(self)
         for optional in ("memory_tier", "goodput"):
             if obj[optional] is None:
                 del obj[optional]
+        if not self.stragglers:
+            del obj["stragglers"]
         return json.dumps(obj, sort_keys=True).encode()
 
     @classmethod
@@ -276,7 +326,8 @@ class StatusRecord(FieldsAsJson):
                    memory_tier=MemoryTierRow.from_dict(key, obj["memory_tier"])
                    if obj.get("memory_tier") is not None else None,
                    goodput=GoodputRow.from_dict(key, obj["goodput"])
-                   if obj.get("goodput") is not None else None)
+                   if obj.get("goodput") is not None else None,
+                   stragglers=_stragglers(key, obj))
 
     def to_pb(self, job_id: str, world_size: int, version: str
               ) -> agent_pb2.AgentStatusResponse:
@@ -286,7 +337,9 @@ class StatusRecord(FieldsAsJson):
             node_rank=-1 if self.node_rank is None else self.node_rank, world_size=world_size,
             workers=[agent_pb2.WorkerStatus(**dataclasses.asdict(w)) for w in self.workers],
             restarts=self.restarts, last_failure=self.last_failure, version=version,
-            memory_tier=self.memory_tier.to_pb() if self.memory_tier is not None else None)
+            memory_tier=self.memory_tier.to_pb() if self.memory_tier is not None else None,
+            stragglers=[agent_pb2.StragglerStatus(**dataclasses.asdict(x))
+                        for x in self.stragglers])
 
     @classmethod
     def from_pb(cls, resp: agent_pb2.AgentStatusResponse) -> "StatusRecord":
@@ -300,6 +353,9 @@ class StatusRecord(FieldsAsJson):
         if resp.HasField("memory_tier"):
             record = dataclasses.replace(record,
                                          memory_tier=MemoryTierRow.from_pb(resp.memory_tier))
+        if resp.stragglers:
+            record = dataclasses.replace(record, stragglers=tuple(
+                StragglerRow.from_pb(x) for x in resp.stragglers[:MAX_STRAGGLERS]))
         return record
 
     def summary(self, source: str) -> dict:
@@ -310,7 +366,18 @@ class StatusRecord(FieldsAsJson):
         for optional in ("memory_tier", "goodput"):
             if fields[optional] is None:
                 del fields[optional]
+        if not fields["stragglers"]:
+            del fields["stragglers"]
+        else:
+            fields["stragglers"] = list(fields["stragglers"])
         return {"source": source, **fields, "workers": list(fields["workers"])}
+
+
+def _stragglers(key: str, obj: dict) -> tuple[StragglerRow, ...]:
+    rows = typed_field(key, obj, "stragglers", list, [])
+    if len(rows) > MAX_STRAGGLERS:
+        raise MalformedRecordError(key, f"field 'stragglers' lists {len(rows)} ranks")
+    return tuple(StragglerRow.from_dict(key, i, row) for i, row in enumerate(rows))
 
 
 def _number(key: str, obj: dict, name: str, low: float = 0.0) -> float:

@@ -52,6 +52,9 @@ class JobKeys:
         self.suspect_reports = self.requests + "suspect/"
         self.frozen_reports = self.requests + "frozen/"
         self.status = self.prefix + "status/"
+        # Each node's windowed step time per rank, for the leader's straggler
+        # rule (agent.step_times); under the writer's lease.
+        self.step_times = self.prefix + "step-times/"
         self.events = self.prefix + "events/"
         self.checkpoint_latest = self.prefix + "checkpoint/latest"
         # The last operator restart taken (not under requests/: the leader
@@ -98,6 +101,9 @@ class JobKeys:
 
     def status_of(self, node_id: str) -> str:
         return self.status + node_id
+
+    def step_times_of(self, node_id: str) -> str:
+        return self.step_times + node_id
 
     def torchrun_store(self, round_number: int) -> str:
         """The prefix of round ``round_number``'s torchrun agent store."""

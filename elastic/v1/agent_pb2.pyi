@@ -80,7 +80,7 @@ class AgentStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class AgentStatusResponse(_message.Message):
-    __slots__ = ["job_id", "last_failure", "memory_tier", "node_id", "node_rank", "restarts", "round", "state", "version", "workers", "world_size"]
+    __slots__ = ["job_id", "last_failure", "memory_tier", "node_id", "node_rank", "restarts", "round", "state", "stragglers", "version", "workers", "world_size"]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_FAILURE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TIER_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class AgentStatusResponse(_message.Message):
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLERS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -100,10 +101,11 @@ class AgentStatusResponse(_message.Message):
     restarts: int
     round: int
     state: str
+    stragglers: _containers.RepeatedCompositeFieldContainer[StragglerStatus]
     version: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     world_size: int
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., node_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., restarts: _Optional[int] = ..., last_failure: _Optional[str] = ..., version: _Optional[str] = ..., memory_tier: _Optional[_Union[MemoryTierStatus, _Mapping]] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., node_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., restarts: _Optional[int] = ..., last_failure: _Optional[str] = ..., version: _Optional[str] = ..., memory_tier: _Optional[_Union[MemoryTierStatus, _Mapping]] = ..., stragglers: _Optional[_Iterable[_Union[StragglerStatus, _Mapping]]] = ...) -> None: ...
 
 class AgentStoreHealthRequest(_message.Message):
     __slots__ = ["asker", "asker_has_store"]
@@ -189,6 +191,22 @@ class RankStack(_message.Message):
     step: int
     def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., dumped: bool = ..., place: _Optional[str] = ..., collective: _Optional[str] = ..., step: _Optional[int] = ..., progress_age_s: _Optional[float] = ..., entered_ns: _Optional[int] = ...) -> None: ...
 
+class StragglerStatus(_message.Message):
+    __slots__ = ["action", "node_id", "peers_s", "rank", "slow_for_s", "step_s"]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PEERS_S_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SLOW_FOR_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    action: str
+    node_id: str
+    peers_s: float
+    rank: int
+    slow_for_s: float
+    step_s: float
+    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., step_s: _Optional[float] = ..., peers_s: _Optional[float] = ..., slow_for_s: _Optional[float] = ..., action: _Optional[str] = ...) -> None: ...
+
 class WorkerChannelCommitCheckpointRequest(_message.Message):
     __slots__ = ["entry"]
     ENTRY_FIELD_NUMBER: _ClassVar[int]
@@ -204,7 +222,7 @@ class WorkerChannelCommitCheckpointResponse(_message.Message):
     def __init__(self, committed: bool = ..., message: _Optional[str] = ...) -> None: ...
 
 class WorkerChannelHeartbeatRequest(_message.Message):
-    __slots__ = ["exiting", "local_rank", "pid", "rank", "round", "saving_for_s", "snapshots", "step"]
+    __slots__ = ["exiting", "local_rank", "pid", "rank", "round", "saving_for_s", "snapshots", "step", "step_time_s"]
     EXITING_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +231,7 @@ class WorkerChannelHeartbeatRequest(_message.Message):
     SAVING_FOR_S_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     exiting: bool
     local_rank: int
     pid: int
@@ -221,7 +240,8 @@ class WorkerChannelHeartbeatRequest(_message.Message):
     saving_for_s: float
     snapshots: int
     step: int
-    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., saving_for_s: _Optional[float] = ..., exiting: bool = ..., snapshots: _Optional[int] = ...) -> None: ...
+    step_time_s: float
+    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., saving_for_s: _Optional[float] = ..., exiting: bool = ..., step_time_s: _Optional[float] = ..., snapshots: _Optional[int] = ...) -> None: ...
 
 class WorkerChannelHeartbeatResponse(_message.Message):
     __slots__ = ["hold", "stop_requested"]

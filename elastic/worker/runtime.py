@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from elastic.errors import ConfigError
 from elastic.worker.channel import WorkerChannelClient
+from elastic.worker.step_timer import StepTimer
 from elastic.worker_env import WorkerEnv
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,8 @@ class Heartbeat:
     and at once on the first step, on each save announced and after each
     memory snapshot, that this worker is alive and where it is (rank, round and
     step from the environment and :meth:`report`; snapshots taken:
-    :meth:`report_snapshot`).
+    :meth:`report_snapshot`), with the mean time of the steps since the last
+    beat (:class:`~elastic.worker.step_timer.StepTimer`).
 
     ``client`` is the channel to the agent (a
     :class:`~elastic.worker.channel.WorkerChannelClient`, or anything with its
@@ -72,6 +74,7 @@ class Heartbeat:
         # sends what is left of it (the proto's "for this many seconds from
         # now"), so a save that overruns is judged like any hang.
         self.saving_until = 0.0
+        self.timer = StepTimer()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elastic-heartbeat", daemon=True)
@@ -81,7 +84,7 @@ class Heartbeat:
         while not self._stop.is_set():
             self.client.heartbeat(self.rank, self.local_rank, os.getpid(), self.round, self.step,
                                   max(0.0, self.saving_until - time.monotonic()),
-                                  snapshots=self.snapshots)
+                                  snapshots=self.snapshots, step_time_s=self.timer.take())
             self._wake.wait(self.interval_s)
             self._wake.clear()
 
@@ -95,6 +98,7 @@ class Heartbeat:
         while time.monotonic() - self.client.confirmed_at > hold_after_s \
                 and not self._stop.is_set():
             if not logged:
+                self.timer.untimed()  # the wait is the agent's, not this rank's speed
                 log.warning("Rank %d: the agent has not confirmed round %d for %.0f s; "
                                "waiting for it before the next step.", self.rank, self.round,
                                hold_after_s)
@@ -108,7 +112,10 @@ class Heartbeat:
         step and each save are sent at once, the rest with the next beat."""
         first = self.step < 0
         self.step = step
-        if saving_for_s is not None:
+        if saving_for_s is None:
+            self.timer.step_ended(time.monotonic())
+        else:
+            self.timer.untimed()  # a save is no measure of this rank's speed
             self.saving_until = time.monotonic() + saving_for_s if saving_for_s > 0 else 0.0
         if first or saving_for_s is not None:
             self._wake.set()  # the agent hears at once about the first step and saves

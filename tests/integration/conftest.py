@@ -9,6 +9,9 @@ import pytest
 
 from agent.config import OPTIONS
 from agent.supervisor import Entrypoint, WorkerSupervisor
+from elastic.events import parse_events
+from elastic.keyspace import JobKeys
+from elastic.store.etcd import EtcdStore
 from tests.integration.supervising import Exits
 from tests.local_etcd import running_etcd
 from tests.proctable import alive
@@ -29,6 +32,27 @@ def one_warm_set_per_agent():
     if before is None:
         os.environ.pop(WARM_SETS_ENV, None)
 
+
+
+@pytest.fixture(autouse=True)
+def no_straggler_named_unless_expected(request):
+    """A straggler named in a test that does not expect one
+    (``@pytest.mark.names_stragglers``) is a false positive: after each test
+    whose job lives in the session's etcd, its events must name none. The
+    default --straggler-window (60 s) outlasts most tests' jobs; run the suite
+    with ELASTIC_STRAGGLER_WINDOW=5 to judge them all."""
+    if not {"job_id", "etcd_endpoint"} <= set(request.fixturenames) \
+            or request.node.get_closest_marker("names_stragglers"):
+        yield
+        return
+    # Read now: this fixture's teardown runs after theirs.
+    keys = JobKeys(request.getfixturevalue("job_id"))
+    endpoint = request.getfixturevalue("etcd_endpoint")
+    yield
+    with EtcdStore(endpoint) as store:
+        events, _ = parse_events(keys, store.get_prefix(keys.events)[0])
+    named = [e.message for _, e in events if e.kind == "straggler"]
+    assert not named, f"stragglers named in a job that has none: {named}"
 
 
 @pytest.fixture

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import pytest
 
 from agent import config
 from agent.netaddr import HostNetwork
+from agent.stragglers import StragglerPolicy
 from elastic.errors import EXIT_BAD_INPUT, ConfigError, exit_code_for
 
 REQUIRED = {"job-id": "j", "nnodes": "1", "etcd": "http://127.0.0.1:2379"}
@@ -289,12 +291,13 @@ def test_every_option_names_a_field_of_agent_config_at_most_once():
 
 
 def test_load_sets_every_field_from_the_table_or_one_phase():
-    """Options' fields, the validated and the discovered ones, and the five load
+    """Options' fields, the validated and the discovered ones, and the six load
     derives from several options together, cover AgentConfig once each."""
     parts = [[o.field for o in config.OPTIONS if o.field],
              [f.name for f in dataclasses.fields(config.Validated)],
              [f.name for f in dataclasses.fields(config.Found)],
-             ["state_dir", "log_dir", "prestart", "console", "freeze_timeout_s"]]
+             ["state_dir", "log_dir", "prestart", "console", "freeze_timeout_s",
+              "stragglers"]]
     every = [name for part in parts for name in part]
 
     assert sorted(every) == sorted(f.name for f in dataclasses.fields(config.AgentConfig))
@@ -342,3 +345,26 @@ def test_the_rendezvous_reactor_and_supervisor_get_their_part_of_the_config(scri
     assert options["entrypoint"].args == ("--lr", "1")
     assert (options["nproc"], options["stop_grace_s"], options["warm_sets"]) == (1, 7.0, 3)
     assert options["console"].redirected == cfg.console.redirected
+
+
+def test_straggler_options_make_one_policy_and_a_threshold_of_0_turns_detection_off(script):
+    def load(*flags):
+        return config.load([*FULL_LINE, *flags, script], {}, net=NET)
+
+    assert load("--straggler-threshold", "1.5", "--straggler-window", "30",
+                "--straggler-action", "replace").stragglers == StragglerPolicy(
+        threshold=1.5, window_s=30.0, action="replace")
+    assert load().stragglers == StragglerPolicy()
+    assert load("--straggler-threshold", "0").stragglers is None
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--straggler-threshold", "1", "must be above 1 (1.2: 20% slower than its peers) or 0"),
+    ("--straggler-threshold", "0.5", "must be above 1"),
+    ("--straggler-window", "0", "must be greater than 0"),
+    ("--straggler-action", "evict", "expected one of report, replace"),
+])
+def test_a_bad_straggler_option_says_what_is_expected(script, flag, value, says):
+    with pytest.raises(ConfigError, match=re.escape(f"{flag} ")) as caught:
+        config.load([*FULL_LINE, flag, value, script], {}, net=NET)
+    assert says in str(caught.value)

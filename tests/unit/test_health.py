@@ -208,7 +208,7 @@ class RecordingClient:
         self.confirmed_at = time.monotonic()
 
     def heartbeat(self, rank, local_rank, pid, round, step, saving_for_s=0.0,  # noqa: A002
-                  exiting=False):
+                  exiting=False, step_time_s=0.0, snapshots=0):
         with self.cond:
             self.sent.append(saving_for_s)
             self.cond.notify_all()

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from agent.status import render
-from agent.status_record import StatusRecord, WorkerRow
+from agent.status_record import StatusRecord, StragglerRow, WorkerRow
 from elastic.errors import MalformedRecordError
 from elastic.records import MAX_REASON_CHARS
 
@@ -86,3 +86,43 @@ def test_elasticctl_status_shows_how_many_workers_hang_detection_judges():
                          "nproc": 2, "agent": agent}]}
     header, row = render(status, now=0.0).splitlines()[-2:]
     assert header.split()[6] == "JUDGED" and row.split()[6] == "1/2"
+
+
+STRAGGLER = StragglerRow(rank=3, node_id="b", step_s=0.105, peers_s=0.055, slow_for_s=64.0,
+                         action="drained node b: a standby waits to take its place")
+
+
+def test_the_leader_s_record_carries_its_stragglers_in_json_grpc_and_elasticctl_status():
+    leader = record(node_rank=0)
+    leader = StatusRecord(**{**leader.__dict__, "stragglers": (STRAGGLER,)})
+
+    assert StatusRecord.from_json(KEY, leader.to_json()) == leader
+    assert StatusRecord.from_pb(leader.to_pb("j", 4, "")) == leader
+    assert "stragglers" not in json.loads(record().to_json()), "others' records stay as they were"
+    status = {"job_id": "j", "round": None, "leader": "a", "checkpoint": None, "problems": [],
+              "nodes": [{"node_id": "a", "node_rank": 0, "role": "member", "host": "h",
+                         "nproc": 2, "agent": leader.summary("agent")}]}
+    assert render(status, now=0.0).splitlines()[-1] == (
+        "straggler: rank 3 (node b), steps of 0.105 s, 1.91x its peers' median of 0.055 s, "
+        "for 64 s; drained node b: a standby waits to take its place")
+
+
+@pytest.mark.parametrize("row,field", [
+    ({"rank": -1}, "stragglers[0].rank"),
+    ({"step_s": "slow"}, "stragglers[0].step_s"),
+    ({"peers_s": -0.1}, "stragglers[0].peers_s"),
+])
+def test_a_malformed_straggler_row_is_refused_naming_the_field(row, field):
+    obj = json.loads(record().to_json())
+    obj["stragglers"] = [{**STRAGGLER.__dict__, **row}]
+    with pytest.raises(MalformedRecordError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        StatusRecord.from_json(KEY, json.dumps(obj).encode())
+
+
+def test_a_straggler_row_sent_over_grpc_is_made_printable_and_capped():
+    leader = StatusRecord(**{**record().__dict__, "stragglers": (
+        StragglerRow(3, "b\x1b[2J", float("nan"), -1.0, 5.0, "x" * 5000),)})
+    [row] = StatusRecord.from_pb(leader.to_pb("j", 4, "")).stragglers
+    assert "\x1b" not in row.node_id and len(row.action) <= 256
+    assert (row.step_s, row.peers_s) == (0.0, 0.0)
+    assert "slower than its peers' median" in row.line()

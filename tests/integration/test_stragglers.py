@@ -1,0 +1,158 @@
+"""Stragglers: a rank slowed on purpose is named, with its node, within its window.
+
+Real agents, a real etcd, real workers running a plain torch script
+(tests/integration/scripts/slow_rank.py) whose ranks train on their own, one
+rank or one node sleeping longer per step. The workers' heartbeats carry
+their step times; the leader names the slow rank in its log, in a
+``straggler`` event and in ``elasticctl status``; a healthy run of the same
+length names nobody; with ``--straggler-action replace`` and a standby
+waiting, the slow node is drained and the standby takes its place.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from elastic.events import parse_events
+from elastic.keyspace import JobKeys
+from elastic.rendezvous.api import Round
+from tests.integration.procs import REPO, AgentProcess
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
+
+SCRIPT = "tests/integration/scripts/slow_rank.py"
+WINDOW_S = 3.0
+STRAGGLERS = ("--straggler-window", str(WINDOW_S))
+# Steps of 50 ms; the slowed rank sleeps 50 ms more: twice its peers' time.
+RUN_S = 25.0
+SECONDS, RATIO = r"\d\.\d{3} s", r"\d\.\d\dx"
+
+
+@pytest.fixture
+def agents():
+    started: list[AgentProcess] = []
+    yield started
+    for a in started:
+        a.stop()
+        print(f"--- agent {a.node_id}: last lines of its output ---\n" + "".join(a.output[-30:]))
+
+
+def start(agents: list, etcd_endpoint: str, job_id: str, node: str, script_args: list[str],
+          extra: tuple[str, ...] = (), nnodes: str = "2") -> AgentProcess:
+    agent = AgentProcess(etcd_endpoint, job_id, node, nnodes, script_args, nproc=2,
+                         extra=STRAGGLERS + extra, script=SCRIPT)
+    agents.append(agent)
+    return agent
+
+
+def straggler_events(store, job_id: str) -> list[str]:
+    keys = JobKeys(job_id)
+    events, _ = parse_events(keys, store.get_prefix(keys.events)[0])
+    return [e.message for _, e in events if e.kind == "straggler"]
+
+
+def node_running(store, job_id: str, rank: int) -> str:
+    """The node that runs global ``rank`` in the current round (two workers per node)."""
+    keys = JobKeys(job_id)
+    kv = store.get(keys.round)
+    current = Round.from_json(kv.key, kv.value, kv.version)
+    return next(m.node_id for m in current.members if m.node_rank == rank // 2)
+
+
+def first_published(store, job_id: str, rank: int, timeout_s: float) -> float:
+    """When (monotonic) a step time of ``rank`` first appeared in etcd."""
+    prefix = JobKeys(job_id).step_times
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for kv in store.get_prefix(prefix)[0]:
+            if str(rank) in json.loads(kv.value)["step_s"]:
+                return time.monotonic()
+        time.sleep(0.1)
+    raise AssertionError(f"no step time of rank {rank} published within {timeout_s} s")
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"{what} not seen within {timeout_s} s")
+
+
+def elasticctl_status(etcd_endpoint: str, job_id: str) -> str:
+    return subprocess.run([sys.executable, "-m", "agent.ctl", "status", "--etcd", etcd_endpoint,
+                           "--job-id", job_id], cwd=REPO, capture_output=True, text=True,
+                          timeout=30).stdout
+
+
+@pytest.mark.names_stragglers
+def test_a_rank_slowed_on_purpose_is_named_with_its_node_within_its_window(
+        agents, etcd_endpoint, etcd_store, job_id):
+    args = ["--run-s", str(RUN_S), "--slow-rank", "3"]
+    a = start(agents, etcd_endpoint, job_id, "a", args)
+    b = start(agents, etcd_endpoint, job_id, "b", args)
+
+    published_at = first_published(etcd_store, job_id, rank=3, timeout_s=60)
+    node = node_running(etcd_store, job_id, rank=3)
+    named = f"rank 3 (node {node}) is a straggler"
+    leader = wait_for(lambda: next((x for x in (a, b) if named in x.text), None),
+                      WINDOW_S + 10, "the straggler named")
+    # Named within its window: no sooner than a whole window after its time
+    # first reached etcd, and no later than a few of the leader's passes after it.
+    delay_s = time.monotonic() - published_at
+    assert WINDOW_S - 0.5 <= delay_s <= WINDOW_S + 5.0, delay_s
+
+    status = elasticctl_status(etcd_endpoint, job_id)
+    assert re.search(rf"straggler: rank 3 \(node {node}\), steps of {SECONDS}, {RATIO} its "
+                     rf"peers' median of {SECONDS}, for \d+ s; reported", status), status
+    [event] = straggler_events(etcd_store, job_id)
+    assert re.fullmatch(rf"{re.escape(named)}: its steps take {SECONDS}, {RATIO} its peers' "
+                        rf"median of {SECONDS}, for \d+ s; reported", event), event
+
+    assert a.wait_exit(60) == 0 and b.wait_exit(30) == 0
+    assert leader.text.count("is a straggler") == 1, "named once for the whole episode"
+    assert straggler_events(etcd_store, job_id) == [event]
+
+
+def test_a_healthy_run_of_the_same_length_names_nobody(agents, etcd_endpoint, etcd_store,
+                                                       job_id):
+    args = ["--run-s", str(RUN_S)]
+    a = start(agents, etcd_endpoint, job_id, "a", args)
+    b = start(agents, etcd_endpoint, job_id, "b", args)
+
+    first_published(etcd_store, job_id, rank=3, timeout_s=60)  # judged, not idle
+
+    assert a.wait_exit(90) == 0 and b.wait_exit(30) == 0
+    assert "straggler" not in a.text + b.text
+    assert straggler_events(etcd_store, job_id) == []
+
+
+@pytest.mark.names_stragglers
+def test_replace_drains_the_slow_node_when_a_standby_waits(agents, etcd_endpoint, etcd_store,
+                                                           job_id):
+    args = ["--run-s", "15", "--slow-node", "b"]
+    replace = ("--straggler-action", "replace")
+    a = start(agents, etcd_endpoint, job_id, "a", args, replace)
+    b = start(agents, etcd_endpoint, job_id, "b", args, replace)
+    first_published(etcd_store, job_id, rank=0, timeout_s=60)
+    c = start(agents, etcd_endpoint, job_id, "c", args, replace)  # the standby
+    c.wait_output("STANDBY", timeout_s=30)
+
+    drained = wait_for(lambda: [e for e in straggler_events(etcd_store, job_id)
+                                if "drained node b" in e], WINDOW_S + 15, "the drain")
+    assert re.fullmatch(r"rank \d \(node b\) is a straggler: .*; drained node b: a standby "
+                        r"waits to take its place", drained[0]), drained
+
+    assert b.wait_exit(30) == 0, "b leaves as a drained node does"
+    assert a.wait_exit(60) == 0 and c.wait_exit(30) == 0
+    kv = etcd_store.get(JobKeys(job_id).round)
+    assert Round.from_json(kv.key, kv.value, kv.version).node_ids in (("a", "c"), ("c", "a"))
+    assert len([e for e in straggler_events(etcd_store, job_id) if "drained node" in e]) == 1
