@@ -38,13 +38,13 @@ from agent.stragglers import RankTime, Straggler, StragglerPolicy, StragglerStat
 from agent.tls import AgentTLS
 from elastic.clock import Clock
 from elastic.errors import ElasticError, MalformedRecordError
+from elastic.events import KIND_STRAGGLER
 from elastic.joblog import JobLogger
 from elastic.keyspace import JobKeys
 from elastic.records import id_in_key
 from elastic.rendezvous.api import Member, Round
 from elastic.store.api import Store
 
-EVENT_KIND = "straggler"
 # drain(member, reason): make that member's node leave the job for a standby.
 Drain = Callable[[Member, str], None]
 # event(round, kind, message): queue an event of this node.
@@ -163,7 +163,7 @@ class StragglerWatch:
                        f"take {s.step_s:.3f} s, its peers' {s.peers_s:.3f} s")
             self._actions.pop(s.rank, None)
             self._log.info("%s.", message)
-            self._event(latest.number, EVENT_KIND, message)
+            self._event(latest.number, KIND_STRAGGLER, message)
         if verdict.named or verdict.cleared or verdict.state.named:
             self._metrics.stragglers_now((s.rank, s.node_id, s.ratio())
                                          for s in verdict.state.named.values())
@@ -185,7 +185,7 @@ class StragglerWatch:
         self._actions[s.rank] = action
         message = f"{s.reason(now)}; {action}"
         self._log.warning("%s.", message)
-        self._event(latest.number, EVENT_KIND, message)
+        self._event(latest.number, KIND_STRAGGLER, message)
         self._metrics.straggler_named(outcome)
 
     def _parsed(self, kv) -> _Parsed:

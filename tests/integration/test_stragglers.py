@@ -19,9 +19,9 @@ import time
 
 import pytest
 
-from elastic.events import parse_events
+from elastic.events import KIND_STRAGGLER, parse_events
 from elastic.keyspace import JobKeys
-from elastic.rendezvous.api import Round
+from elastic.rendezvous.round_record import read_round
 from tests.integration.procs import REPO, AgentProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
@@ -54,14 +54,12 @@ def start(agents: list, etcd_endpoint: str, job_id: str, node: str, script_args:
 def straggler_events(store, job_id: str) -> list[str]:
     keys = JobKeys(job_id)
     events, _ = parse_events(keys, store.get_prefix(keys.events)[0])
-    return [e.message for _, e in events if e.kind == "straggler"]
+    return [e.message for _, e in events if e.kind == KIND_STRAGGLER]
 
 
 def node_running(store, job_id: str, rank: int) -> str:
     """The node that runs global ``rank`` in the current round (two workers per node)."""
-    keys = JobKeys(job_id)
-    kv = store.get(keys.round)
-    current = Round.from_json(kv.key, kv.value, kv.version)
+    current = read_round(store, JobKeys(job_id))
     return next(m.node_id for m in current.members if m.node_rank == rank // 2)
 
 
@@ -153,6 +151,5 @@ def test_replace_drains_the_slow_node_when_a_standby_waits(agents, etcd_endpoint
 
     assert b.wait_exit(30) == 0, "b leaves as a drained node does"
     assert a.wait_exit(60) == 0 and c.wait_exit(30) == 0
-    kv = etcd_store.get(JobKeys(job_id).round)
-    assert Round.from_json(kv.key, kv.value, kv.version).node_ids in (("a", "c"), ("c", "a"))
+    assert read_round(etcd_store, JobKeys(job_id)).node_ids in (("a", "c"), ("c", "a"))
     assert len([e for e in straggler_events(etcd_store, job_id) if "drained node" in e]) == 1
