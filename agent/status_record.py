@@ -81,6 +81,15 @@ class WorkerRow:
                    exit_code=w.exit_code, judged=w.judged)
 
 
+def _nested_fields(key: str, name: str, obj: Any) -> dict[str, Any]:
+    """The fields of the object in field ``name`` of the record at ``key``,
+    each named as it sits in the record (``name.field``), for errors;
+    MalformedRecordError when it is not an object."""
+    if not isinstance(obj, dict):
+        raise MalformedRecordError(key, f"field {name!r} is not an object")
+    return {f"{name}.{field}": value for field, value in obj.items()}
+
+
 @dataclass(frozen=True)
 class MemoryTierRow:
     """The memory tier on a node (``--memory-tier``): what it holds, whom it
@@ -104,9 +113,7 @@ class MemoryTierRow:
     def from_dict(cls, key: str, obj: Any) -> "MemoryTierRow":
         """The ``memory_tier`` object of the record at ``key``; MalformedRecordError
         naming the field."""
-        if not isinstance(obj, dict):
-            raise MalformedRecordError(key, "field 'memory_tier' is not an object")
-        named = {f"memory_tier.{name}": value for name, value in obj.items()}
+        named = _nested_fields(key, "memory_tier", obj)
 
         def count(name: str, low: int = 0) -> int:
             return int_field(key, named, f"memory_tier.{name}", low, default=low)
@@ -179,9 +186,7 @@ class GoodputRow:
     def from_dict(cls, key: str, obj: Any) -> "GoodputRow":
         """The ``goodput`` object of the record at ``key``; MalformedRecordError
         naming the field."""
-        if not isinstance(obj, dict):
-            raise MalformedRecordError(key, "field 'goodput' is not an object")
-        named = {f"goodput.{name}": value for name, value in obj.items()}
+        named = _nested_fields(key, "goodput", obj)
         pairs = typed_field(key, named, "goodput.lost_by_cause", list, [])
         if len(pairs) > MAX_GOODPUT_CAUSES or not all(
                 isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
