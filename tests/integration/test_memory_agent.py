@@ -94,9 +94,10 @@ def test_each_node_replicates_to_its_buddy_byte_for_byte_and_frees_on_exit(
     for own, replica in ((a_dir, a_on_b), (b_dir, b_on_a)):
         compared = 0
         for name in os.listdir(replica):
-            if layout.read_slot(os.path.join(replica, name)).manifest.step != \
-                    layout.read_slot(os.path.join(own, layout.OWN, name)).manifest.step:
-                continue  # written again since; replication skipped to the newest
+            copy = layout.read_slot(os.path.join(replica, name))
+            source = layout.read_slot(os.path.join(own, layout.OWN, name))
+            if copy is None or source is None or copy.manifest.step != source.manifest.step:
+                continue  # being written again, or written since: replication skips to the newest
             compared += 1
             for file in (layout.DATA, layout.LOCAL, layout.MANIFEST):
                 with open(os.path.join(own, layout.OWN, name, file), "rb") as f:
