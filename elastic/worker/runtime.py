@@ -106,11 +106,13 @@ class Heartbeat:
             self._wake.set()
             self._stop.wait(0.05)
 
-    def report(self, step: int, saving_for_s: float | None = None) -> None:
+    def report(self, step: int, saving_for_s: float | None = None,
+               at_once: bool = False) -> None:
         """Record ``step`` as this worker's latest; with ``saving_for_s``, a save
         that lasts up to that long from now (0: the save is over). The first
-        step and each save are sent at once, the rest with the next beat."""
-        first = self.step < 0
+        step, each save and a step reported ``at_once`` are sent at once, the
+        rest with the next beat."""
+        first = self.step < 0 or at_once
         self.step = step
         if saving_for_s is None:
             self.timer.step_ended(time.monotonic())
@@ -247,10 +249,14 @@ def step(n: int | None = None) -> int:
     one more than the last). Cheap: the heartbeat thread carries it to the
     agent. Returns the step number."""
     global _step, _script_steps
+    # The first number the script gives is sent at once: the optimizer hook may
+    # have reported its own count (0 after a restart) just before, and the agent
+    # (its goodput accounting) must not take a beat's worth of steps as a jump.
+    renumbered = not _script_steps
     _script_steps = True
     _step = _step + 1 if n is None else int(n)
     if _heartbeat is not None:
-        _heartbeat.report(_step)
+        _heartbeat.report(_step, at_once=renumbered)
         _heartbeat.wait_until_confirmed(_hold_after_s)
     for listener in tuple(_step_listeners):
         listener(_step)

@@ -687,6 +687,27 @@ def test_a_memory_snapshot_is_told_to_the_agent_at_once_with_its_count(server, s
     assert sink.requests[-2].snapshots == 2 and not sink.requests[-2].exiting
 
 
+def test_a_step_reported_at_once_does_not_wait_for_the_next_beat(server, sink):
+    # elastic.step's first number after optimizer steps were counted: the agent must
+    # hear the script's numbering at once, not a beat (60 s here) later.
+    pytest.importorskip("torch")
+    from elastic.worker import runtime
+
+    beat = runtime.Heartbeat(WorkerChannelClient("/nonexistent/agent.sock",
+                                                 heartbeat_socket=server.heartbeat_socket), 60)
+    try:
+        deadline = time.monotonic() + 10
+        beat.report(0)  # the optimizer hook's first count: sent at once, as a first step
+        while not any(r.step == 0 for r in sink.requests) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        beat.report(160, at_once=True)
+        while not any(r.step == 160 for r in sink.requests) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert any(r.step == 160 for r in sink.requests), [r.step for r in sink.requests]
+    finally:
+        beat.close()
+
+
 def test_a_peer_s_stacks_come_back_summarised(server, control):
     [stack] = peers.collect_stacks(server.address, 7, timeout_s=5.0)
     assert control.calls == [("collect_stacks", "7")]
