@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import socket
@@ -648,64 +649,57 @@ def test_the_workers_are_told_the_heartbeat_socket(server):
     assert env["ELASTIC_AGENT_HEARTBEAT_SOCKET"] == server.heartbeat_socket
 
 
-def test_the_workers_heartbeat_thread_sends_datagrams(server, sink):
-    # elastic.worker.runtime's thread, as elastic.init() starts it from the environment
-    # (its gRPC socket a dead path).
+@contextlib.contextmanager
+def worker_heartbeat(server, interval_s: float):
+    """elastic.worker.runtime's heartbeat thread, as elastic.init() starts it from the
+    environment (its gRPC socket a dead path), beating every ``interval_s``; closed
+    (its last datagram says it exits) when the block ends."""
     pytest.importorskip("torch")
     from elastic.worker import runtime
 
     beat = runtime.Heartbeat(WorkerChannelClient("/nonexistent/agent.sock",
-                                                 heartbeat_socket=server.heartbeat_socket), 0.05)
+                                                 heartbeat_socket=server.heartbeat_socket),
+                             interval_s)
     try:
-        deadline = time.monotonic() + 10
-        while len(sink.requests) < 3 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        yield beat
     finally:
         beat.close()
+
+
+def wait_for_sent(sink, predicate, timeout_s: float = 10.0) -> None:
+    """Until ``predicate(sink.requests)`` holds, at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate(sink.requests) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def test_the_workers_heartbeat_thread_sends_datagrams(server, sink):
+    with worker_heartbeat(server, 0.05):
+        wait_for_sent(sink, lambda sent: len(sent) >= 3)
     assert len(sink.requests) >= 3 and sink.requests[-1].exiting
 
 
 def test_a_memory_snapshot_is_told_to_the_agent_at_once_with_its_count(server, sink):
     # The agent's replicator wakes on the count (agent.memory_replication), so it must
     # not wait for the next beat: 60 s away here.
-    pytest.importorskip("torch")
-    from elastic.worker import runtime
-
-    beat = runtime.Heartbeat(WorkerChannelClient("/nonexistent/agent.sock",
-                                                 heartbeat_socket=server.heartbeat_socket), 60)
-    try:
-        deadline = time.monotonic() + 10
-        while not sink.requests and time.monotonic() < deadline:
-            time.sleep(0.02)  # the beat sent when the thread starts
+    with worker_heartbeat(server, 60) as beat:
+        wait_for_sent(sink, bool)  # the beat sent when the thread starts
         assert [r.snapshots for r in sink.requests] == [0]
         beat.report_snapshot()
         beat.report_snapshot()
-        while sink.requests[-1].snapshots < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
-    finally:
-        beat.close()
+        wait_for_sent(sink, lambda sent: sent[-1].snapshots >= 2)
     assert sink.requests[-2].snapshots == 2 and not sink.requests[-2].exiting
 
 
 def test_a_step_reported_at_once_does_not_wait_for_the_next_beat(server, sink):
     # elastic.step's first number after optimizer steps were counted: the agent must
     # hear the script's numbering at once, not a beat (60 s here) later.
-    pytest.importorskip("torch")
-    from elastic.worker import runtime
-
-    beat = runtime.Heartbeat(WorkerChannelClient("/nonexistent/agent.sock",
-                                                 heartbeat_socket=server.heartbeat_socket), 60)
-    try:
-        deadline = time.monotonic() + 10
+    with worker_heartbeat(server, 60) as beat:
         beat.report(0)  # the optimizer hook's first count: sent at once, as a first step
-        while not any(r.step == 0 for r in sink.requests) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for_sent(sink, lambda sent: any(r.step == 0 for r in sent))
         beat.report(160, at_once=True)
-        while not any(r.step == 160 for r in sink.requests) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for_sent(sink, lambda sent: any(r.step == 160 for r in sent))
         assert any(r.step == 160 for r in sink.requests), [r.step for r in sink.requests]
-    finally:
-        beat.close()
 
 
 def test_a_peer_s_stacks_come_back_summarised(server, control):
