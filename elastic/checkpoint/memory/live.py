@@ -37,10 +37,10 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from elastic.checkpoint import state
 from elastic.checkpoint.memory.items import SlotPlan, plan_slot
+from elastic.checkpoint.staging import local_tensor
 
 # Where a non-tensor value is read from at each snapshot: (container, key).
 Source = tuple[Any, Any]
@@ -139,8 +139,7 @@ def _nested(values: Any, out: list, pinned: list) -> None:
 
 def _tensor(tensor: torch.Tensor, out: list, pinned: list) -> None:
     pinned.append(tensor)
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    out += (id(tensor), local.data_ptr(), local.shape, local.dtype)
+    out += (id(tensor), *_bytes_of(tensor))
 
 
 def explain(chunks: Sequence[state.Chunk], state_dict: dict[str, Any]
@@ -169,7 +168,7 @@ def explain(chunks: Sequence[state.Chunk], state_dict: dict[str, Any]
 
 
 def _bytes_of(tensor: torch.Tensor) -> tuple:
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local = local_tensor(tensor)
     return local.data_ptr(), local.shape, local.dtype
 
 
