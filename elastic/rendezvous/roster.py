@@ -41,8 +41,7 @@ MAX_DELTA_BYTES = 16 * 1024
 def canonical(members: Sequence[Member]) -> bytes:
     """The roster's uncompressed bytes: one row per member, in node-rank order.
     Deterministic: the digest of equal lists is equal on every node."""
-    rows = [[m.node_id, m.host, m.nproc, m.addr, m.rack] for m in members]
-    return json.dumps(rows, separators=(",", ":")).encode()
+    return json.dumps(_rows(members), separators=(",", ":")).encode()
 
 
 def digest(raw: bytes) -> str:
@@ -109,15 +108,17 @@ def delta(old: Sequence[Member], new: Sequence[Member]) -> dict | None:
     if _rows(kept) != _rows(new[:len(kept)]):
         return None
     left = [m.node_id for m in old if m.node_id not in new_ids]
-    joined = [[m.node_id, m.host, m.nproc, m.addr, m.rack] for m in new[len(kept):]]
+    joined = _rows(new[len(kept):])
     result = {"left": left, "joined": joined}
     if len(json.dumps(result, separators=(",", ":"))) > MAX_DELTA_BYTES:
         return None
     return result
 
 
-def _rows(members: Sequence[Member]) -> list[tuple]:
-    return [(m.node_id, m.host, m.nproc, m.addr, m.rack) for m in members]
+def _rows(members: Sequence[Member]) -> list[list]:
+    """One ``[node_id, host, nproc, addr, rack]`` row per member: a roster's
+    (and a delta's joiners') one shape."""
+    return [[m.node_id, m.host, m.nproc, m.addr, m.rack] for m in members]
 
 
 def apply_delta(key: str, base: tuple[Member, ...], base_digest: str, change: Any,
@@ -131,13 +132,13 @@ def apply_delta(key: str, base: tuple[Member, ...], base_digest: str, change: An
             or not isinstance(change.get("joined"), list) \
             or not all(isinstance(n, str) for n in change["left"]):
         raise MalformedRecordError(key, "field 'delta' is not {left: [ids], joined: [rows]}")
-    return _applied(key, _Base(base, base_digest), tuple(change["left"]),
+    return _applied(key, Named(base, base_digest), tuple(change["left"]),
                     json.dumps(change["joined"], separators=(",", ":")), expected)
 
 
-class _Base:
-    """A roster keyed by its digest alone (hashing its members would cost
-    what the cache saves)."""
+class Named:
+    """Members keyed by their roster's digest alone, as a cache key (hashing
+    the members would cost what the cache saves)."""
 
     def __init__(self, members: tuple[Member, ...], name: str):
         self.members, self.name = members, name
@@ -146,11 +147,11 @@ class _Base:
         return hash(self.name)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Base) and other.name == self.name
+        return isinstance(other, Named) and other.name == self.name
 
 
 @functools.lru_cache(maxsize=8)
-def _applied(key: str, base: _Base, left: tuple[str, ...], joined_json: str,
+def _applied(key: str, base: Named, left: tuple[str, ...], joined_json: str,
              expected: str) -> tuple[Member, ...] | None:
     gone = set(left)
     kept = [m for m in base.members if m.node_id not in gone]

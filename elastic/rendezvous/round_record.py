@@ -89,8 +89,8 @@ def parse_head(key: str, value: bytes, version: int) -> RoundHead:
             key, f"round number {number} does not match the key's version {version}")
     if "members" in obj:
         whole = Round.from_json(key, value, version)
-        return RoundHead(key, version, obj, number, roster.digest(roster.canonical(whole.members)),
-                         len(whole.members), whole.outcome, whole.reason, whole=whole)
+        return RoundHead(key, version, obj, number, roster_of(whole), len(whole.members),
+                         whole.outcome, whole.reason, whole=whole)
     outcome = typed_field(key, obj, "outcome", str, "")
     if outcome not in tuple(Outcome):
         raise MalformedRecordError(key, f"field 'outcome' is {cap_text(outcome, 64)!r}")
@@ -155,25 +155,11 @@ def resolve(head: RoundHead, known: Round | None, known_roster: str,
     if len(members) != head.nnodes:
         raise MalformedRecordError(head.key, f"field 'nnodes' is {head.nnodes}, its roster "
                                              f"lists {len(members)}")
-    return _assembled(head, _Members(members, head.roster))
-
-
-class _Members:
-    """Members keyed by their roster's digest (hashing them would cost what
-    the cache saves)."""
-
-    def __init__(self, members: tuple[Member, ...], name: str):
-        self.members, self.name = members, name
-
-    def __hash__(self) -> int:
-        return hash(self.name)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Members) and other.name == self.name
+    return _assembled(head, roster.Named(members, head.roster))
 
 
 @functools.lru_cache(maxsize=8)
-def _assembled(head: RoundHead, members: _Members) -> Round:
+def _assembled(head: RoundHead, members: roster.Named) -> Round:
     return Round.from_fields(head.key, head.fields, head.version, members.members)
 
 
