@@ -363,7 +363,7 @@ class MemoryStorageReader(StorageReader):
         assert item is not None  # a tensor's holder always has its item
         whole = self._buffers.get(holder.rank)
         if whole is None:
-            whole = self._buffers[holder.rank] = _byte_tensor(self._sources[holder.rank])
+            whole = self._buffers[holder.rank] = byte_tensor(self._sources[holder.rank])
         raw = whole.narrow(0, item.offset, item.nbytes)
         dtype = _dtype(item.dtype, item.fqn)
         if raw.data_ptr() % dtype.itemsize or raw.storage_offset() % dtype.itemsize:
@@ -410,7 +410,7 @@ class MemoryStorageReader(StorageReader):
         return io.BytesIO(saved)
 
 
-def _byte_tensor(source: SlotData) -> torch.Tensor:
+def byte_tensor(source: SlotData) -> torch.Tensor:
     """``source.data`` as a 1-D uint8 tensor sharing its memory; raises
     CheckpointError when it is shorter than the manifest's ``data.bin``."""
     data = source.data

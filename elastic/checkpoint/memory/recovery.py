@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import warnings
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -55,7 +54,13 @@ from elastic.checkpoint.memory.choice import (
 )
 from elastic.checkpoint.memory.fetch import Fetched, exchange, open_local, unchanged
 from elastic.checkpoint.memory.items import dtype_of, plan_slot
-from elastic.checkpoint.memory.reader import PlannedLoad, SlotData, load_objects, put_objects
+from elastic.checkpoint.memory.reader import (
+    PlannedLoad,
+    SlotData,
+    byte_tensor,
+    load_objects,
+    put_objects,
+)
 from elastic.checkpoint.memory.slotfile import SlotFile, fillable
 from elastic.checkpoint.restore import Restored
 from elastic.checkpoint.staging import local_tensor
@@ -307,22 +312,10 @@ def copy_slot(state_dict: dict[str, Any], slot: SlotData, policy: trust.LoadPoli
                 direct.append((found.offset, local))
                 continue
             if data is None:
-                data = _byte_view(slot.data)
+                data = byte_tensor(slot)
             raw = data[found.offset:found.offset + found.nbytes]
             local.copy_(raw.view(dtype_of(found.dtype)).view(found.shape))
     if direct:
         slot.data.read_into(direct)
     put_objects(state_dict, load_objects(slot.objects, policy, f"{layout.OBJECTS} of old "
                                                               f"rank {slot.manifest.rank}"))
-
-
-def _byte_view(data: Any) -> torch.Tensor:
-    if isinstance(data, SlotFile):
-        data = data.mapping()
-    if isinstance(data, torch.Tensor):
-        return data
-    if not len(memoryview(data)):
-        return torch.empty(0, dtype=torch.uint8)
-    with warnings.catch_warnings():  # read-only mappings: only read from here
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(data, dtype=torch.uint8)
