@@ -86,12 +86,12 @@ from elastic.errors import (
 )
 from elastic.events import Event
 from elastic.records import cap_text, validate_id
-from elastic.rendezvous.round_record import read_round
-from elastic.rendezvous.api import RestartRequest, Round
+from elastic.rendezvous.api import RestartRequest
 from elastic.rendezvous.operator import (
     DEFAULT_OPERATOR_RESTART_INTERVAL_S,
     request_operator_restart,
 )
+from elastic.rendezvous.round_record import read_round
 from elastic.keyspace import JobKeys
 from elastic.store import PASSWORD_ENV, open_store, security_from_options
 from elastic.store.api import (
@@ -195,10 +195,6 @@ def parser() -> argparse.ArgumentParser:
                         **layout)
     dr.add_argument("node_id")
     return cli
-
-
-def _current_round(store: Store, keys: JobKeys) -> Round | None:
-    return read_round(store, keys)
 
 
 def _status(store: Store, args) -> str:
@@ -383,7 +379,7 @@ def _report(store: Store, args) -> str:
 
 def _restart(store: Store, args) -> str:
     keys = JobKeys(args.job_id)
-    current = _current_round(store, keys)
+    current = read_round(store, keys)
     number = current.number if current else 0
     req = RestartRequest(node_id="elasticctl", round=number, reason=cap_text(args.reason))
     request_operator_restart(store, keys, req, interval_s=_interval(args), now=time.time())
