@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from common import _Warmup, build_model, INPUT_DIM  # noqa: E402
 
 from elastic.checkpoint import state  # noqa: E402
-from elastic.checkpoint.memory.cadence import Cadence, choose_every  # noqa: E402
+from elastic.checkpoint.memory.cadence import BUDGET, Cadence, choose_every  # noqa: E402
 from elastic.checkpoint.memory.tier import SnapshotTier  # noqa: E402
 from elastic.checkpoint.memory.writer import Identity  # noqa: E402
 
@@ -118,7 +118,7 @@ def main() -> None:
         "snapshot_us": round(wall * 1e6, 1),
         "snapshot_us_rounds": [round(m * 1e6, 1) for m in walls],
         "snapshot_cpu_us": round(cpu * 1e6, 1),
-        "budget_us": round(args.step_s * 0.01 * 1e6, 1),
+        "budget_us": round(args.step_s * BUDGET * 1e6, 1),
         "every": choose_every(wall, args.step_s),
         "every_by_cpu": choose_every(cpu, args.step_s),
         "step_s": args.step_s, "rounds": args.rounds, "steps": args.steps,
