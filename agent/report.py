@@ -37,6 +37,8 @@ from typing import Iterable, Sequence
 
 from agent import report_reading as read
 from agent.report_model import (
+    TIER_DISK,
+    TIER_MEMORY,
     Checkpoint,
     Fault,
     FaultKind,
@@ -64,8 +66,6 @@ from elastic.rendezvous.api import Round
 
 # Goodput.source: computed by elasticctl report from the events, not the agents' metric.
 GOODPUT_SOURCE = "timeline"
-TIER_DISK = "disk"
-TIER_MEMORY = "memory"
 
 # Node-level causes, strongest first: the members' workers fail because of them.
 _NODE_CAUSES = (FaultKind.NODE_FROZEN, FaultKind.NODE_LOST, FaultKind.AGENT_RESTARTED,

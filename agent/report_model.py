@@ -104,11 +104,16 @@ class Fault:
     rework_s: float
 
 
+# Checkpoint.tier: committed for the job on disk, or a node's memory-tier snapshot.
+TIER_DISK = "disk"
+TIER_MEMORY = "memory"
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A checkpoint saved (``ok``) or a save that failed: its step, and where
-    it lies (``tier``: "disk", committed for the job, or "memory", a node's
-    newest memory-tier snapshot, whose time the history does not hold)."""
+    it lies (``tier``: TIER_DISK, committed for the job, or TIER_MEMORY, a
+    node's newest memory-tier snapshot, whose time the history does not hold)."""
 
     step: int
     time: float | None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import textwrap
 import time
 
-from agent.report_model import Fault, JobReport, RoundBand
+from agent.report_model import TIER_DISK, Fault, JobReport, RoundBand
 from agent.status import column_widths, table
 
 WIDTH = 100
@@ -61,7 +61,7 @@ def render(report: JobReport) -> str:
         parts.append("CHECKPOINTS\n" + table(
             ["TIME", "STEP", "TIER", "ROUND", "NODE", "RESULT"],
             [[clock(c.time), str(c.step), c.tier, str(c.round), c.node or "-",
-              "committed" if c.ok and c.tier == "disk" else "held" if c.ok else
+              "committed" if c.ok and c.tier == TIER_DISK else "held" if c.ok else
               _short(c.message, 60)] for c in report.checkpoints]))
     if report.stragglers:
         parts.append("STRAGGLERS\n" + table(
