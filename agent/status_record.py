@@ -289,13 +289,7 @@ class StatusRecord(FieldsAsJson):
     stragglers: tuple[StragglerRow, ...] = ()
 
     def to_json(self) -> bytes:
-        obj = dataclasses.asdict(self)
-        for optional in ("memory_tier", "goodput"):
-            if obj[optional] is None:
-                del obj[optional]
-        if not self.stragglers:
-            del obj["stragglers"]
-        return json.dumps(obj, sort_keys=True).encode()
+        return json.dumps(_without_absent(dataclasses.asdict(self)), sort_keys=True).encode()
 
     @classmethod
     def of(cls, node_id: str, state: str, round_number: int, node_rank: int | None,
@@ -366,16 +360,20 @@ class StatusRecord(FieldsAsJson):
     def summary(self, source: str) -> dict:
         """What ``elasticctl status`` shows of the node's agent; ``source``:
         "agent" (asked live) or "etcd" (the record it last published)."""
-        fields = dataclasses.asdict(self)
+        fields = _without_absent(dataclasses.asdict(self))
         del fields["node_id"]
-        for optional in ("memory_tier", "goodput"):
-            if fields[optional] is None:
-                del fields[optional]
-        if not fields["stragglers"]:
-            del fields["stragglers"]
-        else:
+        if "stragglers" in fields:
             fields["stragglers"] = list(fields["stragglers"])
         return {"source": source, **fields, "workers": list(fields["workers"])}
+
+
+def _without_absent(fields: dict[str, Any]) -> dict[str, Any]:
+    """A record's fields less the optional ones it does not have (no memory
+    tier, no goodput, no stragglers), which the JSON and the summary leave out."""
+    for optional in ("memory_tier", "goodput", "stragglers"):
+        if fields[optional] in (None, ()):
+            del fields[optional]
+    return fields
 
 
 def _stragglers(key: str, obj: dict) -> tuple[StragglerRow, ...]:
