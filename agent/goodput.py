@@ -141,6 +141,11 @@ def events_of(commands: Iterable[reactor.Command]) -> list[Event]:
 
 # -------------------------------------------------------------- accounting
 
+def _seconds_of(totals: dict[tuple[Kind, str], float], kind: Kind | None = None) -> float:
+    """The seconds ``totals`` charges to ``kind`` (all kinds: None)."""
+    return sum(s for (k, _), s in totals.items() if kind is None or k is kind)
+
+
 @dataclass
 class Accountant:
     """The time of one agent, charged by kind and cause (seconds). Times are
@@ -257,7 +262,7 @@ class Accountant:
 
     def total(self, kind: Kind | None = None) -> float:
         """Seconds charged to ``kind`` (all kinds: None)."""
-        return sum(s for (k, _), s in self.totals.items() if kind is None or k is kind)
+        return _seconds_of(self.totals, kind)
 
 
 class Window:
@@ -298,7 +303,7 @@ class Snapshot:
     window_s: float
 
     def kind_s(self, kind: Kind) -> float:
-        return sum(s for (k, _), s in self.totals.items() if k is kind)
+        return _seconds_of(self.totals, kind)
 
     def lost_by_cause(self) -> dict[str, float]:
         """Repeated plus recovery seconds of each restart cause that lost any."""
