@@ -19,10 +19,9 @@ time in ``data-time`` (wall seconds), and the plot area is ``#plot``.
 from __future__ import annotations
 
 import html
-import time
 
 from agent.report_model import Fault, JobReport, RoundBand, RoundEnd
-from agent.report_text import clock, plural, seconds
+from agent.report_text import clock, date_time, ending, optional, plural, seconds, until
 
 CSP = "default-src 'none'; style-src 'unsafe-inline'"
 WIDTH, LEFT, RIGHT = 1000, 110, 30
@@ -77,8 +76,7 @@ def _round(r: RoundBand, s: _Scale, end: float) -> str:
     y, x0 = _lane_y("rounds") + 4, s.x(r.formed_at)
     x1 = s.x(r.ended_at if r.ended_at is not None else end)
     tip = (f"round {r.number}: {', '.join(r.members) or '?'}; world size "
-           f"{r.world_size if r.world_size is not None else '?'}; {r.end.value}"
-           + (f": {r.end_reason}" if r.end_reason else ""))
+           f"{r.world_size if r.world_size is not None else '?'}; {ending(r)}")
     out = [f'<g class="round" data-round="{r.number}" data-time="{r.formed_at:.3f}">'
            f"<title>{esc(tip)}</title>"
            f'<rect x="{x0:.2f}" y="{y}" width="{max(x1 - x0, 1.0):.2f}" height="{LANE_H - 8}" '
@@ -100,7 +98,7 @@ def _fault(f: Fault, s: _Scale) -> str:
     who = ", ".join(part for part in (f"rank {f.rank}" if f.rank is not None else "",
                                       f"node {f.node}" if f.node else "") if part)
     tip = (f"{f.kind.value}{f' ({who})' if who else ''} in round {f.round} at {clock(f.time)}: "
-           f"{f.cause}; lost {seconds(f.lost_s)} until {f.recovery.value.replace('_', ' ')}")
+           f"{f.cause}; lost {seconds(f.lost_s)} until {until(f)}")
     return (f'<g class="fault" data-time="{f.time:.3f}" data-kind="{esc(f.kind.value)}">'
             f"<title>{esc(tip)}</title>"
             f'<rect class="lost" x="{began:.2f}" y="{y - 3}" '
@@ -187,7 +185,7 @@ def _table(headers: list[str], rows: list[list[str]], cls: str) -> str:
 
 def render(report: JobReport) -> str:
     """The whole page, one string."""
-    made = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(report.made_at))
+    made = date_time(report.made_at)
     counts = f"{plural(len(report.rounds), 'round')}, {plural(len(report.faults), 'fault')}"
     h = report.history
     gaps = "" if h.complete else (
@@ -195,13 +193,13 @@ def render(report: JobReport) -> str:
         "</p><ul>" + "".join(f"<li>{esc(g)}</li>" for g in h.gaps) + "</ul></div>")
     rounds = _table(["ROUND", "FORMED", "MEMBERS", "WORLD", "RAN AT", "END"], [
         [str(r.number), clock(r.formed_at), ", ".join(r.members), str(r.world_size or "?"),
-         clock(r.running_at), f"{r.end.value}: {r.end_reason}" if r.end_reason else r.end.value]
+         clock(r.running_at), ending(r)]
         for r in report.rounds], "rounds")
     faults = _table(["TIME", "ROUND", "KIND", "RANK", "NODE", "LOST", "UNTIL", "REPEATED",
                      "CAUSE"], [
-        [clock(f.time), str(f.round), f.kind.value, "-" if f.rank is None else str(f.rank),
-         f.node or "-", seconds(f.lost_s), f.recovery.value.replace("_", " "),
-         seconds(f.rework_s), f.cause] for f in report.faults], "faults")
+        [clock(f.time), str(f.round), f.kind.value, optional(f.rank), f.node or "-",
+         seconds(f.lost_s), until(f), seconds(f.rework_s), f.cause]
+        for f in report.faults], "faults")
     return "\n".join([
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         f'<meta http-equiv="Content-Security-Policy" content="{CSP}">',

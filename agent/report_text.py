@@ -36,8 +36,27 @@ def clock(t: float | None) -> str:
     return "-" if t is None else time.strftime("%H:%M:%S", time.localtime(t))
 
 
+def date_time(t: float) -> str:
+    """The date and local time of day, for a report's header."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
 def plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def optional(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def ending(r: RoundBand) -> str:
+    """How a round ended, and why where the history says."""
+    return r.end.value + (f": {r.end_reason}" if r.end_reason else "")
+
+
+def until(f: Fault) -> str:
+    """The moment a fault's lost time runs to, in words (``workers running``)."""
+    return f.recovery.value.replace("_", " ")
 
 
 def _short(text: str, limit: int) -> str:
@@ -47,7 +66,7 @@ def _short(text: str, limit: int) -> str:
 def render(report: JobReport) -> str:
     """The whole report as text, every line at most :data:`WIDTH` columns
     except a table row whose cells cannot be shortened (ids, times)."""
-    made = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(report.made_at))
+    made = date_time(report.made_at)
     parts = [f"job {report.job_id}: {report.state}; {plural(len(report.rounds), 'round')}, "
              f"{plural(len(report.faults), 'fault')}, "
              f"{plural(sum(c.ok for c in report.checkpoints), 'checkpoint')}, "
@@ -66,14 +85,10 @@ def render(report: JobReport) -> str:
     if report.stragglers:
         parts.append("STRAGGLERS\n" + table(
             ["TIME", "ROUND", "RANK", "NODE", "MESSAGE"],
-            [[clock(s.time), str(s.round), _opt(s.rank), s.node or "-", _short(s.message, 60)]
+            [[clock(s.time), str(s.round), optional(s.rank), s.node or "-", _short(s.message, 60)]
              for s in report.stragglers]))
     parts.append(_goodput(report))
     return "\n\n".join(parts)
-
-
-def _opt(value: int | None) -> str:
-    return "-" if value is None else str(value)
 
 
 def _history(report: JobReport) -> str:
@@ -99,18 +114,18 @@ def _rounds(rounds: tuple[RoundBand, ...], now: float) -> str:
         if r.running_at is not None:
             ran_for = (r.stopped_at or r.ended_at or now) - r.running_at
         rows.append([str(r.number), clock(r.formed_at), _short(",".join(r.members) or "?", 24),
-                     _opt(r.world_size), clock(r.running_at), seconds(ran_for)])
+                     optional(r.world_size), clock(r.running_at), seconds(ran_for)])
     room = max(_END_CHARS, WIDTH - 2 - sum(w + 2 for w in column_widths(headers, rows)))
     for row, r in zip(rows, rounds):
-        row.append(_short(r.end.value + (f": {r.end_reason}" if r.end_reason else ""), room))
+        row.append(_short(ending(r), room))
     return table(headers + ["END"], rows)
 
 
 def _faults(faults: tuple[Fault, ...]) -> str:
     headers = ["TIME", "ROUND", "KIND", "RANK", "NODE", "LOST", "UNTIL", "REPEATED", "BY"]
-    rows = [[clock(f.time), str(f.round), f.kind.value, _opt(f.rank), f.node or "-",
-             seconds(f.lost_s), f.recovery.value.replace("_", " "), seconds(f.rework_s),
-             f.reported_by or "-"] for f in faults]
+    rows = [[clock(f.time), str(f.round), f.kind.value, optional(f.rank), f.node or "-",
+             seconds(f.lost_s), until(f), seconds(f.rework_s), f.reported_by or "-"]
+            for f in faults]
     lines = table(headers, rows).split("\n")
     out = [lines[0]]
     for line, f in zip(lines[1:], faults):
