@@ -322,7 +322,7 @@ def test_a_planned_load_names_its_ranks_then_loads_by_that_plan_and_hands_back_o
                           dcp_io.LoadPlanner())
     assert planned.ranks(prefer={0}) == {0, 2, 3}  # rows 4-7: old ranks 2 and 3; lr: rank 0
     sources = {r: s if r in {0, 2, 3} else absent(s) for r, s in slots.items()}
-    objects = planned.run(sources, objects=False)
+    objects = planned.run(sources)
     assert objects == {"optim.param_groups.w.lr": 0.1}
     assert target["optim"]["param_groups.w.lr"] == 1.0  # left to the caller
     put_objects(target, objects)

@@ -497,18 +497,14 @@ class PlannedLoad:
                                for item in self.plan.items], prefer)
 
     def run(self, sources: Mapping[int, SlotData],
-            policy: trust.LoadPolicy = trust.DEFAULT_POLICY, *,
-            objects: bool = True) -> dict[str, Any]:
-        """Load: ``sources`` as :class:`MemoryStorageReader` takes them, holding the
-        data of at least the ranks :meth:`ranks` named. Without ``objects``, the
+            policy: trust.LoadPolicy = trust.DEFAULT_POLICY) -> dict[str, Any]:
+        """Load the tensors: ``sources`` as :class:`MemoryStorageReader` takes
+        them, holding the data of at least the ranks :meth:`ranks` named. The
         non-tensor values are not put in through the planner (a ``torch.save``
         round trip each) but returned, by DCP's flattened key, for the caller
-        to set; else ``{}``. Raises what the reader's ``read_data`` raises."""
+        to set (:func:`put_objects`). Raises what the reader's ``read_data`` raises."""
         reader = MemoryStorageReader(sources, policy, self.metadata)
         # The reader's own plan hooks return the plans as given: the plan stands.
-        if objects:
-            reader.read_data(self.plan, self._planner).wait()
-            return {}
         tensors = [item for item in self.plan.items if item.type != LoadItemType.BYTE_IO]
         reader.read_data(dataclasses.replace(self.plan, items=tensors), self._planner).wait()
         return reader.read_objects(self.plan)

@@ -252,7 +252,7 @@ class MemoryRestore:
         assert attempt.planned is not None  # planned in _bring, or failed there
         sources = {r: attempt.fetched[r].slot if r in attempt.fetched else SlotData(m)
                    for r, m in attempt.manifests.items()}
-        put_objects(state_dict, attempt.planned.run(sources, self._policy, objects=False))
+        put_objects(state_dict, attempt.planned.run(sources, self._policy))
 
     def _accept(self, attempt: _Attempt, local: Any) -> Restored:
         """Step 4: schedulers and RNGs, as the disk restore does. Raises
