@@ -289,16 +289,14 @@ def run_once(endpoint: str, n: int, max_nodes: int, settle_s: float, processes: 
         dones = [_expect(c, "done", 180) for c in conns]
         after = etcd_metrics(endpoint)
         _check_sizes(dones, n)
+        ops = [d[2] for d in dones]  # each process's counts so far
+        cpu = [d[5] for d in dones]  # and CPU seconds
         result = {"n": n, "processes": processes, "threads_before_last_join": max(threads),
                   "threads_per_process": max(d[4] for d in dones),
                   "round_bytes": _round_bytes(endpoint, keys),
-                  "rendezvous": {"server": _diff(after, before),
-                                 "ops": _sum_ops(d[2] for d in dones)},
+                  "rendezvous": {"server": _diff(after, before), "ops": _sum_ops(ops)},
                   "first": _phase(max(d[1] for d in dones) - t0, _diff(after, at_go),
-                                  sum(d[5] for d in dones) - sum(s[2] for s in started),
-                                  _sum_ops(d[2] for d in dones))}
-        cpu = {id(c): d[5] for c, d in zip(conns, dones)}
-        ops = [d[2] for d in dones]
+                                  sum(cpu) - sum(s[2] for s in started), _sum_ops(ops))}
         for command in follow_ups:
             at = etcd_metrics(endpoint)
             sent_at = time.monotonic()
@@ -312,10 +310,10 @@ def run_once(endpoint: str, n: int, max_nodes: int, settle_s: float, processes: 
             delta_ops = _sum_ops([{k: v - o.get(k, 0) for k, v in new.items()}
                                   for new, o in zip(now_ops, ops)])
             result[command] = _phase(max(r[1] for r in replies) - began, _diff(later, at),
-                                     sum(r[5] - cpu[id(c)] for c, r in zip(conns, replies)),
+                                     sum(r[5] - was for was, r in zip(cpu, replies)),
                                      delta_ops)
             result[command]["round_bytes"] = _round_bytes(endpoint, keys)
-            cpu = {id(c): r[5] for c, r in zip(conns, replies)}
+            cpu = [r[5] for r in replies]
             ops = now_ops
         if idle_s > 0:
             # The steady load of a formed job: keep-alives on every lease,
