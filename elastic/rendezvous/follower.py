@@ -193,11 +193,9 @@ class Follower:
 
     def _load_round(self, kvs: list[KeyValue], revision: int, now: float) -> None:
         head = [kv for kv in kvs if kv.key == self.keys.round]
-        stored = round_record.stored_rosters(self.keys,
-                                             [kv for kv in kvs if kv.key != self.keys.round])
         if head:
             self.rounds.apply(head[0].key, head[0].value, head[0].version, head[0].mod_revision,
-                              stored)
+                              round_record.stored_rosters(self.keys, kvs))
         else:
             self.rounds.apply(self.keys.round, None, 0, revision)
 
