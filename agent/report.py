@@ -174,12 +174,13 @@ def _running_at(log: _RoundLog, members: tuple[str, ...]) -> float | None:
 
 def _end(log: _RoundLog, following: Event | None, outcome: Event | None) -> tuple[RoundEnd, str]:
     """How a round ended, and the words that say why."""
+    seen = _first_hand(log)
     if following is not None:
         why = read.round_reason(following.message)
         if read.continues(following.message):
             return RoundEnd.CONTINUED, why
         found = read.triggers(why)
-        if _first_hand(log) or any(t.kind is not None for t in found):
+        if seen or any(t.kind is not None for t in found):
             return RoundEnd.FAULT, why
         if found and found[0].by is not None:
             return RoundEnd.REQUESTED, why
@@ -187,8 +188,8 @@ def _end(log: _RoundLog, following: Event | None, outcome: Event | None) -> tupl
     if outcome is not None:
         said = outcome.message
         return (RoundEnd.SUCCEEDED if read.outcome(said) == "succeeded" else RoundEnd.FAILED), said
-    if _first_hand(log):
-        return RoundEnd.FAULT, _first_hand(log)[0][1].reason
+    if seen:
+        return RoundEnd.FAULT, seen[0][1].reason
     return RoundEnd.CURRENT, ""
 
 
