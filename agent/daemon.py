@@ -383,18 +383,14 @@ class Agent:
 
     def status_record(self) -> StatusRecord:
         """This agent's status as published (any thread)."""
+        now = self.clock.monotonic()
         record = status_of(self.config.node_id, self.lifecycle.published, self.view,
                            self.workers.snapshot(),
-                           {w.local_rank: w.pid for w in self.supervisor.workers()},
-                           self.clock.monotonic())
-        record = dataclasses.replace(
-            record, goodput=goodput_row(self.goodput.snapshot(self.clock.monotonic())))
-        stragglers = self.stragglers.rows()
-        if stragglers:
-            record = dataclasses.replace(record, stragglers=stragglers)
-        if self.memory is None:
-            return record
-        return dataclasses.replace(record, memory_tier=self.memory.status())
+                           {w.local_rank: w.pid for w in self.supervisor.workers()}, now)
+        return dataclasses.replace(
+            record, goodput=goodput_row(self.goodput.snapshot(now)),
+            stragglers=self.stragglers.rows(),
+            memory_tier=self.memory.status() if self.memory is not None else None)
 
     def _react(self, event: reactor.Event) -> None:
         """React to ``event``: the transitions checked before any command is
