@@ -274,6 +274,10 @@ class Agent:
         Raises NodeUnfitError, before joining, when this node's GPUs fail
         ``--gpu-check enforce``."""
         self.gpus.before_joining()
+        # A drain request is for the agent it was made for: one left behind by an
+        # earlier agent of this node (killed before it could leave) must not drain
+        # this one, so it goes before this agent registers.
+        self.drain_key.withdraw()
         self.rdzv.start(thread=threaded)
         self.supervisor.warm_up()
         self._react(reactor.Joined("registered with the rendezvous" if self.rdzv.registered

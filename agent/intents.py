@@ -64,7 +64,8 @@ class Intents:
 class DrainKey:
     """This node's drain request in etcd: read when a round leaves this node
     out, written before its workers stop for a drain (its peers' failures are
-    then the drain's doing), removed once it has left."""
+    then the drain's doing), removed once it has left and, in case an earlier
+    agent of this node could not remove it, when an agent starts."""
 
     def __init__(self, store: Store, keys: JobKeys, node_id: str, timeout_s: float,
                  log: logging.LoggerAdapter):
@@ -98,7 +99,7 @@ class DrainKey:
             self._log.warning("could not record the drain (leaving anyway): %s", exc)
 
     def withdraw(self) -> None:
-        """Remove the drain request once this node has left (best effort)."""
+        """Remove this node's drain request, if any (best effort)."""
         try:
             self._store.delete(self._key, timeout_s=self._timeout_s)
         except StoreError as exc:

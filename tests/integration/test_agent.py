@@ -13,7 +13,7 @@ import pytest
 
 from agent import peers
 from elastic.keyspace import JobKeys
-from elastic.rendezvous.api import NodeInfo, Round
+from elastic.rendezvous.api import DrainRequest, NodeInfo, Round
 from elastic.rendezvous.round_record import read_round
 from tests.integration.procs import REPO, AgentProcess, read_progress, wait_progress
 from tests.proctable import alive
@@ -236,6 +236,20 @@ def test_a_node_joining_mid_run_is_included_and_a_drained_node_leaves_the_job_go
     drained_at = max(r["t"] for r in records if r["world"] == 4)
     after = [r for r in records if r["world"] == 2 and r["t"] > drained_at]
     assert after and max(r["step"] for r in after) == 79
+
+
+def test_a_drain_request_left_by_a_killed_agent_does_not_drain_the_next_agent_of_its_node(
+        agents, tmp_path, etcd_store, job_id):
+    # Node a's previous agent announced its drain (SIGTERM) and was killed before it
+    # could leave and remove the request: the agent started next on a trains.
+    keys = JobKeys(job_id)
+    etcd_store.put(keys.drain_request("a"), DrainRequest(by="a", reason="SIGTERM").to_json())
+    progress, args = train_args(tmp_path, steps=10)
+    a = agents("a", args, nnodes="1", extra=NO_RESTART_HERE)
+    assert a.wait_exit(90) == 0, a.text
+    assert "DRAINING" not in a.text
+    assert max(r["step"] for r in read_progress(progress)) == 9
+    assert etcd_store.get(keys.drain_request("a")) is None
 
 
 def test_operator_restart_is_not_a_failure(agents, tmp_path, etcd_endpoint, etcd_store, job_id):
