@@ -98,7 +98,8 @@ class StepTimes:
                 step_busy_s: float = 0.0) -> None:
         """A heartbeat of ``rank`` in ``round_number`` carried ``step_time_s``
         (0: none timed, the beat is ignored) and ``step_busy_s`` (0: not
-        measured). A new round forgets the old one's times: its ranks are
+        measured; the rank's busy samples are dropped, and it needs
+        :data:`MIN_SAMPLES` again). A new round forgets the old one's times: its ranks are
         numbered afresh."""
         if step_time_s <= 0:
             return
@@ -110,6 +111,8 @@ class StepTimes:
             self._wall.setdefault(rank, deque(maxlen=SAMPLES)).append(step_time_s)
             if step_busy_s > 0:
                 self._busy.setdefault(rank, deque(maxlen=SAMPLES)).append(step_busy_s)
+            else:  # not measured any more (CUDA came into use): its old samples are not now
+                self._busy.pop(rank, None)
 
     def record(self) -> StepTimeRecord:
         """The windowed times of each rank with enough samples of the measure."""

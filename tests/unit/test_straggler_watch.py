@@ -222,16 +222,18 @@ def test_a_rank_needs_a_few_beats_and_its_time_is_their_median():
 
 def test_a_rank_s_busy_time_is_the_median_of_the_beats_that_measured_it():
     times = StepTimes()
-    for wall, busy in ((0.1, 0.05), (0.1, 0.0), (0.1, 0.07), (0.1, 0.0), (0.1, 0.09)):
-        times.observe(3, 0, wall, busy)  # busy 0: not measured in that beat
-    times.observe(3, 1, 0.1)  # an older worker: wall time alone
-    times.observe(3, 1, 0.1)
-    times.observe(3, 1, 0.1)
+    for busy in (0.05, 0.07, 0.09, 0.06):
+        times.observe(3, 0, 0.1, busy)
+    for _ in range(3):
+        times.observe(3, 1, 0.1)  # an older worker: wall time alone
 
     record = times.record()
 
-    assert record == StepTimeRecord(3, {0: 0.1, 1: 0.1}, {0: 0.07})
+    assert record == StepTimeRecord(3, {0: 0.1, 1: 0.1}, {0: 0.065})
     assert StepTimeRecord.from_json("k", record.to_json()) == record
+    times.observe(3, 0, 0.1, 0.0)  # not measured any more: CUDA came into use
+    times.observe(3, 0, 0.1, 0.03)
+    assert times.record().busy_s == {}, "its old busy times are not judged as now"
     older = b'{"round": 3, "step_s": {"0": 0.1}}'  # an older agent's record
     assert StepTimeRecord.from_json("k", older) == StepTimeRecord(3, {0: 0.1}, {})
 
