@@ -94,6 +94,7 @@ class RankTime:
     busy_s: float = 0.0
 
     def of(self, measure: str) -> float:
+        """Its time by ``measure`` (WALL or BUSY)."""
         return self.busy_s if measure == BUSY else self.step_s
 
 
