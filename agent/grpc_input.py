@@ -133,6 +133,7 @@ def check_heartbeat(request: agent_pb2.WorkerChannelHeartbeatRequest) -> None:
     _seconds(method, "saving_for_s", request.saving_for_s, MAX_SAVING_S)
     _int(method, "snapshots", request.snapshots, 0, _MAX_INT64)
     _seconds(method, "step_time_s", request.step_time_s, MAX_SAVING_S)
+    _seconds(method, "step_busy_s", request.step_busy_s, MAX_SAVING_S)
 
 
 def commit_entry(entry: agent_pb2.CheckpointEntry) -> CommitEntry:

@@ -81,7 +81,7 @@ class WorkerChannel:
         if reply.current:
             progress = a.workers.beat(req.local_rank, now, req.step, req.saving_for_s,
                                       req.exiting)
-            a.stragglers.times.observe(req.round, req.rank, req.step_time_s)
+            a.stragglers.times.observe(req.round, req.rank, req.step_time_s, req.step_busy_s)
             if progress is not None:
                 a.metrics.observe_heartbeat(*progress)
                 a.goodput.stepped(progress[0], now)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from agent.health import node_progress
+from agent.stragglers import BUSY, WALL
 from elastic.errors import MalformedRecordError
 from elastic.records import (
     MAX_NPROC,
@@ -219,8 +220,9 @@ class GoodputRow:
 @dataclass(frozen=True)
 class StragglerRow:
     """A rank the leader names a straggler now (:mod:`agent.stragglers`): its
-    windowed step time, its peers' median, how long it has been that slow,
-    and what the leader did (``action``)."""
+    windowed time per step by ``measure`` ("wall" or "busy"), its peers'
+    median of it, how long it has been that slow, and what the leader did
+    (``action``)."""
 
     rank: int
     node_id: str
@@ -228,6 +230,7 @@ class StragglerRow:
     peers_s: float
     slow_for_s: float
     action: str
+    measure: str = WALL
 
     @classmethod
     def from_dict(cls, key: str, i: int, row: Any) -> "StragglerRow":
@@ -238,7 +241,8 @@ class StragglerRow:
                    step_s=_number(key, named, field("step_s")),
                    peers_s=_number(key, named, field("peers_s")),
                    slow_for_s=_number(key, named, field("slow_for_s")),
-                   action=text_field(key, named, field("action"), limit=_ACTION_CHARS))
+                   action=text_field(key, named, field("action"), limit=_ACTION_CHARS),
+                   measure=BUSY if named.get(field("measure")) == BUSY else WALL)
 
     @classmethod
     def from_pb(cls, s: agent_pb2.StragglerStatus) -> "StragglerRow":
@@ -249,14 +253,17 @@ class StragglerRow:
 
         return cls(rank=max(0, s.rank), node_id=cap_text(s.node_id, _NODE_ID_CHARS),
                    step_s=seconds(s.step_s), peers_s=seconds(s.peers_s),
-                   slow_for_s=seconds(s.slow_for_s), action=cap_text(s.action, _ACTION_CHARS))
+                   slow_for_s=seconds(s.slow_for_s), action=cap_text(s.action, _ACTION_CHARS),
+                   measure=BUSY if s.measure == BUSY else WALL)
 
     def line(self) -> str:
         """One line for ``elasticctl status``."""
         ratio = f"{self.step_s / self.peers_s:.2f}x" if self.peers_s > 0 else "slower than"
-        return (f"straggler: rank {self.rank} (node {self.node_id}), steps of "
-                f"{self.step_s:.3f} s, {ratio} its peers' median of {self.peers_s:.3f} s, "
-                f"for {self.slow_for_s:.0f} s; {self.action}")
+        took = (f"busy {self.step_s:.3f} s per step" if self.measure == BUSY
+                else f"steps of {self.step_s:.3f} s")
+        return (f"straggler: rank {self.rank} (node {self.node_id}), {took}, {ratio} its "
+                f"peers' median of {self.peers_s:.3f} s, for {self.slow_for_s:.0f} s; "
+                f"{self.action}")
 
 
 def human_bytes(n: int) -> str:

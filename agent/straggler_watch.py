@@ -1,6 +1,6 @@
 """An agent's part in straggler detection, run by its loop: publish, and as leader, judge and act.
 
-Every agent keeps its ranks' step times from their heartbeats
+Every agent keeps its ranks' step times, wall and busy, from their heartbeats
 (:class:`agent.step_times.StepTimes`, fed by the worker channel) and writes
 them to ``step-times/<node>`` under its lease when they changed, at most once
 per period (:class:`agent.step_times.PublishRule`). The leader reads that
@@ -122,7 +122,7 @@ class StragglerWatch:
         now, named, actions = self._clock.monotonic(), self._state.named, self._actions
         return tuple(StragglerRow(s.rank, s.node_id, round(s.step_s, 6), round(s.peers_s, 6),
                                   round(max(0.0, now - s.slow_since), 1),
-                                  actions.get(s.rank, "reported"))
+                                  actions.get(s.rank, "reported"), s.measure)
                      for _, s in sorted(named.items()))
 
     def _publish_times(self, now: float, lease: int, running: Round) -> None:
@@ -159,8 +159,8 @@ class StragglerWatch:
         for s in verdict.named:
             self._name(s, now, latest, standbys)
         for s in verdict.cleared:
-            message = (f"rank {s.rank} (node {s.node_id}) is no longer a straggler: its steps "
-                       f"take {s.step_s:.3f} s, its peers' {s.peers_s:.3f} s")
+            message = (f"rank {s.rank} (node {s.node_id}) is no longer a straggler: "
+                       f"{s.took()}, its peers' {s.peers_s:.3f} s")
             self._actions.pop(s.rank, None)
             self._log.info("%s.", message)
             self._event(latest.number, KIND_STRAGGLER, message)
@@ -195,8 +195,10 @@ class StragglerWatch:
         if cached is None or cached.revision != kv.mod_revision:
             node_id = id_in_key(kv.key, self._keys.step_times)
             record = StepTimeRecord.from_json(kv.key, kv.value)
+            busy = record.busy_s
             cached = _Parsed(kv.mod_revision, node_id, record.round, tuple(
-                RankTime(rank, node_id, step_s) for rank, step_s in record.step_s.items()))
+                RankTime(rank, node_id, step_s, busy.get(rank, 0.0))
+                for rank, step_s in record.step_s.items()))
             self._records[kv.key] = cached
         return cached
 

@@ -11,8 +11,13 @@ period (the reference: the period itself). Every pass must name the slow rank
 (its window is set to 0, and the leader forgets between passes, so that each
 pass names it afresh).
 
+Every record carries both measures, wall and busy time per step (the slow rank
+is slow by its wall time).
+
 A node's side: one heartbeat's worth of ``StepTimes.observe`` and its
-``record()`` per period, timed over ``--ranks-per-node`` ranks.
+``record()`` per period, timed over ``--ranks-per-node`` ranks. A worker's
+side: what :meth:`StepTimer.step_ended` costs the training thread at every
+step, with its busy time read from schedstat and without (wall time alone).
 
     .venv/bin/python bench/stragglers.py [--nodes 16384] [--ranks-per-node 8]
                                          [--passes 6] [--json FILE]
@@ -43,6 +48,7 @@ from elastic.rendezvous.api import Member, Round  # noqa: E402
 from elastic.store.api import Put  # noqa: E402
 from elastic.store.etcd import EtcdStore  # noqa: E402
 from elastic.store.server import EtcdServer  # noqa: E402
+from elastic.worker.step_timer import StepTimer, ThreadBusyClock  # noqa: E402
 
 PERIOD_S = StragglerPolicy().period_s()
 SLOW_RANK = 77
@@ -56,7 +62,8 @@ def write_records(store: EtcdStore, keys: JobKeys, nodes: int, per_node: int) ->
         times = {n * per_node + i: 0.2 * rng.uniform(0.95, 1.05) for i in range(per_node)}
         if SLOW_RANK in times:
             times[SLOW_RANK] *= 2
-        value = StepTimeRecord(1, times).to_json()
+        busy = {r: 0.5 * s * rng.uniform(0.9, 1.1) for r, s in times.items()}
+        value = StepTimeRecord(1, times, busy).to_json()
         size += len(value)
         ops.append(Put(keys.step_times_of(f"node-{n:05d}"), value))
         if len(ops) == 100:
@@ -93,9 +100,22 @@ def node_cost_us(per_node: int, beats: int = 2000) -> float:
     started = time.process_time()
     for b in range(beats):
         for rank in range(per_node):
-            times.observe(1, rank, 0.2 + rank * 1e-3)
+            times.observe(1, rank, 0.2 + rank * 1e-3, 0.1 + rank * 1e-3)
         times.record()
     return (time.process_time() - started) / beats * 1e6
+
+
+def worker_step_us(busy: bool, steps: int = 20000, repeats: int = 5) -> float:
+    """Microseconds of ``StepTimer.step_ended`` per step (the best of
+    ``repeats`` runs: the cost, not the machine's load)."""
+    timer = StepTimer(ThreadBusyClock() if busy else None)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for _ in range(steps):
+            timer.step_ended(time.monotonic())
+        best = min(best, time.perf_counter() - started)
+    return best / steps * 1e6
 
 
 def main() -> None:
@@ -127,13 +147,17 @@ def main() -> None:
               "leader_pass_cpu_s": round(cpu, 4), "leader_first_pass_cpu_s": round(first_cpu, 4),
               "period_s": PERIOD_S,
               "leader_core_share": round(cpu / PERIOD_S, 4),
-              "node_cpu_us_per_period": round(node_cost_us(args.ranks_per_node), 2)}
+              "node_cpu_us_per_period": round(node_cost_us(args.ranks_per_node), 2),
+              "worker_step_us": round(worker_step_us(busy=True), 2),
+              "worker_step_us_wall_only": round(worker_step_us(busy=False), 2)}
     print(f"{result['ranks']} ranks on {args.nodes} nodes: a leader pass reads "
           f"{size / 1e6:.1f} MB and takes {wall:.3f} s wall, {cpu:.3f} s CPU: "
           f"{100 * cpu / PERIOD_S:.1f}% of a core at one pass per {PERIOD_S:g} s "
           f"(median of {args.passes - 1} after the first, which parsed every record in "
           f"{first_cpu:.3f} s CPU); a node's own part: "
-          f"{result['node_cpu_us_per_period']} us CPU per period")
+          f"{result['node_cpu_us_per_period']} us CPU per period; a worker's, at every step: "
+          f"{result['worker_step_us']} us ({result['worker_step_us_wall_only']} us for wall "
+          f"time alone)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

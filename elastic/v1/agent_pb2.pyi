@@ -192,20 +192,22 @@ class RankStack(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., dumped: bool = ..., place: _Optional[str] = ..., collective: _Optional[str] = ..., step: _Optional[int] = ..., progress_age_s: _Optional[float] = ..., entered_ns: _Optional[int] = ...) -> None: ...
 
 class StragglerStatus(_message.Message):
-    __slots__ = ["action", "node_id", "peers_s", "rank", "slow_for_s", "step_s"]
+    __slots__ = ["action", "measure", "node_id", "peers_s", "rank", "slow_for_s", "step_s"]
     ACTION_FIELD_NUMBER: _ClassVar[int]
+    MEASURE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PEERS_S_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SLOW_FOR_S_FIELD_NUMBER: _ClassVar[int]
     STEP_S_FIELD_NUMBER: _ClassVar[int]
     action: str
+    measure: str
     node_id: str
     peers_s: float
     rank: int
     slow_for_s: float
     step_s: float
-    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., step_s: _Optional[float] = ..., peers_s: _Optional[float] = ..., slow_for_s: _Optional[float] = ..., action: _Optional[str] = ...) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., step_s: _Optional[float] = ..., peers_s: _Optional[float] = ..., slow_for_s: _Optional[float] = ..., action: _Optional[str] = ..., measure: _Optional[str] = ...) -> None: ...
 
 class WorkerChannelCommitCheckpointRequest(_message.Message):
     __slots__ = ["entry"]
@@ -222,7 +224,7 @@ class WorkerChannelCommitCheckpointResponse(_message.Message):
     def __init__(self, committed: bool = ..., message: _Optional[str] = ...) -> None: ...
 
 class WorkerChannelHeartbeatRequest(_message.Message):
-    __slots__ = ["exiting", "local_rank", "pid", "rank", "round", "saving_for_s", "snapshots", "step", "step_time_s"]
+    __slots__ = ["exiting", "local_rank", "pid", "rank", "round", "saving_for_s", "snapshots", "step", "step_busy_s", "step_time_s"]
     EXITING_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +232,7 @@ class WorkerChannelHeartbeatRequest(_message.Message):
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SAVING_FOR_S_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     exiting: bool
@@ -240,8 +243,9 @@ class WorkerChannelHeartbeatRequest(_message.Message):
     saving_for_s: float
     snapshots: int
     step: int
+    step_busy_s: float
     step_time_s: float
-    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., saving_for_s: _Optional[float] = ..., exiting: bool = ..., step_time_s: _Optional[float] = ..., snapshots: _Optional[int] = ...) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., saving_for_s: _Optional[float] = ..., exiting: bool = ..., step_time_s: _Optional[float] = ..., step_busy_s: _Optional[float] = ..., snapshots: _Optional[int] = ...) -> None: ...
 
 class WorkerChannelHeartbeatResponse(_message.Message):
     __slots__ = ["hold", "stop_requested"]

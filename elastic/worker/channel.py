@@ -66,6 +66,7 @@ class WorkerChannelClient:
         exiting: bool = False,
         snapshots: int = 0,
         step_time_s: float = 0.0,
+        step_busy_s: float = 0.0,
     ) -> bool:
         """Tell the agent this worker is alive at ``step`` (-1 before the first) of ``round``.
 
@@ -76,7 +77,8 @@ class WorkerChannelClient:
         the agent does not judge this worker's silence. ``snapshots``: the
         memory-tier snapshots this process completed so far (the agent
         replicates when the count moves). ``step_time_s``: the mean seconds
-        per step since the last heartbeat (0: none timed).
+        per step since the last heartbeat (0: none timed); ``step_busy_s``: the
+        mean seconds the training thread was busy per step (0: not measured).
 
         Never raises for a failed call: when the agent cannot be reached
         (it may be restarting), answers with an error, or this client is
@@ -86,7 +88,7 @@ class WorkerChannelClient:
         request = agent_pb2.WorkerChannelHeartbeatRequest(
             rank=rank, local_rank=local_rank, pid=pid, round=round, step=step,
             saving_for_s=saving_for_s, exiting=exiting, snapshots=snapshots,
-            step_time_s=step_time_s,
+            step_time_s=step_time_s, step_busy_s=step_busy_s,
         )
         with self._lock:
             if self._closed:

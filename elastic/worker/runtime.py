@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from elastic.errors import ConfigError
 from elastic.worker.channel import WorkerChannelClient
-from elastic.worker.step_timer import StepTimer
+from elastic.worker.step_timer import StepTimer, ThreadBusyClock
 from elastic.worker_env import WorkerEnv
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,17 @@ def _round_or_0(env: WorkerEnv) -> int:
         return 0
 
 
+def busy_tells(cuda) -> bool:
+    """Whether the training thread's busy time measures this rank's speed:
+    not once the process has initialized CUDA (``cuda``: ``torch.cuda`` or a
+    facade with its ``is_initialized``). Kernels run asynchronously, so the
+    thread's CPU time is the host's share of a step alone: where it waits for
+    the GPU by spinning, every rank is busy for its whole step; where it
+    sleeps, a rank with more host work (rank 0's logging) can be far busier
+    than its peers while that work overlaps its GPU's and costs the job nothing."""
+    return not cuda.is_initialized()
+
+
 # The heartbeat interval's basis when the agent names no hang timeout.
 _DEFAULT_HANG_TIMEOUT_S = 300.0
 
@@ -53,8 +64,9 @@ class Heartbeat:
     and at once on the first step, on each save announced and after each
     memory snapshot, that this worker is alive and where it is (rank, round and
     step from the environment and :meth:`report`; snapshots taken:
-    :meth:`report_snapshot`), with the mean time of the steps since the last
-    beat (:class:`~elastic.worker.step_timer.StepTimer`).
+    :meth:`report_snapshot`), with the mean wall and busy times of the steps
+    since the last beat (:class:`~elastic.worker.step_timer.StepTimer`; busy
+    time only while this process has not initialized CUDA: :func:`busy_tells`).
 
     ``client`` is the channel to the agent (a
     :class:`~elastic.worker.channel.WorkerChannelClient`, or anything with its
@@ -74,7 +86,7 @@ class Heartbeat:
         # sends what is left of it (the proto's "for this many seconds from
         # now"), so a save that overruns is judged like any hang.
         self.saving_until = 0.0
-        self.timer = StepTimer()
+        self.timer = StepTimer(ThreadBusyClock())
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elastic-heartbeat", daemon=True)
@@ -82,9 +94,11 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            timed = self.timer.take()
             self.client.heartbeat(self.rank, self.local_rank, os.getpid(), self.round, self.step,
                                   max(0.0, self.saving_until - time.monotonic()),
-                                  snapshots=self.snapshots, step_time_s=self.timer.take())
+                                  snapshots=self.snapshots, step_time_s=timed.wall_s,
+                                  step_busy_s=timed.busy_s if busy_tells(torch.cuda) else 0.0)
             self._wake.wait(self.interval_s)
             self._wake.clear()
 

@@ -1,18 +1,23 @@
 """Stragglers: a rank slowed on purpose is named, with its node, within its window.
 
-Real agents, a real etcd, real workers running a plain torch script
-(tests/integration/scripts/slow_rank.py) whose ranks train on their own, one
-rank or one node sleeping longer per step. The workers' heartbeats carry
-their step times; the leader names the slow rank in its log, in a
-``straggler`` event and in ``elasticctl status``; a healthy run of the same
-length names nobody; with ``--straggler-action replace`` and a standby
-waiting, the slow node is drained and the standby takes its place.
+Real agents, a real etcd, real workers running plain torch scripts. In
+tests/integration/scripts/slow_rank.py the ranks train on their own, one rank
+or one node sleeping longer per step: it is named by its wall time. In
+tests/integration/scripts/lockstep_rank.py they train in lockstep (DDP on
+gloo) and one rank spins longer per step while its peers wait for it in the
+allreduce: every rank's wall time is the same, and it is named by its busy
+time. The workers' heartbeats carry both; the leader names the slow rank in
+its log, in a ``straggler`` event and in ``elasticctl status``; a healthy run
+of the same length names nobody, nor does the lockstep job before its rank
+slows; with ``--straggler-action replace`` and a standby waiting, the slow
+node is drained and the standby takes its place.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -27,11 +32,14 @@ from tests.integration.procs import REPO, AgentProcess
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
 SCRIPT = "tests/integration/scripts/slow_rank.py"
+# Lockstep steps of 30 ms asleep; the slowed rank spins 40 ms more, its peers
+# wait for it: steps of about 70 ms for all, busy about 40 ms more for it.
+LOCKSTEP = "tests/integration/scripts/lockstep_rank.py"
 WINDOW_S = 3.0
 STRAGGLERS = ("--straggler-window", str(WINDOW_S))
 # Steps of 50 ms; the slowed rank sleeps 50 ms more: twice its peers' time.
 RUN_S = 25.0
-SECONDS, RATIO = r"\d\.\d{3} s", r"\d\.\d\dx"
+SECONDS, RATIO = r"\d\.\d{3} s", r"\d+\.\d\dx"
 
 
 @pytest.fixture
@@ -44,9 +52,9 @@ def agents():
 
 
 def start(agents: list, etcd_endpoint: str, job_id: str, node: str, script_args: list[str],
-          extra: tuple[str, ...] = (), nnodes: str = "2") -> AgentProcess:
+          extra: tuple[str, ...] = (), nnodes: str = "2", script: str = SCRIPT) -> AgentProcess:
     agent = AgentProcess(etcd_endpoint, job_id, node, nnodes, script_args, nproc=2,
-                         extra=STRAGGLERS + extra, script=SCRIPT)
+                         extra=STRAGGLERS + extra, script=script)
     agents.append(agent)
     return agent
 
@@ -57,22 +65,34 @@ def straggler_events(store, job_id: str) -> list[str]:
     return [e.message for _, e in events if e.kind == KIND_STRAGGLER]
 
 
+def busy_published_slow(store, job_id: str, rank: int) -> float | None:
+    """When (monotonic) ``rank``'s published busy time is over twice its peers'
+    median (none yet: None)."""
+    busy: dict[str, float] = {}
+    for kv in store.get_prefix(JobKeys(job_id).step_times)[0]:
+        busy.update(json.loads(kv.value).get("busy_s", {}))
+    mine, peers = busy.pop(str(rank), 0.0), list(busy.values())
+    return time.monotonic() if peers and mine > 2 * statistics.median(peers) else None
+
+
 def node_running(store, job_id: str, rank: int) -> str:
     """The node that runs global ``rank`` in the current round (two workers per node)."""
     current = read_round(store, JobKeys(job_id))
     return next(m.node_id for m in current.members if m.node_rank == rank // 2)
 
 
-def first_published(store, job_id: str, rank: int, timeout_s: float) -> float:
-    """When (monotonic) a step time of ``rank`` first appeared in etcd."""
+def first_published(store, job_id: str, rank: int, timeout_s: float,
+                    measure: str = "step_s") -> float:
+    """When (monotonic) a step time of ``rank`` (``measure``: its record's
+    field, ``step_s`` or ``busy_s``) first appeared in etcd."""
     prefix = JobKeys(job_id).step_times
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for kv in store.get_prefix(prefix)[0]:
-            if str(rank) in json.loads(kv.value)["step_s"]:
+            if str(rank) in json.loads(kv.value).get(measure, {}):
                 return time.monotonic()
         time.sleep(0.1)
-    raise AssertionError(f"no step time of rank {rank} published within {timeout_s} s")
+    raise AssertionError(f"no {measure} of rank {rank} published within {timeout_s} s")
 
 
 def wait_for(predicate, timeout_s: float, what: str):
@@ -131,6 +151,43 @@ def test_a_healthy_run_of_the_same_length_names_nobody(agents, etcd_endpoint, et
     assert a.wait_exit(90) == 0 and b.wait_exit(30) == 0
     assert "straggler" not in a.text + b.text
     assert straggler_events(etcd_store, job_id) == []
+
+
+@pytest.mark.names_stragglers
+def test_in_lockstep_nobody_is_named_until_a_rank_slows_and_then_it_is_by_its_busy_time(
+        agents, etcd_endpoint, etcd_store, job_id, tmp_path):
+    slow, over = tmp_path / "slow", tmp_path / "over"
+    args = ["--slow-rank", "3", "--slow-when", str(slow), "--over-when", str(over)]
+    a = start(agents, etcd_endpoint, job_id, "a", args, script=LOCKSTEP)
+    b = start(agents, etcd_endpoint, job_id, "b", args, script=LOCKSTEP)
+
+    # Healthy: every rank's busy time published, then judged for a whole window
+    # and one of the leader's periods (window / 6) more.
+    for rank in range(4):
+        first_published(etcd_store, job_id, rank=rank, timeout_s=60, measure="busy_s")
+    time.sleep(WINDOW_S * 7 / 6)
+    assert "straggler" not in a.text + b.text
+    assert straggler_events(etcd_store, job_id) == []
+
+    slow.touch()  # rank 3 spins 40 ms a step from now on; the others wait for it
+    slow_at = wait_for(lambda: busy_published_slow(etcd_store, job_id, rank=3), 30,
+                       "rank 3's busy time published slow")
+    node = node_running(etcd_store, job_id, rank=3)
+    named = f"rank 3 (node {node}) is a straggler"
+    leader = wait_for(lambda: next((x for x in (a, b) if named in x.text), None),
+                      WINDOW_S + 10, "the straggler named")
+    delay_s = time.monotonic() - slow_at
+    assert WINDOW_S - 0.5 <= delay_s <= WINDOW_S + 5.0, delay_s
+
+    status = elasticctl_status(etcd_endpoint, job_id)
+    assert re.search(rf"straggler: rank 3 \(node {node}\), busy {SECONDS} per step, {RATIO} its "
+                     rf"peers' median of {SECONDS}, for \d+ s; reported", status), status
+    over.touch()
+    assert a.wait_exit(60) == 0 and b.wait_exit(30) == 0
+    [event] = straggler_events(etcd_store, job_id)
+    assert re.fullmatch(rf"{re.escape(named)}: busy {SECONDS} per step, {RATIO} its peers' "
+                        rf"median of {SECONDS}, for \d+ s; reported", event), event
+    assert leader.text.count("is a straggler") == 1, "its peers, waiting for it, are not named"
 
 
 @pytest.mark.names_stragglers

@@ -526,12 +526,13 @@ def test_heartbeat_datagrams_reach_the_sink_and_carry_its_answers_back(server, s
                                                    "worker.hb.sock")
     with _datagram_client(server) as client:
         assert client.heartbeat(rank=5, local_rank=1, pid=777, round=3, step=41,
-                                saving_for_s=12.5) is False
+                                saving_for_s=12.5, step_time_s=0.11, step_busy_s=0.105) is False
         sink.stop_requested = True
         assert client.heartbeat(5, 1, 777, 3, 42, exiting=True) is True
     first, second = sink.requests[:2]
     assert (first.rank, first.local_rank, first.pid, first.round, first.step,
             first.saving_for_s, first.exiting) == (5, 1, 777, 3, 41, 12.5, False)
+    assert (first.step_time_s, first.step_busy_s) == (0.11, 0.105)
     assert (second.step, second.saving_for_s, second.exiting) == (42, 0.0, True)
 
 
@@ -548,6 +549,7 @@ def test_a_silent_or_refusing_agent_is_no_answer_and_the_socket_keeps_serving(se
         sink.error = None
         # Values no worker sends: refused by the same checks as the gRPC call.
         assert client.heartbeat(0, 0, 1, 1, step=-5) is False
+        assert client.heartbeat(0, 0, 1, 1, step=9, step_busy_s=float("nan")) is False
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as raw:
             raw.bind("")
             raw.settimeout(0.5)
@@ -562,7 +564,7 @@ def test_a_silent_or_refusing_agent_is_no_answer_and_the_socket_keeps_serving(se
     assert [r.step for r in sink.requests] == [1, 2, 3]
     refusals = [r.getMessage() for r in caplog.records if "heartbeat datagram" in r.getMessage()]
     assert any("malformed" in m for m in refusals) and any("over" in m for m in refusals)
-    assert any("step" in m for m in refusals)
+    assert any("step" in m for m in refusals) and any("step_busy_s" in m for m in refusals)
 
 
 def test_only_the_agent_can_answer_a_workers_heartbeat(sock_dir):

@@ -8,8 +8,10 @@ by a factor (three times too long, or half) fails. Time is passed in, never slep
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import types
 
 import pytest
 
@@ -204,13 +206,15 @@ class RecordingClient:
 
     def __init__(self):
         self.sent: list[float] = []
+        self.times: list[tuple[float, float]] = []  # (step_time_s, step_busy_s) of each
         self.cond = threading.Condition()
         self.confirmed_at = time.monotonic()
 
     def heartbeat(self, rank, local_rank, pid, round, step, saving_for_s=0.0,  # noqa: A002
-                  exiting=False, step_time_s=0.0, snapshots=0):
+                  exiting=False, step_time_s=0.0, snapshots=0, step_busy_s=0.0):
         with self.cond:
             self.sent.append(saving_for_s)
+            self.times.append((step_time_s, step_busy_s))
             self.cond.notify_all()
         return False
 
@@ -237,6 +241,40 @@ def test_the_heartbeats_of_a_save_count_its_time_down():
         beat.close()
     # each heartbeat a little later says a little less time is left
     assert during[0] <= SAVE_S and during[0] > during[1] > during[2], during
+
+
+def test_the_heartbeats_carry_the_steps_wall_and_busy_times():
+    pytest.importorskip("torch")
+    from elastic.worker import runtime
+    from elastic.worker.step_timer import SCHEDSTAT
+
+    beat = runtime.Heartbeat(RecordingClient(), interval_s=0.05)
+    try:
+        for step in range(8):  # steps of 20 ms of work
+            end = time.monotonic() + 0.02
+            while time.monotonic() < end:
+                pass
+            beat.report(step)
+        with beat.client.cond:
+            assert beat.client.cond.wait_for(
+                lambda: any(wall > 0 for wall, _ in beat.client.times), timeout=30.0)
+            timed = [t for t in beat.client.times if t[0] > 0]
+    finally:
+        beat.close()
+    wall, busy = timed[0]
+    assert wall >= 0.02
+    if os.path.exists(SCHEDSTAT):  # the steps are work, not waits: busy about as long
+        assert 0.9 * 0.02 <= busy <= wall, timed
+    else:
+        assert busy == 0.0
+
+
+def test_busy_time_is_not_sent_once_cuda_is_in_use():
+    pytest.importorskip("torch")
+    from elastic.worker.runtime import busy_tells
+
+    assert busy_tells(types.SimpleNamespace(is_initialized=lambda: False))
+    assert not busy_tells(types.SimpleNamespace(is_initialized=lambda: True))
 
 
 def test_a_worker_waits_for_its_agent_to_vouch_for_the_round_before_its_next_step():

@@ -107,6 +107,21 @@ def test_the_leader_s_record_carries_its_stragglers_in_json_grpc_and_elasticctl_
         "for 64 s; drained node b: a standby waits to take its place")
 
 
+def test_a_straggler_named_by_its_busy_time_says_so_and_an_older_row_is_by_wall_time():
+    busy = StragglerRow(3, "b", 0.105, 0.055, 64.0, "reported", measure="busy")
+    leader = StatusRecord(**{**record(node_rank=0).__dict__, "stragglers": (busy,)})
+
+    assert StatusRecord.from_json(KEY, leader.to_json()) == leader
+    assert StatusRecord.from_pb(leader.to_pb("j", 4, "")) == leader
+    assert busy.line() == ("straggler: rank 3 (node b), busy 0.105 s per step, 1.91x its "
+                           "peers' median of 0.055 s, for 64 s; reported")
+    obj = json.loads(leader.to_json())
+    del obj["stragglers"][0]["measure"]  # written by an agent older than the field
+    [older] = StatusRecord.from_json(KEY, json.dumps(obj).encode()).stragglers
+    assert older.measure == "wall" and older.line().startswith(
+        "straggler: rank 3 (node b), steps of 0.105 s")
+
+
 @pytest.mark.parametrize("row,field", [
     ({"rank": -1}, "stragglers[0].rank"),
     ({"step_s": "slow"}, "stragglers[0].step_s"),

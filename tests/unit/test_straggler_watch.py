@@ -52,10 +52,11 @@ class Agent:
             metrics=self.metrics, log=JobLogger(logging.getLogger("test"), "j", node_id),
             timeout_s=1.0)
 
-    def beats(self, ranks_s: dict[int, float], n: int = MIN_SAMPLES) -> None:
+    def beats(self, ranks_s: dict[int, float], n: int = MIN_SAMPLES,
+              busy_s: dict[int, float] | None = None) -> None:
         for _ in range(n):
             for rank, seconds in ranks_s.items():
-                self.watch.times.observe(ROUND.number, rank, seconds)
+                self.watch.times.observe(ROUND.number, rank, seconds, (busy_s or {}).get(rank, 0))
 
     def run(self, leading: bool = False, standbys: tuple[str, ...] = ()) -> None:
         self.watch.run(self.clock.monotonic(), lease=self.lease, running=ROUND,
@@ -113,6 +114,34 @@ def test_the_leader_names_a_slow_rank_once_with_its_node_everywhere_it_reports(c
     assert a.metric("elasticd_straggler_slowdown", rank="3", straggler_node="b") is None
 
 
+def test_in_lockstep_the_leader_names_the_rank_busier_than_its_peers(cluster):
+    a, b, clock, _ = cluster
+    # Every rank's steps take 0.11 s; rank 3 is busy 0.1 s of it, the others 0.02 s.
+    for _ in range(8):
+        a.beats({0: 0.11, 1: 0.11}, busy_s={0: 0.02, 1: 0.02})
+        b.beats({2: 0.11, 3: 0.11}, busy_s={2: 0.02, 3: 0.1})
+        b.run()
+        a.run(leading=True)
+        clock.advance(1.0)
+
+    [(_, _, message)] = a.events
+    assert message == ("rank 3 (node b) is a straggler: busy 0.100 s per step, 5.00x its "
+                       "peers' median of 0.020 s, for 6 s; reported")
+    [row] = a.watch.rows()
+    assert (row.rank, row.measure, row.step_s, row.peers_s) == (3, "busy", 0.1, 0.02)
+    assert row.line().startswith("straggler: rank 3 (node b), busy 0.100 s per step, 5.00x")
+    assert a.metric("elasticd_straggler_slowdown", rank="3", straggler_node="b") == 5.0
+
+    for _ in range(4):  # it recovers
+        a.beats({0: 0.11, 1: 0.11}, busy_s={0: 0.02, 1: 0.02})
+        b.beats({2: 0.11, 3: 0.11}, busy_s={2: 0.02, 3: 0.02})
+        b.run()
+        a.run(leading=True)
+        clock.advance(1.0)
+    assert a.events[-1][2] == ("rank 3 (node b) is no longer a straggler: busy 0.020 s per "
+                               "step, its peers' 0.020 s")
+
+
 def test_replace_drains_the_node_only_when_a_standby_waits(cluster):
     a, b, clock, store = cluster
     a.watch.policy = StragglerPolicy(threshold=1.2, window_s=6.0, action="replace")
@@ -167,6 +196,17 @@ def test_a_node_writes_its_times_only_when_they_changed_and_at_most_once_a_perio
     assert not rule.due(StepTimeRecord(3, {}), 9.0), "nothing to say"
 
 
+def test_a_busy_time_is_written_again_when_it_moved_by_a_share_of_the_step():
+    rule = PublishRule(period_s=1.0)
+    wall = {0: 0.100, 1: 0.100}
+    r1 = StepTimeRecord(3, wall, {0: 0.002, 1: 0.002})
+    rule.written(r1, 0.0)
+    # Doubled, but by 2 ms of a 100 ms step: the noise of a rank that mostly waits.
+    assert not rule.due(StepTimeRecord(3, wall, {0: 0.002, 1: 0.004}), 5.0)
+    assert rule.due(StepTimeRecord(3, wall, {0: 0.002, 1: 0.002 + 2 * CHANGE * 0.1}), 5.0)
+    assert rule.due(StepTimeRecord(3, wall, {0: 0.002}), 5.0), "another rank measures it"
+
+
 def test_a_rank_needs_a_few_beats_and_its_time_is_their_median():
     times = StepTimes()
     times.observe(3, 0, 0.1)
@@ -180,15 +220,35 @@ def test_a_rank_needs_a_few_beats_and_its_time_is_their_median():
     assert times.record() == StepTimeRecord(4, {})
 
 
+def test_a_rank_s_busy_time_is_the_median_of_the_beats_that_measured_it():
+    times = StepTimes()
+    for busy in (0.05, 0.07, 0.09, 0.06):
+        times.observe(3, 0, 0.1, busy)
+    for _ in range(3):
+        times.observe(3, 1, 0.1)  # an older worker: wall time alone
+
+    record = times.record()
+
+    assert record == StepTimeRecord(3, {0: 0.1, 1: 0.1}, {0: 0.065})
+    assert StepTimeRecord.from_json("k", record.to_json()) == record
+    times.observe(3, 0, 0.1, 0.0)  # not measured any more: CUDA came into use
+    times.observe(3, 0, 0.1, 0.03)
+    assert times.record().busy_s == {}, "its old busy times are not judged as now"
+    older = b'{"round": 3, "step_s": {"0": 0.1}}'  # an older agent's record
+    assert StepTimeRecord.from_json("k", older) == StepTimeRecord(3, {0: 0.1}, {})
+
+
 @pytest.mark.parametrize("raw, says", [
     (b'{"round": 1, "step_s": {"x": 0.1}}', "rank 'x'"),
     (b'{"round": 1, "step_s": {"0": -1}}', "expected seconds in (0, 86400]"),
     (b'{"round": 1, "step_s": {"0": true}}', "expected seconds"),
     (b'{"round": 1, "step_s": []}', "step_s"),
     (b'{"round": -1, "step_s": {}}', "round"),
+    (b'{"round": 1, "step_s": {}, "busy_s": {"0": "x"}}', "field 'busy_s' gives rank 0"),
+    (b'{"round": 1, "step_s": {}, "busy_s": 3}', "busy_s"),
 ])
 def test_a_malformed_step_time_record_says_which_field(raw, says):
-    with pytest.raises(MalformedRecordError, match="step_s|round") as caught:
+    with pytest.raises(MalformedRecordError, match="step_s|busy_s|round") as caught:
         StepTimeRecord.from_json("k", raw)
     assert says in str(caught.value)
 

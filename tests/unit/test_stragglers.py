@@ -6,7 +6,9 @@ import random
 import statistics
 
 from agent.stragglers import (
+    BUSY,
     MIN_EXCESS_S,
+    WALL,
     median_without,
     RankTime,
     StragglerPolicy,
@@ -21,6 +23,11 @@ PERIOD_S = POLICY.period_s()
 def times(*step_s: float, nodes_of: int = 2) -> list[RankTime]:
     """Rank r runs on node "n<r // nodes_of>"."""
     return [RankTime(r, f"n{r // nodes_of}", s) for r, s in enumerate(step_s)]
+
+
+def lockstep(wall_s: float, *busy_s: float, nodes_of: int = 2) -> list[RankTime]:
+    """Ranks that wait for each other every step: one wall time, each its busy time."""
+    return [RankTime(r, f"n{r // nodes_of}", wall_s, b) for r, b in enumerate(busy_s)]
 
 
 def run(observations, policy=POLICY, start=0.0):
@@ -174,3 +181,100 @@ def test_a_job_of_16384_nodes_of_8_ranks_names_its_one_slow_rank():
                 for r in range(131_072)]
     j = judge(StragglerState(slow_since={77: 0.0}), observed, POLICY.window_s, POLICY)
     assert [(s.rank, s.node_id) for s in j.named] == [(77, "n9")]
+
+
+# --- busy time: the rank that makes a lockstep job wait ---------------------------------------
+
+
+def test_in_lockstep_the_rank_its_peers_wait_for_is_named_by_its_busy_time():
+    # Every rank's steps take 0.110 s; rank 3 is busy 0.105 s of it, its peers
+    # about 0.055 s (they wait the rest for it in the allreduce).
+    slow = [lockstep(0.110, 0.054, 0.055, 0.056, 0.105)] * periods(120)
+
+    _, named, _ = run(slow)
+
+    [(at, s)] = named
+    assert (at, s.rank, s.node_id, s.measure) == (60.0, 3, "n1", BUSY)
+    assert (s.step_s, s.peers_s) == (0.105, 0.055)
+    assert s.reason(60.0) == ("rank 3 (node n1) is a straggler: busy 0.105 s per step, "
+                              "1.91x its peers' median of 0.055 s, for 60 s")
+
+
+def test_a_rank_slow_by_both_measures_is_named_by_its_wall_time():
+    slow = [[RankTime(0, "n0", 0.1, 0.05), RankTime(1, "n0", 0.1, 0.05),
+             RankTime(2, "n1", 0.2, 0.15)]] * periods(60)
+
+    _, named, _ = run(slow)
+
+    assert [(s.rank, s.measure, s.step_s) for _, s in named] == [(2, WALL, 0.2)]
+
+
+def test_a_rank_busy_for_milliseconds_is_not_judged_on_noise():
+    # Ranks that mostly wait: 4x its peers' busy time, but 3 ms.
+    observations = [lockstep(0.100, 0.001, 0.001, 0.001, 0.004)] * periods(300)
+
+    _, named, _ = run(observations)
+
+    assert named == []
+
+
+def test_a_rank_busier_by_a_sliver_of_a_long_step_is_not_named():
+    # Steps of 1 s; rank 0 is busy 0.1 s (it logs), its peers 0.02 s: 5x, but
+    # without its extra 80 ms the job's steps would be under 10% faster.
+    observations = [lockstep(1.0, 0.10, 0.02, 0.02, 0.02)] * periods(300)
+
+    _, named, _ = run(observations)
+
+    assert named == []
+    # The same excess in steps of 0.3 s is a sixth of them and more: named.
+    _, named, _ = run([lockstep(0.3, 0.10, 0.02, 0.02, 0.02)] * periods(60))
+    assert [(s.rank, s.measure) for _, s in named] == [(0, BUSY)]
+
+
+def test_ranks_busy_for_their_whole_steps_name_nobody():
+    # Where every rank spins while it waits (a CUDA sync), busy is wall for all.
+    rng = random.Random(11)
+    observations = [[RankTime(r, f"n{r // 8}", w, w * rng.uniform(0.97, 1.0)) for r in range(16)]
+                    for w in (0.2 * rng.uniform(0.9, 1.1) for _ in range(periods(3600)))]
+
+    _, named, _ = run(observations)
+
+    assert named == []
+
+
+def test_a_healthy_noisy_lockstep_job_names_nobody_over_an_hour():
+    rng = random.Random(13)
+    # 64 ranks in lockstep: one wall time per observation, within +-15% of
+    # 0.2 s; busy times within +-30% of 0.05 s, rank 0 always 10% busier.
+    observations = [
+        [RankTime(r, f"n{r // 8}", wall, 0.05 * (1.1 if r == 0 else 1.0) * rng.uniform(0.7, 1.3))
+         for r in range(64)]
+        for wall in (0.2 * rng.uniform(0.85, 1.15) for _ in range(periods(3600)))]
+
+    _, named, _ = run(observations)
+
+    assert named == []
+
+
+def test_only_ranks_that_measure_busy_time_are_compared_by_it():
+    # Ranks 0 and 1 send no busy time (an older worker, CUDA); rank 2 and 3 do.
+    observed = [RankTime(0, "n0", 0.1), RankTime(1, "n0", 0.1),
+                RankTime(2, "n1", 0.1, 0.09), RankTime(3, "n1", 0.1, 0.03)]
+    _, named, _ = run([observed] * periods(60))
+    assert [(s.rank, s.measure, s.peers_s) for _, s in named] == [(2, BUSY, 0.03)]
+
+    # One rank alone with a busy time has no peers to be compared with.
+    alone = observed[:3]
+    _, named, _ = run([alone] * periods(300))
+    assert named == []
+
+
+def test_a_rank_named_by_busy_time_is_cleared_when_its_busy_time_comes_back():
+    slow, healthy = lockstep(0.11, 0.05, 0.05, 0.105), lockstep(0.06, 0.05, 0.05, 0.052)
+
+    _, named, cleared = run([slow] * periods(60) + [healthy])
+
+    assert [s.measure for _, s in named] == [BUSY]
+    [(_, s)] = cleared
+    assert (s.rank, s.measure, s.step_s, s.peers_s) == (2, BUSY, 0.052, 0.05)
+    assert s.took() == "busy 0.052 s per step"
