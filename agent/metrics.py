@@ -252,8 +252,9 @@ class AgentMetrics(NoMetrics):
         for outcome in STRAGGLER_OUTCOMES:
             self._stragglers.labels(*ids, outcome)
         self._straggler_slowdown = Gauge(
-            "elasticd_straggler_slowdown", "Step time over the peers' median of each rank "
-            "the leader names a straggler now.", _LABELS + ("rank", "straggler_node"),
+            "elasticd_straggler_slowdown", "Time per step over the peers' median, by the "
+            "measure it is named by (wall or busy), of each rank the leader names a "
+            "straggler now.", _LABELS + ("rank", "straggler_node"),
             registry=r)
 
     def _define_gpu_series(self, r: CollectorRegistry, ids: tuple[str, str]) -> None:

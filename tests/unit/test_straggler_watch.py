@@ -9,21 +9,25 @@ a standby waits.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import time
 
 import pytest
 
+from agent.grpc_input import check_heartbeat
 from agent.metrics import AgentMetrics
-from agent.step_times import CHANGE, MIN_SAMPLES, PublishRule, StepTimeRecord, StepTimes
+from agent.step_times import (CHANGE, MAX_STEP_S, MIN_SAMPLES, PublishRule, StepTimeRecord,
+                              StepTimes)
 from agent.reactor import DrainRequested
 from agent.straggler_watch import StragglerWatch, drain_as_asked
 from agent.stragglers import StragglerPolicy
-from elastic.errors import MalformedRecordError
+from elastic.errors import InvalidRequestError, MalformedRecordError
 from elastic.joblog import JobLogger
 from elastic.keyspace import JobKeys
 from elastic.net import free_port
 from elastic.rendezvous.api import Member, Round
+from elastic.v1 import agent_pb2
 from tests.fakes.clock import FakeClock
 from tests.fakes.memory_store import MemoryStore
 
@@ -251,6 +255,16 @@ def test_a_malformed_step_time_record_says_which_field(raw, says):
     with pytest.raises(MalformedRecordError, match="step_s|busy_s|round") as caught:
         StepTimeRecord.from_json("k", raw)
     assert says in str(caught.value)
+
+
+@pytest.mark.parametrize("field_name", ["step_time_s", "step_busy_s"])
+def test_a_heartbeat_s_step_time_is_bounded_as_the_record_that_carries_it_is(field_name):
+    # What the worker channel lets in must be writable: the record refuses over MAX_STEP_S.
+    at_most, over = MAX_STEP_S, math.nextafter(MAX_STEP_S, math.inf)
+    check_heartbeat(agent_pb2.WorkerChannelHeartbeatRequest(**{field_name: at_most}))
+    StepTimeRecord.from_json("k", StepTimeRecord(1, {0: at_most}, {0: at_most}).to_json())
+    with pytest.raises(InvalidRequestError, match=field_name):
+        check_heartbeat(agent_pb2.WorkerChannelHeartbeatRequest(**{field_name: over}))
 
 
 def test_the_leader_drains_its_own_node_through_its_loop_and_another_through_its_agent(caplog):
