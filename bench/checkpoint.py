@@ -65,6 +65,21 @@ What is measured:
    information. VmHWM is reported as a cross-check where it rose (a lifetime peak, so it
    only says something when the save set a new one).
 
+4. **--memory** (instead of 1-3): the memory tier's snapshot cost per step, then one
+   step held by both tiers (a memory snapshot and a disk commit of the same state) and
+   restores of it, memory and disk interleaved, each a ``restore()`` of a Checkpointer
+   in the same process (no process start on either side; the model perturbed before
+   each): at the saved world size (2 ranks, the slowest counts) and resharded to 1
+   rank. Each side's time covers its whole ``restore()``: the memory side's choice (the
+   slots listed and gathered, the commit log read: it would fall back to disk), the
+   slots opened (and the resharded load planned), the state collected, the bytes read
+   into place (one ``preadv`` copy from /dev/shm, spread over the rank's share of the
+   CPUs), the non-tensor state unpickled through the allow-list, the state applied and
+   one gather of the outcomes; the disk side's choice, structure checks and dcp.load
+   with CRC-32s (files in the page cache, and with ``--cold`` evicted). Both sides copy
+   every byte of the state once; the phases line shows how much of the memory side
+   that copy is ("reading slot files").
+
 How to run (under a minute at the default size on an idle 2-core machine, up to ~4 when
 it is busy; the numbers are wall-clock, so run nothing heavy meanwhile: the header shows
 the load average before and after)::
@@ -668,15 +683,30 @@ def _interleaved_restores(cfg: Config, kinds: dict, model, opt, root: str, expec
 _MEMORY_PARTS = [("memory_choose", "choose"), ("memory_bring", "bring"),
                  ("memory_bring.collect", "of which collect"), ("memory_load", "load"),
                  ("memory_load.collect", "of which collect"),
+                 ("memory_load.read", "of which reading slot files"),
                  ("memory_load.apply", "apply"), ("memory_agree", "agree")]
+
+
+_DISK_PARTS = [("choose", "choose"), ("load", "load"), ("load.verify", "of which verify sizes"),
+               ("load.collect", "collect"), ("load.dcp_load", "dcp.load"),
+               ("load.dcp_load.crc", "of which CRC-32"), ("load.apply", "apply")]
+
+
+def _print_disk_parts(rows_by_rank: list[list[dict]]) -> None:
+    """Where the disk restore's time goes (warm page cache), as for the memory side."""
+    print(f"    disk restore phases: {fmt_parts(parts_mean(rows_by_rank), _DISK_PARTS)}")
 
 
 def _print_memory_parts(rows_by_rank: list[list[dict]]) -> None:
     """Where a memory restore's time goes: per phase, the median over restores
-    of the mean over ranks; and the first restore of the process (a restarted
-    worker restores once: its caches are cold)."""
+    of the mean over ranks; the threads each rank reads its slot files with (its
+    share of this machine's CPUs); and the first restore of the process (a
+    restarted worker restores once: its caches are cold)."""
+    from elastic.checkpoint.memory.slotfile import copy_threads
+
     parts = parts_mean(rows_by_rank)
-    print(f"    memory restore phases: {fmt_parts(parts, _MEMORY_PARTS)}; first restore "
+    print(f"    memory restore phases: {fmt_parts(parts, _MEMORY_PARTS)}; slot files read by "
+          f"{copy_threads(len(rows_by_rank))} thread(s) per rank; first restore "
           f"{max(rows[0]['seconds'] for rows in rows_by_rank):.4f} s")
 
 
@@ -734,6 +764,7 @@ def run_memory(cfg: Config) -> dict[str, Any]:
             ratio = ratios[kind] = med(memory) / med(seconds[kind])
             print(f"  memory / {kind:<9} {ratio:.2f} ({min(memory) / min(seconds[kind]):.2f}), "
                   f"target <= {TARGET_MEMORY_RESHARD}: {verdict(ratio, TARGET_MEMORY_RESHARD)}")
+    _print_disk_parts([rows["disk"]])
     _print_memory_parts([rows["memory"]])
     verified = all(r["verified_state"] for kind_rows in rows.values() for r in kind_rows)
     verified = verified and same_world["restored_state_verified"]
@@ -772,6 +803,7 @@ def _report_memory_same_world(cfg: Config, w2: list[dict]) -> dict[str, Any]:
             print(f"  memory / {kind:<9} {ratio_of:.2f} "
                   f"({min(rows['memory']) / min(rows[kind]):.2f}), target <= "
                   f"{TARGET_MEMORY_RESTORE}: {verdict(ratio_of, TARGET_MEMORY_RESTORE)}")
+    _print_disk_parts([r["same_world"]["disk"] for r in w2])
     _print_memory_parts([r["same_world"]["memory"] for r in w2])
     verified = all(row["verified_state"] for r in w2 for kind in r["same_world"].values()
                    for row in kind)

@@ -209,7 +209,8 @@ class Checkpointer:
         round_ = self._directory.round
         job_id, node_id = environment.job_and_node()
         memory = MemoryRestore(self.memory_dir, self._group, chunks=chunks,
-                               schedulers=schedulers, policy=self.policy, round_=round_)
+                               schedulers=schedulers, policy=self.policy, round_=round_,
+                               node_id=node_id)
         tier = SnapshotTier(
             self.memory_dir, Identity(job_id, node_id, round_, self._group.rank,
                                       self._group.size),

@@ -19,7 +19,9 @@ The phases:
 * ``crc``: one CRC-32 (:func:`elastic.checkpoint.layout.crc32`);
 * a restore from the memory tier (:mod:`elastic.checkpoint.memory.recovery`):
   ``memory_choose``, ``memory_bring`` (slots opened, fetched, and the
-  resharded load planned), ``memory_load`` and ``memory_agree``.
+  resharded load planned), ``memory_load`` (of which ``read``: slot files read
+  into place, :func:`elastic.checkpoint.memory.slotfile.read_files`) and
+  ``memory_agree``.
 
 No torch here.
 """

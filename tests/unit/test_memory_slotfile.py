@@ -1,16 +1,23 @@
 """Reading a slot's data.bin straight into destination tensors
-(elastic.checkpoint.memory.slotfile): bitwise, batched into few system calls,
-and refusing ranges the file does not hold."""
+(elastic.checkpoint.memory.slotfile): bitwise, batched into few system calls, spread
+over threads that read at once, and refusing ranges the file does not hold."""
 
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from elastic.checkpoint.memory.slotfile import SlotFile, fillable  # noqa: E402
+from elastic.checkpoint.memory.slotfile import (  # noqa: E402
+    MAX_COPY_THREADS,
+    SlotFile,
+    copy_threads,
+    fillable,
+    read_files,
+)
 from elastic.errors import CheckpointError  # noqa: E402
 
 ALIGN = 64  # the writer's alignment: small gaps between tensors
@@ -92,3 +99,51 @@ def test_the_mapping_serves_what_a_read_cannot_fill(tmp_path):
     mapped = SlotFile(str(tmp_path / "data.bin"), 32).mapping()
     assert bytes(mapped) == torch.arange(8.0).numpy().tobytes()
     assert SlotFile(str(tmp_path / "none"), 0).mapping() == b""
+
+
+def test_several_files_read_by_several_threads_land_bitwise(tmp_path, monkeypatch):
+    """Two slots' files, 24 MiB in all, read by 3 threads: cut into parts that
+    three threads read at once (the first three reads meet at a barrier that
+    fewer threads would never pass), every destination bitwise its saved tensor."""
+    together = threading.Barrier(3, timeout=60)
+    calls = []
+    real_preadv = os.preadv
+
+    def meeting(*args):
+        calls.append(threading.get_ident())
+        if len(calls) <= 3:
+            together.wait()
+        return real_preadv(*args)
+
+    monkeypatch.setattr(os, "preadv", meeting)
+    torch.manual_seed(1)
+    files, jobs, expected = [], [], []
+    for name in ("a.bin", "b.bin"):
+        saved = [torch.randn(3 << 20 >> 2), torch.randn(5), torch.randn(9 << 20 >> 2)]
+        offsets = write_tensors(tmp_path / name, saved)
+        slot = SlotFile(str(tmp_path / name), os.path.getsize(tmp_path / name))
+        places = [torch.zeros_like(t) for t in saved]
+        jobs.append((slot, list(zip(offsets, places))))
+        expected += list(zip(places, saved))
+        files.append(slot)
+    read_files(jobs, threads=3)
+    assert all(same_bits(place, saved) for place, saved in expected)
+    assert len(set(calls[:3])) == 3 and threading.get_ident() not in calls
+
+
+def test_a_file_shorter_than_listed_fails_the_threaded_read_too(tmp_path):
+    offsets = write_tensors(tmp_path / "data.bin", [torch.ones(3 << 20), torch.ones(3 << 20)])
+    size = os.path.getsize(tmp_path / "data.bin")
+    os.truncate(tmp_path / "data.bin", size - 4096)
+    places = [torch.zeros(3 << 20), torch.zeros(3 << 20)]
+    with pytest.raises(CheckpointError, match="shorter than its manifest"):
+        SlotFile(str(tmp_path / "data.bin"), size).read_into(list(zip(offsets, places)),
+                                                             threads=2)
+
+
+def test_the_node_cpus_are_shared_among_its_restoring_ranks(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert copy_threads(1) == MAX_COPY_THREADS == 4  # capped
+    assert copy_threads(4) == 2
+    assert copy_threads(8) == 1
+    assert copy_threads(16) == 1  # more ranks than CPUs: still one thread each

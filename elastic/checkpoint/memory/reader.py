@@ -15,8 +15,9 @@ new sharding) plans and copies exactly as it does from files:
   ``MetadataIndex`` to the :class:`Holder`\\ s that hold a copy.
 * The reader serves each of DCP's read items from a holder whose data is in this
   process, with one copy: from a slot file on this node straight into the
-  destination (:mod:`.slotfile`, batched), else from a view of the slot's
-  buffer (no copy until DCP's destination takes the wanted part).
+  destination (:mod:`.slotfile`, batched, the files of every rank read together
+  by ``threads`` threads), else from a view of the slot's buffer (no copy until
+  DCP's destination takes the wanted part).
 * :func:`needed_ranks` says, before any data moves, which old ranks' slots a
   load reads, so a restoring rank fetches from peers only those.
 
@@ -61,7 +62,7 @@ from torch.futures import Future
 
 from elastic.checkpoint import trust
 from elastic.checkpoint.memory import layout
-from elastic.checkpoint.memory.slotfile import SlotFile, fillable
+from elastic.checkpoint.memory.slotfile import SlotFile, fillable, read_files
 from elastic.errors import CheckpointError
 
 
@@ -244,15 +245,17 @@ class MemoryStorageReader(StorageReader):
     ``objects.pt`` outside the policy's allow-list (:func:`load_objects`).
     ``metadata``: :func:`snapshot_metadata` of these very manifests, where the
     caller built it already (:class:`PlannedLoad`); else it is built here.
+    ``threads``: how many threads read slot files (:func:`.slotfile.read_files`).
     One reader serves any number of loads, one at a time.
     """
 
     def __init__(self, sources: Mapping[int, SlotData],
                  policy: trust.LoadPolicy = trust.DEFAULT_POLICY,
-                 metadata: Metadata | None = None):
+                 metadata: Metadata | None = None, threads: int = 1):
         super().__init__()
         self._sources = dict(sources)
         self._policy = policy
+        self._threads = threads
         self._metadata = metadata if metadata is not None else snapshot_metadata(
             {r: s.manifest for r, s in self._sources.items()})
         self._storage: dict[MetadataIndex, tuple[Holder, ...]] = self._metadata.storage_data
@@ -310,8 +313,7 @@ class MemoryStorageReader(StorageReader):
                     target.copy_(_narrow(self._tensor_view(holder), item.storage_offsets,
                                          item.lengths))
                     planner.commit_tensor(item, target)
-            for rank, reads in direct.items():
-                self._read_file(rank, reads)
+            self._read_files(direct)
             for item, target in done_later:
                 planner.commit_tensor(item, target)
         finally:
@@ -332,16 +334,20 @@ class MemoryStorageReader(StorageReader):
             return None
         return item.offset + start * _dtype(item.dtype, item.fqn).itemsize
 
-    def _read_file(self, rank: int, reads: list[tuple[int, torch.Tensor]]) -> None:
-        source = self._sources[rank]
-        expected = source.manifest.files.get(layout.DATA, 0)
-        if len(source.data) < expected:
-            raise CheckpointError(f"rank {rank}'s snapshot data has {len(source.data)} bytes, "
-                                  f"its manifest lists {expected}")
+    def _read_files(self, direct: dict[int, list[tuple[int, torch.Tensor]]]) -> None:
+        """Every slot file's reads (old rank -> [(offset, destination)]), together."""
+        for rank in direct:
+            source = self._sources[rank]
+            expected = source.manifest.files.get(layout.DATA, 0)
+            if len(source.data) < expected:
+                raise CheckpointError(f"rank {rank}'s snapshot data has {len(source.data)} "
+                                      f"bytes, its manifest lists {expected}")
         try:
-            source.data.read_into(reads)
+            read_files([(self._sources[rank].data, reads) for rank, reads in direct.items()],
+                       self._threads)
         except OSError as exc:
-            raise CheckpointError(f"cannot read rank {rank}'s snapshot data: {exc}") from exc
+            raise CheckpointError(f"cannot read the snapshot data of old rank(s) "
+                                  f"{_ranks(direct)}: {exc}") from exc
 
     def _present_holder(self, index: MetadataIndex) -> Holder:
         holders = self._storage.get(index)
@@ -497,13 +503,14 @@ class PlannedLoad:
                                for item in self.plan.items], prefer)
 
     def run(self, sources: Mapping[int, SlotData],
-            policy: trust.LoadPolicy = trust.DEFAULT_POLICY) -> dict[str, Any]:
-        """Load the tensors: ``sources`` as :class:`MemoryStorageReader` takes
-        them, holding the data of at least the ranks :meth:`ranks` named. The
+            policy: trust.LoadPolicy = trust.DEFAULT_POLICY, threads: int = 1
+            ) -> dict[str, Any]:
+        """Load the tensors: ``sources`` and ``threads`` as :class:`MemoryStorageReader`
+        takes them, holding the data of at least the ranks :meth:`ranks` named. The
         non-tensor values are not put in through the planner (a ``torch.save``
         round trip each) but returned, by DCP's flattened key, for the caller
         to set (:func:`put_objects`). Raises what the reader's ``read_data`` raises."""
-        reader = MemoryStorageReader(sources, policy, self.metadata)
+        reader = MemoryStorageReader(sources, policy, self.metadata, threads)
         # The reader's own plan hooks return the plans as given: the plan stands.
         tensors = [item for item in self.plan.items if item.type != LoadItemType.BYTE_IO]
         reader.read_data(dataclasses.replace(self.plan, items=tensors), self._planner).wait()

@@ -4,8 +4,10 @@ Every rank of the new group, together (the rule is
 :func:`~elastic.checkpoint.memory.choice.choose`):
 
 1. each rank lists the complete slots its node holds (own and replicas) and
-   rank 0 adds the disk tier's latest commit; one gather, and every rank
-   computes the same choice. Disk wins: return None, the disk restore runs.
+   names its node, and rank 0 adds the disk tier's latest commit; one gather,
+   and every rank computes the same choice. Disk wins: return None, the disk
+   restore runs. The ranks named on this node share its CPUs for the copy
+   (:func:`.slotfile.copy_threads`).
 2. Which old ranks' slots each rank needs: at the snapshot's world size its
    own old rank's; at another, those that its load reads (the load is planned
    here, once, over every old rank's manifest, gathered:
@@ -16,7 +18,8 @@ Every rank of the new group, together (the rule is
    once; at the same world size, each tensor is read from the slot straight
    into its live tensor (shapes, dtypes and chunks must match the manifest:
    :func:`copy_slot`), no DCP; at another, by the plan of step 2 through
-   :class:`reader.MemoryStorageReader`. Non-tensor values and ``local.pt`` are
+   :class:`reader.MemoryStorageReader`; slot files on this node read by the
+   rank's share of the node's threads. Non-tensor values and ``local.pt`` are
    read through :mod:`elastic.checkpoint.trust`'s allow-lists (a replica came
    over the network: nothing of it runs). A slot read on this node must still
    be the one its manifest vouched for after the reads (``layout.still_same``).
@@ -61,7 +64,7 @@ from elastic.checkpoint.memory.reader import (
     load_objects,
     put_objects,
 )
-from elastic.checkpoint.memory.slotfile import SlotFile, fillable
+from elastic.checkpoint.memory.slotfile import SlotFile, copy_threads, fillable
 from elastic.checkpoint.restore import Restored
 from elastic.checkpoint.staging import local_tensor
 from elastic.errors import CheckpointError
@@ -80,17 +83,20 @@ class _Attempt:
     manifests: dict[int, layout.Manifest] = dataclasses.field(default_factory=dict)
     tensors: state.TensorState | None = None  # the live state, collected once
     planned: PlannedLoad | None = None       # at another world size
+    threads: int = 1                         # this rank's threads for reading slot files
     failure: str = ""
 
 
 class MemoryRestore:
     """Restores ``chunks`` and ``schedulers`` from the snapshots in ``memory_dir``
-    (this rank's node's) and its peers', as rank ``group.rank`` of ``round_``."""
+    (this rank's node's, ``node_id``) and its peers', as rank ``group.rank`` of
+    ``round_``."""
 
     def __init__(self, memory_dir: str, group: CheckpointGroup, *,
                  chunks: Sequence[state.Chunk], schedulers: Sequence[Any],
-                 policy: trust.LoadPolicy, round_: int):
+                 policy: trust.LoadPolicy, round_: int, node_id: str):
         self.memory_dir = memory_dir
+        self._node_id = node_id
         self._group = group
         self._chunks = chunks
         self._schedulers = schedulers
@@ -151,18 +157,20 @@ class MemoryRestore:
                 disk = f"the commit log cannot be read: {describe_failure(exc)}"
         seen = [SlotSeen(self._group.rank, s.key, s.manifest.step, s.manifest.world_size)
                 for s in slots]
-        gathered = self._group.all_gather((seen, disk), "listing memory snapshots")
+        gathered = self._group.all_gather((seen, disk, self._node_id),
+                                          "listing memory snapshots")
         disk = gathered[0][1]
         if isinstance(disk, str):
             return _Attempt(Choice(DISK, disk), {})
-        choice = choose([s for ranks, _ in gathered for s in ranks], disk)
+        choice = choose([s for ranks, _, _ in gathered for s in ranks], disk)
         held = {}
         if choice.source == MEMORY:
             for slot in slots:
                 keys = choice.holders.get(slot.key.rank, {})
                 if keys.get(self._group.rank) == slot.key and slot.key.rank not in held:
                     held[slot.key.rank] = slot
-        return _Attempt(choice, held)
+        here = sum(1 for _, _, node in gathered if node == self._node_id)
+        return _Attempt(choice, held, threads=copy_threads(here))
 
     def _in_full(self, attempt: _Attempt, ranks: Iterable[int]) -> dict[int, layout.SlotInfo]:
         """The held slots of ``ranks`` read in full (the listing skipped their tensor
@@ -230,7 +238,7 @@ class MemoryRestore:
             tensors = attempt.tensors or state.collect(self._chunks)
             if same_world:
                 copy_slot(tensors.state_dict, attempt.fetched[rank].slot, self._policy,
-                          self._shards)
+                          self._shards, attempt.threads)
             else:
                 self._reshard(tensors.state_dict, attempt)
             state.apply(self._chunks, tensors)
@@ -252,7 +260,7 @@ class MemoryRestore:
         assert attempt.planned is not None  # planned in _bring, or failed there
         sources = {r: attempt.fetched[r].slot if r in attempt.fetched else SlotData(m)
                    for r, m in attempt.manifests.items()}
-        put_objects(state_dict, attempt.planned.run(sources, self._policy))
+        put_objects(state_dict, attempt.planned.run(sources, self._policy, attempt.threads))
 
     def _accept(self, attempt: _Attempt, local: Any) -> Restored:
         """Step 4: schedulers and RNGs, as the disk restore does. Raises
@@ -282,12 +290,13 @@ class MemoryRestore:
 
 
 def copy_slot(state_dict: dict[str, Any], slot: SlotData, policy: trust.LoadPolicy,
-              chunks: dict | None = None) -> None:
+              chunks: dict | None = None, threads: int = 1) -> None:
     """Fill ``state_dict`` (this rank's live state) from its own old rank's slot:
     each tensor's bytes read from the slot into the tensor (one copy, batched
-    for a slot file: :class:`~.slotfile.SlotFile`), each other value set from
-    ``objects.pt``. Raises CheckpointError when the slot does not hold exactly
-    this state (a key missing or extra, another dtype, shape or chunk)."""
+    for a slot file and read by ``threads`` threads: :class:`~.slotfile.SlotFile`),
+    each other value set from ``objects.pt``. Raises CheckpointError when the
+    slot does not hold exactly this state (a key missing or extra, another
+    dtype, shape or chunk)."""
     live = plan_slot(state_dict, chunks)
     saved = {item.fqn: item for item in slot.manifest.tensors}
     if set(saved) != {item.fqn for item in live.items} or \
@@ -316,6 +325,6 @@ def copy_slot(state_dict: dict[str, Any], slot: SlotData, policy: trust.LoadPoli
             raw = data[found.offset:found.offset + found.nbytes]
             local.copy_(raw.view(dtype_of(found.dtype)).view(found.shape))
     if direct:
-        slot.data.read_into(direct)
+        slot.data.read_into(direct, threads)
     put_objects(state_dict, load_objects(slot.objects, policy, f"{layout.OBJECTS} of old "
                                                               f"rank {slot.manifest.rank}"))
