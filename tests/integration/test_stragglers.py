@@ -8,8 +8,8 @@ gloo) and one rank spins longer per step while its peers wait for it in the
 allreduce: every rank's wall time is the same, and it is named by its busy
 time. The workers' heartbeats carry both; the leader names the slow rank in
 its log, in a ``straggler`` event and in ``elasticctl status``; a healthy run
-of the same length names nobody, nor does the lockstep job before its rank
-slows; with ``--straggler-action replace`` and a standby waiting, the slow
+as long as naming one takes names nobody, nor does the lockstep job before its
+rank slows; with ``--straggler-action replace`` and a standby waiting, the slow
 node is drained and the standby takes its place.
 """
 
@@ -37,8 +37,12 @@ SCRIPT = "tests/integration/scripts/slow_rank.py"
 LOCKSTEP = "tests/integration/scripts/lockstep_rank.py"
 WINDOW_S = 3.0
 STRAGGLERS = ("--straggler-window", str(WINDOW_S))
-# Steps of 50 ms; the slowed rank sleeps 50 ms more: twice its peers' time.
+# Steps of 50 ms; the slowed rank sleeps 50 ms more: twice its peers' time. A run
+# that a test ends itself (--over-when) once it has seen what it waits for is at most
+# RUN_S long; a healthy run lasts HEALTHY_RUN_S, about as long as a slowed rank
+# takes to be named.
 RUN_S = 25.0
+HEALTHY_RUN_S = 12.0
 SECONDS, RATIO = r"\d\.\d{3} s", r"\d+\.\d\dx"
 
 
@@ -113,8 +117,9 @@ def elasticctl_status(etcd_endpoint: str, job_id: str) -> str:
 
 @pytest.mark.names_stragglers
 def test_a_rank_slowed_on_purpose_is_named_with_its_node_within_its_window(
-        agents, etcd_endpoint, etcd_store, job_id):
-    args = ["--run-s", str(RUN_S), "--slow-rank", "3"]
+        agents, etcd_endpoint, etcd_store, job_id, tmp_path):
+    over = tmp_path / "over"
+    args = ["--run-s", str(RUN_S), "--slow-rank", "3", "--over-when", str(over)]
     a = start(agents, etcd_endpoint, job_id, "a", args)
     b = start(agents, etcd_endpoint, job_id, "b", args)
 
@@ -135,14 +140,16 @@ def test_a_rank_slowed_on_purpose_is_named_with_its_node_within_its_window(
     assert re.fullmatch(rf"{re.escape(named)}: its steps take {SECONDS}, {RATIO} its peers' "
                         rf"median of {SECONDS}, for \d+ s; reported", event), event
 
+    time.sleep(WINDOW_S)  # still slow for another window: not named again
+    over.touch()
     assert a.wait_exit(60) == 0 and b.wait_exit(30) == 0
     assert leader.text.count("is a straggler") == 1, "named once for the whole episode"
     assert straggler_events(etcd_store, job_id) == [event]
 
 
-def test_a_healthy_run_of_the_same_length_names_nobody(agents, etcd_endpoint, etcd_store,
+def test_a_healthy_run_as_long_as_naming_takes_names_nobody(agents, etcd_endpoint, etcd_store,
                                                        job_id):
-    args = ["--run-s", str(RUN_S)]
+    args = ["--run-s", str(HEALTHY_RUN_S)]
     a = start(agents, etcd_endpoint, job_id, "a", args)
     b = start(agents, etcd_endpoint, job_id, "b", args)
 

@@ -1,7 +1,7 @@
 """A plain torch script (it never imports ``elastic``) with ranks slowed on purpose.
 
 Each rank trains a tiny model on its own for ``--run-s`` seconds of wall
-time, sleeping ``--step-s`` per step, and ``--slow-s`` more where it is slowed
+time (or until the file ``--over-when`` exists), sleeping ``--step-s`` per step, and ``--slow-s`` more where it is slowed
 on purpose: rank ``--slow-rank``, or every rank of node ``--slow-node``
 (``ELASTIC_NODE_ID``). Its optimizer steps are its progress, counted by the
 hook the worker bootstrap installs, and their times reach the agent with its
@@ -27,6 +27,7 @@ def main() -> int:
     p.add_argument("--slow-s", type=float, default=0.05)
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slow-node", default="")
+    p.add_argument("--over-when", default="", help="end once this file exists")
     args = p.parse_args()
 
     rank, node = int(os.environ["RANK"]), os.environ.get("ELASTIC_NODE_ID", "?")
@@ -36,7 +37,8 @@ def main() -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     data = torch.randn(8, 4)
     steps, start = 0, time.monotonic()
-    while time.monotonic() - start < args.run_s:
+    over = (lambda: os.path.exists(args.over_when)) if args.over_when else (lambda: False)
+    while time.monotonic() - start < args.run_s and not over():
         optimizer.zero_grad()
         model(data).square().mean().backward()
         optimizer.step()
