@@ -6,20 +6,29 @@ The head holds every field of a :class:`~elastic.rendezvous.api.Round` but
 the members, plus ``nnodes``, ``world_size`` and ``roster`` (the digest of the
 member list), and at most one of:
 
-* ``packed``: the roster itself (compressed, base64), when it is at most
-  INLINE_BYTES: a job of up to a few thousand nodes reads nothing else;
+* ``packed``: the roster itself (zlib, base64), when it is at most
+  INLINE_BYTES: a job of up to about 4,000 nodes reads nothing else;
 * ``delta``: how the roster follows from the one before (``base``): a node
   that holds that one rebuilds it with no read, so a round that loses or adds
   a few nodes costs O(1) bytes per node at any size.
 
-A roster not inline is kept under ``rosters/<digest>/`` in chunks of at most
-CHUNK_BYTES, written with the head in its one fenced transaction when it fits
+A roster not inline is packed densely (xz: every node reads it, so bytes
+count more than the leader's CPU) and kept under ``rosters/<digest>/`` in
+chunks of at most CHUNK_BYTES, written with the head in its one fenced transaction when it fits
 in TXN_ROSTER_BYTES, else in fenced transactions just before it. Nothing
 refers to a roster until a head naming it commits, and the head that
 replaces it deletes it, so at every revision the current head's roster is
 there: a half-written round is invisible. A node that holds neither the
 roster nor its base reads head and rosters in one transaction
-(:func:`read_reads`), so what it reads is one revision's.
+(:func:`reads`), so what it reads is one revision's.
+
+Resolving a head costs a node C-speed passes over the roster's bytes, not
+one object per member: the round's ``members`` is a
+:class:`~elastic.rendezvous.roster.Roster` that finds the node itself
+without building the others, and builds them all when the list is first
+used whole (an agent does, once per round). Nothing here is cached across
+nodes: each parses and resolves what it got, as an agent alone on its
+machine does.
 
 Records of the whole form (``members`` as a list of objects, as
 :meth:`Round.to_json` writes them) are read as they are.
@@ -29,9 +38,8 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Sequence
 
 from elastic.errors import MalformedRecordError
@@ -56,8 +64,7 @@ TXN_ROSTER_BYTES = 1024 * 1024
 class RoundHead:
     """The ``round`` record read at ``key`` (etcd version ``version``),
     members not yet resolved. ``whole``: the round, when the record lists its
-    members itself (whole form). Compared and hashed by identity:
-    :func:`parse_head` returns one object per record and process."""
+    members itself (whole form)."""
 
     key: str
     version: int
@@ -76,12 +83,13 @@ class RoundHead:
         return int(self.fields.get("continues") or 0) or self.number
 
 
-@functools.lru_cache(maxsize=8)
 def parse_head(key: str, value: bytes, version: int) -> RoundHead:
     """The head record ``value`` at ``key``. Raises MalformedRecordError naming
     the key and field when it is not a head (or a whole round), its number is
     not ``version``, its roster digest or inline roster is not valid, or its
-    delta names no valid base. Cached per process (records are immutable)."""
+    delta names no valid base. Not cached: every node parses what it gets,
+    as an agent alone on its machine does (a cache shared by the nodes of
+    one process would hide that cost from the bench and the simulator)."""
     obj = load_object(key, value)
     number = int_field(key, obj, "number", 1)
     if number != version:
@@ -136,7 +144,7 @@ def resolve(head: RoundHead, known: Round | None, known_roster: str,
 
     Raises MalformedRecordError naming the key when the roster read with the
     head is missing or is not the one it names, or a field is invalid."""
-    members: tuple[Member, ...] | None = None
+    members: Sequence[Member] | None = None
     if head.whole is not None:
         return head.whole
     if known is not None and known_roster == head.roster:
@@ -144,8 +152,7 @@ def resolve(head: RoundHead, known: Round | None, known_roster: str,
     elif head.packed is not None:
         members = roster.unpack(head.key, head.packed, head.roster)
     elif head.delta is not None and known is not None and known_roster == head.delta["base"]:
-        members = roster.apply_delta(head.key, known.members, known_roster, head.delta,
-                                     head.roster)
+        members = roster.apply_delta(head.key, known.members, head.delta, head.roster)
     if members is None:
         if stored is None:
             return None
@@ -155,28 +162,24 @@ def resolve(head: RoundHead, known: Round | None, known_roster: str,
     if len(members) != head.nnodes:
         raise MalformedRecordError(head.key, f"field 'nnodes' is {head.nnodes}, its roster "
                                              f"lists {len(members)}")
-    return _assembled(head, roster.Named(members, head.roster))
-
-
-@functools.lru_cache(maxsize=8)
-def _assembled(head: RoundHead, members: roster.Named) -> Round:
-    return Round.from_fields(head.key, head.fields, head.version, members.members)
+    return Round.from_fields(head.key, head.fields, head.version, members)
 
 
 def head_of(record: Round, previous: Round | None, previous_roster: str
             ) -> tuple[bytes, str, bytes | None]:
     """``(head, roster digest, roster to store or None)`` for committing
     ``record`` after ``previous`` (whose roster is ``previous_roster``)."""
-    name, packed = roster.pack(record.members)
-    obj: dict[str, Any] = asdict(record)
+    raw = roster.canonical(record.members)
+    name = roster.digest(raw)
+    obj: dict[str, Any] = asdict(replace(record, members=()))
     del obj["members"]
     obj.update(nnodes=len(record.members), world_size=record.world_size, roster=name)
-    text = base64.b64encode(packed).decode()
+    text = base64.b64encode(roster.compress(raw)).decode()
     stored = None
     if len(text) <= INLINE_BYTES:
         obj["packed"] = text
     else:
-        stored = packed
+        stored = roster.compress(raw, dense=True)  # every node reads it: the fewest bytes
         change = (roster.delta(previous.members, record.members)
                   if previous is not None and previous_roster != name else None)
         if change is not None:
