@@ -29,7 +29,12 @@ stores (client side) per node; from each etcd member's ``/metrics``: gRPC
 requests handled (unary calls and stream messages), bytes sent to clients,
 raft proposals, etcd's CPU seconds; and the worker processes' own CPU
 seconds, which say whether a time measured here is etcd's or the simulated
-clients' (on a small machine they share the cores).
+clients' (on a small machine they share the cores). The simulated nodes of a
+process share its store's connection and nothing else: each parses and
+resolves every round itself (the library caches nothing across nodes), so
+the clients' CPU per node is what an agent pays for the rendezvous. What an
+agent pays on top, building the whole member list, is printed with the model
+(:func:`cpu_per_node`), as is the leader's writing of the round.
 
 ``--etcd-members 3`` runs a 3-member cluster on loopback ports (the chaos
 campaign's; no fsync), each process's clients listing the members in another
@@ -353,6 +358,21 @@ def _expect(conn, tag: str, timeout_s: float):
 
 # -------------------------------------------------------------------- model
 
+def _first_round(big: int):
+    """The first round of ``big`` nodes of this bench's names, ranked in the
+    order they registered: here, concurrently from many processes, so not in
+    id order (which would compress better)."""
+    from elastic.rendezvous.api import Member, Round
+    order = list(range(big))
+    random.Random(0).shuffle(order)
+    members = tuple(Member(node_id=i.node_id, node_rank=k, host=i.host, nproc=i.nproc,
+                           addr=i.addr)
+                    for k, i in enumerate(_node_info(j) for j in order))
+    return Round(number=1, members=members, master_addr=members[0].host, master_port=29500,
+                 reason=f"a node joined; closing with {big} nodes (max reached)",
+                 leader=members[0].node_id, created_at=time.time())
+
+
 def _records(big: int) -> dict[str, tuple[int, int]] | None:
     """``phase -> (watched record, stored roster)`` bytes of the rounds of
     ``big`` nodes of this bench's names, as a tree with rosters writes them
@@ -361,17 +381,9 @@ def _records(big: int) -> dict[str, tuple[int, int]] | None:
         from elastic.rendezvous import round_record
     except ImportError:
         return None
-    from elastic.rendezvous.api import Member, Round
-    # Ranked in the order they registered: here, concurrently from many
-    # processes, so not in id order (which would compress better).
-    order = list(range(big))
-    random.Random(0).shuffle(order)
-    members = tuple(Member(node_id=i.node_id, node_rank=k, host=i.host, nproc=i.nproc,
-                           addr=i.addr)
-                    for k, i in enumerate(_node_info(j) for j in order))
-    first = Round(number=1, members=members, master_addr=members[0].host, master_port=29500,
-                  reason=f"a node joined; closing with {big} nodes (max reached)",
-                  leader=members[0].node_id, created_at=time.time())
+    from elastic.rendezvous.api import Member
+    first = _first_round(big)
+    members = first.members
     spare = _node_info(big)
     replaced = dataclasses.replace(first, number=2, members=members[:-1] + (Member(
         node_id=spare.node_id, node_rank=big - 1, host=spare.host, nproc=8, addr=spare.addr),))
@@ -380,6 +392,35 @@ def _records(big: int) -> dict[str, tuple[int, int]] | None:
     swapped, _, _ = round_record.head_of(replaced, first, name)
     size = len(stored) if stored else 0
     return {"first": (len(head), size), "reform": (len(again), 0), "replace": (len(swapped), 0)}
+
+
+def cpu_per_node(big: int) -> str:
+    """What the first round of ``big`` nodes costs one process, in CPU
+    milliseconds: the leader writing it, a node resolving it as the
+    rendezvous does (its own line), and an agent building the whole member
+    list (its ranks, peers, memory buddy). "" in a tree without rosters."""
+    try:
+        from elastic.keyspace import JobKeys as Keys
+        from elastic.rendezvous import round_record
+    except ImportError:
+        return ""
+    first = _first_round(big)
+    me = first.members[big // 2].node_id
+    began = time.process_time()
+    head, name, stored = round_record.head_of(first, None, "")
+    wrote = time.process_time() - began
+    key = Keys("bench").round
+    began = time.process_time()
+    resolved = round_record.resolve(round_record.parse_head(key, head, 1), None, "",
+                                    {name: stored} if stored else None)
+    assert resolved.member(me) is not None
+    found = time.process_time() - began
+    began = time.process_time()
+    assert len(list(resolved.members)) == big
+    whole = time.process_time() - began
+    return (f"CPU per first round: the leader writes it in {wrote * 1e3:.0f} ms, a node "
+            f"finds itself in {found * 1e3:.1f} ms, an agent builds all {big} members in "
+            f"{whole * 1e3:.0f} ms more")
 
 
 def model(row: dict, sizes: tuple[int, ...] = (4096, 16384, 65536)) -> list[str]:
@@ -437,6 +478,9 @@ def model(row: dict, sizes: tuple[int, ...] = (4096, 16384, 65536)) -> list[str]
         lines.append(f"model at {big:>6d} nodes: " + "; ".join(parts)
                      + f"; {big / (DEFAULT_LEASE_TTL_S / 3):.0f} keep-alives/s at the default "
                      f"TTL ({DEFAULT_LEASE_TTL_S:g} s)")
+        cpu = cpu_per_node(big)
+        if cpu:
+            lines.append(f"{'':20s}{cpu}")
     return lines
 
 
