@@ -130,13 +130,16 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _wait_all(nodes, after: int, expected: int) -> tuple[float, list[int]]:
-    """When every node saw a round after ``after``, and the sizes of those
-    that are not ``expected`` members."""
+def _wait_all(nodes, after: int, expected: int) -> tuple[float, list[int], int]:
+    """When every node saw a round after ``after``, the sizes of those that
+    are not ``expected`` members, and the latest number seen. Only what the
+    rendezvous gives (``wait_for_round``): ``latest_round`` would also build
+    every member, an agent's cost, printed apart (:func:`cpu_per_node`)."""
     deadline = time.monotonic() + 120
     rounds = [n.wait_for_round(after=after, timeout_s=max(deadline - time.monotonic(), 0.1))
               for n in nodes]
-    return time.monotonic(), [len(r.members) for r in rounds if len(r.members) != expected]
+    return (time.monotonic(), [len(r.members) for r in rounds if len(r.members) != expected],
+            max(r.number for r in rounds))
 
 
 def _worker(conn, endpoint: str, config: RendezvousConfig, ids: list[int], last: int | None,
@@ -168,8 +171,7 @@ def _worker(conn, endpoint: str, config: RendezvousConfig, ids: list[int], last:
             started_at = time.monotonic()
             nodes[last].start()
         conn.send(("started", started_at, _cpu_s()))
-        done_at, bad = _wait_all(nodes.values(), 0, config.min_nodes)
-        number = max(n.latest_round.number for n in nodes.values())
+        done_at, bad, number = _wait_all(nodes.values(), 0, config.min_nodes)
         conn.send(("done", done_at, store.ops.snapshot(), bad, threading.active_count(),
                    _cpu_s()))
         while (command := conn.recv()) != "stop":
@@ -180,8 +182,7 @@ def _worker(conn, endpoint: str, config: RendezvousConfig, ids: list[int], last:
                 nodes.pop(last).stop()
                 began = time.monotonic()
                 nodes[config.min_nodes] = make(config.min_nodes).start()
-            done_at, bad = _wait_all(nodes.values(), number, config.min_nodes)
-            number = max(n.latest_round.number for n in nodes.values())
+            done_at, bad, number = _wait_all(nodes.values(), number, config.min_nodes)
             conn.send((command, done_at, store.ops.snapshot(), bad, began, _cpu_s()))
     finally:
         _in_threads(list(nodes.values()), RendezvousNode.stop)

@@ -173,6 +173,12 @@ class Round:
                 and (other.members, other.master_addr, other.master_port)
                 == (self.members, self.master_addr, self.master_port))
 
+    def check_members(self) -> None:
+        """Build and check every member: raises MalformedRecordError naming
+        the key and field when a roster's line is not a valid member or an
+        id repeats (a roster builds them once, on its first whole use)."""
+        _ = self.members[:0]
+
     @property
     def node_ids(self) -> tuple[str, ...]:
         return tuple(m.node_id for m in self.members)
