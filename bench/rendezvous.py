@@ -464,7 +464,7 @@ def model(row: dict, sizes: tuple[int, ...] = (4096, 16384, 65536)) -> list[str]
         scale = big / n
         # Before _records: the leader keeps the last rosters it compressed,
         # and this is the first time, as in a job's first round.
-        cpu = cpu_per_node(big)
+        node_cpu = cpu_per_node(big)
         at_big = _records(big)
         parts = []
         for ph in phases:
@@ -482,8 +482,8 @@ def model(row: dict, sizes: tuple[int, ...] = (4096, 16384, 65536)) -> list[str]
         lines.append(f"model at {big:>6d} nodes: " + "; ".join(parts)
                      + f"; {big / (DEFAULT_LEASE_TTL_S / 3):.0f} keep-alives/s at the default "
                      f"TTL ({DEFAULT_LEASE_TTL_S:g} s)")
-        if cpu:
-            lines.append(f"{'':20s}{cpu}")
+        if node_cpu:
+            lines.append(f"{'':20s}{node_cpu}")
     return lines
 
 
