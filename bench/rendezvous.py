@@ -251,7 +251,8 @@ def _phase(seconds: float, server: dict, clients_cpu_s: float, ops: dict) -> dic
 
 
 def _round_bytes(endpoint: str, keys: JobKeys) -> dict[str, int]:
-    """The watched record's size and the stored rosters' (0 in a tree without)."""
+    """The watched record's size and the stored rosters' (0 in a tree without;
+    a roster the record carries is stored too, for nodes that miss it)."""
     with EtcdStore(endpoint) as store:
         head = store.get(keys.round)
         rosters = getattr(keys, "rosters", None)
@@ -391,7 +392,8 @@ def _records(big: int) -> dict[str, tuple[int, int]] | None:
     head, name, stored = round_record.head_of(first, None, "")
     again, _, _ = round_record.head_of(dataclasses.replace(first, number=2), first, name)
     swapped, _, _ = round_record.head_of(replaced, first, name)
-    size = len(stored) if stored else 0
+    # Every roster is stored; nodes read it only when the head does not carry it.
+    size = len(stored) if stored and b'"packed"' not in head else 0
     return {"first": (len(head), size), "reform": (len(again), 0), "replace": (len(swapped), 0)}
 
 

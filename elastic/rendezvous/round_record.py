@@ -6,15 +6,19 @@ The head holds every field of a :class:`~elastic.rendezvous.api.Round` but
 the members, plus ``nnodes``, ``world_size`` and ``roster`` (the digest of the
 member list), and at most one of:
 
-* ``packed``: the roster itself (zlib, base64), when it is at most
-  INLINE_BYTES: a job of up to about 4,000 nodes reads nothing else;
-* ``delta``: how the roster follows from the one before (``base``): a node
-  that holds that one rebuilds it with no read, so a round that loses or adds
-  a few nodes costs O(1) bytes per node at any size.
+* ``delta``: how the roster follows from the one before (``base``), when a
+  few members left or joined: a node that holds that one rebuilds it with no
+  read, so such a round costs O(1) bytes per node at any size;
+* ``packed``: else the roster itself (zlib, base64), in the round that
+  introduces it, when it is at most INLINE_BYTES: a job of up to about
+  4,000 nodes reads nothing else.
 
-A roster not inline is packed densely (xz: every node reads it, so bytes
-count more than the leader's CPU) and kept under ``rosters/<digest>/`` in
-chunks of at most CHUNK_BYTES, written with the head in its one fenced transaction when it fits
+A round that keeps the roster of the round before (a restart) carries
+neither: every node that followed holds it. Every roster is also kept under
+``rosters/<digest>/``, for a node that holds neither it nor the delta's base:
+as carried (zlib) when it fits inline, else packed densely (xz: every node
+reads it, so bytes count more than the leader's CPU), in chunks of at most
+CHUNK_BYTES, written with the head in its one fenced transaction when it fits
 in TXN_ROSTER_BYTES, else in fenced transactions just before it. Nothing
 refers to a roster until a head naming it commits, and the head that
 replaces it deletes it, so at every revision the current head's roster is
@@ -167,24 +171,30 @@ def resolve(head: RoundHead, known: Round | None, known_roster: str,
 
 
 def head_of(record: Round, previous: Round | None, previous_roster: str
-            ) -> tuple[bytes, str, bytes | None]:
-    """``(head, roster digest, roster to store or None)`` for committing
-    ``record`` after ``previous`` (whose roster is ``previous_roster``)."""
+            ) -> tuple[bytes, str, bytes]:
+    """``(head, roster digest, roster to store)`` for committing ``record``
+    after ``previous`` (whose roster is ``previous_roster``). The roster is
+    always stored (zlib when it fits inline, else xz); the head carries
+    nothing of it when it is ``previous``'s, a delta from ``previous`` when
+    there is one, else the roster itself when it fits."""
     raw = roster.canonical(record.members)
     name = roster.digest(raw)
     obj: dict[str, Any] = asdict(replace(record, members=()))
     del obj["members"]
     obj.update(nnodes=len(record.members), world_size=record.world_size, roster=name)
-    text = base64.b64encode(roster.compress(raw)).decode()
-    stored = None
-    if len(text) <= INLINE_BYTES:
+    packed = roster.compress(raw)
+    text = base64.b64encode(packed).decode()
+    inline = len(text) <= INLINE_BYTES
+    # Every node that followed the round before holds its roster: a round that
+    # keeps the members (a restart) sends each node its head alone, one that
+    # swaps a few of them a delta, whatever the roster's size.
+    change = (roster.delta(previous.members, record.members)
+              if previous is not None and previous_roster not in ("", name) else None)
+    if change is not None:
+        obj["delta"] = {"base": previous_roster, **change}
+    elif previous_roster != name and inline:
         obj["packed"] = text
-    else:
-        stored = _dense(raw)  # every node reads it: the fewest bytes
-        change = (roster.delta(previous.members, record.members)
-                  if previous is not None and previous_roster != name else None)
-        if change is not None:
-            obj["delta"] = {"base": previous_roster, **change}
+    stored = packed if inline else _dense(raw)  # read by every node: the fewest bytes
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode(), name, stored
 
 
@@ -206,13 +216,12 @@ def commit_ops(keys: JobKeys, record: Round, previous: Round | None, previous_ro
     head, name, stored = head_of(record, previous, previous_roster)
     ops: list[Op] = [Put(keys.round, head)]
     earlier: list[list[Op]] = []
-    if stored is not None:
-        chunks = [Put(keys.roster_chunk(name, i), stored[at:at + CHUNK_BYTES])
-                  for i, at in enumerate(range(0, len(stored), CHUNK_BYTES))]
-        if len(stored) <= TXN_ROSTER_BYTES:
-            ops += chunks
-        else:
-            earlier = [[chunk] for chunk in chunks]
+    chunks = [Put(keys.roster_chunk(name, i), stored[at:at + CHUNK_BYTES])
+              for i, at in enumerate(range(0, len(stored), CHUNK_BYTES))]
+    if len(stored) <= TXN_ROSTER_BYTES:
+        ops += chunks
+    else:
+        earlier = [[chunk] for chunk in chunks]
     if previous_roster and previous_roster != name:
         ops.append(Delete(keys.roster(previous_roster), prefix=True))
     return earlier, ops, name

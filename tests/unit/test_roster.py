@@ -155,12 +155,21 @@ def test_a_delta_that_does_not_give_the_named_roster_gives_nothing():
 # -- the round record ------------------------------------------------------
 
 
-def test_a_small_round_carries_its_roster_and_reads_alone():
+def test_a_small_round_carries_its_roster_once_and_reads_alone():
     record = a_round(["a", "b", "c"])
     head, name, stored = round_record.head_of(record, None, "")
-    assert stored is None and b'"packed"' in head and b'"members"' not in head
+    assert b'"packed"' in head and b'"members"' not in head
     parsed = round_record.parse_head(KEYS.round, head, 1)
     assert round_record.resolve(parsed, None, "") == record
+    # A restart keeps the members: its head carries no roster; the nodes that
+    # followed hold it, and one that did not reads it where it is stored.
+    again = a_round(["a", "b", "c"], number=2)
+    head, same, kept = round_record.head_of(again, record, name)
+    assert same == name and kept == stored and b'"packed"' not in head
+    parsed = round_record.parse_head(KEYS.round, head, 2)
+    assert round_record.resolve(parsed, record, name) == again
+    assert round_record.resolve(parsed, None, "") is None
+    assert round_record.resolve(parsed, None, "", {name: stored}) == again
 
 
 def test_a_large_round_names_its_stored_roster_and_carries_a_delta_from_the_one_before(
