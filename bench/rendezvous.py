@@ -29,7 +29,12 @@ stores (client side) per node; from each etcd member's ``/metrics``: gRPC
 requests handled (unary calls and stream messages), bytes sent to clients,
 raft proposals, etcd's CPU seconds; and the worker processes' own CPU
 seconds, which say whether a time measured here is etcd's or the simulated
-clients' (on a small machine they share the cores).
+clients' (on a small machine they share the cores). The simulated nodes of a
+process share its store's connection and nothing else: each parses and
+resolves every round itself (the library caches nothing across nodes), so
+the clients' CPU per node is what an agent pays for the rendezvous. What an
+agent pays on top, building the whole member list, is printed with the model
+(:func:`cpu_per_node`), as is the leader's writing of the round.
 
 ``--etcd-members 3`` runs a 3-member cluster on loopback ports (the chaos
 campaign's; no fsync), each process's clients listing the members in another
@@ -125,13 +130,16 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _wait_all(nodes, after: int, expected: int) -> tuple[float, list[int]]:
-    """When every node saw a round after ``after``, and the sizes of those
-    that are not ``expected`` members."""
+def _wait_all(nodes, after: int, expected: int) -> tuple[float, list[int], int]:
+    """When every node saw a round after ``after``, the sizes of those that
+    are not ``expected`` members, and the latest number seen. Only what the
+    rendezvous gives (``wait_for_round``): ``latest_round`` would also build
+    every member, an agent's cost, printed apart (:func:`cpu_per_node`)."""
     deadline = time.monotonic() + 120
     rounds = [n.wait_for_round(after=after, timeout_s=max(deadline - time.monotonic(), 0.1))
               for n in nodes]
-    return time.monotonic(), [len(r.members) for r in rounds if len(r.members) != expected]
+    return (time.monotonic(), [len(r.members) for r in rounds if len(r.members) != expected],
+            max(r.number for r in rounds))
 
 
 def _worker(conn, endpoint: str, config: RendezvousConfig, ids: list[int], last: int | None,
@@ -163,8 +171,7 @@ def _worker(conn, endpoint: str, config: RendezvousConfig, ids: list[int], last:
             started_at = time.monotonic()
             nodes[last].start()
         conn.send(("started", started_at, _cpu_s()))
-        done_at, bad = _wait_all(nodes.values(), 0, config.min_nodes)
-        number = max(n.latest_round.number for n in nodes.values())
+        done_at, bad, number = _wait_all(nodes.values(), 0, config.min_nodes)
         conn.send(("done", done_at, store.ops.snapshot(), bad, threading.active_count(),
                    _cpu_s()))
         while (command := conn.recv()) != "stop":
@@ -175,8 +182,7 @@ def _worker(conn, endpoint: str, config: RendezvousConfig, ids: list[int], last:
                 nodes.pop(last).stop()
                 began = time.monotonic()
                 nodes[config.min_nodes] = make(config.min_nodes).start()
-            done_at, bad = _wait_all(nodes.values(), number, config.min_nodes)
-            number = max(n.latest_round.number for n in nodes.values())
+            done_at, bad, number = _wait_all(nodes.values(), number, config.min_nodes)
             conn.send((command, done_at, store.ops.snapshot(), bad, began, _cpu_s()))
     finally:
         _in_threads(list(nodes.values()), RendezvousNode.stop)
@@ -245,7 +251,8 @@ def _phase(seconds: float, server: dict, clients_cpu_s: float, ops: dict) -> dic
 
 
 def _round_bytes(endpoint: str, keys: JobKeys) -> dict[str, int]:
-    """The watched record's size and the stored rosters' (0 in a tree without)."""
+    """The watched record's size and the stored rosters' (0 in a tree without;
+    a roster the record carries is stored too, for nodes that miss it)."""
     with EtcdStore(endpoint) as store:
         head = store.get(keys.round)
         rosters = getattr(keys, "rosters", None)
@@ -353,6 +360,21 @@ def _expect(conn, tag: str, timeout_s: float):
 
 # -------------------------------------------------------------------- model
 
+def _first_round(big: int):
+    """The first round of ``big`` nodes of this bench's names, ranked in the
+    order they registered: here, concurrently from many processes, so not in
+    id order (which would compress better)."""
+    from elastic.rendezvous.api import Member, Round
+    order = list(range(big))
+    random.Random(0).shuffle(order)
+    members = tuple(Member(node_id=i.node_id, node_rank=k, host=i.host, nproc=i.nproc,
+                           addr=i.addr)
+                    for k, i in enumerate(_node_info(j) for j in order))
+    return Round(number=1, members=members, master_addr=members[0].host, master_port=29500,
+                 reason=f"a node joined; closing with {big} nodes (max reached)",
+                 leader=members[0].node_id, created_at=time.time())
+
+
 def _records(big: int) -> dict[str, tuple[int, int]] | None:
     """``phase -> (watched record, stored roster)`` bytes of the rounds of
     ``big`` nodes of this bench's names, as a tree with rosters writes them
@@ -361,25 +383,47 @@ def _records(big: int) -> dict[str, tuple[int, int]] | None:
         from elastic.rendezvous import round_record
     except ImportError:
         return None
-    from elastic.rendezvous.api import Member, Round
-    # Ranked in the order they registered: here, concurrently from many
-    # processes, so not in id order (which would compress better).
-    order = list(range(big))
-    random.Random(0).shuffle(order)
-    members = tuple(Member(node_id=i.node_id, node_rank=k, host=i.host, nproc=i.nproc,
-                           addr=i.addr)
-                    for k, i in enumerate(_node_info(j) for j in order))
-    first = Round(number=1, members=members, master_addr=members[0].host, master_port=29500,
-                  reason=f"a node joined; closing with {big} nodes (max reached)",
-                  leader=members[0].node_id, created_at=time.time())
+    from elastic.rendezvous.api import Member
+    first = _first_round(big)
+    members = first.members
     spare = _node_info(big)
     replaced = dataclasses.replace(first, number=2, members=members[:-1] + (Member(
         node_id=spare.node_id, node_rank=big - 1, host=spare.host, nproc=8, addr=spare.addr),))
     head, name, stored = round_record.head_of(first, None, "")
     again, _, _ = round_record.head_of(dataclasses.replace(first, number=2), first, name)
     swapped, _, _ = round_record.head_of(replaced, first, name)
-    size = len(stored) if stored else 0
+    # Every roster is stored; nodes read it only when the head does not carry it.
+    size = len(stored) if stored and b'"packed"' not in head else 0
     return {"first": (len(head), size), "reform": (len(again), 0), "replace": (len(swapped), 0)}
+
+
+def cpu_per_node(big: int) -> str:
+    """What the first round of ``big`` nodes costs one process, in CPU
+    milliseconds: the leader writing it, a node resolving it as the
+    rendezvous does (its own line), and an agent building the whole member
+    list (its ranks, peers, memory buddy). "" in a tree without rosters."""
+    try:
+        from elastic.keyspace import JobKeys as Keys
+        from elastic.rendezvous import round_record
+    except ImportError:
+        return ""
+    first = _first_round(big)
+    me = first.members[big // 2].node_id
+    began = time.process_time()
+    head, name, stored = round_record.head_of(first, None, "")
+    wrote = time.process_time() - began
+    key = Keys("bench").round
+    began = time.process_time()
+    resolved = round_record.resolve(round_record.parse_head(key, head, 1), None, "",
+                                    {name: stored} if stored else None)
+    assert resolved.member(me) is not None
+    found = time.process_time() - began
+    began = time.process_time()
+    assert len(list(resolved.members)) == big
+    whole = time.process_time() - began
+    return (f"CPU per first round: the leader writes it in {wrote * 1e3:.0f} ms, a node "
+            f"finds itself in {found * 1e3:.1f} ms, an agent builds all {big} members in "
+            f"{whole * 1e3:.0f} ms more")
 
 
 def model(row: dict, sizes: tuple[int, ...] = (4096, 16384, 65536)) -> list[str]:
@@ -420,6 +464,9 @@ def model(row: dict, sizes: tuple[int, ...] = (4096, 16384, 65536)) -> list[str]
 
     for big in sizes:
         scale = big / n
+        # Before _records: the leader keeps the last rosters it compressed,
+        # and this is the first time, as in a job's first round.
+        node_cpu = cpu_per_node(big)
         at_big = _records(big)
         parts = []
         for ph in phases:
@@ -437,6 +484,8 @@ def model(row: dict, sizes: tuple[int, ...] = (4096, 16384, 65536)) -> list[str]
         lines.append(f"model at {big:>6d} nodes: " + "; ".join(parts)
                      + f"; {big / (DEFAULT_LEASE_TTL_S / 3):.0f} keep-alives/s at the default "
                      f"TTL ({DEFAULT_LEASE_TTL_S:g} s)")
+        if node_cpu:
+            lines.append(f"{'':20s}{node_cpu}")
     return lines
 
 

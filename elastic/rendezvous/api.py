@@ -16,7 +16,7 @@ import enum
 import functools
 import json
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Sequence
 
 from elastic.errors import MalformedRecordError
 from elastic.records import (
@@ -126,10 +126,15 @@ class Round:
     round whose workers this one keeps running, unchanged (0: a round of its
     own). The leader writes such a round when a malformed record replaced the
     round key: the write moved the fencing token on, but not the workers.
+
+    ``members``: a tuple, or a roster read from etcd
+    (:class:`elastic.rendezvous.roster.Roster`), a sequence that builds its
+    members when first used whole and finds one (:meth:`member`) without
+    building the others.
     """
 
     number: int
-    members: tuple[Member, ...]
+    members: Sequence[Member]
     master_addr: str
     master_port: int
     reason: str
@@ -168,12 +173,21 @@ class Round:
                 and (other.members, other.master_addr, other.master_port)
                 == (self.members, self.master_addr, self.master_port))
 
+    def check_members(self) -> None:
+        """Build and check every member: raises MalformedRecordError naming
+        the key and field when a roster's line is not a valid member or an
+        id repeats (a roster builds them once, on its first whole use)."""
+        _ = self.members[:0]
+
     @property
     def node_ids(self) -> tuple[str, ...]:
         return tuple(m.node_id for m in self.members)
 
     def member(self, node_id: str) -> Member | None:
-        return self._by_id.get(node_id)
+        # A roster finds one member in its text: a node looks itself up in
+        # every round, at O(members) C-speed work rather than O(members) objects.
+        find = getattr(self.members, "member", None)
+        return find(node_id) if find is not None else self._by_id.get(node_id)
 
     @functools.cached_property
     def _by_id(self) -> dict[str, Member]:
@@ -181,9 +195,9 @@ class Round:
         return {m.node_id: m for m in self.members}
 
     def to_json(self) -> bytes:
-        obj = asdict(self)
+        obj = asdict(replace(self, members=()))
         obj["world_size"] = self.world_size
-        obj["members"] = [_without_empty_rack(m) for m in obj["members"]]
+        obj["members"] = [_without_empty_rack(asdict(m)) for m in self.members]
         return json.dumps(obj, sort_keys=True).encode()
 
     @classmethod
@@ -203,20 +217,22 @@ class Round:
 
     @classmethod
     def from_fields(cls, key: str, obj: dict, version: int,
-                    members: tuple[Member, ...]) -> "Round":
+                    members: Sequence[Member]) -> "Round":
         """The round whose fields but ``members`` are the record ``obj`` at
         ``key`` (etcd version ``version``), and whose members are ``members``
         (read from wherever the record says they are). Raises
-        MalformedRecordError as :meth:`from_json` does."""
+        MalformedRecordError as :meth:`from_json` does; a roster's members
+        are checked as it builds them (see :class:`Round`)."""
         number = int_field(key, obj, "number", 1)
         if number != version:
             raise MalformedRecordError(
                 key, f"round number {number} does not match the key's version {version}"
             )
-        if [m.node_rank for m in members] != list(range(len(members))):
-            raise MalformedRecordError(key, "node ranks are not 0..n-1 in order")
-        if len({m.node_id for m in members}) != len(members):
-            raise MalformedRecordError(key, "field 'members' names a node twice")
+        if isinstance(members, tuple):  # a roster's ranks are its lines' order
+            if [m.node_rank for m in members] != list(range(len(members))):
+                raise MalformedRecordError(key, "node ranks are not 0..n-1 in order")
+            if len({m.node_id for m in members}) != len(members):
+                raise MalformedRecordError(key, "field 'members' names a node twice")
         leader = typed_field(key, obj, "leader", str, "")
         if leader:  # "" in records written before the leader was recorded
             leader = id_field(key, obj, "leader")

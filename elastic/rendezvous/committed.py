@@ -6,6 +6,9 @@ The follower applies what the ``round`` key's watch and re-reads deliver
 on from ever going back. A head whose roster this node cannot rebuild from
 what it holds (:func:`~elastic.rendezvous.round_record.resolve`) waits, as
 :attr:`CommittedRound.awaiting`, until the follower reads head and rosters.
+A round is taken once this node's own line in its roster checks out; whoever
+uses its members whole asks :meth:`CommittedRound.checked` first, which
+refuses a roster that fails.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class CommittedRound:
         self._revision = 0  # the store revision that round was written at
         self._roster = ""  # the digest of that round's roster
         self._awaiting = 0  # a head's revision whose roster is still to be read
+        self._checked: tuple[Round | None, str] = (None, "")  # the last round checked whole
 
     @property
     def latest(self) -> Round | None:
@@ -99,6 +103,30 @@ class CommittedRound:
                     return
         self._set(parsed, head.roster if parsed is not None else "", value is None, version,
                   revision)
+
+    def checked(self) -> Round | None:
+        """The latest round with every member built and checked (a roster read
+        from etcd is taken once this node's own line checks out, and builds
+        the others when first used whole). One that fails is refused as a
+        malformed record is: reported, and the last round that passed is the
+        latest again at the same version (its workers run on; a leader writes
+        it again on top, see Leader.lead)."""
+        current = self.latest
+        if current is None:
+            return None
+        try:
+            current.check_members()
+        except MalformedRecordError as exc:
+            self._report_bad(exc, self._version)
+            with self._cond:
+                if self._round is current:
+                    self._round, self._roster = self._checked
+                    self._cond.notify_all()
+                return self._round
+        with self._cond:
+            if self._round is current:
+                self._checked = (current, self._roster)
+        return current
 
     def committed(self, record: Round, roster: str, revision: int) -> None:
         """Apply this node's own commit of ``record`` (whose roster is

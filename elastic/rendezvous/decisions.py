@@ -365,8 +365,10 @@ def decide(observed: Observed, now: float, config: RendezvousConfig) -> Decision
                 decision, wake_at=_earliest(decision.wake_at, suspicion_ends))
         return decision
 
+    # Once, as a set: per candidate (or report) it made a decision O(N^2).
+    member_ids = set(current.node_ids)
     done = {m: at for m, (number, at) in observed.done.items()
-            if current.workers_round <= number <= current.number and m in current.node_ids}
+            if current.workers_round <= number <= current.number and m in member_ids}
     if len(done) == len(current.members):
         return Decision(Action.SUCCEED_JOB,
                         f"round {current.number}: the workers of all "
@@ -383,7 +385,7 @@ def decide(observed: Observed, now: float, config: RendezvousConfig) -> Decision
 
     alive = set(candidates)
     survivors = [m for m in current.node_ids if m in alive]
-    joiners = [n for n in candidates if n not in set(current.node_ids)]
+    joiners = [n for n in candidates if n not in member_ids]
     registered = {n.node_id for n in observed.alive}
     gone = [m for m in current.node_ids if m not in registered and m not in observed.draining]
     drained = [m for m in current.node_ids if m in observed.draining]

@@ -207,7 +207,11 @@ class RendezvousNode:
 
     @property
     def latest_round(self) -> Round | None:
-        return self._rounds.latest
+        """The latest round, every member checked (callers use the list
+        whole): a round whose roster fails is refused here, reported, and the
+        last round that passed is the latest again. What :meth:`wait_for_round`
+        returns had only this node's own line checked."""
+        return self._rounds.checked()
 
     def start(self, *, thread: bool = True) -> "RendezvousNode":
         """Check the job's settings, try to register, and start following the
@@ -262,7 +266,9 @@ class RendezvousNode:
                 self._wake_at = None
             elif self._changed or (self._wake_at is not None
                                    and self.clock.wall() >= self._wake_at):
-                # Decide again only when something changed or a deadline came.
+                # Decide again only when something changed or a deadline came,
+                # on a round whose members were all checked (the leader uses them).
+                self._rounds.checked()
                 self._changed = False
                 self._wake_at = self._leader.lead()
                 self._leader.publish_standbys(self._membership.session.lease_id)
@@ -386,7 +392,7 @@ class RendezvousNode:
         claim = self._frozen_leader
         if claim is None:
             return
-        current = self._rounds.latest
+        current = self._rounds.checked()
         if self._follower.leader_id == claim.node_id and not self.is_leader \
                 and current is not None:
             # The members but the leader, and the standbys the leader last published.

@@ -4,13 +4,16 @@ a fake clock. Each test: a scenario, a fault, what the agent must do."""
 
 from __future__ import annotations
 
+import base64
 import json
+import zlib
 
 from agent.daemon import STEADY_TICK_S, TICK_S
 from agent.lifecycle import AgentState as S
 from agent.metrics import NO_METRICS
 from agent.publishing import STATUS_PROGRESS_S
 from elastic.errors import StoreUnavailableError
+from elastic.rendezvous import roster, round_record
 from elastic.rendezvous.api import Round
 from elastic.store.api import EventType
 from tests.fakes.agent_config import one_node_config
@@ -105,3 +108,28 @@ def test_a_steady_agent_sleeps_to_its_next_deadline_and_ticks_again_once_the_lea
     assert TICK_S < node.agent.next_pass_in() < STEADY_TICK_S  # woken when it turns 6 s
     node.run(2.0)
     assert node.agent.next_pass_in() == TICK_S  # in doubt: every tick, as before
+
+
+def test_a_round_whose_roster_fails_when_used_whole_is_refused_and_the_workers_run_on(caplog):
+    node = OneNode()
+    node.run(3)
+    assert node.agent.state is S.RUNNING
+    before = node.round()
+    workers = [w for w in node.supervisor.current if w.alive]
+    me = before.member("a")
+    # Written by hand: a round whose roster holds this node's valid line and
+    # a line that is not a member (its digest is its text's: only a field is wrong).
+    text = f"a\t{me.host}\t{me.nproc}\t{me.addr}\t\nb\tno host!\t8\t\t\n".encode()
+    head = json.loads(round_record.head_of(before, None, "")[0])
+    head.update(number=before.number + 1, nnodes=2, roster=roster.digest(text),
+                packed=base64.b64encode(zlib.compress(text)).decode())
+    node.store.put(node.rdzv.keys.round, json.dumps(head).encode())
+    node.run(2)
+    # Refused where the members are used whole: reported, never raised; the
+    # leader writes the round before it again on top, and its workers run on.
+    assert "members[1].host" in caplog.text
+    after = node.round()
+    assert after.number > before.number + 1 and after.continues == before.workers_round
+    assert after.members == before.members
+    assert node.agent.state is S.RUNNING
+    assert [w for w in node.supervisor.current if w.alive] == workers

@@ -1,7 +1,8 @@
-"""Rendezvous nodes over rounds whose roster is stored apart from the watched
-record (a large job's): each node reads a roster at most once, a round that
-replaces a node reaches the others with no read, and a roster that cannot
-be read never passes for the round."""
+"""Rendezvous nodes over rounds whose roster is carried once in the watched
+record, or only stored apart from it (a large job's): each node reads a roster
+at most once, a round that keeps or replaces a node reaches the others with
+no read and no roster, and a roster that cannot be read never passes for the
+round."""
 
 from __future__ import annotations
 
@@ -82,7 +83,14 @@ def stored_rosters(monkeypatch):
     monkeypatch.setattr(round_record, "INLINE_BYTES", 0)
 
 
-def test_each_node_reads_the_roster_once_and_a_replacement_round_with_no_read(stored_rosters):
+@pytest.fixture(params=["inline", "stored"])
+def roster_kept(request, monkeypatch):
+    """Rounds whose roster fits in the record, and rounds whose roster does not."""
+    if request.param == "stored":
+        monkeypatch.setattr(round_record, "INLINE_BYTES", 0)
+
+
+def test_each_node_reads_the_roster_once_and_a_replacement_round_with_no_read(roster_kept):
     job = Job(3)
     for n in ("a", "b", "c"):
         job.join(n)
@@ -106,10 +114,11 @@ def test_each_node_reads_the_roster_once_and_a_replacement_round_with_no_read(st
     assert {n: job.doors[n].count for n in reads if n in job.nodes} == \
         {n: c for n, c in reads.items() if n in job.nodes}
     assert job.doors["d"].count == 1  # the newcomer read it once
+    assert b'"packed"' not in job.store.get(KEYS.round).value  # a delta, at any size
     assert job.stored() == {round_record.roster_of(second)}  # the first one's is gone
 
 
-def test_a_restart_with_the_same_members_sends_no_roster(stored_rosters):
+def test_a_restart_with_the_same_members_sends_no_roster(roster_kept):
     job = Job(2)
     for n in ("a", "b"):
         job.join(n)

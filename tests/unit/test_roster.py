@@ -39,10 +39,18 @@ def test_a_roster_unpacks_to_its_members_and_is_named_by_them_alone():
     assert roster.pack(members(["b", "a", "c"], rack="r1"))[0] != name  # ranks are in it
 
 
+def line_form(text: str) -> tuple[bytes, str]:
+    """A roster of the line form holding ``text`` as it is, and its name."""
+    return zlib.compress(text.encode()), roster.digest(text.encode())
+
+
 @pytest.mark.parametrize("packed, expected", [
     (b"not zlib", "does not decompress"),
     (zlib.compress(b"[]")[:-3], "truncated"),
-    (zlib.compress(b'{"a": 1}'), "not a list"),
+    (zlib.compress(b"\xff\xfe"), "not UTF-8"),
+    (zlib.compress(b"a\th\t8\t\t"), "last line is not ended"),
+    # The first form (a JSON list of rows) is read whole, every row checked.
+    (zlib.compress(b'[["a", "h"'), "not JSON"),
     (zlib.compress(b'[["a", "h", 8, ""]]'), "members[0]"),
     (zlib.compress(b'[["a", "no host!", 8, "", ""]]'), "members[0].host"),
     (zlib.compress(b'[["a", "h", 0, "", ""]]'), "members[0].nproc"),
@@ -57,10 +65,55 @@ def test_a_roster_that_is_not_one_is_refused_naming_the_key(packed, expected):
     assert err.value.key == "/elastic/v1/j/rosters/x/0000"
 
 
-def test_a_roster_is_never_inflated_past_the_bound(monkeypatch):
+@pytest.mark.parametrize("bad_line, expected", [
+    ("b\tno host!\t8\t\t\n", "members[1].host"),
+    ("b\th\t0\t\t\n", "members[1].nproc"),
+    ("b\th\teight\t\t\n", "members[1]' is not a line"),
+    ("b\th\t8\t\n", "members[1]' is not a line"),
+    ("b\th\t8\tnot an address\t\n", "members[1].addr"),
+    ("-b\th\t8\t\t\n", "members[1].node_id"),
+    ("a\th\t8\t\t\n", "names a node twice"),
+])
+def test_a_field_of_a_line_is_checked_when_it_is_first_used(bad_line, expected):
+    # Node a finds itself without the others being built; the list used
+    # whole (as an agent uses it) is refused, naming the key and field.
+    packed, name = line_form("a\th\t8\th:1\t\n" + bad_line + "c\th\t8\t\t\n")
+    members_read = roster.unpack("k", packed, name)
+    assert len(members_read) == 3
+    assert members_read.member("a") == Member("a", 0, "h", 8, "h:1")
+    assert members_read.member("nobody") is None
+    with pytest.raises(MalformedRecordError, match=re.escape(expected)) as err:
+        list(members_read)
+    assert err.value.key == "k"
+
+
+def test_a_member_found_alone_is_the_one_the_whole_list_holds():
+    ms = members(["a", "b", "c", "ab"], rack="r1")
+    name, packed = roster.pack(ms)
+    found = [roster.unpack("k", packed, name).member(m.node_id) for m in ms]
+    assert found == list(ms)  # "b" is not taken for the end of "ab", nor "a" for "ab"
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_a_roster_is_never_inflated_past_the_bound(monkeypatch, dense):
     monkeypatch.setattr(roster, "MAX_UNPACKED_BYTES", 1 << 20)
     with pytest.raises(MalformedRecordError, match="larger than"):
-        roster.unpack("k", zlib.compress(bytes((1 << 20) + 1)), "0" * roster.DIGEST_CHARS)
+        roster.unpack("k", roster.compress(bytes((1 << 20) + 1), dense),
+                      "0" * roster.DIGEST_CHARS)
+
+
+def test_a_dense_roster_reads_as_the_same_members_and_a_cut_one_is_refused():
+    ms = members([f"n{i}" for i in range(200)])
+    name, packed = roster.pack(ms, dense=True)
+    assert packed != roster.pack(ms)[1] and roster.unpack("k", packed, name) == ms
+    with pytest.raises(MalformedRecordError, match="truncated"):
+        roster.unpack("k", packed[:-20], name)
+
+
+def test_a_rack_that_is_not_printable_is_read_as_every_record_reads_it():
+    # The quick check of a line gives way to the one reader of a member's fields.
+    packed, name = line_form("a\th\t8\t\tr\x1b1\n")
+    assert roster.unpack("k", packed, name).member("a").rack == "r\\x1b1"
 
 
 def test_a_roster_is_refused_when_it_is_not_the_one_the_round_names():
@@ -74,8 +127,11 @@ def test_a_delta_rebuilds_the_roster_after_nodes_left_and_joined():
     old, new = members(["a", "b", "c", "d"]), members(["a", "c", "d", "e", "f"])
     change = roster.delta(old, new)
     assert change["left"] == ["b"] and [row[0] for row in change["joined"]] == ["e", "f"]
-    old_name, new_name = roster.pack(old)[0], roster.pack(new)[0]
-    assert roster.apply_delta("k", old, old_name, change, new_name) == new
+    new_name = roster.pack(new)[0]
+    assert roster.apply_delta("k", old, change, new_name) == new
+    # ... and from a roster read from etcd, whose lines it keeps as they are.
+    base = roster.unpack("k", roster.pack(old)[1], roster.pack(old)[0])
+    assert roster.apply_delta("k", base, change, new_name) == new
 
 
 def test_no_delta_when_the_survivors_changed_order_or_fields_or_it_is_too_large():
@@ -91,20 +147,29 @@ def test_a_delta_that_does_not_give_the_named_roster_gives_nothing():
     old, new = members(["a", "b"]), members(["a", "c"])
     change = roster.delta(old, new)
     wrong = roster.pack(members(["a", "d"]))[0]
-    assert roster.apply_delta("k", old, roster.pack(old)[0], change, wrong) is None
+    assert roster.apply_delta("k", old, change, wrong) is None
     with pytest.raises(MalformedRecordError, match="delta"):
-        roster.apply_delta("k", old, roster.pack(old)[0], {"left": "b"}, wrong)
+        roster.apply_delta("k", old, {"left": "b"}, wrong)
 
 
 # -- the round record ------------------------------------------------------
 
 
-def test_a_small_round_carries_its_roster_and_reads_alone():
+def test_a_small_round_carries_its_roster_once_and_reads_alone():
     record = a_round(["a", "b", "c"])
     head, name, stored = round_record.head_of(record, None, "")
-    assert stored is None and b'"packed"' in head and b'"members"' not in head
+    assert b'"packed"' in head and b'"members"' not in head
     parsed = round_record.parse_head(KEYS.round, head, 1)
     assert round_record.resolve(parsed, None, "") == record
+    # A restart keeps the members: its head carries no roster; the nodes that
+    # followed hold it, and one that did not reads it where it is stored.
+    again = a_round(["a", "b", "c"], number=2)
+    head, same, kept = round_record.head_of(again, record, name)
+    assert same == name and kept == stored and b'"packed"' not in head
+    parsed = round_record.parse_head(KEYS.round, head, 2)
+    assert round_record.resolve(parsed, record, name) == again
+    assert round_record.resolve(parsed, None, "") is None
+    assert round_record.resolve(parsed, None, "", {name: stored}) == again
 
 
 def test_a_large_round_names_its_stored_roster_and_carries_a_delta_from_the_one_before(
@@ -189,6 +254,10 @@ def test_the_watched_record_stays_small_at_any_size(monkeypatch):
     first = a_round(ids)
     head, name, stored = round_record.head_of(first, None, "")
     assert len(head) < 1024 and stored is not None
+    # Stored apart, every node reads it: packed densely (xz), half zlib's size.
+    assert len(stored) < 0.6 * len(roster.pack(first.members)[1])
+    assert round_record.resolve(round_record.parse_head(KEYS.round, head, 1), None, "",
+                                {name: stored}) == first
     replaced = a_round(ids[:-1] + ["spare"], number=2)
     head, _, _ = round_record.head_of(replaced, first, name)
     assert len(head) < 2048 and b'"delta"' in head
