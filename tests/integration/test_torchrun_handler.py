@@ -144,7 +144,8 @@ def test_a_dead_node_leads_to_a_new_round_without_it(make, etcd_endpoint):
         after_a, after_b = rendezvous_all(a, b)
         assert sorted([after_a.rank, after_b.rank]) == [0, 1]
         assert after_a.world_size == after_b.world_size == 2
-        proxy.restore()  # so that its shutdown at the end does not wait on etcd
+        proxy.restore()
+        doomed.shutdown()  # while its way to etcd is open: past the proxy it would wait
 
 
 def test_closing_stops_waiting_nodes_and_refuses_later_ones(make):
