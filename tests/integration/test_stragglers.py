@@ -109,6 +109,21 @@ def wait_for(predicate, timeout_s: float, what: str):
     raise AssertionError(f"{what} not seen within {timeout_s} s")
 
 
+def named_a_window_after(slow_at: float, store, job_id: str, started: tuple, rank: int):
+    """Waits until one of the ``started`` agents names ``rank`` a straggler and
+    asserts that it did so within its window: no sooner than a whole window
+    after ``slow_at`` (monotonic: when its slow time first reached etcd), no
+    later than a few of the leader's passes after that. Returns that agent,
+    the rank's node and the sentence that names it."""
+    node = node_running(store, job_id, rank=rank)
+    named = f"rank {rank} (node {node}) is a straggler"
+    leader = wait_for(lambda: next((x for x in started if named in x.text), None),
+                      WINDOW_S + 10, "the straggler named")
+    delay_s = time.monotonic() - slow_at
+    assert WINDOW_S - 0.5 <= delay_s <= WINDOW_S + 5.0, delay_s
+    return leader, node, named
+
+
 def elasticctl_status(etcd_endpoint: str, job_id: str) -> str:
     return subprocess.run([sys.executable, "-m", "agent.ctl", "status", "--etcd", etcd_endpoint,
                            "--job-id", job_id], cwd=REPO, capture_output=True, text=True,
@@ -124,14 +139,7 @@ def test_a_rank_slowed_on_purpose_is_named_with_its_node_within_its_window(
     b = start(agents, etcd_endpoint, job_id, "b", args)
 
     published_at = first_published(etcd_store, job_id, rank=3, timeout_s=60)
-    node = node_running(etcd_store, job_id, rank=3)
-    named = f"rank 3 (node {node}) is a straggler"
-    leader = wait_for(lambda: next((x for x in (a, b) if named in x.text), None),
-                      WINDOW_S + 10, "the straggler named")
-    # Named within its window: no sooner than a whole window after its time
-    # first reached etcd, and no later than a few of the leader's passes after it.
-    delay_s = time.monotonic() - published_at
-    assert WINDOW_S - 0.5 <= delay_s <= WINDOW_S + 5.0, delay_s
+    leader, node, named = named_a_window_after(published_at, etcd_store, job_id, (a, b), rank=3)
 
     status = elasticctl_status(etcd_endpoint, job_id)
     assert re.search(rf"straggler: rank 3 \(node {node}\), steps of {SECONDS}, {RATIO} its "
@@ -179,12 +187,7 @@ def test_in_lockstep_nobody_is_named_until_a_rank_slows_and_then_it_is_by_its_bu
     slow.touch()  # rank 3 spins 40 ms a step from now on; the others wait for it
     slow_at = wait_for(lambda: busy_published_slow(etcd_store, job_id, rank=3), 30,
                        "rank 3's busy time published slow")
-    node = node_running(etcd_store, job_id, rank=3)
-    named = f"rank 3 (node {node}) is a straggler"
-    leader = wait_for(lambda: next((x for x in (a, b) if named in x.text), None),
-                      WINDOW_S + 10, "the straggler named")
-    delay_s = time.monotonic() - slow_at
-    assert WINDOW_S - 0.5 <= delay_s <= WINDOW_S + 5.0, delay_s
+    leader, node, named = named_a_window_after(slow_at, etcd_store, job_id, (a, b), rank=3)
 
     status = elasticctl_status(etcd_endpoint, job_id)
     assert re.search(rf"straggler: rank 3 \(node {node}\), busy {SECONDS} per step, {RATIO} its "
