@@ -110,12 +110,17 @@ def test_each_node_replicates_to_its_buddy_byte_for_byte_and_frees_on_exit(
         text = status_view.render(status_view.collect(etcd_store, job_id))
         return next((x for x in text.splitlines() if x.startswith("memory tier a:")), "")
 
-    # What a holds of b: one or both slots of each rank (a snapshot the worker
-    # overwrote before it was sent is skipped), 3 MiB (and a few bytes) each.
-    held = [layout.read_slot(os.path.join(b_on_a, name)) for name in os.listdir(b_on_a)]
-    shown = (f"replicas {human_bytes(sum(i.manifest.nbytes for i in held))} in {len(held)} "
-             "slots of b")
-    wait_until(lambda: shown in memory_line(), 10, "the replicas held in the status",
+    def replicas_held() -> str:
+        """What a holds of b, as its status should show it: one or both slots of
+        each rank (a snapshot the worker overwrote before it was sent is skipped),
+        3 MiB (and a few bytes) each; a slot being written (unreadable) is not held."""
+        slots = (layout.read_slot(os.path.join(b_on_a, name)) for name in os.listdir(b_on_a))
+        held = [slot for slot in slots if slot is not None]
+        return (f"replicas {human_bytes(sum(i.manifest.nbytes for i in held))} in {len(held)} "
+                "slots of b")
+
+    # Read again at each look: the newest snapshot may still be on its way to a.
+    wait_until(lambda: replicas_held() in memory_line(), 10, "the replicas held in the status",
                memory_line)
     line = memory_line()
     assert f"own 12.0 MiB in 4 slots (newest step {STEPS - 1})" in line
