@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 
 import pytest
 
@@ -37,3 +38,25 @@ def certs():
         yield make_certs(directory)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def preadv_meeting(monkeypatch):
+    """``preadv_meeting(n)``: from now on the first ``n`` calls of ``os.preadv``
+    wait for each other at a barrier (which fewer than ``n`` threads reading at
+    once never pass: it times out); returns the list of the calling threads' ids,
+    one per call."""
+    def install(n: int) -> list[int]:
+        together = threading.Barrier(n, timeout=60)
+        calls: list[int] = []
+        real_preadv = os.preadv
+
+        def meeting(*args):
+            calls.append(threading.get_ident())
+            if len(calls) <= n:
+                together.wait()
+            return real_preadv(*args)
+
+        monkeypatch.setattr(os, "preadv", meeting)
+        return calls
+    return install

@@ -309,7 +309,7 @@ def test_slot_files_load_like_their_bytes_whatever_part_is_asked(tmp_path, monke
 
 
 def test_a_planned_load_reads_every_old_ranks_file_with_the_threads_it_is_given(
-        tmp_path, monkeypatch):
+        tmp_path, preadv_meeting):
     """A 16 MiB weight saved as 2 row shards, loaded whole by 2 threads: the two
     files' bytes arrive bitwise, and two reads run at once (the first two meet at
     a barrier that one thread alone would never pass)."""
@@ -319,17 +319,7 @@ def test_a_planned_load_reads_every_old_ranks_file_with_the_threads_it_is_given(
     weight = torch.randn(1024, 4096)
     slots = {r: on_file(write_slot(r, 2, {"model.w": shard}), tmp_path / f"data-{r}.bin")
              for r, shard in enumerate(row_shards(weight, 2))}
-    together = threading.Barrier(2, timeout=60)
-    calls = []
-    real_preadv = os.preadv
-
-    def meeting(*args):
-        calls.append(threading.get_ident())
-        if len(calls) <= 2:
-            together.wait()
-        return real_preadv(*args)
-
-    monkeypatch.setattr(os, "preadv", meeting)
+    calls = preadv_meeting(2)
     place = torch.zeros(1024, 4096)
     planned = PlannedLoad({"model": {"w": place}}, {r: s.manifest for r, s in slots.items()},
                           dcp_io.LoadPlanner())

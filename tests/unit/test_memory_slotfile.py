@@ -101,21 +101,11 @@ def test_the_mapping_serves_what_a_read_cannot_fill(tmp_path):
     assert SlotFile(str(tmp_path / "none"), 0).mapping() == b""
 
 
-def test_several_files_read_by_several_threads_land_bitwise(tmp_path, monkeypatch):
+def test_several_files_read_by_several_threads_land_bitwise(tmp_path, preadv_meeting):
     """Two slots' files, 24 MiB in all, read by 3 threads: cut into parts that
     three threads read at once (the first three reads meet at a barrier that
     fewer threads would never pass), every destination bitwise its saved tensor."""
-    together = threading.Barrier(3, timeout=60)
-    calls = []
-    real_preadv = os.preadv
-
-    def meeting(*args):
-        calls.append(threading.get_ident())
-        if len(calls) <= 3:
-            together.wait()
-        return real_preadv(*args)
-
-    monkeypatch.setattr(os, "preadv", meeting)
+    calls = preadv_meeting(3)
     torch.manual_seed(1)
     files, jobs, expected = [], [], []
     for name in ("a.bin", "b.bin"):
