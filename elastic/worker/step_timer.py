@@ -128,5 +128,9 @@ class StepTimer:
         totals, taken = self._totals, self._taken
         self._taken = totals
         steps, busy_steps = totals[1] - taken[1], totals[3] - taken[3]
-        return Timed((totals[0] - taken[0]) / steps if steps else 0.0,
-                     (totals[2] - taken[2]) / busy_steps / 1e9 if busy_steps else 0.0)
+        wall = (totals[0] - taken[0]) / steps if steps else 0.0
+        busy = (totals[2] - taken[2]) / busy_steps / 1e9 if busy_steps else 0.0
+        # A running thread's schedstat is brought up to date at a scheduler
+        # tick or switch, so a step's reading may hold up to a tick of the
+        # next one: a thread is never busy for longer than the wall time.
+        return Timed(wall, min(busy, wall))

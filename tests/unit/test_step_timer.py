@@ -70,6 +70,15 @@ def test_busy_time_is_the_mean_of_the_steps_timed_and_a_change_of_thread_is_left
     assert timer.take() == pytest.approx(Timed(0.1, 0.01))
 
 
+def test_busy_time_never_exceeds_the_wall_time_of_the_same_steps():
+    busy = BusyCounter()
+    timer = StepTimer(busy)
+    timer.step_ended(0.0)
+    busy.ns += 21_000_000  # the counter took in a tick of the next step
+    timer.step_ended(0.02)
+    assert timer.take() == pytest.approx(Timed(0.02, 0.02))
+
+
 @needs_schedstat
 def test_the_thread_s_busy_time_counts_spinning_but_not_sleeping():
     clock = ThreadBusyClock()
