@@ -46,7 +46,7 @@ from agent.metrics import NO_METRICS, AgentMetrics, NoMetrics
 from agent.nvml import NvmlReader
 from agent.peers import GrpcPeerMesh
 from agent.probe import LEADER_CHECK_S
-from agent.publishing import Publisher, status_of, summary_line
+from agent.publishing import Publisher, StatusDigest, status_of, summary_line
 from agent.reactor import AgentView
 from agent.sdnotify import SystemdNotifier
 from agent.stack_dumps import LocalWorker, StackCollector
@@ -368,7 +368,7 @@ class Agent:
             self.intents.flush(self.view)
             lease = self.rdzv.lease_id
             if lease is not None:
-                self.publisher.flush(lease, self.status_record())
+                self.publisher.flush(lease, self._status_digest(), self.status_record)
         except StoreError as exc:
             self.log.debug("etcd did not take everything yet (will retry): %s", exc)
             self.metrics.store_error("flush")
@@ -395,6 +395,11 @@ class Agent:
             record, goodput=goodput_row(self.goodput.snapshot(now)),
             stragglers=self.stragglers.rows(),
             memory_tier=self.memory.status() if self.memory is not None else None)
+
+    def _status_digest(self) -> StatusDigest:
+        """What decides whether :meth:`status_record` is worth a write now."""
+        return StatusDigest.of(self.lifecycle.published, self.view, self.workers.steps(),
+                               self.stragglers.rows())
 
     def _react(self, event: reactor.Event) -> None:
         """React to ``event``: the transitions checked before any command is
@@ -440,7 +445,7 @@ class Agent:
         writes wait for etcd or time matters at every pass; else until the
         reactor's next deadline, from :data:`TICK_S` to :data:`STEADY_TICK_S`."""
         if self._last_tick is None or self.intents \
-                or self.publisher.pending(self.rdzv.lease_id, self.status_record):
+                or self.publisher.pending(self.rdzv.lease_id, self._status_digest()):
             return TICK_S
         tick, measured_at = self._last_tick
         wake_at = reactor.next_tick_at(self.view, tick, measured_at, self.settings)

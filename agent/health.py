@@ -128,6 +128,12 @@ class WorkerTable:
             w.on_heartbeat(now, step, saving_for_s, exiting)
             return node_progress([(x.step, x.step_rate()) for x in self._workers.values()])
 
+    def steps(self) -> dict[int, int]:
+        """Each worker's last step (-1: none yet), by local rank: what a
+        :meth:`snapshot` would say of them, without the copies."""
+        with self._lock:
+            return {rank: w.step for rank, w in self._workers.items()}
+
     def snapshot(self) -> list[WorkerHealth]:
         """Copies of the records, by local rank."""
         with self._lock:

@@ -11,13 +11,14 @@ alone at most every :data:`STATUS_PROGRESS_S`.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Iterable
 
-from agent.health import WorkerHealth
+from agent.health import WorkerHealth, node_progress
 from agent.lifecycle import AgentState, Transition
 from agent.metrics import NoMetrics
 from agent.reactor import AgentView
-from agent.status_record import StatusRecord, WorkerRow
+from agent.status_record import StatusRecord, StragglerRow, WorkerRow
 from elastic import events
 from elastic.clock import Clock
 from elastic.keyspace import JobKeys
@@ -38,8 +39,7 @@ def worker_rows(view: AgentView, workers: list[WorkerHealth], pids: dict[int, in
     """The rows of the workers of ``view``'s round; ``pids`` by local rank."""
     rows = []
     for w in workers:
-        exited = w.local_rank in view.exited_ok
-        state = "succeeded" if exited else (
+        state = "succeeded" if w.local_rank in view.exited_ok else (
             "running" if w.last_heartbeat_at is not None or view.state is S.RUNNING
             else "starting")
         rows.append(WorkerRow(
@@ -69,11 +69,27 @@ def summary_line(state: AgentState, view: AgentView) -> str:
     return line
 
 
-def _meaning(record: StatusRecord) -> tuple:
-    """What, changed, makes the record worth a write at once."""
-    done = frozenset(w.local_rank for w in record.workers if w.state == "succeeded")
-    stragglers = tuple((s.rank, s.node_id, s.action) for s in record.stragglers)
-    return record.state, record.round, record.last_failure, done, stragglers
+@dataclass(frozen=True)
+class StatusDigest:
+    """What decides whether the status record is worth a write: its
+    ``meaning`` (a change is written at once) and its ``last_step`` (written
+    alone at most every :data:`STATUS_PROGRESS_S`). Cheap to make at every
+    pass of the loop, where the whole record (worker rows, goodput, memory
+    tier) is built only when it is written."""
+
+    meaning: tuple
+    last_step: int
+
+    @classmethod
+    def of(cls, state: AgentState, view: AgentView, steps: dict[int, int],
+           stragglers: Iterable[StragglerRow]) -> "StatusDigest":
+        """The digest of the record :func:`status_of` makes of ``state``,
+        ``view`` and workers whose last steps by local rank are ``steps``,
+        with the leader's ``stragglers`` rows."""
+        done = frozenset(rank for rank in steps if rank in view.exited_ok)
+        named = tuple((s.rank, s.node_id, s.action) for s in stragglers)
+        last_step, _ = node_progress((step, 0.0) for step in steps.values())
+        return cls((state.value, view.round_number, view.last_failure, done, named), last_step)
 
 
 class Publisher:
@@ -104,31 +120,35 @@ class Publisher:
                                             round_number, kind, message))
         del self._events[:-MAX_QUEUED_EVENTS]
 
-    def due(self, record: StatusRecord) -> bool:
-        """Whether ``record`` is worth a write now: its meaning changed, or
-        its step did and the record written is :data:`STATUS_PROGRESS_S` old."""
-        if _meaning(record) != self._written:
+    def due(self, digest: StatusDigest) -> bool:
+        """Whether the record of ``digest`` is worth a write now: its meaning
+        changed, or its step did and the record written is
+        :data:`STATUS_PROGRESS_S` old."""
+        if digest.meaning != self._written:
             return True
-        return (record.last_step != self._written_step
+        return (digest.last_step != self._written_step
                 and self._clock.monotonic() - self._written_at >= STATUS_PROGRESS_S)
 
-    def pending(self, lease: int | None, record_of: Callable[[], StatusRecord]) -> bool:
-        """Whether events, or the record ``record_of()`` (when due and there is
+    def pending(self, lease: int | None, digest: StatusDigest) -> bool:
+        """Whether events, or the record of ``digest`` (when due and there is
         a ``lease`` to write it under), still wait for etcd."""
-        return bool(self._events) or (lease is not None and self.due(record_of()))
+        return bool(self._events) or (lease is not None and self.due(digest))
 
-    def flush(self, lease: int, record: StatusRecord) -> None:
-        """Write the queued events, and ``record`` when due, in one transaction
-        under ``lease``. Raises StoreError (nothing written: all kept)."""
+    def flush(self, lease: int, digest: StatusDigest,
+              record_of: Callable[[], StatusRecord]) -> None:
+        """Write the queued events, and the record ``record_of()`` (whose
+        digest is ``digest``) when due, in one transaction under ``lease``.
+        Raises StoreError (nothing written: all kept)."""
         queued = list(self._events)
         ops = list(queued)
-        write = self.due(record)
+        write = self.due(digest)
         if write:
-            ops.append(Put(self._keys.status_of(self._node_id), record.to_json(), lease=lease))
+            ops.append(Put(self._keys.status_of(self._node_id), record_of().to_json(),
+                           lease=lease))
         if not ops:
             return
         self._store.txn([], ops, timeout_s=self._timeout_s)
         del self._events[:len(queued)]
         if write:
-            self._written, self._written_step = _meaning(record), record.last_step
+            self._written, self._written_step = digest.meaning, digest.last_step
             self._written_at = self._clock.monotonic()

@@ -56,6 +56,20 @@ def test_status_is_rewritten_at_once_for_a_change_of_meaning_and_for_progress_al
     assert "exited with 1" in record["last_failure"]
 
 
+def test_a_worker_that_finishes_first_is_written_at_once_as_succeeded():
+    node = OneNode()
+    node.run(5)
+    settled = node.status_writes
+    done = next(w for w in node.supervisor.current if w.alive)
+    node.workers.end(done, 0, node.clock.monotonic())  # its peer still trains
+    node.run(0.5)
+    assert node.status_writes == settled + 1
+    record = json.loads(node.store.get(node.rdzv.keys.status_of("a")).value)
+    assert [w["state"] for w in record["workers"]].count("succeeded") == 1, record["workers"]
+    node.run(5)
+    assert node.status_writes == settled + 1, "rewritten with nothing new to say"
+
+
 def test_a_crash_stops_the_workers_at_once_even_while_etcd_refuses_the_restart_request():
     node = OneNode()
     node.run(3)
