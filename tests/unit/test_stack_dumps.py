@@ -24,9 +24,9 @@ import sys, time
 from elastic.worker import stacks
 if sys.argv[1] != "-":
     stacks.dump_on_signal(sys.argv[1])
-print("ready", flush=True)
 
 def stuck_here():
+    print("ready", flush=True)  # from here: a dump any time after it shows this frame
     time.sleep(600)
 
 stuck_here()
