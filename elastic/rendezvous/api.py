@@ -153,7 +153,9 @@ class Round:
 
     @property
     def world_size(self) -> int:
-        return sum(m.nproc for m in self.members)
+        # A roster held in part knows it from the round record.
+        known = getattr(self.members, "world_size", None)
+        return known if known is not None else sum(m.nproc for m in self.members)
 
     @property
     def workers_round(self) -> int:

@@ -188,6 +188,18 @@ def _plainly_valid(node_id: Any, host: Any, nproc: Any, addr: Any, rack: Any) ->
             and (not addr or valid_addr(addr)) and cap_text(rack, MAX_RACK_CHARS) == rack)
 
 
+def parse_line(key: str, rank: int, line: str) -> Member:
+    """The member of rank ``rank`` whose roster line (without its LF) is
+    ``line``, read at ``key``. Raises MalformedRecordError naming the key and
+    the field when it is not a valid member."""
+    fields: list[Any] = line.split(_SEP)
+    if len(fields) != FIELDS or not fields[2].isascii() or not fields[2].isdigit():
+        raise MalformedRecordError(key, f"field 'members[{rank}]' is not a line of "
+                                        "node_id, host, nproc, addr, rack")
+    fields[2] = int(fields[2])
+    return _member(key, rank, fields)
+
+
 class Roster(Sequence[Member]):
     """The members of the roster of the line form ``raw`` (UTF-8, checked by
     :func:`unpack`), read at ``key`` and named ``name``, built as they are
@@ -227,12 +239,7 @@ class Roster(Sequence[Member]):
         return self._found[node_id]
 
     def _row(self, rank: int, line: str) -> Member:
-        fields = line.split(_SEP)
-        if len(fields) != FIELDS or not fields[2].isascii() or not fields[2].isdigit():
-            raise MalformedRecordError(self.key, f"field 'members[{rank}]' is not a line of "
-                                                 "node_id, host, nproc, addr, rack")
-        fields[2] = int(fields[2])
-        return _member(self.key, rank, fields)
+        return parse_line(self.key, rank, line)
 
     @property
     def members(self) -> tuple[Member, ...]:

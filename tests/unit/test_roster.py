@@ -178,12 +178,17 @@ def test_a_large_round_names_its_stored_roster_and_carries_a_delta_from_the_one_
     first = a_round(["a", "b", "c"])
     earlier, ops, name = round_record.commit_ops(KEYS, first, None, "")
     assert earlier == [] and ops[0].key == KEYS.round
-    assert [op.key for op in ops[1:]] == [KEYS.roster_chunk(name, 0)]
+    # Stored whole, and in its one bucket (three members), which the head names.
+    assert [op.key for op in ops[1:]] == [KEYS.roster_chunk(name, 0),
+                                          KEYS.roster_bucket(name, 0)]
+    assert round_record.parse_head(KEYS.round, ops[0].value, 1).buckets[0] == 1
     second = a_round(["a", "c", "d"], number=2)
     earlier, ops, second_name = round_record.commit_ops(KEYS, second, first, name)
-    assert Delete(KEYS.roster(name), prefix=True) in ops  # the roster it replaces
+    # The roster it replaces goes, whole and in buckets.
+    assert Delete(KEYS.roster(name), prefix=True) in ops
+    assert Delete(KEYS.buckets_of(name), prefix=True) in ops
     head = round_record.parse_head(KEYS.round, ops[0].value, 2)
-    assert head.packed is None and head.delta["base"] == name
+    assert head.packed is None and head.delta["base"] == name and head.buckets is not None
     # A node that holds the first round rebuilds the second without a read ...
     assert round_record.resolve(head, first, name) == second
     # ... one that does not reads it (None: nothing read yet).
@@ -216,6 +221,8 @@ def test_a_half_written_round_is_invisible_and_only_its_roster_stays_once_it_com
     store.txn([], ops)
     assert round_record.read_round(store, KEYS) == second
     kept = {kv.key.split("/")[-2] for kv in store.get_prefix(KEYS.rosters)[0]}
+    assert kept == {round_record.roster_of(second)}
+    kept = {kv.key.split("/")[-2] for kv in store.get_prefix(KEYS.roster_buckets)[0]}
     assert kept == {round_record.roster_of(second)}
 
 
