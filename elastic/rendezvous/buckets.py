@@ -130,6 +130,8 @@ class BucketRoster(Sequence[Member]):
     :meth:`elastic.rendezvous.committed.CommittedRound.checked` first,
     which reads the whole roster."""
 
+    whole = False  # see Round.holds_members
+
     def __init__(self, key: str, name: str, nnodes: int, world_size: int, number: int,
                  count: int, text: bytes):
         """Raises MalformedRecordError naming the key when the bucket ``text``

@@ -127,7 +127,10 @@ class RendezvousNode:
         inbox: Inbox | None = None,
         probe: Probe | None = None,
     ):
-        """``inbox``: where watches and the session post (a fresh one unless
+        """``on_round``: called on the node's loop thread with each new
+        round, which may hold this node's line alone (see
+        :attr:`Round.holds_members`; :attr:`latest_round` has the list whole).
+        ``inbox``: where watches and the session post (a fresh one unless
         given). ``probe``: whether an agent answers a health check now, for
         the freeze rule (None: this node confirms no report made by another)."""
         self.store = store

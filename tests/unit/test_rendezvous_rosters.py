@@ -56,11 +56,11 @@ class Job:
         self.doors: dict[str, RosterReads] = {}
         self.nodes: dict[str, RendezvousNode] = {}
 
-    def join(self, node_id: str) -> RendezvousNode:
+    def join(self, node_id: str, on_round=None) -> RendezvousNode:
         self.doors[node_id] = RosterReads(self.store)
         node = RendezvousNode(self.doors[node_id], self.config,
                               NodeInfo(node_id=node_id, host="h", addr=f"{node_id}:1"),
-                              clock=self.clock, port_picker=lambda _h: 1)
+                              clock=self.clock, port_picker=lambda _h: 1, on_round=on_round)
         self.nodes[node_id] = node.start(thread=False)
         return node
 
@@ -183,6 +183,19 @@ def test_a_large_jobs_node_joins_on_its_bucket_and_reads_the_roster_whole_once_u
     second = job.nodes[followers[0]].latest_round
     assert second.node_ids == tuple(n for n in ("a", "b", "c") if n != followers[1]) + ("d",)
     assert job.nodes["d"].wait_for_round(timeout_s=0).member("d").node_rank == 2
+
+
+def test_a_round_taken_from_a_bucket_says_so_to_its_listener(stored_rosters):
+    job = Job(2)
+    seen = {"a": [], "b": []}
+    for n in ("a", "b"):
+        job.join(n, on_round=seen[n].append)
+    job.settle()
+    follower = next(n for n, node in job.nodes.items() if not node.is_leader)
+    taken = seen[follower][-1]
+    assert not taken.holds_members and taken.member(follower) is not None
+    assert job.nodes[follower].latest_round.holds_members
+    assert job.nodes[follower].latest_round.node_ids == ("a", "b")
 
 
 def test_a_bucket_deleted_by_hand_is_reported_and_never_passes_for_the_round(
