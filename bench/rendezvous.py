@@ -403,10 +403,10 @@ def _records(big: int) -> dict | None:
     swapped, _, _ = round_record.head_of(replaced, first, name)
     carried = b'"packed"' in head
     if carried or not hasattr(round_record, "roster_buckets"):
-        # Carried (or, in a tree without buckets, read whole by every node).
+        # Carried, or (a tree without buckets) read whole by every node: nothing more.
         read = 0 if carried else len(stored)
         return {"first": (len(head), read), "reform": (len(again), 0),
-                "replace": (len(swapped), 0), "whole": 0 if carried else len(stored)}
+                "replace": (len(swapped), 0), "whole": 0}
     _, _, sealed = round_record.roster_buckets(roster_raw(first))
     bucket = sum(len(b) for b in sealed) / len(sealed)
     # The nodes of the bench hold a bucket: a new roster (a node replaced)
