@@ -19,7 +19,7 @@ import threading
 from typing import Callable, Sequence
 
 from elastic.clock import Clock
-from elastic.errors import MalformedRecordError
+from elastic.errors import MalformedRecordError, StoreError
 from elastic.joblog import JobLogger
 from elastic.rendezvous.api import Round
 from elastic.rendezvous.buckets import BucketRoster
@@ -131,16 +131,14 @@ class CommittedRound:
         the others when first used whole). One that fails is refused as a
         malformed record is: reported, and the last round that passed is the
         latest again at the same version (its workers run on; a leader writes
-        it again on top, see Leader.lead)."""
+        it again on top, see Leader.lead). Raises the store's errors when
+        it reads the roster whole."""
         current = self.latest
         if current is None:
             return None
         try:
-            whole = self._whole(current)
-            whole.check_members()
-            if whole.number != current.number:
-                return whole
-            current = whole
+            current = self._whole(current)
+            current.check_members()
         except MalformedRecordError as exc:
             self._report_bad(exc, self._version)
             with self._cond:
@@ -155,9 +153,10 @@ class CommittedRound:
 
     def _whole(self, current: Round) -> Round:
         """``current``, its roster read whole if this node holds one bucket of
-        it (taking its place), or the newer round the read found (not
-        applied: the watch brings it). Raises the store's errors, and
-        MalformedRecordError when the read finds no round or an older one."""
+        it (taking its place). Raises the store's errors (StoreError too when
+        a newer round replaced it meanwhile: the watch brings that one, and
+        the caller asks again), and MalformedRecordError when the read finds
+        no round or an older one."""
         if not isinstance(current.members, BucketRoster) or self._read_whole is None:
             return current
         read = self._read_whole()
@@ -165,7 +164,8 @@ class CommittedRound:
             raise MalformedRecordError(current.members.key, f"round {current.number} is no "
                                        "longer in etcd to be read whole")
         if read.number > current.number:
-            return read
+            raise StoreError(f"round {current.number} was replaced by round {read.number} "
+                             "while it was read whole; read again")
         with self._cond:
             if self._round is current:
                 self._round = read

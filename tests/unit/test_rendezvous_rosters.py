@@ -11,6 +11,7 @@ import logging
 
 import pytest
 
+from elastic.errors import StoreError
 from elastic.keyspace import JobKeys
 from elastic.rendezvous import round_record
 from elastic.rendezvous.api import NodeInfo
@@ -196,6 +197,26 @@ def test_a_round_taken_from_a_bucket_says_so_to_its_listener(stored_rosters):
     assert not taken.holds_members and taken.member(follower) is not None
     assert job.nodes[follower].latest_round.holds_members
     assert job.nodes[follower].latest_round.node_ids == ("a", "b")
+
+
+def test_a_round_replaced_while_read_whole_is_read_again_not_taken_for_the_newer_one(
+        stored_rosters):
+    job = Job(2)
+    for n in ("a", "b"):
+        job.join(n)
+    job.settle()
+    leader = next(n for n, node in job.nodes.items() if node.is_leader)
+    follower = job.nodes[next(n for n in job.nodes if n != leader)]
+    first = follower.wait_for_round(timeout_s=0)
+    job.nodes[leader].request_restart("operator", first.number, failure=False)
+    job.store.deliver_pending()
+    job.nodes[leader].pump()  # round 2 committed; the follower has not applied it
+    assert job.store.get(KEYS.round).version == first.number + 1
+    with pytest.raises(StoreError, match="replaced"):
+        follower.latest_round
+    job.settle()
+    assert follower.latest_round.number == first.number + 1
+    assert follower.latest_round.node_ids == ("a", "b")
 
 
 def test_a_bucket_deleted_by_hand_is_reported_and_never_passes_for_the_round(
