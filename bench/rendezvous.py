@@ -407,7 +407,7 @@ def _records(big: int) -> dict | None:
         read = 0 if carried else len(stored)
         return {"first": (len(head), read), "reform": (len(again), 0),
                 "replace": (len(swapped), 0), "whole": 0}
-    _, _, sealed = round_record.roster_buckets(roster_raw(first))
+    _, _, sealed = round_record.roster_buckets(_raw_of(first))
     bucket = sum(len(b) for b in sealed) / len(sealed)
     # The nodes of the bench hold a bucket: a new roster (a node replaced)
     # means reading their bucket of it again; an agent that holds the roster
@@ -416,7 +416,7 @@ def _records(big: int) -> dict | None:
             "replace": (len(swapped), bucket), "whole": len(stored)}
 
 
-def roster_raw(record) -> bytes:
+def _raw_of(record) -> bytes:
     from elastic.rendezvous import roster
     return roster.canonical(record.members)
 

@@ -126,5 +126,5 @@ def test_a_round_of_many_buckets_is_written_in_transactions_etcd_takes(monkeypat
 
 
 def test_what_a_node_reads_to_find_itself_stays_about_a_kilobyte():
-    count, _, stored = sealed(IDS)
+    _, _, stored = sealed(IDS)
     assert max(len(b) for b in stored) < 2048
