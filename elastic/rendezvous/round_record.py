@@ -134,8 +134,8 @@ def parse_head(key: str, value: bytes, version: int) -> RoundHead:
     if change is not None and not roster.valid_digest(change.get("base")):
         raise MalformedRecordError(key, "field 'delta.base' is not a roster's digest")
     return RoundHead(key, version, obj, number, digest, nnodes, Outcome(outcome),
-                     text_field(key, obj, "reason"), packed, change, None,
-                     _buckets_field(key, obj))
+                     text_field(key, obj, "reason"), packed, change,
+                     buckets=_buckets_field(key, obj))
 
 
 def _buckets_field(key: str, obj: dict) -> tuple[int, str] | None:

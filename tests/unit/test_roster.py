@@ -232,6 +232,8 @@ def test_a_half_written_round_is_invisible_and_only_its_roster_stays_once_it_com
     ({"nnodes": "3"}, "field 'nnodes'"),
     ({"delta": {"base": 7, "left": [], "joined": []}}, "delta.base"),
     ({"outcome": "exploded"}, "field 'outcome'"),
+    ({"buckets": {"count": 3, "root": "0" * 32}}, "field 'buckets'"),
+    ({"buckets": {"count": 4, "root": "not a digest"}}, "field 'buckets'"),
     ({"number": 2}, "does not match the key's version"),
 ])
 def test_a_head_that_is_not_one_is_refused_naming_the_key_and_field(change, expected):
