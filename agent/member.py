@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Callable
 
 from elastic.errors import ElasticError, FencedError, exit_code_for
 from elastic.records import validate_id
@@ -37,6 +38,8 @@ from elastic.rendezvous.config import (
 )
 from elastic.rendezvous.node import RendezvousNode
 from elastic.store import open_store
+
+log = logging.getLogger(__name__)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,6 +57,20 @@ def _parser() -> argparse.ArgumentParser:
                    metavar="SECONDS", help="how long to wait for a node id still held by "
                    "another agent")
     return p
+
+
+def _members(r: Round, latest: Callable[[], Round | None]) -> list[str] | None:
+    """The ids of ``r``'s members; when this node took ``r`` from its bucket
+    of a large roster, read whole through ``latest`` (None: that failed,
+    said on stderr)."""
+    if r.holds_members:
+        return list(r.node_ids)
+    try:
+        whole = latest()
+    except ElasticError as exc:
+        log.warning("round %d's members not read whole: %s", r.number, exc)
+        return None
+    return list(whole.node_ids) if whole is not None else None
 
 
 def _emit(obj: dict) -> None:
@@ -82,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             if me is not None and not first_round:
                 first_round.append(r.number)
             _emit({"event": "round", "node_id": node_id, "number": r.number,
-                   "members": list(r.node_ids), "world_size": r.world_size,
+                   "members": _members(r, lambda: node.latest_round),
+                   "world_size": r.world_size,
                    "node_rank": me.node_rank if me else None, "reason": r.reason})
 
         with open_store(args.etcd, connect_timeout_s=args.connect_timeout) as store:

@@ -251,13 +251,20 @@ def _phase(seconds: float, server: dict, clients_cpu_s: float, ops: dict) -> dic
 
 
 def _round_bytes(endpoint: str, keys: JobKeys) -> dict[str, int]:
-    """The watched record's size and the stored rosters' (0 in a tree without;
-    a roster the record carries is stored too, for nodes that miss it)."""
+    """The watched record's size, the stored rosters' (0 in a tree without;
+    a roster the record carries is stored too, for nodes that miss it) and
+    their buckets' (0 in a tree without, or a roster carried)."""
+    sizes = {"watched": 0, "stored_roster": 0, "buckets": 0, "bucket_count": 0}
     with EtcdStore(endpoint) as store:
         head = store.get(keys.round)
-        rosters = getattr(keys, "rosters", None)
-        stored = sum(len(kv.value) for kv in store.get_prefix(rosters)[0]) if rosters else 0
-    return {"watched": len(head.value) if head else 0, "stored_roster": stored}
+        sizes["watched"] = len(head.value) if head else 0
+        for field, prefix in (("stored_roster", getattr(keys, "rosters", None)),
+                              ("buckets", getattr(keys, "roster_buckets", None))):
+            kvs = store.get_prefix(prefix)[0] if prefix else []
+            sizes[field] = sum(len(kv.value) for kv in kvs)
+            if field == "buckets":
+                sizes["bucket_count"] = len(kvs)
+    return sizes
 
 
 # ------------------------------------------------------------------ one run
@@ -375,10 +382,12 @@ def _first_round(big: int):
                  leader=members[0].node_id, created_at=time.time())
 
 
-def _records(big: int) -> dict[str, tuple[int, int]] | None:
-    """``phase -> (watched record, stored roster)`` bytes of the rounds of
-    ``big`` nodes of this bench's names, as a tree with rosters writes them
-    (None in a tree without: its round lists every member)."""
+def _records(big: int) -> dict | None:
+    """What the rounds of ``big`` nodes of this bench's names write and what
+    a node reads of them, as this tree writes them (None in a tree without
+    rosters: its round lists every member): ``phase -> (watched record,
+    bytes a node that holds one bucket reads)``, and ``"whole"``: the stored
+    roster, which a node that uses the list whole reads once."""
     try:
         from elastic.rendezvous import round_record
     except ImportError:
@@ -392,38 +401,72 @@ def _records(big: int) -> dict[str, tuple[int, int]] | None:
     head, name, stored = round_record.head_of(first, None, "")
     again, _, _ = round_record.head_of(dataclasses.replace(first, number=2), first, name)
     swapped, _, _ = round_record.head_of(replaced, first, name)
-    # Every roster is stored; nodes read it only when the head does not carry it.
-    size = len(stored) if stored and b'"packed"' not in head else 0
-    return {"first": (len(head), size), "reform": (len(again), 0), "replace": (len(swapped), 0)}
+    carried = b'"packed"' in head
+    if carried or not hasattr(round_record, "roster_buckets"):
+        # Carried, or (a tree without buckets) read whole by every node: nothing more.
+        read = 0 if carried else len(stored)
+        return {"first": (len(head), read), "reform": (len(again), 0),
+                "replace": (len(swapped), 0), "whole": 0}
+    _, _, sealed = round_record.roster_buckets(_raw_of(first))
+    bucket = sum(len(b) for b in sealed) / len(sealed)
+    # The nodes of the bench hold a bucket: a new roster (a node replaced)
+    # means reading their bucket of it again; an agent that holds the roster
+    # whole rebuilds it from the delta instead.
+    return {"first": (len(head), bucket), "reform": (len(again), 0),
+            "replace": (len(swapped), bucket), "whole": len(stored)}
+
+
+def _raw_of(record) -> bytes:
+    from elastic.rendezvous import roster
+    return roster.canonical(record.members)
 
 
 def cpu_per_node(big: int) -> str:
     """What the first round of ``big`` nodes costs one process, in CPU
     milliseconds: the leader writing it, a node resolving it as the
-    rendezvous does (its own line), and an agent building the whole member
-    list (its ranks, peers, memory buddy). "" in a tree without rosters."""
+    rendezvous does (its own line, from its bucket when the record names
+    buckets), and an agent building the whole member list (its ranks, peers,
+    memory buddy), reading the stored roster when it was not carried. "" in
+    a tree without rosters."""
     try:
         from elastic.keyspace import JobKeys as Keys
         from elastic.rendezvous import round_record
     except ImportError:
         return ""
+    keys = Keys("bench")
     first = _first_round(big)
     me = first.members[big // 2].node_id
     began = time.process_time()
-    head, name, stored = round_record.head_of(first, None, "")
+    earlier, ops, name = round_record.commit_ops(keys, first, None, "")
     wrote = time.process_time() - began
-    key = Keys("bench").round
+    writes = {op.key: op.value for txn in earlier + [ops] for op in txn
+              if getattr(op, "value", None) is not None}
+    head = round_record.parse_head(keys.round, writes[keys.round], 1)
+    bucket_of = getattr(round_record, "bucket_reads", None)
     began = time.process_time()
-    resolved = round_record.resolve(round_record.parse_head(key, head, 1), None, "",
-                                    {name: stored} if stored else None)
+    if getattr(head, "buckets", None) is not None and bucket_of is not None:
+        key = bucket_of(keys, head, me)[1].key
+        resolved = round_record.resolve(head, None, "", None, {name: writes[key]}, me)
+        how = "from its bucket"
+    else:
+        stored = round_record.stored_rosters(keys, [_kv(k, v) for k, v in writes.items()])
+        resolved = round_record.resolve(head, None, "", stored if head.packed is None else None)
+        how = "from the record" if head.packed is not None else "from the roster"
     assert resolved.member(me) is not None
     found = time.process_time() - began
     began = time.process_time()
-    assert len(list(resolved.members)) == big
-    whole = time.process_time() - began
+    stored = round_record.stored_rosters(keys, [_kv(k, v) for k, v in writes.items()])
+    whole = round_record.resolve(head, None, "", stored) if head.packed is None else resolved
+    assert len(list(whole.members)) == big
+    built = time.process_time() - began
     return (f"CPU per first round: the leader writes it in {wrote * 1e3:.0f} ms, a node "
-            f"finds itself in {found * 1e3:.1f} ms, an agent builds all {big} members in "
-            f"{whole * 1e3:.0f} ms more")
+            f"finds itself {how} in {found * 1e3:.2f} ms, an agent builds all {big} members "
+            f"in {built * 1e3:.0f} ms more")
+
+
+def _kv(key: str, value: bytes):
+    from elastic.store.api import KeyValue
+    return KeyValue(key=key, value=value, version=1, create_revision=1, mod_revision=1)
 
 
 def model(row: dict, sizes: tuple[int, ...] = (4096, 16384, 65536)) -> list[str]:
@@ -431,14 +474,18 @@ def model(row: dict, sizes: tuple[int, ...] = (4096, 16384, 65536)) -> list[str]
 
     Per round, etcd sends the watched record to every node, and what nodes
     read. With rosters (this tree's records, :func:`_records`): the first
-    round sends every node the roster once (inline, or read by each node), a
-    round that keeps the members the head alone, one that replaces a node
-    the head and a delta. Without (``--tree`` of an older checkout): the
-    whole record, N members, to N watchers, every round. Other bytes
-    (registrations, election, keep-alive answers), requests and proposals
-    grow with N; etcd CPU with N for its requests and with
-    ETCD_CPU_S_PER_GB for the bytes it sends; keep-alives with N / (TTL/3)
-    at the default TTL.
+    round sends every node the roster once when the record carries it, else
+    each node reads its own bucket (about 1 KB, at any size) with one more
+    request; a round that keeps the members sends the head alone; one that
+    replaces a node sends the head and a delta, and a node that holds one
+    bucket reads its bucket of the new roster. An agent that uses the list
+    whole reads the stored roster once on top (printed apart: what the
+    rendezvous costs and what the agent's whole-list users cost). Without
+    rosters (``--tree`` of an older checkout): the whole record, N members, to
+    N watchers, every round. Other bytes (registrations, election, keep-alive
+    answers), requests and proposals grow with N; etcd CPU with N for its
+    requests and with ETCD_CPU_S_PER_GB for the bytes it sends; keep-alives
+    with N / (TTL/3) at the default TTL.
     """
     n = row["n"]
     lines = []
@@ -459,8 +506,8 @@ def model(row: dict, sizes: tuple[int, ...] = (4096, 16384, 65536)) -> list[str]
         if records is None:
             watched = row["round_bytes"]["watched"] * nodes / n
             return watched * nodes, watched
-        watched, stored = records[ph]
-        return nodes * (watched + stored), watched
+        watched, read = records[ph]
+        return nodes * (watched + read), watched
 
     for big in sizes:
         scale = big / n
@@ -484,6 +531,12 @@ def model(row: dict, sizes: tuple[int, ...] = (4096, 16384, 65536)) -> list[str]
         lines.append(f"model at {big:>6d} nodes: " + "; ".join(parts)
                      + f"; {big / (DEFAULT_LEASE_TTL_S / 3):.0f} keep-alives/s at the default "
                      f"TTL ({DEFAULT_LEASE_TTL_S:g} s)")
+        if at_big is not None and at_big["whole"]:
+            whole = big * at_big["whole"]
+            lines.append(f"{'':20s}agents that use the list whole read the stored roster "
+                         f"({at_big['whole'] / 1e3:.0f} KB) once more: {whole / 1e9:.3f} GB, "
+                         f"etcd CPU ~{ETCD_CPU_S_PER_GB * whole / 1e9:.1f} s, over the first "
+                         "round")
         if node_cpu:
             lines.append(f"{'':20s}{node_cpu}")
     return lines
@@ -581,7 +634,10 @@ def main() -> int:
                 rz = first["rendezvous"]
                 print(f"{case:20s} nnodes {row['nnodes']:>10s} ({procs} proc): watched record "
                       f"{row['round_bytes']['watched']} B, stored roster "
-                      f"{row['round_bytes']['stored_roster']} B; whole rendezvous: client "
+                      f"{row['round_bytes']['stored_roster']} B, "
+                      f"{row['round_bytes']['bucket_count']} buckets of "
+                      f"{row['round_bytes']['buckets'] / max(row['round_bytes']['bucket_count'], 1):.0f}"
+                      f" B; whole rendezvous: client "
                       f"{sum(v for k, v in rz['ops'].items() if k not in _NOT_REQUESTS) / n:.1f}"
                       f" requests/node, {rz['server']['proposals'] / n:.2f} proposals/node, "
                       f"threads/process {row['threads_per_process']}", flush=True)

@@ -28,6 +28,11 @@ class JobKeys:
     record itself (:mod:`elastic.rendezvous.round_record`): written before or
     with that record, deleted with the record that replaces it.
 
+    ``roster-buckets/<digest>/<bucket>`` holds the same roster again in
+    small buckets by node id (:mod:`elastic.rendezvous.buckets`), when it is
+    too large to sit in the record: a node that lacks it reads its own bucket
+    alone. Written before or with that record, deleted with it.
+
     ``torchrun/`` belongs to torchrun's ``etcd3`` rendezvous backend
     (:mod:`elastic.torchrun`), whose job id is torchrun's ``--rdzv-id``:
     ``torchrun/closed`` marks the rendezvous closed (torch's ``set_closed``),
@@ -42,6 +47,7 @@ class JobKeys:
         self.leader = self.prefix + "leader"
         self.round = self.prefix + "round"
         self.rosters = self.prefix + "rosters/"
+        self.roster_buckets = self.prefix + "roster-buckets/"
         self.standbys = self.prefix + "standbys"
         self.config = self.prefix + "config"
         self.requests = self.prefix + "requests/"
@@ -69,6 +75,13 @@ class JobKeys:
 
     def roster_chunk(self, digest: str, index: int) -> str:
         return f"{self.roster(digest)}{index:04d}"
+
+    def buckets_of(self, digest: str) -> str:
+        """The prefix of the buckets of the roster named ``digest``."""
+        return f"{self.roster_buckets}{digest}/"
+
+    def roster_bucket(self, digest: str, index: int) -> str:
+        return f"{self.buckets_of(digest)}{index:05d}"
 
     def node(self, node_id: str) -> str:
         return self.nodes + node_id

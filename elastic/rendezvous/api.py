@@ -130,7 +130,9 @@ class Round:
     ``members``: a tuple, or a roster read from etcd
     (:class:`elastic.rendezvous.roster.Roster`), a sequence that builds its
     members when first used whole and finds one (:meth:`member`) without
-    building the others.
+    building the others, or one bucket of a large roster
+    (:class:`elastic.rendezvous.buckets.BucketRoster`, see
+    :attr:`holds_members`).
     """
 
     number: int
@@ -153,7 +155,9 @@ class Round:
 
     @property
     def world_size(self) -> int:
-        return sum(m.nproc for m in self.members)
+        # A roster held in part knows it from the round record.
+        known = getattr(self.members, "world_size", None)
+        return known if known is not None else sum(m.nproc for m in self.members)
 
     @property
     def workers_round(self) -> int:
@@ -178,6 +182,14 @@ class Round:
         the key and field when a roster's line is not a valid member or an
         id repeats (a roster builds them once, on its first whole use)."""
         _ = self.members[:0]
+
+    @property
+    def holds_members(self) -> bool:
+        """Whether every member is held here: False for a large job's round
+        taken from this node's bucket of its roster, which knows this node's
+        line, the size and the world size (``RendezvousNode.latest_round``
+        reads the rest)."""
+        return getattr(self.members, "whole", True)
 
     @property
     def node_ids(self) -> tuple[str, ...]:

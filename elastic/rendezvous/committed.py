@@ -5,10 +5,12 @@ The follower applies what the ``round`` key's watch and re-reads deliver
 (:meth:`CommittedRound.committed`). Both keep the version the leader fences
 on from ever going back. A head whose roster this node cannot rebuild from
 what it holds (:func:`~elastic.rendezvous.round_record.resolve`) waits, as
-:attr:`CommittedRound.awaiting`, until the follower reads head and rosters.
-A round is taken once this node's own line in its roster checks out; whoever
-uses its members whole asks :meth:`CommittedRound.checked` first, which
-refuses a roster that fails.
+:attr:`CommittedRound.awaiting`, until the follower reads the head with its
+roster, or with this node's bucket of it when the head names buckets. A round
+is taken once this node's own line in its roster checks out; whoever uses its
+members whole asks :meth:`CommittedRound.checked` first, which reads the
+roster whole when this node holds one bucket of it, and refuses a roster
+that fails.
 """
 
 from __future__ import annotations
@@ -17,12 +19,16 @@ import threading
 from typing import Callable, Sequence
 
 from elastic.clock import Clock
-from elastic.errors import MalformedRecordError
+from elastic.errors import MalformedRecordError, StoreError
 from elastic.joblog import JobLogger
 from elastic.rendezvous.api import Round
-from elastic.rendezvous.round_record import parse_head, resolve
+from elastic.rendezvous.buckets import BucketRoster
+from elastic.rendezvous.round_record import RoundHead, parse_head, resolve
 
 ReportBad = Callable[[MalformedRecordError, int], None]
+# Reads the job's current round whole from etcd (None: no round); raises the
+# store's errors and MalformedRecordError.
+ReadWhole = Callable[[], Round | None]
 
 
 class CommittedRound:
@@ -31,8 +37,12 @@ class CommittedRound:
     wait; the node's loop applies."""
 
     def __init__(self, clock: Clock, node_id: str, log: JobLogger, report_bad: ReportBad,
-                 on_committed: Sequence[Callable[[Round], None]] = ()):
-        """``on_committed``: called in order with each valid new round."""
+                 on_committed: Sequence[Callable[[Round], None]] = (),
+                 read_whole: ReadWhole | None = None):
+        """``on_committed``: called in order with each valid new round;
+        ``read_whole``: how :meth:`checked` reads a roster this node holds
+        one bucket of (None: it never holds one)."""
+        self._read_whole = read_whole
         self._clock = clock
         self._node_id = node_id
         self._log = log
@@ -44,6 +54,7 @@ class CommittedRound:
         self._revision = 0  # the store revision that round was written at
         self._roster = ""  # the digest of that round's roster
         self._awaiting = 0  # a head's revision whose roster is still to be read
+        self._awaiting_head: RoundHead | None = None  # that head
         self._checked: tuple[Round | None, str] = (None, "")  # the last round checked whole
 
     @property
@@ -68,13 +79,22 @@ class CommittedRound:
     @property
     def awaiting(self) -> bool:
         """Whether a head arrived whose roster this node does not hold: the
-        follower reads head and rosters (it is then applied or refused)."""
+        follower reads head and roster, or head and bucket (it is then
+        applied or refused)."""
         return self._awaiting > self._revision
 
+    @property
+    def awaiting_head(self) -> RoundHead | None:
+        """The head :attr:`awaiting` waits to resolve (None: none)."""
+        return self._awaiting_head if self.awaiting else None
+
     def apply(self, key: str, value: bytes | None, version: int, revision: int,
-              stored: dict[str, bytes] | None = None) -> None:
+              stored: dict[str, bytes] | None = None,
+              bucket: dict[str, bytes | None] | None = None) -> None:
         """Apply the round key as written at ``revision`` (``value`` None:
-        deleted); ``stored``: the rosters read with it, when it was read. A
+        deleted); ``stored``: the rosters read with it, ``bucket``: or what
+        was read at this node's bucket of a roster (see
+        :func:`~elastic.rendezvous.round_record.resolve`), when it was read. A
         valid new round is logged and passed to ``on_committed`` once."""
         head = None
         if value is not None:
@@ -94,12 +114,13 @@ class CommittedRound:
         parsed = None
         if head is not None:
             try:
-                parsed = resolve(head, known, known_roster, stored)
+                parsed = resolve(head, known, known_roster, stored, bucket, self._node_id)
             except MalformedRecordError as exc:
                 self._report_bad(exc, version)
             else:
                 if parsed is None:
-                    self._awaiting = revision  # no roster to rebuild it from: read it
+                    # No roster to rebuild it from: read it.
+                    self._awaiting, self._awaiting_head = revision, head
                     return
         self._set(parsed, head.roster if parsed is not None else "", value is None, version,
                   revision)
@@ -110,11 +131,13 @@ class CommittedRound:
         the others when first used whole). One that fails is refused as a
         malformed record is: reported, and the last round that passed is the
         latest again at the same version (its workers run on; a leader writes
-        it again on top, see Leader.lead)."""
+        it again on top, see Leader.lead). Raises the store's errors when
+        it reads the roster whole."""
         current = self.latest
         if current is None:
             return None
         try:
+            current = self._whole(current)
             current.check_members()
         except MalformedRecordError as exc:
             self._report_bad(exc, self._version)
@@ -127,6 +150,26 @@ class CommittedRound:
             if self._round is current:
                 self._checked = (current, self._roster)
         return current
+
+    def _whole(self, current: Round) -> Round:
+        """``current``, its roster read whole if this node holds one bucket of
+        it (taking its place). Raises the store's errors (StoreError too when
+        a newer round replaced it meanwhile: the watch brings that one, and
+        the caller asks again), and MalformedRecordError when the read finds
+        no round or an older one."""
+        if not isinstance(current.members, BucketRoster) or self._read_whole is None:
+            return current
+        read = self._read_whole()
+        if read is None or read.number < current.number:
+            raise MalformedRecordError(current.members.key, f"round {current.number} is no "
+                                       "longer in etcd to be read whole")
+        if read.number > current.number:
+            raise StoreError(f"round {current.number} was replaced by round {read.number} "
+                             "while it was read whole; read again")
+        with self._cond:
+            if self._round is current:
+                self._round = read
+        return read
 
     def committed(self, record: Round, roster: str, revision: int) -> None:
         """Apply this node's own commit of ``record`` (whose roster is

@@ -128,12 +128,32 @@ class Follower:
         self.pending.discard(name)
 
     def resync_pending(self) -> None:
-        """Read again every pending part, and the round with its rosters when
-        a head came whose roster this node lacks; raises the store's errors."""
+        """Read again every pending part, and the round with what this node
+        needs of its roster when a head came whose roster it lacks; raises
+        the store's errors."""
         for name in sorted(self.pending):
             self.resync(name)
-        if self.rounds.awaiting:
+        head = self.rounds.awaiting_head
+        if head is not None and head.buckets is not None:
+            self._read_own_bucket(head)
+        elif head is not None:
             self.read_round()
+
+    def _read_own_bucket(self, head: round_record.RoundHead) -> None:
+        """Read the round with this node's bucket of ``head``'s roster, in one
+        transaction, and apply it (a newer head read instead waits to be
+        read in its turn)."""
+        result = self.store.txn([], round_record.bucket_reads(self.keys, head, self.node_id),
+                                timeout_s=round_record.READ_TIMEOUT_S)
+        kvs = result.results[0][:1]
+        if not kvs:
+            self.rounds.apply(self.keys.round, None, 0, result.revision)
+            return
+        kv = kvs[0]
+        read_for = kv.version == head.version  # else the bucket read is another head's
+        self.rounds.apply(kv.key, kv.value, kv.version, kv.mod_revision, bucket=(
+            round_record.stored_bucket(self.keys, head, result.results[1], self.node_id)
+            if read_for else None))
 
     def apply(self, changed: Changed, now: float) -> None:
         """Apply a batch of watch events; no store calls (a failure here would

@@ -157,7 +157,7 @@ class Leader:
         """Keep ``standbys`` up to date (under the leader's lease: a new leader
         rewrites it). Not fenced: it only says whom to ask about etcd."""
         current = self._rounds.latest
-        members = current.node_ids if current is not None else ()
+        members = frozenset(current.node_ids) if current is not None else frozenset()
         wanted = Standbys(self.view.standby_addrs(members))
         if wanted != self._standbys_written:
             self.store.put(self.keys.standbys, wanted.to_json(), lease=lease_id)

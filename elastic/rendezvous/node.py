@@ -58,6 +58,7 @@ from elastic.fence import fenced_put
 from elastic.joblog import JobLogger
 from elastic.keyspace import JobKeys
 from elastic.net import free_port
+from elastic.rendezvous import round_record
 from elastic.rendezvous.api import (
     FrozenReport,
     NodeInfo,
@@ -126,7 +127,10 @@ class RendezvousNode:
         inbox: Inbox | None = None,
         probe: Probe | None = None,
     ):
-        """``inbox``: where watches and the session post (a fresh one unless
+        """``on_round``: called on the node's loop thread with each new
+        round, which may hold this node's line alone (see
+        :attr:`Round.holds_members`; :attr:`latest_round` has the list whole).
+        ``inbox``: where watches and the session post (a fresh one unless
         given). ``probe``: whether an agent answers a health check now, for
         the freeze rule (None: this node confirms no report made by another)."""
         self.store = store
@@ -144,7 +148,8 @@ class RendezvousNode:
             self.log, lambda: self._inbox.post(SessionLost()))
         self._rounds = CommittedRound(
             clock, info.node_id, self.log, report_bad,
-            [f for f in (on_round, self._membership.round_committed) if f is not None])
+            [f for f in (on_round, self._membership.round_committed) if f is not None],
+            lambda: round_record.read_round(store, self.keys, round_record.READ_TIMEOUT_S))
         self._follower = Follower(store, self.keys, info.node_id, clock, self._rounds,
                                   self._inbox.post, report_bad, self.log)
         self._revoker = FrozenRevoker(store, config, info.node_id, clock, self.log, probe,

@@ -11,7 +11,7 @@ another machine).
 from __future__ import annotations
 
 import itertools
-from typing import Callable
+from typing import AbstractSet, Callable
 
 from elastic.errors import MalformedRecordError
 from elastic.keyspace import JobKeys
@@ -203,9 +203,11 @@ class LeaderView:
                 info.node_id for info, rev in joined if rev < self.checkpoint_revision),
         )
 
-    def standby_addrs(self, members: tuple[str, ...]) -> tuple[str, ...]:
+    def standby_addrs(self, members: AbstractSet[str]) -> tuple[str, ...]:
         """Agent addresses of the registered nodes that are not ``members``,
-        the longest registered first, at most STANDBY_WITNESSES of them."""
+        the longest registered first, at most STANDBY_WITNESSES of them.
+        ``members`` is a set: the leader asks after every decision, and a
+        tuple's search made that O(N^2) in a round of N members."""
         addrs = (info.addr for info, _ in sorted(self.nodes.values(), key=lambda p: p[1])
                  if info.node_id not in members and info.addr)
         return tuple(itertools.islice(addrs, STANDBY_WITNESSES))

@@ -55,7 +55,7 @@ from elastic.errors import ElasticError, MalformedRecordError, exit_code_for
 from elastic.keyspace import JobKeys
 from elastic.rendezvous.api import NodeInfo, Outcome, Round
 from elastic.rendezvous.node import SESSION_CHECK_S, RendezvousNode
-from elastic.rendezvous import round_record
+from elastic.rendezvous import buckets, round_record
 from elastic.rendezvous.round_record import from_reads, parse_head
 from tests.fakes.clock import FakeClock
 from tests.fakes.memory_store import MemoryStore
@@ -505,6 +505,7 @@ class Cluster:
             return
         self.result.rounds = r.number
         self.last_round = r
+        self.check_buckets(kv, r, v)
         if r.continues:
             self.continuations.add(r.number)
         self.check_budget(r)
@@ -513,6 +514,30 @@ class Cluster:
             self.result.outcome, self.result.reason = r.outcome, r.reason
             self.result.ended_at = self.now() - 1000
             self.check_outcome(r)
+
+    def check_buckets(self, kv, r: Round, v: list[str]) -> None:
+        """A round whose record names buckets of its roster: every member
+        finds its own line, as the whole roster has it, in its bucket (what a
+        node that lacks the roster takes the round from)."""
+        head = parse_head(kv.key, kv.value, kv.version)
+        if head.buckets is None:
+            return
+        count, root = head.buckets
+        for m in r.members:
+            number = buckets.bucket_of(m.node_id, count)
+            stored = self.store.peek(self.keys.roster_bucket(head.roster, number))
+            try:
+                text = buckets.open_bucket(kv.key, stored.value if stored else b"", number,
+                                           count, root)
+                found = buckets.BucketRoster(kv.key, head.roster, len(r.members),
+                                             r.world_size, number, count, text).member(m.node_id)
+            except MalformedRecordError as exc:
+                v.append(f"round {r.number}: bucket {number} of its roster is not the one "
+                         f"its record names: {exc}")
+                return
+            if found != m:
+                v.append(f"round {r.number}: node {m.node_id}'s bucket says {found}, the "
+                         f"roster {m}")
 
     def check_budget(self, r: Round) -> None:
         """Failures are counted within the whole run (the window is an hour)."""

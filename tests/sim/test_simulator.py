@@ -21,7 +21,7 @@ import pytest
 
 from agent import reactor
 from elastic.checkpoint.memory.choice import MEMORY, Choice, DiskLatest, choose
-from elastic.rendezvous import decisions
+from elastic.rendezvous import buckets, decisions, round_record
 from elastic.rendezvous.api import Outcome
 from elastic.rendezvous.decisions import Action, Decision
 from tests.marks import CPU_BOUND
@@ -177,6 +177,24 @@ def test_a_budget_spent_one_failure_early_is_caught(monkeypatch):
     monkeypatch.setattr(decisions, "decide", eager)
     found = _violations(range(20), profile="budget")
     assert any("failed for its budget" in v for v in found), found[:5]
+
+
+def test_buckets_that_rank_a_node_otherwise_than_its_roster_are_caught(monkeypatch):
+    # The leader's buckets give every member the next rank (odd seeds store
+    # every roster apart, in buckets).
+    real = buckets.split
+
+    def shifted(raw, count):
+        n = raw.count(b"\n")
+        return [b"".join(b"%d\t%s\n" % ((int(rank) + 1) % n, rest) for rank, rest in
+                         (line.split(b"\t", 1) for line in part.split(b"\n")[:-1]))
+                for part in real(raw, count)]
+
+    monkeypatch.setattr(buckets, "split", shifted)
+    round_record.roster_buckets.cache_clear()
+    found = _violations(range(1, 6, 2))
+    round_record.roster_buckets.cache_clear()
+    assert any("bucket says" in v for v in found), found[:5]
 
 
 def test_garbage_over_the_round_key_restarts_no_worker():

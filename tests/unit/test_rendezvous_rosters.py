@@ -1,8 +1,9 @@
 """Rendezvous nodes over rounds whose roster is carried once in the watched
 record, or only stored apart from it (a large job's): each node reads a roster
-at most once, a round that keeps or replaces a node reaches the others with
-no read and no roster, and a roster that cannot be read never passes for the
-round."""
+at most once (a large job's node its own bucket of it, and the whole roster
+only once it uses the list whole), a round that keeps or replaces a node
+reaches the others with no read and no roster, and a roster or bucket that
+cannot be read never passes for the round."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import logging
 
 import pytest
 
+from elastic.errors import StoreError
 from elastic.keyspace import JobKeys
 from elastic.rendezvous import round_record
 from elastic.rendezvous.api import NodeInfo
@@ -24,17 +26,20 @@ KEYS = JobKeys("j")
 
 class RosterReads:
     """One node's door to the shared store, counting the node's reads that
-    got a roster (everything goes through unchanged)."""
+    got a roster (``count``) or a bucket of one (``buckets``); everything
+    goes through unchanged."""
 
     def __init__(self, store: MemoryStore):
         self._store = store
         self.count = 0
+        self.buckets = 0
 
     def txn(self, compares, success, failure=(), **kwargs):
         result = self._store.txn(compares, success, failure, **kwargs)
         ops = success if result.succeeded else failure
-        self.count += sum(1 for op, got in zip(ops, result.results)
-                          if isinstance(op, Get) and op.key.startswith(KEYS.rosters) and got)
+        got = [op.key for op, kvs in zip(ops, result.results) if isinstance(op, Get) and kvs]
+        self.count += sum(1 for key in got if key.startswith(KEYS.rosters))
+        self.buckets += sum(1 for key in got if key.startswith(KEYS.roster_buckets))
         return result
 
     def __getattr__(self, name):
@@ -52,11 +57,11 @@ class Job:
         self.doors: dict[str, RosterReads] = {}
         self.nodes: dict[str, RendezvousNode] = {}
 
-    def join(self, node_id: str) -> RendezvousNode:
+    def join(self, node_id: str, on_round=None) -> RendezvousNode:
         self.doors[node_id] = RosterReads(self.store)
         node = RendezvousNode(self.doors[node_id], self.config,
                               NodeInfo(node_id=node_id, host="h", addr=f"{node_id}:1"),
-                              clock=self.clock, port_picker=lambda _h: 1)
+                              clock=self.clock, port_picker=lambda _h: 1, on_round=on_round)
         self.nodes[node_id] = node.start(thread=False)
         return node
 
@@ -150,3 +155,82 @@ def test_a_roster_deleted_by_hand_is_reported_and_the_next_round_is_read(stored_
     job.nodes["a"].request_restart("operator", first.number, failure=False)
     job.settle()
     assert late.latest_round == job.rounds()["a"] and late.latest_round.number > first.number
+
+
+def test_a_large_jobs_node_joins_on_its_bucket_and_reads_the_roster_whole_once_used_whole(
+        stored_rosters):
+    job = Job(3)
+    for n in ("a", "b", "c"):
+        job.join(n)
+    job.settle()
+    leader = next(n for n, node in job.nodes.items() if node.is_leader)
+    followers = [n for n in job.nodes if n != leader]
+    for n in followers:
+        mine = job.nodes[n].wait_for_round(timeout_s=0)
+        assert mine.member(n).node_rank == ("a", "b", "c").index(n)
+        assert (job.doors[n].buckets, job.doors[n].count) == (1, 0)  # its bucket alone
+    whole = job.nodes[followers[0]].latest_round  # used whole: read whole, once
+    assert whole.node_ids == ("a", "b", "c") and whole.world_size == 3
+    assert job.nodes[followers[0]].latest_round is whole
+    assert job.doors[followers[0]].count == 1
+
+    job.leave(followers[1])
+    job.join("d")
+    job.settle()
+    # The node that held the roster whole rebuilt the next from its delta; the
+    # one that held a bucket read its bucket of the new roster.
+    assert job.doors[followers[0]].count == 1 and job.doors[followers[0]].buckets == 1
+    assert job.doors[leader].count == 0
+    second = job.nodes[followers[0]].latest_round
+    assert second.node_ids == tuple(n for n in ("a", "b", "c") if n != followers[1]) + ("d",)
+    assert job.nodes["d"].wait_for_round(timeout_s=0).member("d").node_rank == 2
+
+
+def test_a_round_taken_from_a_bucket_says_so_to_its_listener(stored_rosters):
+    job = Job(2)
+    seen = {"a": [], "b": []}
+    for n in ("a", "b"):
+        job.join(n, on_round=seen[n].append)
+    job.settle()
+    follower = next(n for n, node in job.nodes.items() if not node.is_leader)
+    taken = seen[follower][-1]
+    assert not taken.holds_members and taken.member(follower) is not None
+    assert job.nodes[follower].latest_round.holds_members
+    assert job.nodes[follower].latest_round.node_ids == ("a", "b")
+
+
+def test_a_round_replaced_while_read_whole_is_read_again_not_taken_for_the_newer_one(
+        stored_rosters):
+    job = Job(2)
+    for n in ("a", "b"):
+        job.join(n)
+    job.settle()
+    leader = next(n for n, node in job.nodes.items() if node.is_leader)
+    follower = job.nodes[next(n for n in job.nodes if n != leader)]
+    first = follower.wait_for_round(timeout_s=0)
+    job.nodes[leader].request_restart("operator", first.number, failure=False)
+    job.store.deliver_pending()
+    job.nodes[leader].pump()  # round 2 committed; the follower has not applied it
+    assert job.store.get(KEYS.round).version == first.number + 1
+    with pytest.raises(StoreError, match="replaced"):
+        follower.latest_round
+    job.settle()
+    assert follower.latest_round.number == first.number + 1
+    assert follower.latest_round.node_ids == ("a", "b")
+
+
+def test_a_bucket_deleted_by_hand_is_reported_and_never_passes_for_the_round(
+        stored_rosters, caplog):
+    job = Job(2)
+    for n in ("a", "b"):
+        job.join(n)
+    while job.store.get(KEYS.round) is None:  # until the leader commits, no further
+        job.store.deliver_pending()
+        for node in job.nodes.values():
+            node.pump()
+    job.store.txn([], [Delete(KEYS.roster_buckets, prefix=True)])
+    with caplog.at_level(logging.ERROR):
+        job.settle()
+    follower = next(node for node in job.nodes.values() if not node.is_leader)
+    assert "bucket" in caplog.text and "is not stored" in caplog.text
+    assert follower.latest_round is None  # never a round it could not check

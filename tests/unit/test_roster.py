@@ -178,12 +178,17 @@ def test_a_large_round_names_its_stored_roster_and_carries_a_delta_from_the_one_
     first = a_round(["a", "b", "c"])
     earlier, ops, name = round_record.commit_ops(KEYS, first, None, "")
     assert earlier == [] and ops[0].key == KEYS.round
-    assert [op.key for op in ops[1:]] == [KEYS.roster_chunk(name, 0)]
+    # Stored whole, and in its one bucket (three members), which the head names.
+    assert [op.key for op in ops[1:]] == [KEYS.roster_chunk(name, 0),
+                                          KEYS.roster_bucket(name, 0)]
+    assert round_record.parse_head(KEYS.round, ops[0].value, 1).buckets[0] == 1
     second = a_round(["a", "c", "d"], number=2)
     earlier, ops, second_name = round_record.commit_ops(KEYS, second, first, name)
-    assert Delete(KEYS.roster(name), prefix=True) in ops  # the roster it replaces
+    # The roster it replaces goes, whole and in buckets.
+    assert Delete(KEYS.roster(name), prefix=True) in ops
+    assert Delete(KEYS.buckets_of(name), prefix=True) in ops
     head = round_record.parse_head(KEYS.round, ops[0].value, 2)
-    assert head.packed is None and head.delta["base"] == name
+    assert head.packed is None and head.delta["base"] == name and head.buckets is not None
     # A node that holds the first round rebuilds the second without a read ...
     assert round_record.resolve(head, first, name) == second
     # ... one that does not reads it (None: nothing read yet).
@@ -217,6 +222,8 @@ def test_a_half_written_round_is_invisible_and_only_its_roster_stays_once_it_com
     assert round_record.read_round(store, KEYS) == second
     kept = {kv.key.split("/")[-2] for kv in store.get_prefix(KEYS.rosters)[0]}
     assert kept == {round_record.roster_of(second)}
+    kept = {kv.key.split("/")[-2] for kv in store.get_prefix(KEYS.roster_buckets)[0]}
+    assert kept == {round_record.roster_of(second)}
 
 
 @pytest.mark.parametrize("change, expected", [
@@ -225,6 +232,8 @@ def test_a_half_written_round_is_invisible_and_only_its_roster_stays_once_it_com
     ({"nnodes": "3"}, "field 'nnodes'"),
     ({"delta": {"base": 7, "left": [], "joined": []}}, "delta.base"),
     ({"outcome": "exploded"}, "field 'outcome'"),
+    ({"buckets": {"count": 3, "root": "0" * 32}}, "field 'buckets'"),
+    ({"buckets": {"count": 4, "root": "not a digest"}}, "field 'buckets'"),
     ({"number": 2}, "does not match the key's version"),
 ])
 def test_a_head_that_is_not_one_is_refused_naming_the_key_and_field(change, expected):
@@ -254,8 +263,9 @@ def test_the_watched_record_stays_small_at_any_size(monkeypatch):
     first = a_round(ids)
     head, name, stored = round_record.head_of(first, None, "")
     assert len(head) < 1024 and stored is not None
-    # Stored apart, every node reads it: packed densely (xz), half zlib's size.
-    assert len(stored) < 0.6 * len(roster.pack(first.members)[1])
+    # Stored apart, read whole by whoever uses the list whole: packed densely
+    # (xz), smaller than zlib.
+    assert len(stored) < 0.85 * len(roster.pack(first.members)[1])
     assert round_record.resolve(round_record.parse_head(KEYS.round, head, 1), None, "",
                                 {name: stored}) == first
     replaced = a_round(ids[:-1] + ["spare"], number=2)
