@@ -256,7 +256,7 @@ def head_of(record: Round, previous: Round | None, previous_roster: str
         # Whoever holds neither this roster nor the delta's base reads its bucket.
         count, root, _ = roster_buckets(raw)
         obj["buckets"] = {"count": count, "root": root}
-    stored = packed if inline else _dense(raw)  # read whole by many: fewer bytes
+    stored = packed if inline else _dense(raw)  # read whole: the fewest bytes
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode(), name, stored
 
 
@@ -273,7 +273,7 @@ def roster_buckets(raw: bytes) -> tuple[int, str, tuple[bytes, ...]]:
 @functools.lru_cache(maxsize=2)
 def _dense(raw: bytes) -> bytes:
     """``raw`` compressed densely, once per roster and process: every round
-    that keeps the members writes its roster again (60 ms of the leader's
+    that keeps the members writes its roster again (0.54 s of the leader's
     CPU at 16,384 members); what it compresses is the leader's alone."""
     return roster.compress(raw, dense=True)
 
@@ -344,16 +344,15 @@ def from_reads(keys: JobKeys, head_kvs: Sequence[KeyValue], roster_kvs: Sequence
     return resolve(head, None, "", stored_rosters(keys, roster_kvs))
 
 
-# A read of the round with its roster or a bucket of it: every node of a new
-# job makes one at once (N reads), which a loaded etcd serves in seconds; a
-# short deadline would cancel them all and start them again.
+# A read of the round with its rosters: every node of a new job makes one at
+# once (N reads of a roster of N members), which a loaded etcd serves in
+# seconds; a short deadline would cancel them all and start them again.
 READ_TIMEOUT_S = 30.0
 
 
 def read_round(store: Store, keys: JobKeys, timeout_s: float | None = None) -> Round | None:
     """The job's current round, whole (None: none yet). For readers that do
-    not follow the job (elasticctl, tests), and for a node that held one
-    bucket of its roster once it uses the list whole. Raises MalformedRecordError and
+    not follow the job (elasticctl, tests). Raises MalformedRecordError and
     the store's errors."""
     result = store.txn([], reads(keys), timeout_s=timeout_s)
     return from_reads(keys, result.results[0], result.results[1])
