@@ -150,6 +150,7 @@ class Config:
     cold: bool
     restore_only: bool
     verbose: bool
+    memory_base: str = ""  # --memory: where the memory tier's directory is made ("": /dev/shm)
 
 
 # ---------------------------------------------------------------- helpers (in the ranks)
@@ -610,8 +611,9 @@ class _Position:
 
 
 def memory_dir(cfg: Config) -> str:
-    """The memory tier's directory: on /dev/shm (the agent's default) when there is one."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else cfg.scratch
+    """The memory tier's directory: under ``--memory-dir``, else on /dev/shm (the
+    agent's default) when there is one."""
+    base = cfg.memory_base or ("/dev/shm" if os.path.isdir("/dev/shm") else cfg.scratch)
     return os.path.join(base, os.path.basename(cfg.scratch) + "-memory")
 
 
@@ -645,13 +647,54 @@ def rank_memory_world2(rank: int, world: int, cfg: Config) -> None:
     disk = Checkpointer(root, model=model, optimizer=opt)
     kinds = {"disk": disk, "memory": ckpt, **({"disk_cold": disk} if cfg.cold else {})}
     rows = _interleaved_restores(cfg, kinds, model, opt, root, saved, before=dist.barrier)
+    floors = _copy_floors(cfg, rank, root, dist.barrier)
     disk.close()
     ckpt.close()
     dist.destroy_process_group()
     # The first snapshot maps the slot's memory: left out of the staging cost.
     write_result(cfg, f"mem-w2-rank{rank}", {"fingerprint": saved, "same_world": rows,
                                              "train_s": train_s[1:],
-                                             "snapshot_s": snapshot_s[1:]})
+                                             "snapshot_s": snapshot_s[1:], "floors": floors})
+
+
+def _copy_floors(cfg: Config, rank: int, root: str, barrier: Callable[[], Any]
+                 ) -> dict[str, list[float]]:
+    """What copying this rank's saved bytes alone costs, every rank at once (as in a
+    restore), ``cfg.restores`` times each: a plain memcpy of as many bytes between two
+    buffers of this process, one ``preadv`` of its memory slot's ``data.bin`` (the
+    memory restore's copy) and one of its DCP file in the page cache (the bytes the
+    disk restore reads), each into a buffer already touched."""
+    import ctypes
+
+    import torch
+
+    from elastic.checkpoint.memory import layout as memory_layout
+
+    slot = next(s for s in memory_layout.list_slots(memory_dir(cfg))
+                if s.key.rank == rank and s.manifest.step == MEMORY_STEP)
+    sources = {"memory file": os.path.join(slot.path, memory_layout.DATA),
+               "disk file": os.path.join(root, f"step-{MEMORY_STEP:012d}", f"__{rank}_0.distcp")}
+    size = slot.manifest.files[memory_layout.DATA]
+    source = torch.ones(size, dtype=torch.uint8)
+    target = torch.zeros(size, dtype=torch.uint8)
+    view = memoryview((ctypes.c_char * size).from_address(target.data_ptr())).cast("B")
+    fds = {name: os.open(path, os.O_RDONLY) for name, path in sources.items()}
+    actions = {"memcpy": lambda: target.copy_(source),
+               **{name: (lambda fd=fd: os.preadv(fd, [view[:os.fstat(fd).st_size]], 0))
+                  for name, fd in fds.items()}}
+    out: dict[str, list[float]] = {name: [] for name in actions}
+    try:
+        for _ in range(cfg.restores):
+            for name, action in actions.items():
+                barrier()
+                started = time.perf_counter()
+                action()
+                out[name].append(time.perf_counter() - started)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    out["bytes"] = [float(size)]
+    return out
 
 
 def _interleaved_restores(cfg: Config, kinds: dict, model, opt, root: str, expect,
@@ -741,6 +784,13 @@ def run_memory(cfg: Config) -> dict[str, Any]:
     """--memory: resharded restore (2 -> 1 ranks) from the memory tier vs from disk."""
     import torch.multiprocessing as mp
 
+    from elastic.checkpoint.memory import capacity
+
+    base = os.path.dirname(memory_dir(cfg))
+    kind, options = capacity.mount_of(base) or ("unknown", "")
+    pages = {True: "2 MiB pages", False: "4 KiB pages", None: "not a tmpfs"}
+    print(f"memory tier in {memory_dir(cfg)}: {kind} ({options}): "
+          f"{pages[capacity.huge_pages(base)]}")
     try:
         mp.spawn(_entry, args=("rank_memory_world2", 2, cfg), nprocs=2, join=True)
         mp.spawn(_entry, args=("rank_memory_world1", 1, cfg), nprocs=1, join=True)
@@ -805,9 +855,19 @@ def _report_memory_same_world(cfg: Config, w2: list[dict]) -> dict[str, Any]:
                   f"{TARGET_MEMORY_RESTORE}: {verdict(ratio_of, TARGET_MEMORY_RESTORE)}")
     _print_disk_parts([r["same_world"]["disk"] for r in w2])
     _print_memory_parts([r["same_world"]["memory"] for r in w2])
+    floors = {name: med([max(r["floors"][name][i] for r in w2) for i in range(cfg.restores)])
+              for name in ("memcpy", "memory file", "disk file")}
+    size = max(r["floors"]["bytes"][0] for r in w2)
+    disk_s = med(rows["disk"])
+    print(f"    the copy alone, {len(w2)} ranks at once, {size / MiB:.1f} MiB each (median, "
+          f"slowest rank; GB/s a rank; x the disk restore): " + ", ".join(
+              f"{label} {floors[name]:.4f} s ({size / floors[name] / 1e9:.1f}; "
+              f"{floors[name] / disk_s:.2f}x)"
+              for name, label in (("memcpy", "memcpy"), ("memory file", "preadv of the slot file"),
+                                  ("disk file", "preadv of the DCP file in the page cache"))))
     verified = all(row["verified_state"] for r in w2 for kind in r["same_world"].values()
                    for row in kind)
-    return {"memory_same_world": rows, "same_world_ratio": ratio,
+    return {"memory_same_world": rows, "same_world_ratio": ratio, "copy_floors": floors,
             "same_world_target": TARGET_MEMORY_RESTORE, "snapshot_s": snapshot,
             "train_s": train, "memory_every": every, "staging_per_step": per_step,
             "restored_state_verified": verified}
@@ -1052,6 +1112,9 @@ def main() -> int:
     ap.add_argument("--memory", action="store_true",
                     help="only: resharded restore (2 -> 1 ranks) from the memory tier vs from "
                          "disk, the same step, side by side (target <= 0.5x)")
+    ap.add_argument("--memory-dir", default="",
+                    help="--memory: make the memory tier's directory under this one (default "
+                         "/dev/shm), e.g. a tmpfs mounted with huge=within_size")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     ap.add_argument("--keep-dir", action="store_true", help="do not delete the checkpoints")
     ap.add_argument("--verbose", action="store_true", help="the Checkpointer's INFO logs")
@@ -1080,7 +1143,7 @@ def main() -> int:
     cfg = Config(scratch=scratch, width=width, depth=args.depth, batch=args.batch,
                  saves=args.saves, restores=args.restores, threads=args.threads,
                  sample_ms=args.sample_ms, cold=args.cold, restore_only=args.restore_only,
-                 verbose=args.verbose)
+                 verbose=args.verbose, memory_base=args.memory_dir)
     from elastic.checkpoint import layout
 
     meta = {"loadavg_before": os.getloadavg(), "torch": torch.__version__, "python": platform.python_version(),
