@@ -394,8 +394,11 @@ def same_fingerprint(a: list[float], b: list[float]) -> bool:
     return all(math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-9) for x, y in zip(a, b))
 
 
-def evict(directory: str) -> None:
-    """Drop a checkpoint directory's files from the page cache (clean pages only)."""
+def evict(directory: str) -> int:
+    """Drop a checkpoint directory's files from the page cache (clean pages only);
+    returns the bytes of them still in it afterwards (``mincore``; 0 when evicted,
+    -1 when it cannot be told)."""
+    resident = 0
     for name in os.listdir(directory):
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
@@ -403,8 +406,34 @@ def evict(directory: str) -> None:
         fd = os.open(path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            found = resident_bytes(fd)
+            resident = -1 if found < 0 or resident < 0 else resident + found
         finally:
             os.close(fd)
+    return resident
+
+
+def resident_bytes(fd: int) -> int:
+    """Bytes of the open file ``fd`` in the page cache (a mapping that touches no
+    page, and ``mincore``), or -1 when it cannot be told."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    address = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+    if address in (None, ctypes.c_void_p(-1).value):
+        return -1
+    try:
+        pages = (size + _PAGE - 1) // _PAGE
+        vector = (ctypes.c_ubyte * pages)()
+        if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vector) != 0:
+            return -1
+        return sum(byte & 1 for byte in vector) * _PAGE
+    finally:
+        libc.munmap(ctypes.c_void_p(address), ctypes.c_size_t(size))
 
 
 def write_result(cfg: Config, name: str, data: dict) -> None:
@@ -709,15 +738,15 @@ def _interleaved_restores(cfg: Config, kinds: dict, model, opt, root: str, expec
     for i in range(cfg.restores):
         for kind in (list(kinds) if i % 2 == 0 else list(reversed(kinds))):
             perturb(model, opt)
-            if kind == "disk_cold":
-                evict(os.path.join(root, f"step-{MEMORY_STEP:012d}"))
+            resident = evict(os.path.join(root, f"step-{MEMORY_STEP:012d}")) \
+                if kind == "disk_cold" else None
             before()
             probe.take()
             started = time.perf_counter()
             kinds[kind].restore()
             seconds = time.perf_counter() - started
             rows[kind].append({"seconds": seconds, "path": kinds[kind].restored_path,
-                               "parts": probe.take(),
+                               "parts": probe.take(), "resident_after_evict": resident,
                                "verified_state": same_fingerprint(fingerprint(model, opt),
                                                                   expect)})
     return rows
@@ -807,7 +836,7 @@ def run_memory(cfg: Config) -> dict[str, Any]:
                         ("memory", "from memory")):
         if kind in seconds:
             print(f"  {label:<25} {med(seconds[kind]):.4f} s ({min(seconds[kind]):.4f})   "
-                  f"{rows[kind][0]['path']}")
+                  f"{rows[kind][0]['path']}{_still_cached(rows[kind])}")
     ratios = {}
     for kind in ("disk", "disk_cold"):
         if kind in seconds:
@@ -821,6 +850,18 @@ def run_memory(cfg: Config) -> dict[str, Any]:
     _report_verified(verified)
     return {"memory_reshard": rows, "ratios": ratios, "target": TARGET_MEMORY_RESHARD,
             **same_world, "restored_state_verified": verified}
+
+
+def _still_cached(rows: list[dict]) -> str:
+    """For evicted rows: the most bytes of the checkpoint's files still in the page
+    cache after an eviction (mincore), so that "evicted" is seen to be true."""
+    found = [row["resident_after_evict"] for row in rows
+             if row.get("resident_after_evict") is not None]
+    if not found:
+        return ""
+    if min(found) < 0:
+        return "  (what eviction left cached cannot be told)"
+    return f"  ({max(found) / MiB:.1f} MiB still cached after eviction)"
 
 
 def _report_memory_same_world(cfg: Config, w2: list[dict]) -> dict[str, Any]:
@@ -845,7 +886,8 @@ def _report_memory_same_world(cfg: Config, w2: list[dict]) -> dict[str, Any]:
                         ("memory", "from memory")):
         if kind in rows:
             print(f"  {label:<25} {med(rows[kind]):.4f} s ({min(rows[kind]):.4f})   "
-                  f"{w2[0]['same_world'][kind][0]['path']}")
+                  f"{w2[0]['same_world'][kind][0]['path']}"
+                  f"{_still_cached([row for r in w2 for row in r['same_world'][kind]])}")
     ratio = med(rows["memory"]) / med(rows["disk"])
     for kind in ("disk", "disk_cold"):
         if kind in rows:
