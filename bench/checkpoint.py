@@ -76,9 +76,16 @@ What is measured:
    into place (one ``preadv`` copy from /dev/shm, spread over the rank's share of the
    CPUs), the non-tensor state unpickled through the allow-list, the state applied and
    one gather of the outcomes; the disk side's choice, structure checks and dcp.load
-   with CRC-32s (files in the page cache, and with ``--cold`` evicted). Both sides copy
-   every byte of the state once; the phases line shows how much of the memory side
-   that copy is ("reading slot files").
+   with CRC-32s (files in the page cache, and with ``--cold`` evicted: each evicted row
+   says how much of the files ``mincore`` still found cached, 0 when the eviction
+   worked). Both sides copy every byte of the state once; the phases line shows how
+   much of the memory side that copy is ("reading slot files"), and "the copy alone"
+   times that copy by itself, both ranks at once, next to a plain memcpy of as many
+   bytes and a ``preadv`` of the rank's DCP file from the page cache: the floor under
+   the memory restore, as a fraction of the disk restore. The header names the memory
+   directory's mount: a tmpfs with 4 KiB pages (``/dev/shm``) is read at about half
+   the speed of a memcpy; ``--memory-dir`` puts the tier on another one (e.g. a tmpfs
+   mounted with ``huge=within_size``: 2 MiB pages, read at memcpy speed).
 
 How to run (under a minute at the default size on an idle 2-core machine, up to ~4 when
 it is busy; the numbers are wall-clock, so run nothing heavy meanwhile: the header shows
@@ -92,6 +99,9 @@ the load average before and after)::
         # only: the memory tier's snapshot cost, and restores from it vs from disk at the
         # saved world size (target <= 0.2x) and resharded 2 -> 1 (target <= 0.5x), with
         # the memory restore's phases and the first restore of the process
+    .venv/bin/python bench/checkpoint.py --memory --memory-dir /mnt/huge-tmpfs
+        # the same with the memory tier on a tmpfs mounted huge=within_size (needs root:
+        # mount -t tmpfs -o size=2g,huge=within_size,mode=700 tmpfs /mnt/huge-tmpfs)
 
 How to read it: every "ratio" is ours / reference (lower is better), next to its target
 and MET / MISSED, judged on the medians. The ratio of the fastest runs (in parentheses)
