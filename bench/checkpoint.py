@@ -721,14 +721,16 @@ def _copy_floors(cfg: Config, rank: int, root: str, barrier: Callable[[], Any]
     actions = {"memcpy": lambda: target.copy_(source),
                **{name: (lambda fd=fd: os.preadv(fd, [view[:os.fstat(fd).st_size]], 0))
                   for name, fd in fds.items()}}
-    out: dict[str, list[float]] = {name: [] for name in actions}
+    out: dict[str, list[float]] = {key: [] for name in actions for key in (name, f"{name} cpu")}
     try:
         for _ in range(cfg.restores):
             for name, action in actions.items():
                 barrier()
+                cpu = time.thread_time()  # user + system time of this thread: the copy's
                 started = time.perf_counter()
                 action()
                 out[name].append(time.perf_counter() - started)
+                out[f"{name} cpu"].append(time.thread_time() - cpu)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -752,10 +754,12 @@ def _interleaved_restores(cfg: Config, kinds: dict, model, opt, root: str, expec
                 if kind == "disk_cold" else None
             before()
             probe.take()
+            cpu = time.process_time()
             started = time.perf_counter()
             kinds[kind].restore()
             seconds = time.perf_counter() - started
-            rows[kind].append({"seconds": seconds, "path": kinds[kind].restored_path,
+            cpu = time.process_time() - cpu  # all threads': others' load barely moves it
+            rows[kind].append({"seconds": seconds, "cpu_s": cpu, "path": kinds[kind].restored_path,
                                "parts": probe.take(), "resident_after_evict": resident,
                                "verified_state": same_fingerprint(fingerprint(model, opt),
                                                                   expect)})
@@ -853,6 +857,7 @@ def run_memory(cfg: Config) -> dict[str, Any]:
             ratio = ratios[kind] = med(memory) / med(seconds[kind])
             print(f"  memory / {kind:<9} {ratio:.2f} ({min(memory) / min(seconds[kind]):.2f}), "
                   f"target <= {TARGET_MEMORY_RESHARD}: {verdict(ratio, TARGET_MEMORY_RESHARD)}")
+    _print_cpu({kind: [kind_rows] for kind, kind_rows in rows.items()})
     _print_disk_parts([rows["disk"]])
     _print_memory_parts([rows["memory"]])
     verified = all(r["verified_state"] for kind_rows in rows.values() for r in kind_rows)
@@ -860,6 +865,19 @@ def run_memory(cfg: Config) -> dict[str, Any]:
     _report_verified(verified)
     return {"memory_reshard": rows, "ratios": ratios, "target": TARGET_MEMORY_RESHARD,
             **same_world, "restored_state_verified": verified}
+
+
+def _print_cpu(rows_by_kind: dict[str, list[list[dict]]]) -> dict[str, float]:
+    """Each kind's CPU seconds per restore (its process's, all threads; median over
+    restores of the largest rank), and memory's against disk's: less moved by
+    others' load than wall time, so a check on the ratios of a busy machine."""
+    cpu = {kind: med([max(rows[i]["cpu_s"] for rows in by_rank)
+                      for i in range(len(by_rank[0]))])
+           for kind, by_rank in rows_by_kind.items()}
+    print("  CPU seconds per restore (median, largest rank): " + ", ".join(
+        f"{kind} {seconds:.4f}" for kind, seconds in cpu.items())
+        + f"; memory / disk {cpu['memory'] / cpu['disk']:.2f} (information)")
+    return cpu
 
 
 def _still_cached(rows: list[dict]) -> str:
@@ -907,19 +925,21 @@ def _report_memory_same_world(cfg: Config, w2: list[dict]) -> dict[str, Any]:
                   f"{TARGET_MEMORY_RESTORE}: {verdict(ratio_of, TARGET_MEMORY_RESTORE)}")
     _print_disk_parts([r["same_world"]["disk"] for r in w2])
     _print_memory_parts([r["same_world"]["memory"] for r in w2])
+    cpu = _print_cpu({kind: [r["same_world"][kind] for r in w2] for kind in rows})
     floors = {name: med([max(r["floors"][name][i] for r in w2) for i in range(cfg.restores)])
-              for name in ("memcpy", "memory file", "disk file")}
+              for name in w2[0]["floors"] if name != "bytes"}
     size = max(r["floors"]["bytes"][0] for r in w2)
     disk_s = med(rows["disk"])
     print(f"    the copy alone, {len(w2)} ranks at once, {size / MiB:.1f} MiB each (median, "
-          f"slowest rank; GB/s a rank; x the disk restore): " + ", ".join(
+          f"slowest rank; GB/s a rank; x the disk restore; its CPU seconds): " + ", ".join(
               f"{label} {floors[name]:.4f} s ({size / floors[name] / 1e9:.1f}; "
-              f"{floors[name] / disk_s:.2f}x)"
+              f"{floors[name] / disk_s:.2f}x; CPU {floors[name + ' cpu']:.4f} s)"
               for name, label in (("memcpy", "memcpy"), ("memory file", "preadv of the slot file"),
                                   ("disk file", "preadv of the DCP file in the page cache"))))
     verified = all(row["verified_state"] for r in w2 for kind in r["same_world"].values()
                    for row in kind)
     return {"memory_same_world": rows, "same_world_ratio": ratio, "copy_floors": floors,
+            "same_world_cpu_s": cpu,
             "same_world_target": TARGET_MEMORY_RESTORE, "snapshot_s": snapshot,
             "train_s": train, "memory_every": every, "staging_per_step": per_step,
             "restored_state_verified": verified}
