@@ -76,9 +76,16 @@ What is measured:
    into place (one ``preadv`` copy from /dev/shm, spread over the rank's share of the
    CPUs), the non-tensor state unpickled through the allow-list, the state applied and
    one gather of the outcomes; the disk side's choice, structure checks and dcp.load
-   with CRC-32s (files in the page cache, and with ``--cold`` evicted). Both sides copy
-   every byte of the state once; the phases line shows how much of the memory side
-   that copy is ("reading slot files").
+   with CRC-32s (files in the page cache, and with ``--cold`` evicted: each evicted row
+   says how much of the files ``mincore`` still found cached, 0 when the eviction
+   worked). Both sides copy every byte of the state once; the phases line shows how
+   much of the memory side that copy is ("reading slot files"), and "the copy alone"
+   times that copy by itself, both ranks at once, next to a plain memcpy of as many
+   bytes and a ``preadv`` of the rank's DCP file from the page cache: the floor under
+   the memory restore, as a fraction of the disk restore. The header names the memory
+   directory's mount: a tmpfs with 4 KiB pages (``/dev/shm``) is read at about half
+   the speed of a memcpy; ``--memory-dir`` puts the tier on another one (e.g. a tmpfs
+   mounted with ``huge=within_size``: 2 MiB pages, read at memcpy speed).
 
 How to run (under a minute at the default size on an idle 2-core machine, up to ~4 when
 it is busy; the numbers are wall-clock, so run nothing heavy meanwhile: the header shows
@@ -92,6 +99,9 @@ the load average before and after)::
         # only: the memory tier's snapshot cost, and restores from it vs from disk at the
         # saved world size (target <= 0.2x) and resharded 2 -> 1 (target <= 0.5x), with
         # the memory restore's phases and the first restore of the process
+    .venv/bin/python bench/checkpoint.py --memory --memory-dir /mnt/huge-tmpfs
+        # the same with the memory tier on a tmpfs mounted huge=within_size (needs root:
+        # mount -t tmpfs -o size=2g,huge=within_size,mode=700 tmpfs /mnt/huge-tmpfs)
 
 How to read it: every "ratio" is ours / reference (lower is better), next to its target
 and MET / MISSED, judged on the medians. The ratio of the fastest runs (in parentheses)
@@ -150,6 +160,7 @@ class Config:
     cold: bool
     restore_only: bool
     verbose: bool
+    memory_base: str = ""  # --memory: where the memory tier's directory is made ("": /dev/shm)
 
 
 # ---------------------------------------------------------------- helpers (in the ranks)
@@ -393,8 +404,11 @@ def same_fingerprint(a: list[float], b: list[float]) -> bool:
     return all(math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-9) for x, y in zip(a, b))
 
 
-def evict(directory: str) -> None:
-    """Drop a checkpoint directory's files from the page cache (clean pages only)."""
+def evict(directory: str) -> int:
+    """Drop a checkpoint directory's files from the page cache (clean pages only);
+    returns the bytes of them still in it afterwards (``mincore``; 0 when evicted,
+    -1 when it cannot be told)."""
+    resident = 0
     for name in os.listdir(directory):
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
@@ -402,8 +416,34 @@ def evict(directory: str) -> None:
         fd = os.open(path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            found = resident_bytes(fd)
+            resident = -1 if found < 0 or resident < 0 else resident + found
         finally:
             os.close(fd)
+    return resident
+
+
+def resident_bytes(fd: int) -> int:
+    """Bytes of the open file ``fd`` in the page cache (a mapping that touches no
+    page, and ``mincore``), or -1 when it cannot be told."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    address = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+    if address in (None, ctypes.c_void_p(-1).value):
+        return -1
+    try:
+        pages = (size + _PAGE - 1) // _PAGE
+        vector = (ctypes.c_ubyte * pages)()
+        if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vector) != 0:
+            return -1
+        return sum(byte & 1 for byte in vector) * _PAGE
+    finally:
+        libc.munmap(ctypes.c_void_p(address), ctypes.c_size_t(size))
 
 
 def write_result(cfg: Config, name: str, data: dict) -> None:
@@ -610,8 +650,9 @@ class _Position:
 
 
 def memory_dir(cfg: Config) -> str:
-    """The memory tier's directory: on /dev/shm (the agent's default) when there is one."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else cfg.scratch
+    """The memory tier's directory: under ``--memory-dir``, else on /dev/shm (the
+    agent's default) when there is one."""
+    base = cfg.memory_base or ("/dev/shm" if os.path.isdir("/dev/shm") else cfg.scratch)
     return os.path.join(base, os.path.basename(cfg.scratch) + "-memory")
 
 
@@ -645,13 +686,56 @@ def rank_memory_world2(rank: int, world: int, cfg: Config) -> None:
     disk = Checkpointer(root, model=model, optimizer=opt)
     kinds = {"disk": disk, "memory": ckpt, **({"disk_cold": disk} if cfg.cold else {})}
     rows = _interleaved_restores(cfg, kinds, model, opt, root, saved, before=dist.barrier)
+    floors = _copy_floors(cfg, rank, root, dist.barrier)
     disk.close()
     ckpt.close()
     dist.destroy_process_group()
     # The first snapshot maps the slot's memory: left out of the staging cost.
     write_result(cfg, f"mem-w2-rank{rank}", {"fingerprint": saved, "same_world": rows,
                                              "train_s": train_s[1:],
-                                             "snapshot_s": snapshot_s[1:]})
+                                             "snapshot_s": snapshot_s[1:], "floors": floors})
+
+
+def _copy_floors(cfg: Config, rank: int, root: str, barrier: Callable[[], Any]
+                 ) -> dict[str, list[float]]:
+    """What copying this rank's saved bytes alone costs, every rank at once (as in a
+    restore), ``cfg.restores`` times each: a plain memcpy of as many bytes between two
+    buffers of this process, one ``preadv`` of its memory slot's ``data.bin`` (the
+    memory restore's copy) and one of its DCP file in the page cache (the bytes the
+    disk restore reads), each into a buffer already touched."""
+    import ctypes
+
+    import torch
+
+    from elastic.checkpoint.memory import layout as memory_layout
+
+    slot = next(s for s in memory_layout.list_slots(memory_dir(cfg))
+                if s.key.rank == rank and s.manifest.step == MEMORY_STEP)
+    sources = {"memory file": os.path.join(slot.path, memory_layout.DATA),
+               "disk file": os.path.join(root, f"step-{MEMORY_STEP:012d}", f"__{rank}_0.distcp")}
+    size = slot.manifest.files[memory_layout.DATA]
+    source = torch.ones(size, dtype=torch.uint8)
+    target = torch.zeros(size, dtype=torch.uint8)
+    view = memoryview((ctypes.c_char * size).from_address(target.data_ptr())).cast("B")
+    fds = {name: os.open(path, os.O_RDONLY) for name, path in sources.items()}
+    actions = {"memcpy": lambda: target.copy_(source),
+               **{name: (lambda fd=fd: os.preadv(fd, [view[:os.fstat(fd).st_size]], 0))
+                  for name, fd in fds.items()}}
+    out: dict[str, list[float]] = {key: [] for name in actions for key in (name, f"{name} cpu")}
+    try:
+        for _ in range(cfg.restores):
+            for name, action in actions.items():
+                barrier()
+                cpu = time.thread_time()  # user + system time of this thread: the copy's
+                started = time.perf_counter()
+                action()
+                out[name].append(time.perf_counter() - started)
+                out[f"{name} cpu"].append(time.thread_time() - cpu)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    out["bytes"] = [float(size)]
+    return out
 
 
 def _interleaved_restores(cfg: Config, kinds: dict, model, opt, root: str, expect,
@@ -666,15 +750,17 @@ def _interleaved_restores(cfg: Config, kinds: dict, model, opt, root: str, expec
     for i in range(cfg.restores):
         for kind in (list(kinds) if i % 2 == 0 else list(reversed(kinds))):
             perturb(model, opt)
-            if kind == "disk_cold":
-                evict(os.path.join(root, f"step-{MEMORY_STEP:012d}"))
+            resident = evict(os.path.join(root, f"step-{MEMORY_STEP:012d}")) \
+                if kind == "disk_cold" else None
             before()
             probe.take()
+            cpu = time.process_time()
             started = time.perf_counter()
             kinds[kind].restore()
             seconds = time.perf_counter() - started
-            rows[kind].append({"seconds": seconds, "path": kinds[kind].restored_path,
-                               "parts": probe.take(),
+            cpu = time.process_time() - cpu  # all threads': others' load barely moves it
+            rows[kind].append({"seconds": seconds, "cpu_s": cpu, "path": kinds[kind].restored_path,
+                               "parts": probe.take(), "resident_after_evict": resident,
                                "verified_state": same_fingerprint(fingerprint(model, opt),
                                                                   expect)})
     return rows
@@ -741,6 +827,13 @@ def run_memory(cfg: Config) -> dict[str, Any]:
     """--memory: resharded restore (2 -> 1 ranks) from the memory tier vs from disk."""
     import torch.multiprocessing as mp
 
+    from elastic.checkpoint.memory import capacity
+
+    base = os.path.dirname(memory_dir(cfg))
+    kind, options = capacity.mount_of(base) or ("unknown", "")
+    pages = {True: "2 MiB pages", False: "4 KiB pages", None: "not a tmpfs"}
+    print(f"memory tier in {memory_dir(cfg)}: {kind} ({options}): "
+          f"{pages[capacity.huge_pages(base)]}")
     try:
         mp.spawn(_entry, args=("rank_memory_world2", 2, cfg), nprocs=2, join=True)
         mp.spawn(_entry, args=("rank_memory_world1", 1, cfg), nprocs=1, join=True)
@@ -757,13 +850,14 @@ def run_memory(cfg: Config) -> dict[str, Any]:
                         ("memory", "from memory")):
         if kind in seconds:
             print(f"  {label:<25} {med(seconds[kind]):.4f} s ({min(seconds[kind]):.4f})   "
-                  f"{rows[kind][0]['path']}")
+                  f"{rows[kind][0]['path']}{_still_cached(rows[kind])}")
     ratios = {}
     for kind in ("disk", "disk_cold"):
         if kind in seconds:
             ratio = ratios[kind] = med(memory) / med(seconds[kind])
             print(f"  memory / {kind:<9} {ratio:.2f} ({min(memory) / min(seconds[kind]):.2f}), "
                   f"target <= {TARGET_MEMORY_RESHARD}: {verdict(ratio, TARGET_MEMORY_RESHARD)}")
+    _print_cpu({kind: [kind_rows] for kind, kind_rows in rows.items()})
     _print_disk_parts([rows["disk"]])
     _print_memory_parts([rows["memory"]])
     verified = all(r["verified_state"] for kind_rows in rows.values() for r in kind_rows)
@@ -771,6 +865,31 @@ def run_memory(cfg: Config) -> dict[str, Any]:
     _report_verified(verified)
     return {"memory_reshard": rows, "ratios": ratios, "target": TARGET_MEMORY_RESHARD,
             **same_world, "restored_state_verified": verified}
+
+
+def _print_cpu(rows_by_kind: dict[str, list[list[dict]]]) -> dict[str, float]:
+    """Each kind's CPU seconds per restore (its process's, all threads; median over
+    restores of the largest rank), and memory's against disk's: less moved by
+    others' load than wall time, so a check on the ratios of a busy machine."""
+    cpu = {kind: med([max(rows[i]["cpu_s"] for rows in by_rank)
+                      for i in range(len(by_rank[0]))])
+           for kind, by_rank in rows_by_kind.items()}
+    print("  CPU seconds per restore (median, largest rank): " + ", ".join(
+        f"{kind} {seconds:.4f}" for kind, seconds in cpu.items())
+        + f"; memory / disk {cpu['memory'] / cpu['disk']:.2f} (information)")
+    return cpu
+
+
+def _still_cached(rows: list[dict]) -> str:
+    """For evicted rows: the most bytes of the checkpoint's files still in the page
+    cache after an eviction (mincore), so that "evicted" is seen to be true."""
+    found = [row["resident_after_evict"] for row in rows
+             if row.get("resident_after_evict") is not None]
+    if not found:
+        return ""
+    if min(found) < 0:
+        return "  (what eviction left cached cannot be told)"
+    return f"  ({max(found) / MiB:.1f} MiB still cached after eviction)"
 
 
 def _report_memory_same_world(cfg: Config, w2: list[dict]) -> dict[str, Any]:
@@ -795,7 +914,8 @@ def _report_memory_same_world(cfg: Config, w2: list[dict]) -> dict[str, Any]:
                         ("memory", "from memory")):
         if kind in rows:
             print(f"  {label:<25} {med(rows[kind]):.4f} s ({min(rows[kind]):.4f})   "
-                  f"{w2[0]['same_world'][kind][0]['path']}")
+                  f"{w2[0]['same_world'][kind][0]['path']}"
+                  f"{_still_cached([row for r in w2 for row in r['same_world'][kind]])}")
     ratio = med(rows["memory"]) / med(rows["disk"])
     for kind in ("disk", "disk_cold"):
         if kind in rows:
@@ -805,9 +925,21 @@ def _report_memory_same_world(cfg: Config, w2: list[dict]) -> dict[str, Any]:
                   f"{TARGET_MEMORY_RESTORE}: {verdict(ratio_of, TARGET_MEMORY_RESTORE)}")
     _print_disk_parts([r["same_world"]["disk"] for r in w2])
     _print_memory_parts([r["same_world"]["memory"] for r in w2])
+    cpu = _print_cpu({kind: [r["same_world"][kind] for r in w2] for kind in rows})
+    floors = {name: med([max(r["floors"][name][i] for r in w2) for i in range(cfg.restores)])
+              for name in w2[0]["floors"] if name != "bytes"}
+    size = max(r["floors"]["bytes"][0] for r in w2)
+    disk_s = med(rows["disk"])
+    print(f"    the copy alone, {len(w2)} ranks at once, {size / MiB:.1f} MiB each (median, "
+          f"slowest rank; GB/s a rank; x the disk restore; its CPU seconds): " + ", ".join(
+              f"{label} {floors[name]:.4f} s ({size / floors[name] / 1e9:.1f}; "
+              f"{floors[name] / disk_s:.2f}x; CPU {floors[name + ' cpu']:.4f} s)"
+              for name, label in (("memcpy", "memcpy"), ("memory file", "preadv of the slot file"),
+                                  ("disk file", "preadv of the DCP file in the page cache"))))
     verified = all(row["verified_state"] for r in w2 for kind in r["same_world"].values()
                    for row in kind)
-    return {"memory_same_world": rows, "same_world_ratio": ratio,
+    return {"memory_same_world": rows, "same_world_ratio": ratio, "copy_floors": floors,
+            "same_world_cpu_s": cpu,
             "same_world_target": TARGET_MEMORY_RESTORE, "snapshot_s": snapshot,
             "train_s": train, "memory_every": every, "staging_per_step": per_step,
             "restored_state_verified": verified}
@@ -1052,6 +1184,9 @@ def main() -> int:
     ap.add_argument("--memory", action="store_true",
                     help="only: resharded restore (2 -> 1 ranks) from the memory tier vs from "
                          "disk, the same step, side by side (target <= 0.5x)")
+    ap.add_argument("--memory-dir", default="",
+                    help="--memory: make the memory tier's directory under this one (default "
+                         "/dev/shm), e.g. a tmpfs mounted with huge=within_size")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     ap.add_argument("--keep-dir", action="store_true", help="do not delete the checkpoints")
     ap.add_argument("--verbose", action="store_true", help="the Checkpointer's INFO logs")
@@ -1080,7 +1215,7 @@ def main() -> int:
     cfg = Config(scratch=scratch, width=width, depth=args.depth, batch=args.batch,
                  saves=args.saves, restores=args.restores, threads=args.threads,
                  sample_ms=args.sample_ms, cold=args.cold, restore_only=args.restore_only,
-                 verbose=args.verbose)
+                 verbose=args.verbose, memory_base=args.memory_dir)
     from elastic.checkpoint import layout
 
     meta = {"loadavg_before": os.getloadavg(), "torch": torch.__version__, "python": platform.python_version(),

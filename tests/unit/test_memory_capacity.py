@@ -64,3 +64,22 @@ def test_cgroup_v1_fallback_and_its_unbounded_limit(tmp_path):
 def test_filesystem_free(tmp_path):
     assert capacity.filesystem_free(str(tmp_path)) > 0
     assert capacity.filesystem_free(str(tmp_path / "missing")) is None
+
+
+MOUNTS = """\
+22 1 253:0 / / rw,relatime - ext4 /dev/vda rw,discard
+30 22 0:25 / /fake/shm rw,nosuid,nodev - tmpfs tmpfs rw,size=1024k
+31 22 0:26 / /fake/huge rw,relatime - tmpfs tmpfs rw,size=4096k,huge=within_size
+32 31 0:27 / /fake/huge/plain rw,relatime - tmpfs tmpfs rw,size=4096k
+"""
+
+
+def test_a_tmpfs_mounted_huge_gives_slot_files_2_mib_pages(tmp_path):
+    write(tmp_path / "mountinfo", MOUNTS)
+    mountinfo = str(tmp_path / "mountinfo")
+    assert capacity.huge_pages("/fake/huge/job/own", mountinfo) is True
+    assert capacity.huge_pages("/fake/huge/plain/job", mountinfo) is False  # the deeper mount
+    assert capacity.huge_pages("/fake/shm/job", mountinfo) is False
+    assert capacity.huge_pages("/fake/tmp/job", mountinfo) is None  # not a tmpfs
+    assert capacity.mount_of("/fake/shm", mountinfo) == ("tmpfs", "rw,size=1024k")
+    assert capacity.mount_of("/fake/shm", str(tmp_path / "missing")) is None

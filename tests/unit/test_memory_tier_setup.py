@@ -3,6 +3,8 @@ before training goes on (a single rank, no process group)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -142,3 +144,17 @@ def test_a_failed_snapshot_write_is_a_warning_and_training_goes_on(tmp_path, mon
     ckpt.close()
     assert "could not write its memory snapshot of step 1" in caplog.text
     assert [s.manifest.step for s in layout.list_slots(str(tmp_path / "mem"))] == [0]
+
+
+@pytest.mark.parametrize("huge, said", [(False, "a tmpfs with 4 KiB pages"),
+                                        (True, "a tmpfs with 2 MiB pages")])
+def test_the_first_snapshot_says_which_pages_the_memory_directory_has(tmp_path, monkeypatch,
+                                                                      caplog, huge, said):
+    monkeypatch.setattr(capacity, "huge_pages", lambda path: huge)  # a mount needs root
+    caplog.set_level(logging.INFO, logger="elastic.checkpoint.memory.tier")
+    model, opt = model_and_optimizer()
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), model=model, optimizer=opt, data=Position(),
+                        memory_dir=str(tmp_path / "mem"), memory_every=1)
+    runtime.step(0)
+    ckpt.close()
+    assert said in caplog.text

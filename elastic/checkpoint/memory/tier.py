@@ -24,6 +24,12 @@ from elastic.checkpoint.memory.writer import Identity, SnapshotWriter
 
 log = logging.getLogger(__name__)
 
+# What the memory directory's pages mean for a restore (capacity.huge_pages).
+_PAGES = {True: " (a tmpfs with 2 MiB pages)",
+          False: " (a tmpfs with 4 KiB pages: a restore reads it at about half the speed of "
+                 "one mounted with huge=within_size)",
+          None: ""}
+
 
 class SnapshotTier:
     """Snapshots ``chunks``, ``schedulers`` and ``data`` (its ``state_dict()``)
@@ -108,8 +114,9 @@ class SnapshotTier:
                        self.memory_dir)
         self._checked = True
         log.log(self._news, "Rank %d: the memory tier takes %.1f MiB per rank and %.1f MiB on "
-                "this node (own and buddy's, double-buffered) in %s.", self.identity.rank,
-                state_bytes / 2**20, need / 2**20, self.memory_dir)
+                "this node (own and buddy's, double-buffered) in %s%s.", self.identity.rank,
+                state_bytes / 2**20, need / 2**20, self.memory_dir,
+                _PAGES[capacity.huge_pages(self.memory_dir)])
 
     def close(self) -> None:
         self._writer.close()
