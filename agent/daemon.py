@@ -87,6 +87,11 @@ STEADY_TICK_S = 2.0
 # loop has not completed a pass this long (plus the workers' stop grace, the
 # longest a pass may legitimately take).
 LOOP_STALL_S = 30.0
+# A failure's restart request is sent at once, before the workers are stopped (the
+# reactor puts it first), so that the leader forms the round and the other members
+# stop their workers meanwhile; it holds the stop up for no longer than this when
+# etcd is slow or out of reach (it then goes with the pass's flush, after the stop).
+REQUEST_AT_ONCE_S = 0.25
 
 
 class Supervisor(Protocol):
@@ -464,6 +469,9 @@ class Agent:
                                                           self.config.failure_stop_grace_s))
         elif isinstance(command, (reactor.RequestRestart, reactor.Report)):
             self.intents.add(command)
+            if isinstance(command, reactor.RequestRestart) and command.failure:
+                # Before the stop that follows it (see REQUEST_AT_ONCE_S).
+                self.intents.try_now(self.view, REQUEST_AT_ONCE_S)
         elif isinstance(command, reactor.WatchPeer):
             self._watch_peer(command.node_id, command.addr)
         elif isinstance(command, reactor.CheckPeersStore):

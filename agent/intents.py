@@ -19,6 +19,8 @@ from elastic.rendezvous.api import DrainRequest
 from elastic.rendezvous.node import RendezvousNode
 from elastic.store.api import Store
 
+log = logging.getLogger(__name__)
+
 Intent = reactor.RequestRestart | reactor.Report
 
 
@@ -37,11 +39,23 @@ class Intents:
     def add(self, intent: Intent) -> None:
         self._pending.append(intent)
 
-    def flush(self, view: reactor.AgentView) -> None:
+    def try_now(self, view: reactor.AgentView, timeout_s: float) -> bool:
+        """:meth:`flush` with each call bounded by ``timeout_s``; whether all
+        went. What etcd does not take so soon stays pending for the next flush."""
+        try:
+            self.flush(view, timeout_s)
+        except StoreError as exc:
+            log.debug("intents wait for the next flush: %s", exc)
+            return False
+        return True
+
+    def flush(self, view: reactor.AgentView, timeout_s: float | None = None) -> None:
         """Send the pending intents in order, after those a new lease needs
         again (:func:`agent.reactor.reports_for_new_lease`); drop those a
-        newer round has made moot. Raises StoreError at the first that etcd
-        does not take (it and those after it are kept)."""
+        newer round has made moot. Each call is bounded by ``timeout_s``
+        (default: the one given at construction). Raises StoreError at the
+        first that etcd does not take (it and those after it are kept)."""
+        timeout_s = self._timeout_s if timeout_s is None else min(timeout_s, self._timeout_s)
         lease = self._rdzv.lease_id
         if lease is not None and lease != self._lease:
             self._lease = lease
@@ -54,10 +68,10 @@ class Intents:
             intent = self._pending[0]
             if isinstance(intent, reactor.RequestRestart):
                 self._rdzv.request_restart(intent.reason, intent.round, failure=intent.failure,
-                                           timeout_s=self._timeout_s)
+                                           timeout_s=timeout_s)
             else:
                 self._rdzv.report(intent.kind, intent.round, intent.about,
-                                  silent_s=intent.silent_s, timeout_s=self._timeout_s)
+                                  silent_s=intent.silent_s, timeout_s=timeout_s)
             self._pending.pop(0)
 
 

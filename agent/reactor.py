@@ -627,13 +627,16 @@ def _leave_unfit(view: AgentView, reason: str, settings: Settings) -> Result:
 
 def _fail_round(view: AgentView, reason: str, cause: StopCause,
                 detect_s: float | None) -> Result:
-    """A local failure: stop this node's workers at once, then ask for a new
-    round (counted against the budget); the request is retried until it lands."""
+    """A local failure: ask for a new round (counted against the budget), then
+    stop this node's workers at once. The request comes first so that the
+    leader forms the round, and the other members stop their workers, while
+    this node stops its own (the loop sends it at once, briefly: it never holds
+    the stop up for long); it is retried until it lands."""
     number = view.round_number
     view, commands = _stop(dataclasses.replace(view, last_failure=reason), reason,
                            StopGrace.FAILURE, cause, detect_s)
-    return view, [Note(f"{reason}; requesting a restart")] + commands + [
-        RequestRestart(number, reason, failure=True)]
+    return view, [Note(f"{reason}; requesting a restart"),
+                  RequestRestart(number, reason, failure=True)] + commands
 
 
 def _on_exit(view: AgentView, e: WorkerExited, now: float, settings: Settings) -> Result:

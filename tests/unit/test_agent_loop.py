@@ -85,6 +85,27 @@ def test_a_crash_stops_the_workers_at_once_even_while_etcd_refuses_the_restart_r
     assert node.agent.state is S.RUNNING
 
 
+def test_a_crash_puts_its_restart_request_in_etcd_before_the_workers_are_stopped():
+    # The leader then forms the next round, and the other members stop their
+    # workers, while this node stops its own: the stops overlap.
+    node = OneNode()
+    node.run(3)
+    requests_when_stopped = []
+    stop = node.supervisor.stop
+
+    def stop_and_look(timeout_s=None):
+        requests_when_stopped.append(node.store.peek_prefix(node.rdzv.keys.restart_requests))
+        return stop(timeout_s)
+
+    node.supervisor.stop = stop_and_look
+    crashed = next(w for w in node.supervisor.current if w.alive)
+    node.workers.end(crashed, 1, node.clock.monotonic())
+    node.run(0.25)
+    assert len(requests_when_stopped) == 1
+    assert [json.loads(kv.value)["reason"] for kv in requests_when_stopped[0]] == [
+        f"worker rank {crashed.rank} (pid {crashed.pid}) exited with 1"]
+
+
 def test_job_end_is_retried_through_store_errors_and_never_kills_a_worker():
     node = OneNode(total_steps=6)
     node.run(2)

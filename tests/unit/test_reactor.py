@@ -173,11 +173,12 @@ class TestRounds:
 
 
 class TestWorkerExits:
-    def test_a_crash_stops_the_workers_first_then_requests_a_counted_restart(self):
+    def test_a_crash_requests_a_counted_restart_first_then_stops_the_workers(self):
+        # The request first: the leader forms the next round while the workers stop.
         view, commands = react(running(3), WorkerExited(3, 1, 1, 99, 1), 10.0, SETTINGS)
         assert view.state is S.JOINING
         assert view.last_failure == "worker rank 1 (pid 99) exited with 1"
-        assert kinds(commands).index("StopWorkers") < kinds(commands).index("RequestRestart")
+        assert kinds(commands).index("RequestRestart") < kinds(commands).index("StopWorkers")
         assert RequestRestart(3, "worker rank 1 (pid 99) exited with 1", failure=True) in commands
 
     def test_exits_of_other_rounds_or_stopped_workers_are_ignored(self):
