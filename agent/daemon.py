@@ -364,11 +364,10 @@ class Agent:
             self.notifier.status(status)
 
     def flush(self) -> None:
-        """Tell etcd what is pending: intents first, then the events and the
-        status (when due), under this node's lease. Each call is short (a
-        fraction of the lease TTL) and a pass stops at the first failure, so
-        a node cut off from etcd is never held up by it: whatever did not go
-        through waits for the next pass."""
+        """Tell etcd what is pending: intents first, then the events and the status (when
+        due), under this node's lease. Each call is short (a fraction of the lease TTL) and a
+        pass stops at the first failure, so a node cut off from etcd is never held up by it:
+        whatever did not go through waits for the next pass."""
         try:
             self.intents.flush(self.view)
             lease = self.rdzv.lease_id
@@ -392,10 +391,9 @@ class Agent:
 
     def status_record(self) -> StatusRecord:
         """This agent's status as published (any thread)."""
-        now = self.clock.monotonic()
+        now, pids = self.clock.monotonic(), {w.local_rank: w.pid for w in self.supervisor.workers()}
         record = status_of(self.config.node_id, self.lifecycle.published, self.view,
-                           self.workers.snapshot(),
-                           {w.local_rank: w.pid for w in self.supervisor.workers()}, now)
+                           self.workers.snapshot(), pids, now)
         return dataclasses.replace(
             record, goodput=goodput_row(self.goodput.snapshot(now)),
             stragglers=self.stragglers.rows(),
