@@ -14,8 +14,9 @@ What it holds: its stdin and /dev/null; none of the agent's other files or
 sockets (``close_fds``), and a session of its own (a Ctrl-C at the agent's
 terminal does not stop it before its agent). What it removes: the one
 directory it was given, only when it lies inside ``<root>/elastic-<uid>/``
-(``base``) and still holds the owner token it was given; a directory that a
-later agent of the same node id made is not its to remove.
+(``base``) and still holds the owner token it was given (a directory that a
+later agent of the same node id made is not its to remove); then the job's
+directory above it, once that is empty, as the agent's own exit does.
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ def reap(path: str, base: str, token: str) -> bool:
     except OSError:
         return False
     shutil.rmtree(doomed, ignore_errors=True)
+    parent = os.path.dirname(path)
+    if inside(parent, base):
+        try:
+            os.rmdir(parent)  # the job's directory, once no node's is left in it
+        except OSError:
+            pass
     return True
 
 

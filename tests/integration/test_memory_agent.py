@@ -149,6 +149,7 @@ def test_a_sigkilled_agent_leaves_no_memory_behind(agents, job_id):
     a.proc.kill()
     wait_until(lambda: not os.path.exists(a_dir), 2.0, "the SIGKILLed agent's memory freed")
     wait_until(lambda: not alive(reaper), 2.0, "the reaper gone after freeing it")
+    assert not os.path.exists(os.path.dirname(a_dir)), "the job's directory too, once empty"
 
 
 def rounds_in(directory: str) -> set[int]:

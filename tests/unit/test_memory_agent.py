@@ -268,8 +268,12 @@ def test_the_reaper_removes_only_its_own_directory_inside_the_base(tmp_path):
     assert not memory_reaper.reap(str(base), str(base), "t0ken")
     assert not memory_reaper.reap(str(base / "job" / "a"), str(base), "other")
     assert (tmp_path / "outside").exists() and (base / "job" / "a").exists()
+    (base / "job" / "b").mkdir()  # another node of the job on this host
+    (base / "job" / "b" / memory_reaper.OWNER_FILE).write_text("t0k3n")
     assert memory_reaper.reap(str(base / "job" / "a"), str(base), "t0ken")
-    assert os.listdir(base / "job") == []
+    assert os.listdir(base / "job") == ["b"], "the job's directory stays while b's is in it"
+    assert memory_reaper.reap(str(base / "job" / "b"), str(base), "t0k3n")
+    assert os.listdir(base) == [], "the job's directory goes with its last node's"
     with pytest.raises(ValueError, match="not inside"):
         memory_reaper.start_reaper(str(tmp_path / "outside"), str(base), "t0ken")
 
