@@ -39,15 +39,13 @@ class Intents:
     def add(self, intent: Intent) -> None:
         self._pending.append(intent)
 
-    def try_now(self, view: reactor.AgentView, timeout_s: float) -> bool:
-        """:meth:`flush` with each call bounded by ``timeout_s``; whether all
-        went. What etcd does not take so soon stays pending for the next flush."""
+    def try_now(self, view: reactor.AgentView, timeout_s: float) -> None:
+        """:meth:`flush` with each call bounded by ``timeout_s``. What etcd
+        does not take so soon stays pending for the next flush."""
         try:
             self.flush(view, timeout_s)
         except StoreError as exc:
             log.debug("intents wait for the next flush: %s", exc)
-            return False
-        return True
 
     def flush(self, view: reactor.AgentView, timeout_s: float | None = None) -> None:
         """Send the pending intents in order, after those a new lease needs
