@@ -548,7 +548,14 @@ def _on_round(view: AgentView, event: RoundCommitted, now: float, settings: Sett
                 "its workers run on")]
         # Its workers are the ones of round r.continues, which this node does
         # not run (any more): never start workers that no group waits for.
-        # The leader forms a new round for what this node requested or reported.
+        # The leader forms a new round for what this node requested or reported;
+        # a member that never saw that round has neither, and its group waits
+        # for workers that will not come: it asks for the round.
+        ran = view.round.workers_round if view.round else 0
+        if view.state is S.JOINING and ran < r.continues and r.member(settings.node_id):
+            return view, [RequestRestart(r.number, f"round {r.number} continues round "
+                                         f"{r.continues}, whose workers this node never "
+                                         "started", failure=False)]
         return view, []
     commands = []
     me = r.member(settings.node_id)

@@ -157,6 +157,17 @@ class TestRounds:
         other = round_of(3, "a", "c").continued(5, "x", "a", 1.0)  # not what runs here
         assert react(running(3), RoundCommitted(other), 10.0, SETTINGS) == (running(3), [])
 
+    def test_a_member_that_never_saw_the_round_a_continuation_keeps_asks_for_a_new_one(self):
+        # Round 3 replaced round 2 and was itself replaced (by a malformed
+        # record) before this node saw it: its group waits for this node's
+        # workers, and nothing this node sent asks for the round that starts them.
+        again = round_of(3, "a", "b").continued(5, "x", "b", 1.0)
+        stopped = dataclasses.replace(running(2), state=S.JOINING)
+        view, commands = react(stopped, RoundCommitted(again), 10.0, SETTINGS)
+        assert view == stopped
+        assert commands == [RequestRestart(5, "round 5 continues round 3, whose workers this "
+                                              "node never started", failure=False)]
+
     def test_job_success_ends_the_agent_and_sweeps_the_workers(self):
         done = dataclasses.replace(running(3), state=S.DONE)
         view, commands = react(done, RoundCommitted(round_of(4, "a", "b", outcome="succeeded")),
