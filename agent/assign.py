@@ -53,13 +53,15 @@ def worker_envs(round_: Round, node_id: str, *, job_id: str, restart_count: int,
     those of :mod:`elastic.worker_env`).
 
     Global ranks are dense and follow node ranks: a node's first rank is the
-    number of workers on the nodes before it (nodes may differ in nproc).
-    Raises ValueError if the node is not a member of the round.
+    number of workers on the nodes before it (nodes may differ in nproc; the
+    round's placement of the node says it, see :mod:`elastic.rendezvous.placement`).
+    Raises ValueError if the node is not a member of the round, or the round
+    does not place it (see ``RendezvousNode.placed_round``).
     """
-    me = round_.member(node_id)
-    if me is None:
+    me, placed = round_.member(node_id), round_.placement(node_id)
+    if me is None or placed is None:
         raise ValueError(f"node {node_id} is not a member of round {round_.number}")
-    first_rank = sum(m.nproc for m in round_.members if m.node_rank < me.node_rank)
+    first_rank = placed.first_rank
     common = {
         "WORLD_SIZE": str(round_.world_size),
         "LOCAL_WORLD_SIZE": str(me.nproc),

@@ -250,7 +250,8 @@ class Agent:
                                 if w.alive],
             health_of=lambda: built[0].workers.snapshot() if built else [], clock=clock,
             log=JobLogger(logging.getLogger("elasticd.hangs"), config.job_id, config.node_id,
-                          lambda: built[0].view.round_number if built else 0))
+                          lambda: built[0].view.round_number if built else 0),
+            read_whole=lambda: rendezvous.latest_round)
         built.append(cls(config, store, rendezvous, supervisor, server, peers, inbox=inbox,
                          socket_path=files.socket_path,
                          heartbeat_socket=server.heartbeat_socket or "", clock=clock,
@@ -418,7 +419,7 @@ class Agent:
             self._apply(command)
 
     def _round_event(self) -> reactor.RoundCommitted | None:
-        latest = self.rdzv.latest_round
+        latest = self.rdzv.placed_round
         if latest is None:
             return None
         drain = (latest.member(self.config.node_id) is None and not latest.outcome

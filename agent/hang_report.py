@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 from agent.hang_attribution import Attribution, HangKind, RankStack, attribute
 from agent.health import WorkerHealth
 from agent.stack_dumps import LocalWorker, StackCollector
 from elastic.clock import Clock
+from elastic.errors import ElasticError
 from elastic.joblog import JobLogger
 from elastic.records import cap_text
-from elastic.rendezvous.api import Round
+from elastic.rendezvous.api import Member, Round
 
 # How long a worker's dump is waited for, on each node.
 STACKS_TIMEOUT_S = 1.0
@@ -44,9 +45,13 @@ class HangReporter:
 
     def __init__(self, collector: StackCollector, peers: StackPeers, node_id: str,
                  workers_of: Callable[[], list[LocalWorker]],
-                 health_of: Callable[[], list[WorkerHealth]], clock: Clock, log: JobLogger):
+                 health_of: Callable[[], list[WorkerHealth]], clock: Clock, log: JobLogger,
+                 read_whole: Callable[[], Round | None] = lambda: None):
         """``workers_of``: this node's live workers now; ``health_of``: the
-        agent's health records of them."""
+        agent's health records of them; ``read_whole``: the latest round with
+        its members whole (read from etcd: a large job's round holds this
+        node's bucket alone)."""
+        self._read_whole = read_whole
         self._collector = collector
         self._peers = peers
         self._node_id = node_id
@@ -87,7 +92,8 @@ class HangReporter:
     def reason(self, round_: Round, verdict: str) -> Attribution:
         """``verdict`` (this node's hang verdict) with the attribution of the
         whole round's stacks before it, and the rule's kind. Never raises."""
-        addrs = tuple(m.addr for m in round_.members if m.node_id != self._node_id and m.addr)
+        members = self._members_of(round_)
+        addrs = tuple(m.addr for m in members if m.node_id != self._node_id and m.addr)
         with ThreadPoolExecutor(max_workers=1) as pool:
             remote = pool.submit(self._peers.collect_stacks, addrs, round_.number,
                                  PEERS_TIMEOUT_S)
@@ -97,7 +103,7 @@ class HangReporter:
             except Exception as exc:  # noqa: BLE001 - an attribution never blocks the verdict
                 self._log.warning("could not ask the peers for their stacks: %s", exc)
         answered = {r.node_id for r in ranks}
-        silent = [m.node_id for m in round_.members if m.node_id not in answered]
+        silent = [m.node_id for m in members if m.node_id not in answered]
         attribution = attribute(ranks)
         line = attribution.reason
         if silent:
@@ -105,6 +111,25 @@ class HangReporter:
         if not line:
             return Attribution(verdict, attribution.kind)
         return Attribution(cap_text(f"{line} [{verdict}]"), attribution.kind)
+
+    def _members_of(self, round_: Round) -> Sequence[Member]:
+        """Every member of ``round_``: read whole once for a large job's
+        round; those of this node's bucket when that read fails or finds
+        another round. Never raises."""
+        if round_.holds_members:
+            return round_.members
+        try:
+            whole = self._read_whole()
+            if whole is not None and whole.number == round_.number:
+                return whole.members
+        except ElasticError as exc:
+            self._log.warning("round %d not read whole, stacks asked of this node's bucket "
+                              "only: %s", round_.number, exc)
+        try:
+            return round_.held_members()
+        except ElasticError as exc:
+            self._log.warning("round %d: no peer asked for stacks: %s", round_.number, exc)
+            return ()
 
 
 class VerdictOnly:

@@ -58,7 +58,7 @@ class Intents:
         if lease is not None and lease != self._lease:
             self._lease = lease
             self._pending += reactor.reports_for_new_lease(view)
-        latest = self._rdzv.latest_round
+        latest = self._rdzv.placed_round
         # About the round a newer one continues (Round.continues): still current.
         newest = latest.workers_round if latest else 0
         self._pending = [i for i in self._pending if i.round >= newest]

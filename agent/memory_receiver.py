@@ -54,6 +54,20 @@ class _Pending:
     received: int = 0
 
 
+def may_send(known: Round, receiver: str, source: str) -> bool:
+    """Whether node ``receiver``, which knows the round ``known``, takes
+    replicas from ``source``: a member it holds, or its own source (all a
+    large job's node is told of the members beyond its bucket; another member
+    of such a round is refused until it learns the round and sends to its own
+    buddy). Raises MalformedRecordError when a line it reads does not read."""
+    placed = known.placement(receiver)
+    if placed is not None and placed.source is not None and placed.source.node_id == source:
+        return True
+    if known.holds_members:
+        return known.member(source) is not None
+    return any(m.node_id == source for m in known.held_members())
+
+
 class ReplicaReceiver:
     """Writes the replicas buddies send into ``memory_dir``/replicas/.
 
@@ -106,7 +120,7 @@ class ReplicaReceiver:
         if req.source == self._node_id:
             raise InvalidRequestError("Replicate: a node does not replicate to itself")
         known = self._round_of()
-        if known is None or known.member(req.source) is None:
+        if known is None or not may_send(known, self._node_id, req.source):
             raise FencedError(f"Replicate: node {req.source} is not a member of round "
                               f"{known.number if known else 0} as node {self._node_id} "
                               "knows it")

@@ -11,8 +11,8 @@ pass (:meth:`Replicator.run_once`) it
    a worker that does not say it), else every :data:`POLL_IDLE_S`;
 2. frees what :func:`agent.memory_rules.slots_to_free` says, every
    :data:`FULL_SCAN_S` (replicas included);
-3. sends what :func:`agent.memory_rules.to_send` says to the buddy
-   (:func:`agent.memory_rules.buddy_of` over the round the agent knows) with
+3. sends what :func:`agent.memory_rules.to_send` says to the buddy (the
+   round's placement of this node, :mod:`elastic.rendezvous.placement`) with
    a :class:`~agent.memory_client.ReplicaClient`: per rank the newest
    complete snapshot not yet acknowledged, so a buddy that falls behind gets
    the newest, never the backlog; after a failed send it waits
@@ -43,6 +43,7 @@ from elastic.clock import SYSTEM_CLOCK, Clock
 from elastic.errors import ElasticError
 from elastic.joblog import JobLogger
 from elastic.rendezvous.api import Round
+from elastic.rendezvous.placement import Peer
 
 log = logging.getLogger(__name__)
 
@@ -186,14 +187,13 @@ class Replicator:
         """One pass: look, free, send, report."""
         now = self._clock.monotonic()
         current = self._round_of()
-        members = current.node_ids if current else ()
-        racks = {m.node_id: m.rack for m in current.members} if current else {}
-        buddy = memory_rules.buddy_of(self._node_id, members, racks)
-        source = memory_rules.source_of(self._node_id, members, racks)
-        changed = buddy != self._buddy
+        placed = current.placement(self._node_id) if current else None
+        buddy = placed.buddy if placed else None
+        source = placed.source.node_id if placed and placed.source else None
+        changed = (buddy.node_id if buddy else None) != self._buddy
         if changed:
-            self._buddy, self._acked = buddy, {}
-            self._log.info("memory tier: replicating to %s.", buddy or "nobody (one member)")
+            self._buddy, self._acked = (buddy.node_id if buddy else None), {}
+            self._log.info("memory tier: replicating to %s.", self._buddy or "nobody (one member)")
         own, own_changed = self._own.look()
         if now - self._scanned_at >= FULL_SCAN_S:
             self._scanned_at = now
@@ -220,20 +220,19 @@ class Replicator:
         self._log.info("memory tier: freed %d slot(s) of older rounds.",
                        len(doomed))
 
-    def _send(self, current: Round, buddy: str, own: list[layout.SlotInfo]) -> None:
+    def _send(self, current: Round, buddy: Peer, own: list[layout.SlotInfo]) -> None:
         by_key = {info.key: info for info in own}
         seen = [_seen(info) for info in own]
-        member = current.member(buddy)
-        if member is None or not member.addr:
+        if not buddy.addr:
             return
         for s in memory_rules.to_send(seen, self._acked):
             info = by_key[s.key]
             started = self._clock.monotonic()
             try:
-                sent = self._client.send_slot(member.addr, current.number, info, self._stop)
+                sent = self._client.send_slot(buddy.addr, current.number, info, self._stop)
             except (ElasticError, OSError) as exc:
                 self._retry_at = self._clock.monotonic() + RETRY_S
-                self._note(f"cannot replicate to {buddy}: {exc}")
+                self._note(f"cannot replicate to {buddy.node_id}: {exc}")
                 return
             if sent is None:
                 # The worker started the slot over (its next snapshot goes instead),

@@ -1,16 +1,12 @@
-"""The memory tier's decisions, pure: whom a node replicates to, what it sends,
+"""The memory tier's decisions, pure: what a node sends to its buddy,
 what it frees, how much memory it needs.
 
 The rules (each a function below, unit tested without files or clocks):
 
-* **Buddy** (:func:`buddy_of`): the round's members form a ring; a node sends
-  its snapshots to the next node of the ring and holds the replicas of the one
-  before it (:func:`source_of`). Never itself; nobody with one member. The
-  ring is the members in node-rank order, unless some share a rack
-  (``--rack``): then it is reordered so that neighbours sit on different
-  racks wherever the racks' sizes allow it (:func:`ring_order`), and losing
-  one rack loses no snapshot together with its replica. A node without
-  a rack counts as a rack of its own.
+* **Buddy**: a node sends its snapshots to its buddy and holds the replicas
+  of its source, as the round places them (a ring of the members, racks
+  interleaved: :mod:`elastic.rendezvous.placement`). Never itself; nobody
+  with one member.
 * **What to send** (:func:`to_send`): per rank, the newest complete own
   snapshot (by round, then step) that the buddy has not acknowledged; older
   ones are skipped, so a replication that falls behind catches up with the
@@ -48,48 +44,6 @@ class SlotSeen:
     @property
     def complete(self) -> bool:
         return self.step is not None
-
-
-def ring_order(members: Sequence[str], racks: Mapping[str, str]) -> list[str]:
-    """The replication ring: ``members`` (node ids in node-rank order) as they
-    are when no two share a rack. Else the nodes, grouped by rack (largest
-    rack first, ties in order of first appearance; node-rank order within a
-    rack), are dealt to the ring's even places, then to its odd ones: two
-    neighbours then share a rack only when one rack holds more than half of
-    the ring, and then no more often than that forces (``2 * largest - n``)."""
-    groups: dict[str, list[str]] = {}
-    for node in members:
-        # A node without a rack is a rack of its own ("\0" never starts a rack's name).
-        groups.setdefault(racks.get(node) or f"\0{node}", []).append(node)
-    if len(groups) == len(members):
-        return list(members)
-    dealt = [node for group in sorted(groups.values(), key=len, reverse=True)
-             for node in group]
-    places = list(range(0, len(dealt), 2)) + list(range(1, len(dealt), 2))
-    order = [""] * len(dealt)
-    for place, node in zip(places, dealt):
-        order[place] = node
-    return order
-
-
-def buddy_of(node_id: str, members: Sequence[str], racks: Mapping[str, str]) -> str | None:
-    """The node ``node_id`` replicates its snapshots to: the next in the ring;
-    None when it is the only member or not a member."""
-    return _neighbour(node_id, members, racks, +1)
-
-
-def source_of(node_id: str, members: Sequence[str], racks: Mapping[str, str]) -> str | None:
-    """The node whose snapshots ``node_id`` holds replicas of: the one before it
-    in the ring (the node whose buddy it is); None as for :func:`buddy_of`."""
-    return _neighbour(node_id, members, racks, -1)
-
-
-def _neighbour(node_id: str, members: Sequence[str], racks: Mapping[str, str],
-               step: int) -> str | None:
-    if len(members) < 2 or node_id not in members:
-        return None
-    order = ring_order(members, racks)
-    return order[(order.index(node_id) + step) % len(order)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -448,12 +448,11 @@ Result = tuple[AgentView, list[Command]]
 
 def ring_peer(r: Round, node_id: str) -> tuple[str, str] | None:
     """The next member after ``node_id`` in ``r`` (its id and agent address):
-    each node watches one peer, so health checks cost O(1) per node."""
-    me = r.member(node_id)
-    if me is None or len(r.members) < 2:
-        return None
-    peer = r.members[(me.node_rank + 1) % len(r.members)]
-    return (peer.node_id, peer.addr) if peer.addr else None
+    each node watches one peer, so health checks cost O(1) per node. None
+    when there is none, or it gave no address."""
+    placed = r.placement(node_id)
+    peer = placed.ring_next if placed else None
+    return (peer.node_id, peer.addr) if peer and peer.addr else None
 
 
 def react(view: AgentView, event: Event, now: float, settings: Settings) -> Result:
@@ -509,12 +508,16 @@ def _stop(view: AgentView, reason: str, grace: StopGrace, cause: StopCause,
 def _replacement_cause(old: Round, new: Round) -> StopCause:
     """Why ``new`` replaces the round ``old`` this node's workers run in, from
     its members and failures (never its reason's text): someone left, else a
-    failure counted elsewhere, else someone joined, else it was requested."""
-    if set(old.node_ids) - set(new.node_ids):
+    failure counted elsewhere, else someone joined, else it was requested.
+    A change of members this node cannot tell (a large job's, see
+    Round.membership_change) counts as someone leaving: the failure's grace,
+    as survivors may be stuck in a collective."""
+    left, joined = new.membership_change(old) or (True, False)
+    if left:
         return StopCause.NODE_LEFT
     if set(new.failures) - set(old.failures):
         return StopCause.PEER_FAILURE
-    if set(new.node_ids) - set(old.node_ids):
+    if joined:
         return StopCause.NODE_JOINED
     return StopCause.REQUESTED
 
@@ -706,7 +709,10 @@ def _on_silent(view: AgentView, event: PeerSilent, settings: Settings) -> Result
 
 
 def _peers_to_ask(r: Round, node_id: str, standby_addrs: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(m.addr for m in r.members if m.node_id != node_id and m.addr) + standby_addrs
+    """The members this node holds (all of a small job's; its bucket's, a
+    sample, of a large one's), then the standbys."""
+    return tuple(m.addr for m in r.held_members() if m.node_id != node_id and m.addr) \
+        + standby_addrs
 
 
 def store_in_doubt(view: AgentView, lease_unconfirmed_s: float, settings: Settings) -> bool:

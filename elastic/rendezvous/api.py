@@ -35,6 +35,7 @@ from elastic.records import (
     typed_field,
     valid_addr,
 )
+from elastic.rendezvous.placement import Placement, placements
 
 # A rack's name (--rack) is a short label.
 MAX_RACK_CHARS = 64
@@ -205,6 +206,42 @@ class Round:
     def _by_id(self) -> dict[str, Member]:
         # Every node looks itself up in every round: O(1), not O(members).
         return {m.node_id: m for m in self.members}
+
+    def placement(self, node_id: str) -> Placement | None:
+        """Member ``node_id``'s first rank, ring peer, buddy and source
+        (:mod:`elastic.rendezvous.placement`); None when it is no member, or
+        when this round holds one bucket of an earlier form, which places
+        nobody (read the round whole). Raises MalformedRecordError when the
+        members are built (a whole roster) or its line read (a bucket) and fail."""
+        find = getattr(self.members, "placement", None)
+        return find(node_id) if find is not None else self._placements.get(node_id)
+
+    @functools.cached_property
+    def _placements(self) -> dict[str, Placement]:
+        return placements(self.members)
+
+    def membership_change(self, before: "Round") -> tuple[bool, bool] | None:
+        """``(left, joined)``: whether some member of ``before`` is no member
+        of this round, and whether some member of this one was none of
+        ``before``'s. None when this node cannot tell without both lists
+        whole: a large job's round taken from its bucket whose roster is
+        neither ``before``'s nor a delta from it that the round carries."""
+        if self.holds_members and before.holds_members:
+            old, new = set(before.node_ids), set(self.node_ids)
+            return bool(old - new), bool(new - old)
+        name, before_name = (getattr(self.members, "name", None),
+                             getattr(before.members, "name", None))
+        if name is not None and name == before_name:
+            return False, False
+        change = getattr(self.members, "change_from", None)
+        return change(before_name) if change is not None and before_name else None
+
+    def held_members(self) -> Sequence[Member]:
+        """The members held here: every one, or those of this node's bucket
+        of a large roster (about BUCKET_MEMBERS, a sample that costs nothing
+        more to read). Raises MalformedRecordError as :meth:`placement`."""
+        held = getattr(self.members, "held", None)
+        return held() if held is not None else self.members
 
     def to_json(self) -> bytes:
         obj = asdict(replace(self, members=()))

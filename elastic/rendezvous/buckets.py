@@ -2,13 +2,18 @@
 to find itself.
 
 A roster too large for the round record is stored whole (every member, for
-whoever uses the list whole: the leader, ``elasticctl status``, an agent) and
+whoever uses the list whole: the leader, ``elasticctl status``, a hang report) and
 again split into buckets: member ``node_id`` sits in bucket
 :func:`bucket_of` (a CRC-32 of the id, modulo a power of two), one line per
-member in rank order, ``node_rank TAB`` then the roster's own line. A node
-that does not hold the roster reads its one bucket (about BUCKET_MEMBERS
-lines): it finds its line there, or learns that it is no member, at the same
-cost in a job of any size.
+member in rank order: ``node_rank TAB`` the roster's own line, then ``TAB``
+and the member's :class:`~elastic.rendezvous.placement.Placement` (its first
+rank, then its ring peer, buddy and source, each ``node_id TAB addr``). A
+node that does not hold the roster reads its one bucket (about
+BUCKET_MEMBERS lines): it finds there its line and everything else it needs
+to run the round (its ranks, the peer it probes, the nodes it replicates to
+and from), or learns that it is no member, at the same cost in a job of any
+size. A line of the earlier form (no placement) still reads; it places
+nobody, and its reader reads the round whole.
 
 The round record names the buckets by the root of a hash tree over them
 (:func:`index`): each stored bucket carries the path that proves it belongs
@@ -24,14 +29,16 @@ from __future__ import annotations
 
 import hashlib
 import zlib
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
-from elastic.errors import MalformedRecordError
+from elastic.errors import ConfigError, MalformedRecordError
+from elastic.records import valid_addr, validate_id
 from elastic.rendezvous import roster
 from elastic.rendezvous.api import Member
+from elastic.rendezvous.placement import Peer, Placement, placements
 
-# Members per bucket, about: what a node reads to find itself (4 to 5 KB of
-# lines, under 2 KB compressed).
+# Members per bucket, about: what a node reads to find itself (about 10 KB of
+# lines with their placements, under 3 KB compressed).
 BUCKET_MEMBERS = 64
 # The most buckets a record may ask for (about 4 million members).
 MAX_BUCKETS = 1 << 16
@@ -53,14 +60,42 @@ def bucket_of(node_id: str, count: int) -> int:
     return zlib.crc32(node_id.encode()) & (count - 1)
 
 
+class _Row(NamedTuple):
+    """What placing a member reads of its roster line."""
+
+    node_id: str
+    nproc: int
+    addr: str
+    rack: str
+
+
 def split(raw: bytes, count: int) -> list[bytes]:
-    """The roster ``raw`` (its uncompressed lines, :func:`roster.canonical`)
-    as ``count`` buckets of ``rank TAB line`` lines, uncompressed."""
+    """The roster ``raw`` (its uncompressed lines, :func:`roster.canonical`,
+    written by this process's leader: trusted) as ``count`` buckets of
+    ``rank TAB line TAB placement`` lines, uncompressed."""
+    lines = raw.split(b"\n")[:-1]
+    rows = []
+    for line in lines:
+        node_id, _, nproc, addr, rack = line.decode().split("\t")
+        rows.append(_Row(node_id, int(nproc), addr, rack))
+    placed = placements(rows)
     parts: list[list[bytes]] = [[] for _ in range(count)]
-    for rank, line in enumerate(raw.split(b"\n")[:-1]):
-        node_id = line[:line.index(b"\t")].decode()
-        parts[bucket_of(node_id, count)].append(b"%d\t%s\n" % (rank, line))
+    for rank, (line, row) in enumerate(zip(lines, rows)):
+        where = _placement_text(placed[row.node_id]).encode()
+        parts[bucket_of(row.node_id, count)].append(b"%d\t%s\t%s\n" % (rank, line, where))
     return [b"".join(p) for p in parts]
+
+
+def _placement_text(p: Placement) -> str:
+    peers = (p.ring_next, p.buddy, p.source)
+    return "\t".join([str(p.first_rank)] + [f"{q.node_id}\t{q.addr}" if q else "\t"
+                                             for q in peers])
+
+
+# A line's fields: the rank, the roster's line, then the placement's (the
+# first rank, then the ring peer, buddy and source: an id and an address each).
+_ROSTER_FIELDS = slice(1, 1 + roster.FIELDS)
+_PLACED_FIELDS = 1 + roster.FIELDS + 1 + 3 * 2
 
 
 def _leaf(text: bytes) -> bytes:
@@ -133,11 +168,13 @@ class BucketRoster(Sequence[Member]):
     whole = False  # see Round.holds_members
 
     def __init__(self, key: str, name: str, nnodes: int, world_size: int, number: int,
-                 count: int, text: bytes):
+                 count: int, text: bytes, delta: dict | None = None):
         """Raises MalformedRecordError naming the key when the bucket ``text``
         is not UTF-8 lines, or an id in it repeats or belongs to another
-        bucket; a line is checked whole when :meth:`member` finds it."""
+        bucket; a line is checked whole when :meth:`member` finds it.
+        ``delta``: the round record's (:func:`roster.delta`), if it carries one."""
         self.key, self.name, self.world_size = key, name, world_size
+        self._delta = delta
         self._count, self._bucket, self._buckets = nnodes, number, count
         if text and not text.endswith(b"\n"):
             raise MalformedRecordError(key, "the roster bucket's last line is not ended")
@@ -154,13 +191,21 @@ class BucketRoster(Sequence[Member]):
                                                 "none, or belongs to another bucket")
             self._lines[node_id] = line
         self._found: dict[str, Member | None] = {}
+        self._placed: dict[str, Placement | None] = {}
 
-    def _row(self, line: str) -> Member:
-        rank, _, rest = line.partition("\t")
+    def _fields(self, node_id: str) -> list[str] | None:
+        line = self._lines.get(node_id.encode())
+        if line is None:
+            return None
+        fields = line.decode().split("\t")
+        rank = fields[0]
         if not rank.isascii() or not rank.isdigit() or int(rank) >= self._count:
             raise MalformedRecordError(self.key, "a roster bucket's line has no rank within "
                                                  f"the roster's {self._count} members")
-        return roster.parse_line(self.key, int(rank), rest)
+        if len(fields) not in (1 + roster.FIELDS, _PLACED_FIELDS):
+            raise MalformedRecordError(self.key, f"a roster bucket's line for {node_id} has "
+                                                 f"{len(fields)} fields")
+        return fields
 
     def __len__(self) -> int:
         return self._count
@@ -177,9 +222,58 @@ class BucketRoster(Sequence[Member]):
             raise NotHeldError(f"roster {self.name}: node {node_id} is in a bucket this node "
                                "did not read")
         if node_id not in self._found:  # a node asks for itself several times a round
-            line = self._lines.get(node_id.encode())
-            self._found[node_id] = None if line is None else self._row(line.decode())
+            fields = self._fields(node_id)
+            self._found[node_id] = None if fields is None else roster.parse_line(
+                self.key, int(fields[0]), "\t".join(fields[_ROSTER_FIELDS]))
         return self._found[node_id]
+
+    def placement(self, node_id: str) -> Placement | None:
+        """Member ``node_id``'s placement (None: not in the roster, or its line
+        is of the earlier form, which places nobody). Raises as :meth:`member`
+        does, and MalformedRecordError when the placement is not valid."""
+        if node_id not in self._placed:
+            fields = self._fields(node_id) if self.member(node_id) is not None else None
+            self._placed[node_id] = (self._placement(node_id, fields[1 + roster.FIELDS:])
+                                     if fields and len(fields) == _PLACED_FIELDS else None)
+        return self._placed[node_id]
+
+    def _placement(self, node_id: str, fields: list[str]) -> Placement:
+        first = fields[0]
+        if not first.isascii() or not first.isdigit() or int(first) >= self.world_size:
+            raise MalformedRecordError(self.key, f"node {node_id}'s first rank is not within "
+                                                 f"the world of {self.world_size}")
+        peers = [self._peer(node_id, fields[i], fields[i + 1]) for i in (1, 3, 5)]
+        if peers.count(None) != (3 if self._count < 2 else 0):
+            raise MalformedRecordError(self.key, f"node {node_id}'s peers are not those of a "
+                                                 f"roster of {self._count} members")
+        return Placement(int(first), *peers)
+
+    def _peer(self, node_id: str, peer_id: str, addr: str) -> Peer | None:
+        if not peer_id and not addr:
+            return None
+        try:
+            validate_id("node id", peer_id)
+        except ConfigError as exc:
+            raise MalformedRecordError(self.key, f"node {node_id}'s placement: {exc}") from None
+        if addr and not valid_addr(addr):
+            raise MalformedRecordError(self.key, f"node {node_id}'s placement names peer "
+                                                 f"{peer_id} at no valid address")
+        return Peer(peer_id, addr)
+
+    def change_from(self, base: str) -> tuple[bool, bool] | None:
+        """``(left, joined)`` from the roster named ``base`` to this one, when
+        the round carries its delta from ``base`` (None: it does not)."""
+        d = self._delta
+        if d is None or d.get("base") != base or not isinstance(d.get("left"), list) \
+                or not isinstance(d.get("joined"), list):
+            return None
+        return bool(d["left"]), bool(d["joined"])
+
+    def held(self) -> list[Member]:
+        """The members of this node's bucket, in node-rank order: a sample of
+        the roster that costs nothing more to read. Raises as :meth:`member`."""
+        found = [self.member(node_id.decode()) for node_id in self._lines]
+        return sorted((m for m in found if m is not None), key=lambda m: m.node_rank)
 
     def __getitem__(self, index):  # type: ignore[override]
         raise NotHeldError(f"roster {self.name} is not held whole here")

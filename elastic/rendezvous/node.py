@@ -53,7 +53,12 @@ import threading
 from typing import Callable
 
 from elastic.clock import SYSTEM_CLOCK, Clock
-from elastic.errors import DuplicateNodeError, RendezvousTimeoutError, StoreError
+from elastic.errors import (
+    DuplicateNodeError,
+    MalformedRecordError,
+    RendezvousTimeoutError,
+    StoreError,
+)
 from elastic.fence import fenced_put
 from elastic.joblog import JobLogger
 from elastic.keyspace import JobKeys
@@ -167,11 +172,6 @@ class RendezvousNode:
     # ----------------------------------------------------------------- public
 
     @property
-    def info(self) -> NodeInfo:
-        """This node's registration record as last written."""
-        return self._membership.info
-
-    @property
     def node_id(self) -> str:
         return self._membership.node_id
 
@@ -216,6 +216,25 @@ class RendezvousNode:
         whole): a round whose roster fails is refused here, reported, and the
         last round that passed is the latest again. What :meth:`wait_for_round`
         returns had only this node's own line checked."""
+        return self._rounds.checked()
+
+    @property
+    def placed_round(self) -> Round | None:
+        """The latest round as this node runs it: its own line and placement
+        (first rank, ring peer, buddy, source) checked, and the rest of the
+        list only when it is held anyway (a small job's), so that a node of a
+        large job reads its bucket and no more. A round from a bucket of an
+        earlier form, which places nobody, is read whole (:attr:`latest_round`).
+        Raises the store's errors when it reads."""
+        current = self._rounds.latest
+        if current is None or current.holds_members:
+            return self._rounds.checked()
+        try:
+            if current.member(self.node_id) is None or current.placement(self.node_id):
+                return current
+        except MalformedRecordError as exc:
+            self.log.warning("round %d: this node's line in its bucket does not read (%s); "
+                             "reading the round whole", current.number, exc)
         return self._rounds.checked()
 
     def start(self, *, thread: bool = True) -> "RendezvousNode":

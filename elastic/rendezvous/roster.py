@@ -52,8 +52,9 @@ DIGEST_CHARS = 32  # 128 bits of sha256, in hex
 # (about 100 joiners): beyond it, nodes read the roster.
 MAX_DELTA_BYTES = 16 * 1024
 _XZ_MAGIC = b"\xfd7zXZ\x00"
-# What an xz roster may take to inflate: preset 6's dictionary is 8 MiB; a
-# value that asks for more is no roster this module wrote.
+# What an xz roster may take to inflate (the dictionary of preset 1 is 1 MiB,
+# of preset 6, which earlier rosters used, 8 MiB): a value that asks for more
+# is no roster this module wrote.
 _XZ_MEMLIMIT = 64 << 20
 # A line's fields: node_id, host, nproc, addr, rack. Valid ids, hosts,
 # addresses and racks hold no tab or line feed (records.py's rules), so the
@@ -98,14 +99,14 @@ def pack(members: Sequence[Member], dense: bool = False) -> tuple[str, bytes]:
 
 def compress(raw: bytes, dense: bool = False) -> bytes:
     """The roster ``raw`` compressed with zlib, or ``dense``: with xz at
-    preset 6, about half zlib's size (16,384 members: 83 KB instead of 163 KB,
-    5 ms to inflate instead of 2, 0.54 s to write instead of 20 ms): for a
-    roster stored apart, which whoever uses the list whole reads. Every agent
-    still does, once per roster, so its bytes count N times in a first round:
-    preset 1 would write in 60 ms but send 1.5 times the bytes.
-    :func:`unpack` reads both."""
+    preset 1, for a roster stored apart (16,384 members: 130 KB instead of
+    zlib's 163 KB, written in 60 ms of the leader's CPU at every round that
+    introduces a roster). Agents run their rounds from their bucket, so only
+    an occasional user of the whole list reads it: preset 6 would save that
+    reader a third of the bytes and cost every such round 0.5 s of the
+    leader's time. :func:`unpack` reads both."""
     if dense:
-        return lzma.compress(raw, format=lzma.FORMAT_XZ, preset=6)
+        return lzma.compress(raw, format=lzma.FORMAT_XZ, preset=1)
     return zlib.compress(raw, 6)
 
 

@@ -215,7 +215,7 @@ def _bucket_roster(head: RoundHead, stored: bytes | None, me: str) -> buckets.Bu
     text = buckets.open_bucket(head.key, stored, number, count, root)
     world_size = int_field(head.key, head.fields, "world_size", 1)
     return buckets.BucketRoster(head.key, head.roster, head.nnodes, world_size, number, count,
-                                text)
+                                text, head.delta)
 
 
 def bucket_reads(keys: JobKeys, head: RoundHead, me: str) -> list[Op]:
@@ -256,7 +256,7 @@ def head_of(record: Round, previous: Round | None, previous_roster: str
         # Whoever holds neither this roster nor the delta's base reads its bucket.
         count, root, _ = roster_buckets(raw)
         obj["buckets"] = {"count": count, "root": root}
-    stored = packed if inline else _dense(raw)  # read whole: the fewest bytes
+    stored = packed if inline else _dense(raw)  # read whole by few: xz, quick to write
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode(), name, stored
 
 
@@ -273,8 +273,8 @@ def roster_buckets(raw: bytes) -> tuple[int, str, tuple[bytes, ...]]:
 @functools.lru_cache(maxsize=2)
 def _dense(raw: bytes) -> bytes:
     """``raw`` compressed densely, once per roster and process: every round
-    that keeps the members writes its roster again (0.54 s of the leader's
-    CPU at 16,384 members); what it compresses is the leader's alone."""
+    that keeps the members writes its roster again; what it compresses is
+    the leader's alone."""
     return roster.compress(raw, dense=True)
 
 

@@ -2,7 +2,7 @@
 the agent's free rule, and the restore's choice, with the tier's invariants.
 
 The rules are the real ones, called, not copied: whom a node replicates to
-(:func:`agent.memory_rules.buddy_of` and ``source_of``), what it sends
+(the round's placement, :meth:`elastic.rendezvous.api.Round.placement`), what it sends
 (:func:`agent.memory_rules.to_send`), what it frees
 (:func:`agent.memory_rules.slots_to_free`, every ``FULL_SCAN_S`` of
 :mod:`agent.memory_replication`), and which snapshot a new group restores
@@ -48,7 +48,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from agent import memory_rules
+from agent import memory_receiver, memory_rules
 from agent.memory_replication import FULL_SCAN_S, RETRY_S
 from elastic.checkpoint.memory import choice as memory_choice
 from elastic.checkpoint.memory.choice import Choice, DiskLatest, SlotSeen
@@ -223,8 +223,8 @@ class MemoryTier:
                 return  # the pass is busy in the send
             self._arrive(mem, mem.sending, connected, known_round, now)
             mem.sending = None
-        members = current.node_ids if current else ()
-        buddy = memory_rules.buddy_of(node_id, members, {})
+        placed = current.placement(node_id) if current else None
+        buddy = placed.buddy.node_id if placed and placed.buddy else None
         if buddy != mem.buddy:
             mem.buddy, mem.acked = buddy, {}
             mem.version += 1
@@ -255,10 +255,10 @@ class MemoryTier:
 
     def _accepts(self, source: str, receiver: str, connected, known_round) -> bool:
         """Whether ``receiver``'s agent answers ``source`` and takes its replicas: it
-        runs, they reach each other, and it knows ``source`` as a member of its round."""
+        runs, they reach each other, and the receiver's rule takes ``source`` in its round."""
         known = known_round(receiver)
         return known is not None and connected(source, receiver) \
-            and source in known.node_ids
+            and memory_receiver.may_send(known, receiver, source)
 
     def _arrive(self, mem: _Node, send: _Send, connected, known_round, now: float) -> None:
         receiver = self.nodes.get(send.receiver)

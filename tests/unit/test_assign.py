@@ -7,6 +7,7 @@ import pytest
 
 from agent.assign import startup_env, worker_envs
 from elastic.rendezvous.api import Member, Round
+from tests.unit.test_roster_buckets import bucket_view
 
 
 def test_worker_envs_follow_node_ranks_with_uneven_nproc():
@@ -25,6 +26,19 @@ def test_worker_envs_follow_node_ranks_with_uneven_nproc():
     with pytest.raises(ValueError):
         worker_envs(r, "zzz", job_id="j", restart_count=0, max_restarts=0, agent_socket="",
                     checkpoint_dir=None, hang_timeout_s=0)
+
+
+def test_a_large_jobs_node_is_told_from_its_bucket_what_the_whole_list_would_tell_it():
+    ms = tuple(Member(f"n{i:04d}", i, f"h{i}", 1 + i % 3) for i in range(300))
+    whole = Round(number=4, members=ms, master_addr="h0", master_port=2345, reason="",
+                  leader="n0000", created_at=0)
+    me = "n0217"
+    from_bucket = bucket_view(whole, me)
+    envs = worker_envs(from_bucket, me, job_id="j", restart_count=0, max_restarts=0,
+                       agent_socket="", checkpoint_dir=None, hang_timeout_s=0)
+    assert envs == worker_envs(whole, me, job_id="j", restart_count=0, max_restarts=0,
+                               agent_socket="", checkpoint_dir=None, hang_timeout_s=0)
+    assert envs[0]["RANK"] == str(sum(m.nproc for m in ms[:217]))
 
 
 def test_startup_env_limits_threads_only_for_several_workers_unless_set():

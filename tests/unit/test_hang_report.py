@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
 
 from agent.hang_attribution import Attribution, HangKind, RankStack
 from agent.hang_report import HangReporter, VerdictOnly
+from elastic.errors import StoreError
 from elastic.joblog import JobLogger
 from elastic.rendezvous.api import Member, Round
 from tests.fakes.clock import FakeClock
+from tests.unit.test_roster_buckets import bucket_view
 
 ROUND = Round(number=4, members=(Member("a", 0, "h", 1, addr="a:1"),
                                  Member("b", 1, "h", 1, addr="b:1"),
@@ -42,10 +45,11 @@ class Collector:
         return f"/logs/round-{round_number}/rank-{rank}.stacks"
 
 
-def reporter(peers, workers=lambda: [object()], collector=None):
+def reporter(peers, workers=lambda: [object()], collector=None, read_whole=lambda: None):
     return HangReporter(collector or Collector(), peers, "a", workers_of=workers,
                         health_of=lambda: [], clock=FakeClock(),
-                        log=JobLogger(logging.getLogger("test"), "j", "a", lambda: 4))
+                        log=JobLogger(logging.getLogger("test"), "j", "a", lambda: 4),
+                        read_whole=read_whole)
 
 
 def test_the_reason_puts_the_attribution_before_the_verdict_and_names_silent_nodes():
@@ -57,6 +61,24 @@ def test_the_reason_puts_the_attribution_before_the_verdict_and_names_silent_nod
     assert reason == ("rank 1 (node b) is in t.py:3 in load while the other rank waits in "
                       "all_reduce (step 7); no stacks from node(s) c "
                       "[rank 0 made no progress for 3.0 s]")
+
+
+def test_a_large_jobs_round_is_read_whole_to_ask_every_peer_or_else_its_bucket():
+    large = dataclasses.replace(ROUND, members=ROUND.members + tuple(
+        Member(f"n{i}", 3 + i, "h", 1, addr=f"n{i}:1") for i in range(200)))
+    mine = bucket_view(large, "a")
+    peers = Peers([])
+    reporter(peers, read_whole=lambda: large).reason(mine, "hung")
+    assert peers.asked == [(tuple(m.addr for m in large.members[1:]), 4)]
+    # The read fails: the members of this node's bucket are asked.
+    peers.asked.clear()
+    reporter(peers, read_whole=failing_read).reason(mine, "hung")
+    held = tuple(m.addr for m in mine.held_members() if m.node_id != "a")
+    assert peers.asked == [(held, 4)] and 0 < len(held) < 100
+
+
+def failing_read():
+    raise StoreError("etcd is slow")
 
 
 def test_once_the_workers_are_stopped_a_peer_gets_the_stacks_read_last():

@@ -25,6 +25,7 @@ from elastic.checkpoint.memory.layout import OWN, SlotKey
 from elastic.errors import ConfigError, FencedError, InvalidRequestError
 from elastic.rendezvous.api import Member, Round
 from elastic.v1 import agent_pb2
+from tests.unit.test_roster_buckets import bucket_view
 
 
 def own(round_, rank, slot, step=None, nbytes=0):
@@ -205,6 +206,21 @@ def test_a_sender_outside_the_round_is_fenced(tmp_path):
                                lambda: 1 << 40, threading.Lock())
     with pytest.raises(FencedError, match="not a member of round 3"):
         receiver.receive(request(begin=True, total_bytes=10))
+
+
+def test_a_large_jobs_node_takes_replicas_from_its_source_and_members_of_its_bucket(tmp_path):
+    ids = [f"n{i:03d}" for i in range(300)]
+    mine = bucket_view(a_round(*ids), "n150")
+    receiver = ReplicaReceiver(str(tmp_path), "job", "n150", lambda: mine,
+                               lambda: 1 << 40, threading.Lock())
+    held = {m.node_id for m in mine.held_members()}
+    assert mine.placement("n150").source.node_id == "n149" and "n149" not in held
+    receiver.receive(request(source="n149", begin=True, total_bytes=10))
+    receiver.receive(request(source=min(held - {"n150"}), begin=True, total_bytes=10))
+    # Another member, neither: fenced until it sends to its own buddy.
+    stranger = next(n for n in ids if n not in held and n != "n149")
+    with pytest.raises(FencedError, match="not a member of round 3"):
+        receiver.receive(request(source=stranger, begin=True, total_bytes=10))
 
 
 def test_sizes_beyond_the_free_space_or_the_announced_total_are_refused(receiver):

@@ -1,20 +1,46 @@
-"""The memory tier's buddy rule: a ring of the round's members, racks interleaved."""
+"""Each member's place in a round: dense first ranks, a ring peer by node
+rank, and the memory tier's buddy and source on a ring of the members with
+racks interleaved."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.memory_rules import buddy_of, ring_order, source_of
+from elastic.rendezvous.api import Member
+from elastic.rendezvous.placement import Peer, placements, ring_order
 
 
-def test_one_member_has_no_buddy():
-    assert buddy_of("a", ["a"], {}) is None
-    assert source_of("a", ["a"], {}) is None
+def placed(members, racks=None, nproc=None):
+    """The placements of the members named ``members`` (node-rank order)."""
+    racks, nproc = racks or {}, nproc or {}
+    return placements([Member(n, i, "h", nproc.get(n, 1), f"{n}:1", racks.get(n, ""))
+                       for i, n in enumerate(members)])
 
 
-def test_a_node_outside_the_round_has_no_buddy():
-    assert buddy_of("z", ["a", "b"], {}) is None
+def buddy_of(node, members, racks):
+    return placed(members, racks)[node].buddy.node_id
+
+
+def source_of(node, members, racks):
+    return placed(members, racks)[node].source.node_id
+
+
+def test_one_member_has_no_peer_buddy_or_source():
+    alone = placed(["a"])["a"]
+    assert (alone.first_rank, alone.ring_next, alone.buddy, alone.source) == (0, None, None, None)
+
+
+def test_first_ranks_are_dense_in_node_rank_order_whatever_each_node_runs():
+    ranks = {n: p.first_rank for n, p in placed(["a", "b", "c", "d"],
+                                                nproc={"a": 8, "b": 1, "c": 4, "d": 2}).items()}
+    assert ranks == {"a": 0, "b": 8, "c": 9, "d": 13}
+
+
+def test_the_ring_peer_is_the_next_by_node_rank_with_its_address_even_across_racks():
+    racks = {"a": "A", "b": "A", "c": "B"}
+    assert [placed(["a", "b", "c"], racks)[n].ring_next for n in "abc"] == [
+        Peer("b", "b:1"), Peer("c", "c:1"), Peer("a", "a:1")]
 
 
 def test_two_members_are_each_others_buddy():

@@ -53,6 +53,7 @@ from agent.reactor import (
 from elastic.errors import RendezvousTimeoutError
 from elastic.store.api import KEEPALIVE_TTL_FRACTION
 from elastic.rendezvous.api import Member, ReportKind, Round
+from tests.unit.test_roster_buckets import bucket_view
 
 SETTINGS = Settings(node_id="a", nproc=2, lease_ttl_s=4.0, join_timeout_s=60.0, job_id="j")
 
@@ -63,6 +64,11 @@ def round_of(number, *ids, outcome=""):
                                for r, i in enumerate(ids)),
                  master_addr="127.0.0.1", master_port=1, reason="why", leader=ids[0],
                  created_at=0.0, outcome=outcome)
+
+
+def bucket_round(number, *ids, delta=None):
+    """Node "a"'s round of ``ids`` as a large job's node holds it."""
+    return bucket_view(round_of(number, *ids), "a", delta)
 
 
 def running(number=3, *ids, **extra):
@@ -615,6 +621,21 @@ class TestStopCauses:
         new = dataclasses.replace(round_of(4, *members), failures=failures)
         _, commands = react(running(3), RoundCommitted(new), 10.0, SETTINGS)
         assert self.stop(commands) == (cause, None) and cause.restart
+
+    def test_a_large_jobs_round_is_classified_by_its_delta_or_else_as_someone_leaving(self):
+        old = bucket_round(3, "a", "b", "c")
+        view = dataclasses.replace(running(3), round=old)
+        joined = bucket_round(4, "a", "b", "c", "d", delta={
+            "base": old.members.name, "left": [], "joined": [["d", "h", 2, "d:1", ""]]})
+        _, commands = react(view, RoundCommitted(joined), 10.0, SETTINGS)
+        stop = next(c for c in commands if isinstance(c, StopWorkers))
+        assert (stop.cause, stop.grace) == (StopCause.NODE_JOINED, StopGrace.DRAIN)
+        # No delta from the running round's roster: who left cannot be told
+        # here, and survivors may be stuck in a collective.
+        _, commands = react(view, RoundCommitted(bucket_round(4, "a", "b", "c", "d")), 10.0,
+                            SETTINGS)
+        stop = next(c for c in commands if isinstance(c, StopWorkers))
+        assert (stop.cause, stop.grace) == (StopCause.NODE_LEFT, StopGrace.FAILURE)
 
     def test_the_reason_s_text_never_decides(self):
         a = round_of(4, "a")

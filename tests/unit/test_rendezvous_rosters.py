@@ -234,3 +234,33 @@ def test_a_bucket_deleted_by_hand_is_reported_and_never_passes_for_the_round(
     follower = next(node for node in job.nodes.values() if not node.is_leader)
     assert "bucket" in caplog.text and "is not stored" in caplog.text
     assert follower.latest_round is None  # never a round it could not check
+
+
+def test_a_large_jobs_node_runs_each_round_from_its_bucket_and_never_reads_the_list_whole(
+        stored_rosters):
+    job = Job(4)
+    for n in ("a", "b", "c", "d"):
+        job.join(n)
+    job.settle()
+    leader = next(n for n, node in job.nodes.items() if node.is_leader)
+    whole = job.nodes[leader].latest_round
+    followers = [n for n in job.nodes if n != leader]
+    first = {n: job.nodes[n].placed_round for n in followers}
+    for n, r in first.items():
+        assert not r.holds_members
+        # What an agent needs of the round: its ranks, its ring peer, its buddy, its source.
+        assert r.placement(n) == whole.placement(n)
+        assert (job.doors[n].buckets, job.doors[n].count) == (1, 0)
+
+    # A member leaves and a spare takes its place: the survivors read their
+    # bucket of the new roster, and tell from the round's delta what changed.
+    gone = followers[-1]
+    job.leave(gone)
+    job.join("e")
+    job.settle()
+    for n in followers[:-1]:
+        second = job.nodes[n].placed_round
+        assert second.number > first[n].number and not second.holds_members
+        assert second.membership_change(first[n]) == (True, True)
+        assert second.placement(n) == job.nodes[leader].latest_round.placement(n)
+        assert (job.doors[n].buckets, job.doors[n].count) == (2, 0)

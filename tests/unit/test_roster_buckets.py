@@ -1,9 +1,11 @@
 """A large roster's buckets by node id: a node finds itself in its own bucket
-alone, a bucket proves it belongs to the round that names it, and a round
-of any size is written in transactions etcd takes."""
+alone, with everything else it needs to run the round (its placement), a
+bucket proves it belongs to the round that names it, and a round of any size
+is written in transactions etcd takes."""
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
@@ -11,7 +13,9 @@ import pytest
 from elastic.errors import MalformedRecordError
 from elastic.keyspace import JobKeys
 from elastic.rendezvous import buckets, roster, round_record
+from elastic.rendezvous.api import Member
 from elastic.rendezvous.buckets import BucketRoster, NotHeldError
+from elastic.rendezvous.placement import placements
 from elastic.rendezvous.round_record import EARLIER_TXN_PUTS, TXN_ROSTER_BYTES
 from elastic.store.api import Put
 from tests.unit.test_roster import a_round, members
@@ -22,15 +26,40 @@ IDS = [f"node{i:05d}" for i in range(1000)]
 
 def sealed(ids):
     """``(count, root, sealed buckets)`` of the roster of ``ids``."""
-    return round_record.roster_buckets(roster.canonical(members(ids)))
+    return sealed_members(members(ids))
 
 
-def held(ids, me):
-    """What node ``me`` holds of the roster of ``ids`` after reading its bucket."""
-    count, root, stored = sealed(ids)
+def sealed_members(ms):
+    return round_record.roster_buckets(roster.canonical(ms))
+
+
+def held(ids, me, ms=None):
+    """What node ``me`` holds of the roster of ``ids`` (members ``ms``, by
+    default ``members(ids)``) after reading its bucket."""
+    ms = ms or members(ids)
+    count, root, stored = sealed_members(ms)
     number = buckets.bucket_of(me, count)
     text = buckets.open_bucket("k", stored[number], number, count, root)
-    return BucketRoster("k", "name", len(ids), 8 * len(ids), number, count, text)
+    return BucketRoster("k", "name", len(ids), sum(m.nproc for m in ms), number, count, text)
+
+
+def bucket_view(whole, me, delta=None):
+    """The round ``whole`` as a large job's node ``me`` holds it: its own
+    bucket of the roster (and the round record's ``delta``, if any)."""
+    raw = roster.canonical(whole.members)
+    count, root, stored = round_record.roster_buckets(raw)
+    number = buckets.bucket_of(me, count)
+    text = buckets.open_bucket("k", stored[number], number, count, root)
+    held = BucketRoster("k", roster.digest(raw), len(whole.members), whole.world_size, number,
+                        count, text, delta)
+    return dataclasses.replace(whole, members=held)
+
+
+def racked(ids):
+    """Members of unequal nproc on three racks, one without an address."""
+    return tuple(Member(n, i, f"{n}.example.com", 1 + i % 4,
+                        "" if i == 5 else f"{n}.example.com:29400", "ABC"[i % 3])
+                 for i, n in enumerate(ids))
 
 
 def test_every_member_is_found_in_its_own_bucket_with_its_rank():
@@ -44,6 +73,46 @@ def test_every_member_is_found_in_its_own_bucket_with_its_rank():
     stranger = next(f"x{i}" for i in range(1000) if buckets.bucket_of(f"x{i}", count)
                     == buckets.bucket_of(IDS[0], count))
     assert held(IDS, IDS[0]).member(stranger) is None
+
+
+def test_every_member_finds_in_its_bucket_the_placement_the_whole_list_gives():
+    ms = racked(IDS)
+    whole = placements(ms)
+    count = buckets.count_for(len(IDS))
+    mine = {b: held(IDS, next(n for n in IDS if buckets.bucket_of(n, count) == b), ms)
+            for b in range(count)}
+    for me in IDS:
+        assert mine[buckets.bucket_of(me, count)].placement(me) == whole[me]
+    # The placement is the whole list's: dense first ranks, a ring by node
+    # rank, buddies on other racks.
+    assert whole[IDS[2]].first_rank == 1 + 2
+    assert whole[IDS[999]].ring_next.node_id == IDS[0]
+    assert all(ms[int(m[4:])].rack != ms[int(p.buddy.node_id[4:])].rack
+               for m, p in whole.items())
+
+
+def test_a_bucket_of_the_earlier_form_finds_members_but_places_nobody():
+    count = 16
+    number = buckets.bucket_of("node00000", count)
+    earlier = BucketRoster("k", "n", 10, 80, number, count, b"0\tnode00000\th.example.com\t8\t\t\n")
+    assert earlier.member("node00000").nproc == 8
+    assert earlier.placement("node00000") is None
+
+
+@pytest.mark.parametrize("placement, expected", [
+    ("80\tb\t\tc\t\td\t", "first rank"),  # beyond the world of 80
+    ("0\tb\tnot an address\tc\t\td\t", "no valid address"),
+    ("0\tb\t\t\t\td\t", "peers"),  # a buddy missing in a roster of 10
+    ("0\tb c\t\tc\t\td\t", "invalid node id"),
+])
+def test_a_placement_that_is_not_valid_is_refused_naming_the_key(placement, expected):
+    count = 16
+    number = buckets.bucket_of("node00000", count)
+    line = f"0\tnode00000\th.example.com\t8\t\t\t{placement}\n".encode()
+    mine = BucketRoster("the/key", "n", 10, 80, number, count, line)
+    with pytest.raises(MalformedRecordError, match=expected) as err:
+        mine.placement("node00000")
+    assert err.value.key == "the/key"
 
 
 def test_a_bucket_knows_the_rosters_size_but_refuses_whole_use_and_other_buckets():
@@ -125,6 +194,7 @@ def test_a_round_of_many_buckets_is_written_in_transactions_etcd_takes(monkeypat
     assert len([k for k in written if k.startswith(KEYS.buckets_of(name))]) == 512
 
 
-def test_what_a_node_reads_to_find_itself_stays_about_a_kilobyte():
-    _, _, stored = sealed(IDS)
-    assert max(len(b) for b in stored) < 2048
+def test_what_a_node_reads_to_find_itself_stays_a_few_kilobytes_at_any_size():
+    small = max(len(b) for b in sealed(IDS)[2])
+    large = max(len(b) for b in sealed([f"node{i:05d}" for i in range(8000)])[2])
+    assert small < 3072 and large < 1.25 * small
