@@ -5,7 +5,12 @@ For each N, N simulated nodes are spread over ``--processes`` worker processes
 :class:`~elastic.store.etcd.EtcdStore` shared by its nodes, as agents on many
 machines share one etcd cluster. Every node is a full
 :class:`~elastic.rendezvous.node.RendezvousNode` with its own lease (kept alive)
-and its own watches. N-1 nodes join first; the clock starts when the last one
+and its own watches. Its loop runs, with ``--loops pump`` (the default), on
+one thread per process that pumps whichever of the process's nodes has news
+or a deadline due, as the fault simulator drives nodes; with ``--loops
+thread``, on a thread of its own, as in an agent (on a small machine, 32
+processes of 128 such threads spend much of the clients' CPU waking each
+other up). N-1 nodes join first; the clock starts when the last one
 joins and stops when all N have seen the committed round (the latest of the
 processes' "all my nodes saw it" times; ``time.monotonic`` is one clock for
 all processes on Linux).
@@ -32,9 +37,10 @@ seconds, which say whether a time measured here is etcd's or the simulated
 clients' (on a small machine they share the cores). The simulated nodes of a
 process share its store's connection and nothing else: each parses and
 resolves every round itself (the library caches nothing across nodes), so
-the clients' CPU per node is what an agent pays for the rendezvous. What an
-agent pays on top, building the whole member list, is printed with the model
-(:func:`cpu_per_node`), as is the leader's writing of the round.
+the clients' CPU per node is what an agent pays for the rendezvous (its
+placement included: an agent needs nothing more of a round). What a user of
+the whole member list pays is printed with the model (:func:`cpu_per_node`),
+as is the leader's writing of the round.
 
 ``--etcd-members 3`` runs a 3-member cluster on loopback ports (the chaos
 campaign's; no fsync), each process's clients listing the members in another
@@ -46,7 +52,8 @@ The model (printed after the table) takes the largest measured size and
 scales each cost by how it grows (see :func:`model`).
 
     python bench/rendezvous.py [--sizes 1024,4096] [--repeat 3] [--settle 0]
-                               [--processes P] [--reform] [--replace] [--idle S]
+                               [--processes P] [--loops pump|thread]
+                               [--reform] [--replace] [--idle S]
                                [--etcd-members 1|3] [--tree DIR] [--json FILE]
 """
 
@@ -61,6 +68,7 @@ import logging
 import math
 import multiprocessing
 import os
+import queue
 import random
 import re
 import resource
@@ -85,6 +93,7 @@ sys.path.insert(0, os.environ.get(_TREE_ENV)
 from elastic.keyspace import JobKeys  # noqa: E402
 from elastic.rendezvous.api import NodeInfo  # noqa: E402
 from elastic.rendezvous.config import DEFAULT_LEASE_TTL_S, RendezvousConfig  # noqa: E402
+from elastic.rendezvous.inbox import Inbox  # noqa: E402
 from elastic.rendezvous.node import RendezvousNode  # noqa: E402
 from elastic.store.etcd import EtcdStore  # noqa: E402
 from elastic.store.server import EtcdServer  # noqa: E402
@@ -113,10 +122,10 @@ def _node_info(i: int) -> NodeInfo:
                     addr=f"10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256}:29400")
 
 
-def _in_threads(nodes: list[RendezvousNode], action, threads: int = 8) -> None:
-    """Call ``action(node)`` for every node, from ``threads`` threads (starting
-    and stopping are a few etcd round trips each)."""
-    chunks = [nodes[i::threads] for i in range(threads)]
+def _in_threads(items: list, action, threads: int = 8) -> None:
+    """Call ``action(item)`` for every item, from ``threads`` threads (starting
+    and stopping a node are a few etcd round trips each)."""
+    chunks = [items[i::threads] for i in range(threads)]
     workers = [threading.Thread(target=lambda c=c: [action(n) for n in c]) for c in chunks]
     for w in workers:
         w.start()
@@ -132,18 +141,93 @@ def _cpu_s() -> float:
 
 def _wait_all(nodes, after: int, expected: int) -> tuple[float, list[int], int]:
     """When every node saw a round after ``after``, the sizes of those that
-    are not ``expected`` members, and the latest number seen. Only what the
-    rendezvous gives (``wait_for_round``): ``latest_round`` would also build
-    every member, an agent's cost, printed apart (:func:`cpu_per_node`)."""
+    are not ``expected`` members, and the latest number seen. What an agent
+    runs the round with: what the rendezvous gives (``wait_for_round``) and
+    the node's placement in it (in a tree that places members; a tree before
+    that made agents build every member, a cost printed apart,
+    :func:`cpu_per_node`)."""
     deadline = time.monotonic() + 120
     rounds = [n.wait_for_round(after=after, timeout_s=max(deadline - time.monotonic(), 0.1))
               for n in nodes]
+    for n, r in zip(nodes, rounds):
+        if hasattr(r, "placement"):
+            r.placement(n.node_id)
     return (time.monotonic(), [len(r.members) for r in rounds if len(r.members) != expected],
             max(r.number for r in rounds))
 
 
+class _Pumps:
+    """One thread that runs the loops of a process's nodes (``--loops pump``):
+    each node's inbox rings it, and it pumps the nodes that have news or a
+    deadline due, as :meth:`RendezvousNode.pump` allows (the fault simulator
+    drives nodes the same way). A real agent runs one loop thread on its own
+    machine; 128 such threads per process, 32 processes on 2 cores, spend a
+    third of the clients' CPU waking each other up."""
+
+    def __init__(self):
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()
+        self._nodes: dict[int, RendezvousNode] = {}
+        self._due: dict[int, float] = {}
+        self._lock = threading.Lock()  # a node is pumped, added or removed at a time
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pumps", daemon=True)
+        self._thread.start()
+
+    def inbox(self, i: int) -> Inbox:
+        """The inbox of node ``i``: it rings this driver on every message."""
+        ring = self._ready.put
+
+        class Doorbell(Inbox):
+            def post(self, message) -> None:
+                super().post(message)
+                ring(i)
+
+        return Doorbell()
+
+    def add(self, i: int, node: RendezvousNode) -> None:
+        """Pump node ``i`` (started with ``thread=False``) from now on."""
+        with self._lock:
+            self._nodes[i] = node
+        self._ready.put(i)
+
+    def remove(self, i: int) -> None:
+        """Pump node ``i`` no more (before it stops)."""
+        with self._lock:
+            self._nodes.pop(i, None)
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._ready.put(-1)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            now = time.time()
+            wait = min(self._due.values(), default=now + 0.5) - now
+            ready = set()
+            try:
+                ready.add(self._ready.get(timeout=min(max(wait, 0.0), 0.5)))
+                while True:
+                    ready.add(self._ready.get_nowait())
+            except queue.Empty:
+                pass
+            now = time.time()
+            ready |= {i for i, at in list(self._due.items()) if at <= now}
+            for i in ready:
+                with self._lock:
+                    node = self._nodes.get(i)
+                    if node is None:
+                        self._due.pop(i, None)
+                        continue
+                    at = node.pump()
+                    if at is None:
+                        self._due.pop(i, None)
+                    else:
+                        self._due[i] = at
+
+
 def _worker(conn, endpoint: str, config: RendezvousConfig, ids: list[int], last: int | None,
-            inline_bytes: int | None):
+            inline_bytes: int | None, loops: str = "thread"):
     """One process's share of the nodes. Protocol on ``conn``: sends "ready"
     once all but the last node are registered; on "go" starts the last node
     (if it holds it) and sends its start time; sends "done" when all its
@@ -158,18 +242,32 @@ def _worker(conn, endpoint: str, config: RendezvousConfig, ids: list[int], last:
         from elastic.rendezvous import round_record
         round_record.INLINE_BYTES = inline_bytes  # whichever node leads writes the rounds
     store = EtcdStore(endpoint)
+    pumps = _Pumps() if loops == "pump" else None
     # The hosts are made up: rank 0's next MASTER_PORT is not probed on them.
     make = lambda i: RendezvousNode(store, config, _node_info(i),  # noqa: E731
-                                    port_picker=lambda _host: 29500)
+                                    port_picker=lambda _host: 29500,
+                                    inbox=pumps.inbox(i) if pumps else None)
     nodes = {i: make(i) for i in ids}
+
+    def start(i: int) -> RendezvousNode:
+        node = nodes[i].start(thread=pumps is None)
+        if pumps is not None:
+            pumps.add(i, node)
+        return node
+
+    def stop(i: int) -> None:
+        if pumps is not None:
+            pumps.remove(i)
+        nodes[i].stop()
+
     try:
-        _in_threads([n for i, n in nodes.items() if i != last], RendezvousNode.start)
+        _in_threads([i for i in nodes if i != last], start)
         conn.send(("ready", threading.active_count()))
         assert conn.recv() == "go"
         started_at = None
         if last is not None:
             started_at = time.monotonic()
-            nodes[last].start()
+            start(last)
         conn.send(("started", started_at, _cpu_s()))
         done_at, bad, number = _wait_all(nodes.values(), 0, config.min_nodes)
         conn.send(("done", done_at, store.ops.snapshot(), bad, threading.active_count(),
@@ -179,13 +277,17 @@ def _worker(conn, endpoint: str, config: RendezvousConfig, ids: list[int], last:
             if command == "reform" and 0 in nodes:
                 nodes[0].request_restart("bench: a new round", number, failure=False)
             elif command == "replace" and last in nodes:
-                nodes.pop(last).stop()
+                stop(last)
+                del nodes[last]
                 began = time.monotonic()
-                nodes[config.min_nodes] = make(config.min_nodes).start()
+                nodes[config.min_nodes] = make(config.min_nodes)
+                start(config.min_nodes)
             done_at, bad, number = _wait_all(nodes.values(), number, config.min_nodes)
             conn.send((command, done_at, store.ops.snapshot(), bad, began, _cpu_s()))
     finally:
-        _in_threads(list(nodes.values()), RendezvousNode.stop)
+        _in_threads(list(nodes), stop)
+        if pumps is not None:
+            pumps.close()
         store.close()
 
 
@@ -271,7 +373,7 @@ def _round_bytes(endpoint: str, keys: JobKeys) -> dict[str, int]:
 
 def run_once(endpoint: str, n: int, max_nodes: int, settle_s: float, processes: int,
              follow_ups: tuple[str, ...] = (), idle_s: float = 0.0,
-             inline_bytes: int | None = None) -> dict:
+             inline_bytes: int | None = None, loops: str = "thread") -> dict:
     """One rendezvous of ``n`` nodes (closing at ``max_nodes`` or after
     ``settle_s``), then each of ``follow_ups`` ("reform", "replace")."""
     config = RendezvousConfig(job_id=f"bench-{uuid.uuid4().hex[:12]}", min_nodes=n,
@@ -288,7 +390,8 @@ def run_once(endpoint: str, n: int, max_nodes: int, settle_s: float, processes: 
         # Clients spread over the members, as agents list them in another order.
         mine = ",".join(members[k % len(members):] + members[:k % len(members)])
         p = ctx.Process(target=_worker, args=(child, mine, config, ids,
-                                              last if last in ids else None, inline_bytes),
+                                              last if last in ids else None, inline_bytes,
+                                              loops),
                         daemon=True)
         p.start()
         conns.append(parent)
@@ -412,8 +515,13 @@ def _records(big: int) -> dict | None:
     # The nodes of the bench hold a bucket: a new roster (a node replaced)
     # means reading their bucket of it again; an agent that holds the roster
     # whole rebuilds it from the delta instead.
+    # A tree whose buckets place each member: its agents run each round from
+    # their bucket, and only an occasional user (elasticctl status, a hang
+    # report) reads the stored roster whole.
+    placed = hasattr(getattr(round_record, "buckets", None), "placements")
     return {"first": (len(head), bucket), "reform": (len(again), 0),
-            "replace": (len(swapped), bucket), "whole": len(stored)}
+            "replace": (len(swapped), bucket), "whole": 0 if placed else len(stored),
+            "stored": len(stored)}
 
 
 def _raw_of(record) -> bytes:
@@ -453,15 +561,20 @@ def cpu_per_node(big: int) -> str:
         resolved = round_record.resolve(head, None, "", stored if head.packed is None else None)
         how = "from the record" if head.packed is not None else "from the roster"
     assert resolved.member(me) is not None
+    placed = getattr(resolved, "placement", None)
+    if placed is not None:
+        assert placed(me) is not None  # what the agent runs the round with
     found = time.process_time() - began
     began = time.process_time()
     stored = round_record.stored_rosters(keys, [_kv(k, v) for k, v in writes.items()])
     whole = round_record.resolve(head, None, "", stored) if head.packed is None else resolved
     assert len(list(whole.members)) == big
     built = time.process_time() - began
+    itself = "itself and its placement" if placed is not None else "itself"
+    whole_user = "a user of the whole list" if placed is not None else "an agent"
     return (f"CPU per first round: the leader writes it in {wrote * 1e3:.0f} ms, a node "
-            f"finds itself {how} in {found * 1e3:.2f} ms, an agent builds all {big} members "
-            f"in {built * 1e3:.0f} ms more")
+            f"finds {itself} {how} in {found * 1e3:.2f} ms, {whole_user} builds all {big} "
+            f"members in {built * 1e3:.0f} ms more")
 
 
 def _kv(key: str, value: bytes):
@@ -478,9 +591,9 @@ def model(row: dict, sizes: tuple[int, ...] = (4096, 16384, 65536)) -> list[str]
     each node reads its own bucket (about 1 KB, at any size) with one more
     request; a round that keeps the members sends the head alone; one that
     replaces a node sends the head and a delta, and a node that holds one
-    bucket reads its bucket of the new roster. An agent that uses the list
-    whole reads the stored roster once on top (printed apart: what the
-    rendezvous costs and what the agent's whole-list users cost). Without
+    bucket reads its bucket of the new roster. An agent takes its ranks,
+    ring peer and buddy from its bucket (a tree before placements: it read
+    the stored roster once on top, printed apart). Without
     rosters (``--tree`` of an older checkout): the whole record, N members, to
     N watchers, every round. Other bytes (registrations, election, keep-alive
     answers), requests and proposals grow with N; etcd CPU with N for its
@@ -537,6 +650,11 @@ def model(row: dict, sizes: tuple[int, ...] = (4096, 16384, 65536)) -> list[str]
                          f"({at_big['whole'] / 1e3:.0f} KB) once more: {whole / 1e9:.3f} GB, "
                          f"etcd CPU ~{ETCD_CPU_S_PER_GB * whole / 1e9:.1f} s, over the first "
                          "round")
+        elif at_big is not None and at_big.get("stored") and at_big["first"][1]:
+            lines.append(f"{'':20s}agents run the round from their bucket (their ranks, ring "
+                         "peer and buddy in it): nothing more; a user of the whole list "
+                         f"(elasticctl status, a hang report) reads the stored roster, "
+                         f"{at_big['stored'] / 1e3:.0f} KB, when it needs it")
         if node_cpu:
             lines.append(f"{'':20s}{node_cpu}")
     return lines
@@ -594,6 +712,10 @@ def main() -> int:
     ap.add_argument("--inline-bytes", type=int, default=None,
                     help="the largest roster a round record carries itself (default: the "
                          "tree's; 0: every roster stored and read)")
+    ap.add_argument("--loops", default="pump", choices=("pump", "thread"),
+                    help="run each process's nodes' loops from one thread (pump: what the "
+                         "fault simulator does), or one thread per node (as agents do, each "
+                         "on its own machine)")
     ap.add_argument("--tree", default=None,
                     help="import the library from this checkout (default: this one)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
@@ -607,7 +729,8 @@ def main() -> int:
         __file__)))
     results = []
     inline = "" if args.inline_bytes is None else f"; rosters inline up to {args.inline_bytes} B"
-    print(f"# tree {tree}{inline}; {os.cpu_count()} CPUs; {args.etcd_members} etcd member(s); lease "
+    print(f"# tree {tree}{inline}; loops: {args.loops}; {os.cpu_count()} CPUs; "
+          f"{args.etcd_members} etcd member(s); lease "
           f"TTL {LEASE_TTL_S:.0f} s; target: every node of 4,096 sees the round within "
           f"{TARGET_S:.0f} s of the last join; load average {os.getloadavg()[0]:.2f}",
           flush=True)
@@ -618,7 +741,7 @@ def main() -> int:
                 procs = args.processes or max(1, math.ceil(n / NODES_PER_PROCESS))
                 runs = [run_once(endpoint, n, max_nodes, settle, procs,
                                  follow_ups if settle == 0.0 else (), args.idle,
-                                 args.inline_bytes)
+                                 args.inline_bytes, args.loops)
                         for _ in range(args.repeat)]
                 first = runs[0]
                 row = {"case": case, "nnodes": f"{n}:{max_nodes}", "settle_s": settle, "n": n,
