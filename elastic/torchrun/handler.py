@@ -236,13 +236,16 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def num_nodes_waiting(self) -> int:
         """How many nodes the round newer than this agent's brings in (at
-        least 1 if there is such a round, whatever it changed); 0 otherwise,
-        and once the rendezvous is closed."""
+        least 1 if there is such a round, whatever it changed; 1 for a large
+        job's, whose members this node holds only in part); 0 otherwise, and
+        once the rendezvous is closed."""
         mine = self._round
-        latest = self._node.latest_round
+        latest = self._node.placed_round
         if (mine is None or latest is None or latest.number <= mine.number or latest.outcome
                 or self._closed.is_set()):
             return 0
+        if not (latest.holds_members and mine.holds_members):
+            return 1
         return max(1, sum(1 for n in latest.node_ids if mine.member(n) is None))
 
     def is_closed(self) -> bool:
@@ -324,7 +327,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def _ask_for_new_round(self) -> None:
         """Unless a newer round that includes this node exists, ask for one."""
         mine = self._round
-        latest = self._node.latest_round
+        latest = self._node.placed_round
         if (latest is not None and latest.number > mine.number
                 and latest.member(self.node_id) is not None):
             return
@@ -341,7 +344,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         while True:
             if self._closed_watch_ended.is_set():
                 self._watch_closed()  # compacted away: read again, watch again
-            latest = self._node.latest_round
+            latest = self._node.placed_round
             beyond_max = (latest is not None and latest.member(self.node_id) is None
                           and len(latest.members) >= self._settings.max_nodes)
             if self._closed.is_set():
@@ -352,7 +355,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 deadline = time.monotonic() + join_s  # a standby waits for a place
             left = deadline - time.monotonic()
             if left <= 0:
-                seen = (f"latest round {latest.number} has {list(latest.node_ids)}" if latest
+                seen = (f"latest round {latest.number} has {_members_of(latest)}" if latest
                         else "no round has been committed yet")
                 raise RendezvousTimeoutError(
                     f"{self._describe()}: not included in a round after round {after} within "
@@ -386,3 +389,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 log.info("%s: could not delete round %d's agent store: %s", self._describe(),
                          number, exc)
                 return
+
+
+def _members_of(r: Round) -> str:
+    """``r``'s members for an error: the list, or their count where this node
+    holds its own bucket of a large job's roster alone."""
+    return str(list(r.node_ids)) if r.holds_members else f"{len(r.members)} members"

@@ -24,6 +24,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from elastic.errors import ConfigError
+from elastic.rendezvous import round_record
 from elastic.store.server import EtcdServer, ServerTLS
 from tests.integration.tcp_proxy import TcpProxy
 from tests.waiting import wait_until
@@ -98,7 +99,11 @@ def test_with_min_present_the_round_closes_after_the_last_call(make):
     assert [i.world_size for i in infos] == [2, 2]
 
 
-def test_a_late_node_is_counted_as_waiting_and_the_next_round_admits_it(make):
+@pytest.mark.parametrize("roster", ["in the record", "in buckets, as a large job's"])
+def test_a_late_node_is_counted_as_waiting_and_the_next_round_admits_it(make, roster,
+                                                                         monkeypatch):
+    if roster != "in the record":  # a follower holds its own bucket of each roster alone
+        monkeypatch.setattr(round_record, "INLINE_BYTES", 0)
     a, b = make(nnodes=(2, 3)), make(nnodes=(2, 3))
     first_a, first_b = rendezvous_all(a, b)
     late = make(nnodes=(2, 3))
