@@ -37,10 +37,10 @@ seconds, which say whether a time measured here is etcd's or the simulated
 clients' (on a small machine they share the cores). The simulated nodes of a
 process share its store's connection and nothing else: each parses and
 resolves every round itself (the library caches nothing across nodes), so
-the clients' CPU per node is what an agent pays for the rendezvous (its
-placement included: an agent needs nothing more of a round). What a user of
-the whole member list pays is printed with the model (:func:`cpu_per_node`),
-as is the leader's writing of the round.
+the clients' CPU per node is what an agent pays for the rendezvous. What it
+pays on top (its placement) and what a user of the whole member list pays
+are printed with the model (:func:`cpu_per_node`), as is the leader's
+writing of the round.
 
 ``--etcd-members 3`` runs a 3-member cluster on loopback ports (the chaos
 campaign's; no fsync), each process's clients listing the members in another
@@ -141,17 +141,13 @@ def _cpu_s() -> float:
 
 def _wait_all(nodes, after: int, expected: int) -> tuple[float, list[int], int]:
     """When every node saw a round after ``after``, the sizes of those that
-    are not ``expected`` members, and the latest number seen. What an agent
-    runs the round with: what the rendezvous gives (``wait_for_round``) and
-    the node's placement in it (in a tree that places members; a tree before
-    that made agents build every member, a cost printed apart,
-    :func:`cpu_per_node`)."""
+    are not ``expected`` members, and the latest number seen. Only what the
+    rendezvous gives (``wait_for_round``), as in the trees before: what an
+    agent does on top (its placement from its bucket, or every member built
+    from a roster the record carries) is printed apart (:func:`cpu_per_node`)."""
     deadline = time.monotonic() + 120
     rounds = [n.wait_for_round(after=after, timeout_s=max(deadline - time.monotonic(), 0.1))
               for n in nodes]
-    for n, r in zip(nodes, rounds):
-        if hasattr(r, "placement"):
-            r.placement(n.node_id)
     return (time.monotonic(), [len(r.members) for r in rounds if len(r.members) != expected],
             max(r.number for r in rounds))
 
