@@ -298,6 +298,22 @@ def test_copy_all_copies_every_tensor_without_autograd(foreach, monkeypatch):
     assert all(torch.equal(t, s) and not t.requires_grad for t, s in zip(targets, sources))
 
 
+@pytest.mark.parametrize("internal", [True, False], ids=["module-dicts", "generators"])
+def test_module_tensors_are_every_parameter_and_buffer(internal, monkeypatch):
+    import torch
+
+    from elastic._compat import torch_checkpoint
+
+    shared = torch.nn.Linear(3, 3, bias=False)  # no bias: a None entry, skipped
+    model = torch.nn.Sequential(shared, torch.nn.BatchNorm1d(3), torch.nn.Sequential(shared))
+    if not internal:
+        monkeypatch.setattr(torch_checkpoint, "MODULE_TENSOR_DICTS", ("_parameters", "_gone"))
+    found = torch_checkpoint.module_tensors(model)
+    expected = {*map(id, model.parameters()), *map(id, model.buffers())}
+    assert set(map(id, found)) == expected and all(t is not None for t in found)
+    assert [id(t) for t in torch_checkpoint.module_tensors(model)] == list(map(id, found))
+
+
 FLIGHT_RECORDER_WORKER = """
 import os, sys
 import torch, torch.distributed as dist

@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from elastic._compat import torch_checkpoint as compat
 from elastic.checkpoint import state
 from elastic.checkpoint.memory.items import SlotPlan, plan_slot
 from elastic.checkpoint.staging import local_tensor
@@ -95,11 +96,9 @@ def fingerprint(chunks: Sequence[state.Chunk], pinned: list) -> list:
     shapes; the objects named by id are appended to ``pinned``."""
     out: list = []
     for chunk in chunks:
-        for tensor in chunk.model.parameters():
+        for tensor in compat.module_tensors(chunk.model):
             _tensor(tensor, out, pinned)
         out.append(None)
-        for tensor in chunk.model.buffers():
-            _tensor(tensor, out, pinned)
         for optimizer in chunk.optimizers:
             groups = optimizer.param_groups
             pinned.append(groups)
@@ -139,7 +138,8 @@ def _nested(values: Any, out: list, pinned: list) -> None:
 
 def _tensor(tensor: torch.Tensor, out: list, pinned: list) -> None:
     pinned.append(tensor)
-    out += (id(tensor), *_bytes_of(tensor))
+    local = local_tensor(tensor)  # _bytes_of, inlined: a snapshot calls this for every tensor
+    out += (id(tensor), local.data_ptr(), local.shape, local.dtype)
 
 
 def explain(chunks: Sequence[state.Chunk], state_dict: dict[str, Any]
