@@ -257,7 +257,9 @@ class ManifestTemplate:
         parts = [self._start, b"%d" % step, self._head]
         for key, name in zip(self._keys, self.names):
             parts += (key, b"%d" % files[name])
-        parts += (self._end, _json(written_at), b"}")
+        # A number's JSON is the same with json's default separators, whose encoder
+        # json.dumps keeps (other separators make a new encoder per call).
+        parts += (self._end, json.dumps(written_at).encode(), b"}")
         return b"".join(parts)
 
 
