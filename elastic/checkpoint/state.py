@@ -164,9 +164,11 @@ def capture_local(*, step: int, rank: int, world_size: int, schedulers: Sequence
     :func:`load_local` and :func:`restore_rng` read the same way: torch's
     older, unzipped format, and the RNG states' tensors as their bytes, so
     that a record of plain values is pickled by the C pickler
-    (:func:`compat.save_unzipped`): about 60 us less per call than
-    ``torch.save``'s zip. Disk saves keep the zip format and the tensors, the
-    form other tools expect of a file that outlives the job."""
+    (:func:`compat.save_unzipped`): 85 us a call on the goodput bench's model,
+    against 145 through ``torch.save`` unzipped and 170 zipped (most of the
+    rest is reading the RNGs: numpy's alone is 30 us). Disk saves keep the zip
+    format and the tensors, the form other tools expect of a file that
+    outlives the job."""
     cuda_rng = cuda_rngs = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         cuda_rng = torch.cuda.get_rng_state()  # the current device's, for older readers
