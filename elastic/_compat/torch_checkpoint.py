@@ -48,13 +48,13 @@ torch matrix, ``make test-torch``; ``tests/unit/test_compat.py`` runs in each).
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import functools
 import importlib
 import io
 import pickle
 import re
-import types
 from typing import Any, Callable, Sequence
 
 import torch
@@ -191,16 +191,22 @@ class _NotPlain(Exception):
     """A value the fast path of :func:`save_unzipped` leaves to ``torch.save``."""
 
 
+# The globals that plain values are pickled with at protocol 2 (bytes as
+# _codecs.encode of a str, the others as calls of their type).
+_PLAIN_GLOBALS = frozenset(map(id, (codecs.encode, set, frozenset, bytearray)))
+
+
 class _PlainPickler(pickle.Pickler):
     """The C pickler, refusing anything that is not a plain value. It asks
     ``reducer_override`` only for what is not None, a bool, an int, a float, a
-    str, bytes, a bytearray, or a dict, list, tuple, set or frozenset: the
-    globals those are pickled with (``_codecs.encode``, ``set``) are pickled by
-    name as ``torch.save``'s pickler does; anything else (a tensor, an instance
-    of a class) raises _NotPlain."""
+    str, bytes, a bytearray, or a dict, list, tuple, set or frozenset, and for
+    the globals of :data:`_PLAIN_GLOBALS`, which it pickles by name as
+    ``torch.save``'s pickler does; anything else (a tensor, an instance of a
+    class, a class: ``torch.save`` records a module class's source) raises
+    _NotPlain."""
 
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, (type, types.BuiltinFunctionType)):
+        if id(obj) in _PLAIN_GLOBALS:
             return NotImplemented
         raise _NotPlain
 

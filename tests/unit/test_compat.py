@@ -278,6 +278,8 @@ def test_what_is_not_plain_and_a_torch_of_another_frame_go_through_torch_save(mo
     data = torch_checkpoint.save_unzipped(value)
     loaded = torch.load(io.BytesIO(data), weights_only=False)
     assert torch.equal(loaded["rng"], value["rng"]) and loaded["noted"].a == 1
+    for other in (torch.nn.Linear, len, types.SimpleNamespace):  # classes and functions too
+        assert torch_checkpoint.save_unzipped([other]) == _torch_save_unzipped([other])
     monkeypatch.setattr(torch_checkpoint, "_unzipped_frame", lambda: None)
     assert torch_checkpoint.save_unzipped(PLAIN) == _torch_save_unzipped(PLAIN)
 
