@@ -34,6 +34,7 @@ The rules:
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from typing import Any, Callable, Sequence
 
 import torch
@@ -53,6 +54,35 @@ class _Reuse:
     sources: dict[str, Source]  # the plan's objects, by name
     fingerprint: list
     pinned: list  # the objects the fingerprint names by id, kept alive
+    distinct: list[Source] = dataclasses.field(default_factory=list)  # each source once
+    layout: tuple = ()  # (the objects' names, the index in distinct of each)
+    last: tuple[bytes, dict[str, Any]] | None = None  # (pickle of the values, the objects)
+
+    def __post_init__(self) -> None:
+        # A group's options are one source for all its parameters' names: read once.
+        index: dict[tuple[int, Any], int] = {}
+        slots = []
+        for container, key in self.sources.values():
+            at = index.setdefault((id(container), key), len(self.distinct))
+            if at == len(self.distinct):
+                self.distinct.append((container, key))
+            slots.append(at)
+        self.layout = (tuple(self.sources), tuple(slots))
+
+    def objects(self) -> tuple[dict[str, Any], tuple | None]:
+        """The objects as of now, and their key for :class:`SlotPlan`: the last
+        dict again while the values pickle to the same bytes."""
+        values = [container[key] for container, key in self.distinct]
+        try:
+            pickled = pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001 - what cannot be pickled is never reused
+            pickled = None
+        if pickled is not None and self.last is not None and self.last[0] == pickled:
+            return self.last[1], (*self.layout, pickled)
+        names, slots = self.layout
+        objects = {name: values[at] for name, at in zip(names, slots)}
+        self.last = None if pickled is None else (pickled, objects)
+        return objects, None if pickled is None else (*self.layout, pickled)
 
 
 class LiveState:
@@ -76,9 +106,8 @@ class LiveState:
         if reuse is not None:
             if fingerprint(self._chunks, []) == reuse.fingerprint:
                 kept = reuse.plan
-                return SlotPlan(kept.items, kept.tensors, {
-                    name: container[key] for name, (container, key) in reuse.sources.items()},
-                    kept.data_bytes)
+                objects, key = reuse.objects()
+                return SlotPlan(kept.items, kept.tensors, objects, kept.data_bytes, key)
         self._reuse = None
         collected = self._collect(self._chunks)
         self.collections += 1

@@ -84,7 +84,7 @@ class SnapshotWriter:
         self._next = self._older_slot()
         self._mapped: dict[int, _Mapped] = {}
         self._local: dict[int, _LocalFile] = {}  # each slot's local.pt, held open
-        self._objects: tuple[bytes | None, bytes] = (None, b"")  # (plain pickle, file bytes)
+        self._objects: tuple[Any, bytes] = (None, b"")  # (key of the objects, file bytes)
         self.written: layout.SlotKey | None = None  # the last complete snapshot's slot
 
     def slot_dir(self, slot: int) -> str:
@@ -133,7 +133,7 @@ class SnapshotWriter:
         if mapped.tensors is not plan.tensors:
             mapped.tensors, mapped.sources = plan.tensors, [local_tensor(t) for t in plan.tensors]
         compat.copy_all(mapped.views, mapped.sources)
-        objects = self._objects_file(plan.objects)
+        objects = self._objects_file(plan)
         if mapped.objects is not objects:
             mapped.objects = None
             layout.write_file(paths.objects, objects)
@@ -147,8 +147,9 @@ class SnapshotWriter:
     def _template(self, mapped: _Mapped, plan: SlotPlan) -> layout.ManifestTemplate:
         """The slot's manifest template for ``plan``, made anew when the objects'
         names changed."""
-        names = tuple(plan.objects)
-        if mapped.manifest is None or mapped.manifest[0] != names:
+        names = tuple(plan.objects) if plan.objects_key is None else plan.objects_key[0]
+        if mapped.manifest is None or (mapped.manifest[0] is not names
+                                       and mapped.manifest[0] != names):
             ident = self.identity
             head = layout.Manifest(
                 job_id=ident.job_id, node_id=ident.node_id, round=ident.round, step=0,
@@ -183,22 +184,24 @@ class SnapshotWriter:
         self._mapped[slot] = mapped
         return mapped
 
-    def _objects_file(self, objects: dict[str, Any]) -> bytes:
-        """``objects.pt``'s bytes for ``objects``: the last ones when the objects
-        pickle to the same bytes (equal pickles: the same values, -0.0 and 0.0
-        told apart), else serialized anew."""
-        try:
-            key = pickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception:  # noqa: BLE001 - only torch.save can: never reused
-            key = None
+    def _objects_file(self, plan: SlotPlan) -> bytes:
+        """``objects.pt``'s bytes for ``plan.objects``: the last ones when the
+        objects are the same (the plan's ``objects_key``, or else the objects'
+        plain pickle: the same values, -0.0 and 0.0 told apart), else
+        serialized anew."""
+        key = plan.objects_key
+        if key is None:
+            try:
+                key = pickle.dumps(plan.objects, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception:  # noqa: BLE001 - only torch.save can: never reused
+                key = None
         last_key, last = self._objects
         if key is not None and key == last_key:
             return last
         buffer = io.BytesIO()
-        torch.save(objects, buffer)
+        torch.save(plan.objects, buffer)
         self._objects = (key, buffer.getvalue())
         return self._objects[1]
-
     def _local_file(self, slot: int, path: str) -> "_LocalFile":
         held = self._local.get(slot)
         if held is None:
