@@ -22,7 +22,10 @@ The rules:
   it. The objects it names are kept referenced, so their ids are not reused.
 * **Values that are not tensors** (hyperparameters that a scheduler sets every
   step, an int step) are read again at every snapshot from the dict they came
-  from.
+  from, each dict entry once (a group's options are the values of every one
+  of its parameters' names); while they pickle to the same bytes, the plan
+  keeps the objects' dict and a key (:attr:`SlotPlan.objects_key`) that the
+  writer compares instead of the objects.
 * **No reuse at all**, a full collection at every snapshot, when a collection
   cannot be explained by the live objects: a model tensor whose bytes are not
   a live parameter's or buffer's (a copy made by a state-dict hook), a model

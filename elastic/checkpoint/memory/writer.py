@@ -10,9 +10,10 @@ does not change from one snapshot to the next is made once: the slot's
 directory and paths, its mapping, and the manifest's JSON but for the step, the
 files' sizes and the time (a :class:`layout.ManifestTemplate` per layout).
 ``objects.pt`` is serialized again only when the objects changed (compared by
-their plain pickle), and a slot's copy of it is rewritten only when it differs
-from what this writer last wrote there. A write that fails (the directory
-removed under the writer, the tmpfs full) leaves the slot to be made anew.
+the plan's ``objects_key``, else by their plain pickle), and a slot's copy of it
+is rewritten only when it differs from what this writer last wrote there. A
+write that fails (the directory removed under the writer, the tmpfs full)
+leaves the slot to be made anew.
 
 A writer only ever touches its own two slots of its own (round, rank): older
 rounds' slots are the agent's to free.
@@ -202,6 +203,7 @@ class SnapshotWriter:
         torch.save(plan.objects, buffer)
         self._objects = (key, buffer.getvalue())
         return self._objects[1]
+
     def _local_file(self, slot: int, path: str) -> "_LocalFile":
         held = self._local.get(slot)
         if held is None:
