@@ -84,7 +84,7 @@ class SnapshotWriter:
         self._paths = [_SlotPaths.of(os.path.join(self._own, key.name)) for key in self._keys]
         self._next = self._older_slot()
         self._mapped: dict[int, _Mapped] = {}
-        self._local: dict[int, _LocalFile] = {}  # each slot's local.pt, held open
+        self._held: dict[tuple[int, str], _HeldFile] = {}  # (slot, path): its small files
         self._objects: tuple[Any, bytes] = (None, b"")  # (key of the objects, file bytes)
         self.written: layout.SlotKey | None = None  # the last complete snapshot's slot
 
@@ -137,9 +137,9 @@ class SnapshotWriter:
         objects = self._objects_file(plan)
         if mapped.objects is not objects:
             mapped.objects = None
-            layout.write_file(paths.objects, objects)
+            self._file(slot, paths.objects).write(objects)
             mapped.objects = objects
-        self._local_file(slot, paths.local).write(local)
+        self._file(slot, paths.local).write(local)
         files = {layout.DATA: plan.data_bytes, layout.OBJECTS: len(objects),
                  layout.LOCAL: len(local)}
         manifest = self._template(mapped, plan).render(step, files, time.time())
@@ -204,30 +204,30 @@ class SnapshotWriter:
         self._objects = (key, buffer.getvalue())
         return self._objects[1]
 
-    def _local_file(self, slot: int, path: str) -> "_LocalFile":
-        held = self._local.get(slot)
+    def _file(self, slot: int, path: str) -> "_HeldFile":
+        held = self._held.get((slot, path))
         if held is None:
-            held = self._local[slot] = _LocalFile(path)
+            held = self._held[(slot, path)] = _HeldFile(path)
         return held
 
     def _forget(self, slot: int) -> None:
         """Drop what this writer holds of ``slot`` (its next write makes it anew)."""
         self._mapped.pop(slot, None)
-        held = self._local.pop(slot, None)
-        if held is not None:
-            held.close()
+        for key in [key for key in self._held if key[0] == slot]:
+            self._held.pop(key).close()
 
     def close(self) -> None:
         """Drop the mappings and files held open (the files stay: they are the snapshots)."""
-        for slot in list(self._local):
+        for slot in range(layout.SLOTS_PER_RANK):
             self._forget(slot)
         self._mapped.clear()
 
 
-class _LocalFile:
-    """A slot's ``local.pt``, held open and rewritten in place: the same pages
-    each time (truncating and refilling a tmpfs file costs 40 us at 13 KiB,
-    this a tenth of it), cut only when the new content is shorter. Raises OSError."""
+class _HeldFile:
+    """A slot's ``local.pt`` or ``objects.pt``, held open and rewritten in
+    place: the same pages each time (truncating and refilling a tmpfs file
+    costs 40 us at 13 KiB, this a tenth of it), cut only when the new content
+    is shorter. Raises OSError."""
 
     def __init__(self, path: str):
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, layout.FILE_MODE)
