@@ -37,7 +37,9 @@ torch matrix, ``make test-torch``; ``tests/unit/test_compat.py`` runs in each).
   header is taken from ``torch.save`` itself once, and the value pickled by
   the C pickler, the bytes ``torch.save`` writes at a fifth of its cost.
   Fallback: ``torch.save``, for a value that is not plain or a torch whose
-  file does not have that shape.
+  file does not have that shape. :func:`unzipped_pickle` finds the value's
+  pickle in such a file again, for a restricted unpickler (``torch.load`` then
+  only for a file of another frame).
 * :func:`copy_all`: ``torch._foreach_copy_``, every tensor of a list copied
   in one call (one dispatch, not one per tensor). Fallback: ``copy_`` each.
 * :func:`module_tensors`: each module's ``_parameters`` and ``_buffers``, the
@@ -244,6 +246,21 @@ def save_unzipped(obj: Any) -> bytes:
         buffer.write(frame[1])
         return buffer.getvalue()
     return _torch_save_unzipped(obj)
+
+
+def unzipped_pickle(data: bytes) -> bytes | None:
+    """The value's pickle in ``data`` when it is an unzipped ``torch.save`` file
+    framed as this torch frames a plain value (:func:`save_unzipped`'s header,
+    no storage after the pickle), else None. The pickle may still refer to
+    storages by persistent id: its unpickler must refuse those."""
+    frame = _unzipped_frame()
+    if frame is None:
+        return None
+    header, end = frame
+    if (len(data) <= len(header) + len(end) or not data.startswith(header)
+            or not data.endswith(end)):
+        return None
+    return data[len(header):-len(end)]
 
 
 def copy_all(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:

@@ -22,7 +22,6 @@ rounds' slots are the agent's to free.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import os
 import pickle
@@ -199,9 +198,7 @@ class SnapshotWriter:
         last_key, last = self._objects
         if key is not None and key == last_key:
             return last
-        buffer = io.BytesIO()
-        torch.save(plan.objects, buffer)
-        self._objects = (key, buffer.getvalue())
+        self._objects = (key, compat.save_unzipped(plan.objects))
         return self._objects[1]
 
     def _file(self, slot: int, path: str) -> "_HeldFile":
