@@ -222,7 +222,8 @@ def load_object(data: bytes, policy: LoadPolicy, what: str) -> Any:
     """One of DCP's pickled objects (a ``torch.save`` zip) from its bytes: what
     ``torch.load`` returns for it, within the policy.
 
-    A pickle that refers to no storage is unpickled here, in one call of the C
+    Also an unzipped ``torch.save`` file (the memory tier's ``objects.pt``). A
+    pickle that refers to no storage is unpickled here, in one call of the C
     unpickler; one with a tensor inside goes to :func:`load_torch_file` (objects
     met before the storage are then rebuilt twice, which for data changes
     nothing). Raises CheckpointError for a refused type, and what ``torch.load``
@@ -263,8 +264,12 @@ def load_torch_file(data: bytes, policy: LoadPolicy, what: str,
 
 
 def _data_pickle(data: bytes) -> bytes | None:
-    """The pickle of a ``torch.save`` zip without constants; None for anything
-    else (``torch.load`` then reads it, or says what is wrong with it)."""
+    """The pickle of a ``torch.save`` zip without constants, or of an unzipped
+    file framed as this torch frames a plain value (the memory tier's); None
+    for anything else (``torch.load`` then reads it, or says what is wrong with it)."""
+    plain = compat.unzipped_pickle(data)
+    if plain is not None:
+        return plain
     try:
         archive = compat.zip_archive(io.BytesIO(data))
         records = archive.get_all_records()

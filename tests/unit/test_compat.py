@@ -241,6 +241,81 @@ def test_a_single_process_is_told_to_dcp_where_it_takes_no_dist(tmp_path, monkey
     assert torch.equal(restored.weight, model.weight)
 
 
+def _torch_save_unzipped(value) -> bytes:
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer, _use_new_zipfile_serialization=False)
+    return buffer.getvalue()
+
+
+# Every plain kind the fast path takes, bytes and sets included (pickled through globals).
+PLAIN = {"format": 1, "step": 7, "big": 2**70, "lr": [1e-3, float("inf")], "flag": True,
+         "none": None, "blob": b"\x00\xff" * 300, "ids": (1, (2, 3)), "set": {1, 2},
+         "frozen": frozenset({"a"}), "array": bytearray(b"xy"), "name": "\u00e9t\u00e9"}
+
+
+def test_a_plain_value_is_saved_unzipped_as_torch_save_writes_it():
+    from elastic._compat import torch_checkpoint
+
+    expected = _torch_save_unzipped(PLAIN)
+    with pytest.MonkeyPatch.context() as patch:  # the frame taken once, then no torch.save
+        torch_checkpoint.save_unzipped(None)
+        patch.setattr(torch_checkpoint.torch, "save", None)
+        assert torch_checkpoint.save_unzipped(PLAIN) == expected, "torch.save's file changed"
+
+
+def test_what_is_not_plain_and_a_torch_of_another_frame_go_through_torch_save(monkeypatch):
+    import io
+
+    import torch
+
+    from elastic._compat import torch_checkpoint
+
+    value = {"rng": torch.get_rng_state(), "noted": types.SimpleNamespace(a=1), "step": 7}
+    data = torch_checkpoint.save_unzipped(value)
+    loaded = torch.load(io.BytesIO(data), weights_only=False)
+    assert torch.equal(loaded["rng"], value["rng"]) and loaded["noted"].a == 1
+    for other in (torch.nn.Linear, len, types.SimpleNamespace):  # classes and functions too
+        assert torch_checkpoint.save_unzipped([other]) == _torch_save_unzipped([other])
+    monkeypatch.setattr(torch_checkpoint, "_unzipped_frame", lambda: None)
+    assert torch_checkpoint.save_unzipped(PLAIN) == _torch_save_unzipped(PLAIN)
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "one-by-one"])
+def test_copy_all_copies_every_tensor_without_autograd(foreach, monkeypatch):
+    import torch
+
+    from elastic._compat import torch_checkpoint
+
+    if not foreach:
+        monkeypatch.delattr(torch, "_foreach_copy_")
+    sources = [torch.nn.Parameter(torch.arange(3.0)), torch.tensor(5),
+               torch.ones(2, 2, dtype=torch.bfloat16)]
+    targets = [torch.zeros_like(t) for t in sources]
+    torch_checkpoint.copy_all(targets, sources)
+    torch_checkpoint.copy_all([], [])
+    assert all(torch.equal(t, s) and not t.requires_grad for t, s in zip(targets, sources))
+
+
+@pytest.mark.parametrize("internal", [True, False], ids=["module-dicts", "generators"])
+def test_module_tensors_are_every_parameter_and_buffer(internal, monkeypatch):
+    import torch
+
+    from elastic._compat import torch_checkpoint
+
+    shared = torch.nn.Linear(3, 3, bias=False)  # no bias: a None entry, skipped
+    model = torch.nn.Sequential(shared, torch.nn.BatchNorm1d(3), torch.nn.Sequential(shared))
+    if not internal:
+        monkeypatch.setattr(torch_checkpoint, "MODULE_TENSOR_DICTS", ("_parameters", "_gone"))
+    found = torch_checkpoint.module_tensors(model)
+    expected = {*map(id, model.parameters()), *map(id, model.buffers())}
+    assert set(map(id, found)) == expected and all(t is not None for t in found)
+    assert [id(t) for t in torch_checkpoint.module_tensors(model)] == list(map(id, found))
+
+
 FLIGHT_RECORDER_WORKER = """
 import os, sys
 import torch, torch.distributed as dist

@@ -57,6 +57,28 @@ def test_a_copier_sees_that_the_writer_started_over(tmp_path):
     assert not layout.still_same(info)  # complete again, but not what was copied
 
 
+def test_a_template_renders_each_snapshots_manifest_as_the_manifest_would():
+    import json
+
+    head = Manifest(job_id="job-1.x", node_id="a", round=3, step=0, rank=1, world_size=4,
+                    files={layout.LOCAL: 0, layout.DATA: 0, layout.OBJECTS: 0},
+                    tensors=manifest().tensors, objects=("optim.lr", "optim.\u00e9ps"))
+    template = layout.ManifestTemplate(head)
+    for step, sizes, written_at in [(0, (16, 3, 5), 0.0), (2**40, (16, 0, 1 << 33), 1.7e9 + 0.1)]:
+        files = dict(zip((layout.DATA, layout.OBJECTS, layout.LOCAL), sizes))
+        whole = Manifest(**{**head.__dict__, "step": step, "files": files,
+                            "written_at": written_at})
+        record = {"format": layout.FORMAT, "job_id": whole.job_id, "node_id": "a", "round": 3,
+                  "step": step, "rank": 1, "world_size": 4, "files": dict(sorted(files.items())),
+                  "tensors": [t.to_record() for t in whole.tensors],
+                  "objects": list(whole.objects), "written_at": written_at}
+        rendered = template.render(step, files, written_at)
+        assert rendered == json.dumps(record, separators=(",", ":")).encode() == whole.to_json()
+        assert Manifest.from_json(rendered) == whole
+    with pytest.raises(ValueError):
+        template.render(1, {layout.DATA: 16}, 0.0)
+
+
 def test_replicas_are_listed_with_their_source(tmp_path):
     slot = os.path.join(layout.replica_dir(str(tmp_path), "b"), SlotKey(3, 2, 1).name)
     layout.begin_write(slot)

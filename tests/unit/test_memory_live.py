@@ -212,3 +212,24 @@ def test_each_slot_holds_its_own_objects_when_they_change_and_change_back(tmp_pa
     key = writer.write(5, plan_slot({**tensor, "optim": {"param_groups.w.lr": 0.0}}), b"x")
     slot = read_slot(os.path.join(layout.own_dir(str(tmp_path)), key.name))
     assert repr(slot["optim.param_groups.w.lr"]) == "0.0"
+
+
+def test_unchanged_objects_are_kept_and_a_value_changed_in_place_or_replaced_is_seen(tmp_path):
+    job = Job(str(tmp_path))
+    job.scheduler = None
+    group = job.optimizer.param_groups[0]
+    group["betas"] = [0.9, 0.999]  # an option that can change in place
+    job.train()
+    job.live.plan()  # the collection
+    first, again = job.live.plan(), job.live.plan()  # reused: the objects read, and kept
+    assert again.objects is first.objects and again.objects_key == first.objects_key
+    assert_same(job.snapshot(), collected_now(job.chunks))
+    group["betas"][0] = 0.5  # in place: the same list object
+    job.train()
+    slot = job.snapshot()
+    assert slot["optim.param_groups.0.weight.betas"] == [0.5, 0.999]
+    assert_same(slot, collected_now(job.chunks))
+    for lr in (0.0, -0.0):  # equal values, other pickles: a slot holds each as it is
+        group["lr"] = lr
+        assert repr(job.snapshot()["optim.param_groups.2.bias.lr"]) == repr(lr)
+    assert job.live.collections == 1

@@ -383,6 +383,19 @@ def test_an_object_outside_the_allow_list_is_refused_by_name_and_never_built():
     assert allowed["optim.param_groups.w.extra"].payload == "anything"
 
 
+@pytest.mark.parametrize("value", [0.001, (0.9, 0.999), None, -0.0, b"\x00\xff", {1, 2}])
+def test_objects_pt_is_read_without_torch_load_unless_a_tensor_is_in_it(value, monkeypatch):
+    plain = compat.save_unzipped({"optim.x": value})  # as the writer writes objects.pt
+    with_tensor = compat.save_unzipped({"optim.x": value, "optim.t": torch.ones(2)})
+    real, calls = torch.load, []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(k) or real(*a, **k))
+    loaded = load_objects(plain)
+    assert repr(loaded) == repr({"optim.x": value}) and calls == []
+    loaded = load_objects(with_tensor)
+    assert repr(loaded["optim.x"]) == repr(value) and torch.equal(loaded["optim.t"], torch.ones(2))
+    assert [call["weights_only"] for call in calls] == [True]
+
+
 def test_objects_pt_that_is_not_a_dict_and_data_shorter_than_its_manifest_are_refused():
     stream = io.BytesIO()
     torch.save([0.1, 0.2], stream)

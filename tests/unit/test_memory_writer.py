@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from elastic.checkpoint.memory import layout
 from elastic.checkpoint.memory.items import ALIGN, plan_slot
-from elastic.checkpoint.memory.writer import Identity, SnapshotWriter, manifest_json
+from elastic.checkpoint.memory.writer import Identity, SnapshotWriter
 
 IDENT = Identity(job_id="job", node_id="node-a", round=3, rank=1, world_size=2)
 
@@ -44,17 +45,6 @@ def test_a_dtensor_item_is_its_chunk(tmp_path):
         assert (item.global_shape, item.offsets, item.shape) == ((4, 2), (0, 0), (4, 2))
     finally:
         dist.destroy_process_group()
-
-
-def test_the_spliced_manifest_is_the_manifest():
-    plan = plan_slot(state_dict())
-    head = layout.Manifest(job_id="job", node_id="n", round=1, step=2, rank=0, world_size=1,
-                           files={layout.DATA: plan.data_bytes}, objects=tuple(plan.objects))
-    import json
-
-    tensors = json.dumps([i.to_record() for i in plan.items], separators=(",", ":")).encode()
-    whole = layout.Manifest(**{**head.__dict__, "tensors": plan.items})
-    assert manifest_json(head, tensors) == whole.to_json()
 
 
 def test_slots_alternate_and_round_trip(tmp_path):
@@ -101,3 +91,23 @@ def test_a_restart_in_the_same_round_writes_over_the_older_snapshot_first(tmp_pa
     again = SnapshotWriter(str(tmp_path), IDENT)  # no agent: the same round 0 after a restart
     assert again.write(3, plan_slot(state_dict()), b"x").slot == 1
     assert sorted(s.manifest.step for s in layout.list_slots(str(tmp_path))) == [2, 3]
+
+
+def test_a_slot_removed_under_the_writer_fails_one_write_then_is_made_anew(tmp_path):
+    import shutil
+
+    writer = SnapshotWriter(str(tmp_path), IDENT)
+    sd = state_dict()
+    writer.write(10, plan_slot(sd), b"local-10")
+    writer.write(11, plan_slot(sd), b"local-11")
+    shutil.rmtree(writer.slot_dir(0))  # the next write's slot, gone
+    with pytest.raises(OSError):
+        writer.write(12, plan_slot(sd), b"local-12")
+    sd["model"]["w"].add_(1)
+    assert writer.write(12, plan_slot(sd), b"local-12").slot == 0
+    slots = {s.key.slot: s for s in layout.list_slots(str(tmp_path))}
+    assert {k: s.manifest.step for k, s in slots.items()} == {0: 12, 1: 11}
+    (w,) = [i for i in slots[0].manifest.tensors if i.fqn == "model.w"]
+    with open(os.path.join(slots[0].path, layout.DATA), "rb") as f:
+        raw = f.read()[w.offset:w.offset + w.nbytes]
+    assert torch.frombuffer(bytearray(raw), dtype=torch.float32).view(2, 3).equal(sd["model"]["w"])

@@ -29,12 +29,16 @@ ALIGN = 64
 class SlotPlan:
     """A state dict laid out for a slot: ``items`` (with ``tensors``, the live
     tensors in the same order), ``objects`` (the non-tensor values by name),
-    ``data_bytes`` (the size of ``data.bin``)."""
+    ``data_bytes`` (the size of ``data.bin``). ``objects_key``, when the maker
+    has one: a tuple whose first item is the objects' names, equal for two
+    plans only when their objects are (pickle to the same bytes), so that a
+    writer compares it rather than the objects."""
 
     items: tuple[TensorItem, ...]
     tensors: tuple[torch.Tensor, ...]
     objects: dict[str, Any]
     data_bytes: int
+    objects_key: tuple | None = None
 
     @property
     def signature(self) -> tuple:

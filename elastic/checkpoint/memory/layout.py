@@ -166,12 +166,7 @@ class Manifest:
         return sum(self.files.values())
 
     def to_json(self) -> bytes:
-        record = {"format": FORMAT, "job_id": self.job_id, "node_id": self.node_id,
-                  "round": self.round, "step": self.step, "rank": self.rank,
-                  "world_size": self.world_size, "files": dict(sorted(self.files.items())),
-                  "tensors": [t.to_record() for t in self.tensors],
-                  "objects": list(self.objects), "written_at": self.written_at}
-        return json.dumps(record, separators=(",", ":")).encode()
+        return ManifestTemplate(self).render(self.step, self.files, self.written_at)
 
     @classmethod
     def from_json(cls, data: bytes, *, tensors: bool = True) -> "Manifest":
@@ -234,9 +229,49 @@ class SlotInfo:
     stamp: tuple[int, int, int, int]
 
 
-def begin_write(slot_dir: str) -> None:
-    """Make the slot incomplete before its files change (creating it if needed)."""
-    os.makedirs(slot_dir, mode=DIR_MODE, exist_ok=True)
+class ManifestTemplate:
+    """The JSON of the manifests that differ from ``head`` only in ``step``, the
+    files' sizes (the same names) and ``written_at``: a writer's successive
+    snapshots of one layout. The rest (the ids, the tensor list, the objects'
+    names) is serialized once, here; ``tensors_json`` is the tensor list's
+    JSON when the caller has it already (``head.tensors`` is then not read)."""
+
+    def __init__(self, head: Manifest, tensors_json: bytes | None = None):
+        if tensors_json is None:
+            tensors_json = _json([t.to_record() for t in head.tensors])
+        self.names = tuple(sorted(head.files))
+        self._names = set(self.names)
+        ids = _json({"format": FORMAT, "job_id": head.job_id, "node_id": head.node_id,
+                     "round": head.round})
+        self._start = ids[:-1] + b',"step":'
+        self._head = b',"rank":%d,"world_size":%d,"files":{' % (head.rank, head.world_size)
+        self._keys = tuple((b"," if i else b"") + _json(name) + b":"
+                           for i, name in enumerate(self.names))
+        self._end = (b'},"tensors":' + tensors_json + b',"objects":' + _json(list(head.objects))
+                     + b',"written_at":')
+
+    def render(self, step: int, files: dict[str, int], written_at: float) -> bytes:
+        """The manifest's JSON. Raises ValueError for files of other names."""
+        if files.keys() != self._names:
+            raise ValueError(f"files {sorted(files)} are not the template's {list(self.names)}")
+        parts = [self._start, b"%d" % step, self._head]
+        for key, name in zip(self._keys, self.names):
+            parts += (key, b"%d" % files[name])
+        # A number's JSON is the same with json's default separators, whose encoder
+        # json.dumps keeps (other separators make a new encoder per call).
+        parts += (self._end, json.dumps(written_at).encode(), b"}")
+        return b"".join(parts)
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def begin_write(slot_dir: str, *, made: bool = False) -> None:
+    """Make the slot incomplete before its files change, creating its directory
+    unless ``made`` (the caller made it and has written into it since)."""
+    if not made:
+        os.makedirs(slot_dir, mode=DIR_MODE, exist_ok=True)
     try:
         os.unlink(os.path.join(slot_dir, MANIFEST))
     except FileNotFoundError:
@@ -249,10 +284,20 @@ def finish_write(slot_dir: str, manifest: Manifest | bytes) -> None:
     tensor list's). No fsync: the memory tier lives on a tmpfs and dies with
     the machine."""
     tmp = os.path.join(slot_dir, f".{MANIFEST}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
-    with open(fd, "wb") as f:
-        f.write(manifest if isinstance(manifest, bytes) else manifest.to_json())
+    write_file(tmp, manifest if isinstance(manifest, bytes) else manifest.to_json())
     os.replace(tmp, os.path.join(slot_dir, MANIFEST))
+
+
+def write_file(path: str, data: bytes) -> None:
+    """Write ``data`` as the whole of ``path`` (created private, truncated; a
+    link at ``path`` is refused). Raises OSError."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
 
 
 def read_slot(slot_dir: str, holder: str = OWN, *, tensors: bool = True) -> SlotInfo | None:

@@ -22,7 +22,10 @@ The rules:
   it. The objects it names are kept referenced, so their ids are not reused.
 * **Values that are not tensors** (hyperparameters that a scheduler sets every
   step, an int step) are read again at every snapshot from the dict they came
-  from.
+  from, each dict entry once (a group's options are the values of every one
+  of its parameters' names); while they pickle to the same bytes, the plan
+  keeps the objects' dict and a key (:attr:`SlotPlan.objects_key`) that the
+  writer compares instead of the objects.
 * **No reuse at all**, a full collection at every snapshot, when a collection
   cannot be explained by the live objects: a model tensor whose bytes are not
   a live parameter's or buffer's (a copy made by a state-dict hook), a model
@@ -34,10 +37,12 @@ The rules:
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from typing import Any, Callable, Sequence
 
 import torch
 
+from elastic._compat import torch_checkpoint as compat
 from elastic.checkpoint import state
 from elastic.checkpoint.memory.items import SlotPlan, plan_slot
 from elastic.checkpoint.staging import local_tensor
@@ -52,6 +57,35 @@ class _Reuse:
     sources: dict[str, Source]  # the plan's objects, by name
     fingerprint: list
     pinned: list  # the objects the fingerprint names by id, kept alive
+    distinct: list[Source] = dataclasses.field(default_factory=list)  # each source once
+    layout: tuple = ()  # (the objects' names, the index in distinct of each)
+    last: tuple[bytes, dict[str, Any]] | None = None  # (pickle of the values, the objects)
+
+    def __post_init__(self) -> None:
+        # A group's options are one source for all its parameters' names: read once.
+        index: dict[tuple[int, Any], int] = {}
+        slots = []
+        for container, key in self.sources.values():
+            at = index.setdefault((id(container), key), len(self.distinct))
+            if at == len(self.distinct):
+                self.distinct.append((container, key))
+            slots.append(at)
+        self.layout = (tuple(self.sources), tuple(slots))
+
+    def objects(self) -> tuple[dict[str, Any], tuple | None]:
+        """The objects as of now, and their key for :class:`SlotPlan`: the last
+        dict again while the values pickle to the same bytes."""
+        values = [container[key] for container, key in self.distinct]
+        try:
+            pickled = pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001 - what cannot be pickled is never reused
+            pickled = None
+        if pickled is not None and self.last is not None and self.last[0] == pickled:
+            return self.last[1], (*self.layout, pickled)
+        names, slots = self.layout
+        objects = {name: values[at] for name, at in zip(names, slots)}
+        self.last = None if pickled is None else (pickled, objects)
+        return objects, None if pickled is None else (*self.layout, pickled)
 
 
 class LiveState:
@@ -75,9 +109,8 @@ class LiveState:
         if reuse is not None:
             if fingerprint(self._chunks, []) == reuse.fingerprint:
                 kept = reuse.plan
-                return SlotPlan(kept.items, kept.tensors, {
-                    name: container[key] for name, (container, key) in reuse.sources.items()},
-                    kept.data_bytes)
+                objects, key = reuse.objects()
+                return SlotPlan(kept.items, kept.tensors, objects, kept.data_bytes, key)
         self._reuse = None
         collected = self._collect(self._chunks)
         self.collections += 1
@@ -95,11 +128,9 @@ def fingerprint(chunks: Sequence[state.Chunk], pinned: list) -> list:
     shapes; the objects named by id are appended to ``pinned``."""
     out: list = []
     for chunk in chunks:
-        for tensor in chunk.model.parameters():
+        for tensor in compat.module_tensors(chunk.model):
             _tensor(tensor, out, pinned)
         out.append(None)
-        for tensor in chunk.model.buffers():
-            _tensor(tensor, out, pinned)
         for optimizer in chunk.optimizers:
             groups = optimizer.param_groups
             pinned.append(groups)
@@ -139,7 +170,8 @@ def _nested(values: Any, out: list, pinned: list) -> None:
 
 def _tensor(tensor: torch.Tensor, out: list, pinned: list) -> None:
     pinned.append(tensor)
-    out += (id(tensor), *_bytes_of(tensor))
+    local = local_tensor(tensor)  # _bytes_of, inlined: a snapshot calls this for every tensor
+    out += (id(tensor), local.data_ptr(), local.shape, local.dtype)
 
 
 def explain(chunks: Sequence[state.Chunk], state_dict: dict[str, Any]

@@ -89,7 +89,7 @@ class SnapshotTier:
         local = state.capture_local(step=step, rank=ident.rank, world_size=ident.world_size,
                                     schedulers=self._schedulers,
                                     data_state=self._data.state_dict(), extras=self._extras(),
-                                    zip_format=False)
+                                    compact=True)
         if not self._checked:
             self._check_room(plan.data_bytes + len(local))
         self._writer.write(step, plan, local)
