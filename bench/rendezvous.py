@@ -1,12 +1,12 @@
 """Rendezvous benchmark: how fast N nodes agree on a round, and at what etcd cost.
 
 For each N, N simulated nodes are spread over ``--processes`` worker processes
-(by default one per 128 nodes), each process with one
+(by default one per CPU, see :func:`default_processes`), each process with one
 :class:`~elastic.store.etcd.EtcdStore` shared by its nodes, as agents on many
 machines share one etcd cluster. Every node is a full
 :class:`~elastic.rendezvous.node.RendezvousNode` with its own lease (kept alive)
 and its own watches. Its loop runs, with ``--loops pump`` (the default), on
-one thread per process that pumps whichever of the process's nodes has news
+one of a few threads per process that pump whichever of their nodes has news
 or a deadline due, as the fault simulator drives nodes; with ``--loops
 thread``, on a thread of its own, as in an agent (on a small machine, 32
 processes of 128 such threads spend much of the clients' CPU waking each
@@ -99,6 +99,9 @@ from elastic.store.etcd import EtcdStore  # noqa: E402
 from elastic.store.server import EtcdServer  # noqa: E402
 
 NODES_PER_PROCESS = 128
+# Threads that pump a process's nodes (--loops pump): each node's loop blocks
+# in its reads, so one thread would make the process's reads one at a time.
+PUMP_THREADS = 8
 # Longer than the default: 32 processes on a small shared machine starve
 # keep-alives for seconds, and a lease lost mid-run measures a re-registration,
 # not a round (a round's cost does not depend on the TTL; the model uses the
@@ -153,12 +156,13 @@ def _wait_all(nodes, after: int, expected: int) -> tuple[float, list[int], int]:
 
 
 class _Pumps:
-    """One thread that runs the loops of a process's nodes (``--loops pump``):
-    each node's inbox rings it, and it pumps the nodes that have news or a
-    deadline due, as :meth:`RendezvousNode.pump` allows (the fault simulator
-    drives nodes the same way). A real agent runs one loop thread on its own
-    machine; 128 such threads per process, 32 processes on 2 cores, spend a
-    third of the clients' CPU waking each other up."""
+    """One thread that runs the loops of some of a process's nodes (``--loops
+    pump``, PUMP_THREADS of them a process): each node's inbox rings it, and it
+    pumps the nodes that have news or a deadline due, as
+    :meth:`RendezvousNode.pump` allows (the fault simulator drives nodes the
+    same way). A real agent runs one loop thread on its own machine; 128 such
+    threads per process, 32 processes on 2 cores, spend a third of the
+    clients' CPU waking each other up."""
 
     def __init__(self):
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
@@ -238,22 +242,24 @@ def _worker(conn, endpoint: str, config: RendezvousConfig, ids: list[int], last:
         from elastic.rendezvous import round_record
         round_record.INLINE_BYTES = inline_bytes  # whichever node leads writes the rounds
     store = EtcdStore(endpoint)
-    pumps = _Pumps() if loops == "pump" else None
+    # A node's loop blocks in its reads: a few pump threads keep reads in flight.
+    pumps = [_Pumps() for _ in range(PUMP_THREADS)] if loops == "pump" else []
+    pump_of = lambda i: pumps[i % len(pumps)] if pumps else None  # noqa: E731
     # The hosts are made up: rank 0's next MASTER_PORT is not probed on them.
     make = lambda i: RendezvousNode(store, config, _node_info(i),  # noqa: E731
                                     port_picker=lambda _host: 29500,
-                                    inbox=pumps.inbox(i) if pumps else None)
+                                    inbox=pump_of(i).inbox(i) if pumps else None)
     nodes = {i: make(i) for i in ids}
 
     def start(i: int) -> RendezvousNode:
-        node = nodes[i].start(thread=pumps is None)
-        if pumps is not None:
-            pumps.add(i, node)
+        node = nodes[i].start(thread=not pumps)
+        if pumps:
+            pump_of(i).add(i, node)
         return node
 
     def stop(i: int) -> None:
-        if pumps is not None:
-            pumps.remove(i)
+        if pumps:
+            pump_of(i).remove(i)
         nodes[i].stop()
 
     try:
@@ -282,8 +288,8 @@ def _worker(conn, endpoint: str, config: RendezvousConfig, ids: list[int], last:
             conn.send((command, done_at, store.ops.snapshot(), bad, began, _cpu_s()))
     finally:
         _in_threads(list(nodes), stop)
-        if pumps is not None:
-            pumps.close()
+        for p in pumps:
+            p.close()
         store.close()
 
 
@@ -689,6 +695,17 @@ def _print_phase(label: str, n: int, runs: list[dict]) -> None:
           f"average {loads}", flush=True)
 
 
+def default_processes(n: int, loops: str) -> int:
+    """Worker processes for ``n`` nodes: pumped nodes share few threads, so one
+    process per CPU (each its own interpreter: nodes in one process share its
+    GIL), at least NODES_PER_PROCESS nodes each; nodes on threads of their
+    own, one process per NODES_PER_PROCESS nodes."""
+    per_process = NODES_PER_PROCESS
+    if loops == "pump":
+        per_process = max(per_process, math.ceil(n / (os.cpu_count() or 1)))
+    return max(1, math.ceil(n / per_process))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="64,256,1024")
@@ -696,7 +713,8 @@ def main() -> int:
     ap.add_argument("--settle", type=float, default=1.0,
                     help="settle window of the second case (0: skip that case)")
     ap.add_argument("--processes", type=int, default=0,
-                    help=f"worker processes per run (default: one per {NODES_PER_PROCESS} nodes)")
+                    help="worker processes per run (default: one per CPU with --loops pump, "
+                         f"one per {NODES_PER_PROCESS} nodes with --loops thread)")
     ap.add_argument("--reform", action="store_true",
                     help="then a round that replaces the first with the same members")
     ap.add_argument("--replace", action="store_true",
@@ -734,7 +752,7 @@ def main() -> int:
         for case, settle in cases:
             for n in sizes:
                 max_nodes = n if settle == 0.0 else 2 * n
-                procs = args.processes or max(1, math.ceil(n / NODES_PER_PROCESS))
+                procs = args.processes or default_processes(n, args.loops)
                 runs = [run_once(endpoint, n, max_nodes, settle, procs,
                                  follow_ups if settle == 0.0 else (), args.idle,
                                  args.inline_bytes, args.loops)
