@@ -2,7 +2,8 @@
 against the invariants in :mod:`tests.sim.cluster`; and proof that the
 simulator is deterministic and that its oracles catch planted bugs.
 
-``SIM_SEEDS`` sets how many schedules the big test runs (default 10,000),
+``SIM_SEEDS`` sets how many schedules the big test runs (default 10,000, in
+four parts of consecutive seeds, each a test of its own),
 ``SIM_PROFILE_SEEDS`` how many of each other profile (default 300: the
 ``budget``, ``partition`` and ``memory`` profiles see what the mixed
 schedules almost never do); ``make sim SEEDS=N`` runs more outside pytest.
@@ -24,7 +25,7 @@ from elastic.checkpoint.memory.choice import MEMORY, Choice, DiskLatest, choose
 from elastic.rendezvous import buckets, decisions, round_record
 from elastic.rendezvous.api import Outcome
 from elastic.rendezvous.decisions import Action, Decision
-from tests.marks import CPU_BOUND
+from tests.marks import SIMULATOR
 from tests.sim import cluster
 from tests.sim.faults import Fault
 from tests.sim.runner import REPLAY, replay_command, run_many
@@ -35,25 +36,38 @@ PROFILE_SEEDS = int(os.environ.get("SIM_PROFILE_SEEDS", "300"))
 JOBS = max(1, min(2, os.cpu_count() or 1))
 
 
-def _every_schedule_passes(seeds: int, profile: str = "mixed"):
-    """Run ``seeds`` schedules of ``profile``; their summary, once none failed."""
+# The SEEDS mixed schedules in PARTS runs of consecutive seeds: a failure names its part,
+# and each part's time shows in --durations.
+PARTS = 4
+SEED_PARTS = [range(SEEDS * i // PARTS, SEEDS * (i + 1) // PARTS) for i in range(PARTS)]
+
+
+def _every_schedule_passes(seeds: int | range, profile: str = "mixed"):
+    """Run the schedules of ``profile`` for ``seeds`` (a count: the first ones);
+    their summary, once none failed."""
+    seeds = range(seeds) if isinstance(seeds, int) else seeds
     started = time.monotonic()
-    summary = run_many(range(seeds), jobs=JOBS, profile=profile)
+    summary = run_many(seeds, jobs=JOBS, profile=profile)
     print("\n" + summary.describe(time.monotonic() - started))
-    assert summary.runs == seeds
+    assert summary.runs == len(seeds)
     assert not summary.failures, summary.describe(time.monotonic() - started)
     return summary
 
 
-@CPU_BOUND
-@pytest.mark.timeout(600)
-def test_every_schedule_keeps_every_invariant():
-    summary = _every_schedule_passes(SEEDS)
+def test_the_parts_run_every_seed_once():
+    assert [s for part in SEED_PARTS for s in part] == list(range(SEEDS))
+
+
+@SIMULATOR
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("seeds", SEED_PARTS, ids=lambda r: f"seeds-{r.start}-{r.stop - 1}")
+def test_every_schedule_keeps_every_invariant(seeds):
+    summary = _every_schedule_passes(seeds)
     # The schedules reach both ends: most jobs succeed, some spend their budget.
-    assert summary.outcomes[Outcome.SUCCEEDED] > SEEDS // 2
+    assert summary.outcomes[Outcome.SUCCEEDED] > len(seeds) // 2
 
 
-@CPU_BOUND
+@SIMULATOR
 @pytest.mark.timeout(300)
 def test_more_failures_than_the_budget_fail_the_job_and_every_agent_exits():
     # The job-failure path: restart budgets of 1 to 3, one to three failures more.
@@ -64,13 +78,13 @@ def test_more_failures_than_the_budget_fail_the_job_and_every_agent_exits():
     assert any("restart budget spent" in r.reason for r in spent), [r.reason for r in spent]
 
 
-@CPU_BOUND
+@SIMULATOR
 @pytest.mark.timeout(300)
 def test_partitions_without_the_leaders_fence_never_leave_a_zombie_group():
     _every_schedule_passes(PROFILE_SEEDS, "partition")
 
 
-@CPU_BOUND
+@SIMULATOR
 @pytest.mark.timeout(300)
 def test_the_memory_tier_keeps_its_invariants_through_node_losses():
     _every_schedule_passes(PROFILE_SEEDS, "memory")
