@@ -29,7 +29,13 @@ import pytest
 from elastic.events import parse_events
 from elastic.keyspace import JobKeys
 from elastic.store.etcd import EtcdStore
-from tests.integration.procs import REPO, AgentProcess, read_progress, wait_progress
+from tests.integration.procs import (
+    PLAIN_TORCH_ENV,
+    REPO,
+    AgentProcess,
+    read_progress,
+    wait_progress,
+)
 from tests.proctable import alive
 
 # The first test of the module also waits for the shared job: its cold start, then five hangs.
@@ -60,7 +66,8 @@ def start_nodes(endpoint: str, job_id: str, plan, progress: Path, step_s: float 
             "--stuck-step", "5", "--steps", "10", "--step-s", str(step_s),
             "--progress-file", str(progress)]
     return [AgentProcess(endpoint, job_id, node, "2", args, nproc=2, hang_timeout=2.0,
-                         extra=HANG, script=SCRIPT, env=env) for node in ("a", "b")]
+                         extra=HANG, script=SCRIPT, env={**PLAIN_TORCH_ENV, **(env or {})})
+            for node in ("a", "b")]
 
 
 def stop_and_show(agents: list[AgentProcess]) -> None:

@@ -27,7 +27,7 @@ import pytest
 from elastic.events import KIND_STRAGGLER, parse_events
 from elastic.keyspace import JobKeys
 from elastic.rendezvous.round_record import read_round
-from tests.integration.procs import REPO, AgentProcess
+from tests.integration.procs import PLAIN_TORCH_ENV, REPO, AgentProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -62,7 +62,8 @@ def agents():
 def start(agents: list, etcd_endpoint: str, job_id: str, node: str, script_args: list[str],
           extra: tuple[str, ...] = (), nnodes: str = "2", script: str = SCRIPT) -> AgentProcess:
     agent = AgentProcess(etcd_endpoint, job_id, node, nnodes, script_args, nproc=2,
-                         extra=STRAGGLERS + extra, script=script)
+                         extra=STRAGGLERS + extra, script=script,
+                         env=PLAIN_TORCH_ENV if script == SCRIPT else None)
     agents.append(agent)
     return agent
 
