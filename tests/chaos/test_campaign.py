@@ -17,10 +17,10 @@ import pytest
 from tests.chaos.__main__ import render
 from tests.chaos.campaign import run_campaign
 from tests.chaos.faults import KINDS
+from tests.marks import STARTS_FIRST
 
-# No xdist group: collected first, it starts at once on the worker the simulator's group
-# leaves free (tests/marks.py), and overlaps it.
-pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
+# Collected before the simulator's tests, it starts first (tests/marks.py).
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600), STARTS_FIRST]
 
 SEED = int(os.environ.get("CHAOS_SEED", "1"))
 

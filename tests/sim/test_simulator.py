@@ -25,7 +25,7 @@ from elastic.checkpoint.memory.choice import MEMORY, Choice, DiskLatest, choose
 from elastic.rendezvous import buckets, decisions, round_record
 from elastic.rendezvous.api import Outcome
 from elastic.rendezvous.decisions import Action, Decision
-from tests.marks import SIMULATOR
+from tests.marks import STARTS_FIRST
 from tests.sim import cluster
 from tests.sim.faults import Fault
 from tests.sim.runner import REPLAY, replay_command, run_many
@@ -58,7 +58,7 @@ def test_the_parts_run_every_seed_once():
     assert [s for part in SEED_PARTS for s in part] == list(range(SEEDS))
 
 
-@SIMULATOR
+@STARTS_FIRST
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("seeds", SEED_PARTS, ids=lambda r: f"seeds-{r.start}-{r.stop - 1}")
 def test_every_schedule_keeps_every_invariant(seeds):
@@ -67,7 +67,7 @@ def test_every_schedule_keeps_every_invariant(seeds):
     assert summary.outcomes[Outcome.SUCCEEDED] > len(seeds) // 2
 
 
-@SIMULATOR
+@STARTS_FIRST
 @pytest.mark.timeout(300)
 def test_more_failures_than_the_budget_fail_the_job_and_every_agent_exits():
     # The job-failure path: restart budgets of 1 to 3, one to three failures more.
@@ -78,13 +78,13 @@ def test_more_failures_than_the_budget_fail_the_job_and_every_agent_exits():
     assert any("restart budget spent" in r.reason for r in spent), [r.reason for r in spent]
 
 
-@SIMULATOR
+@STARTS_FIRST
 @pytest.mark.timeout(300)
 def test_partitions_without_the_leaders_fence_never_leave_a_zombie_group():
     _every_schedule_passes(PROFILE_SEEDS, "partition")
 
 
-@SIMULATOR
+@STARTS_FIRST
 @pytest.mark.timeout(300)
 def test_the_memory_tier_keeps_its_invariants_through_node_losses():
     _every_schedule_passes(PROFILE_SEEDS, "memory")
