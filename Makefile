@@ -43,7 +43,8 @@ browser:
 test: browser
 
 # Two xdist workers: most integration tests wait (etcd, rounds, processes) and overlap well
-# on two cores; the CPU-bound ones share one worker (tests/marks.py). TEST_JOBS=0 runs serially.
+# on two cores; the chaos campaign and the simulator start first, side by side, the
+# simulator's CPU filling the campaign's waits (tests/marks.py). TEST_JOBS=0 runs serially.
 TEST_JOBS ?= 2
 test: setup
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadgroup --durations=25

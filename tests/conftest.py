@@ -30,10 +30,17 @@ os.environ.setdefault("ELASTIC_STATE_DIR", tempfile.mkdtemp(prefix="elastic-test
 _ETCD_FIXTURES = frozenset({"etcd_server", "etcd_endpoint", "etcd_store"})
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "starts_first: runs before every other test (tests/marks.py: STARTS_FIRST)")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if _ETCD_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
+    # A stable sort: the marked tests first, each part in the order collected.
+    items.sort(key=lambda item: item.get_closest_marker("starts_first") is None)
 
 
 @pytest.fixture(scope="session")

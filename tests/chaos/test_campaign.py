@@ -17,9 +17,10 @@ import pytest
 from tests.chaos.__main__ import render
 from tests.chaos.campaign import run_campaign
 from tests.chaos.faults import KINDS
-from tests.marks import CPU_BOUND
+from tests.marks import STARTS_FIRST
 
-pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600), CPU_BOUND]
+# Collected before the simulator's tests, it starts first (tests/marks.py).
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600), STARTS_FIRST]
 
 SEED = int(os.environ.get("CHAOS_SEED", "1"))
 

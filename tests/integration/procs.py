@@ -11,7 +11,15 @@ import sys
 import threading
 import time
 
+from elastic import worker_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# The environment of an agent whose script imports torch and nothing of ours (tests/
+# integration/scripts/slow_rank.py, stuck_rank.py): its warm workers and template preload
+# what the script uses, not the default (torch._dynamo, DCP and our worker runtime too),
+# which costs each of them twice the CPU on the suite's 2 cores.
+PLAIN_TORCH_ENV = {worker_env.PRELOAD: "torch,torch.distributed"}
 
 
 

@@ -27,7 +27,7 @@ import pytest
 from elastic.events import KIND_STRAGGLER, parse_events
 from elastic.keyspace import JobKeys
 from elastic.rendezvous.round_record import read_round
-from tests.integration.procs import REPO, AgentProcess
+from tests.integration.procs import PLAIN_TORCH_ENV, REPO, AgentProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -43,6 +43,10 @@ STRAGGLERS = ("--straggler-window", str(WINDOW_S))
 # takes to be named.
 RUN_S = 25.0
 HEALTHY_RUN_S = 12.0
+# For a job whose workers are never restarted: no warm workers (their template's `import
+# torch` would only compete with the training whose step times the test judges). Every
+# worker runs the same bootstrap, warm or not, which times its steps.
+NO_RESTART = ("--no-prestart",)
 SECONDS, RATIO = r"\d\.\d{3} s", r"\d+\.\d\dx"
 
 
@@ -58,7 +62,8 @@ def agents():
 def start(agents: list, etcd_endpoint: str, job_id: str, node: str, script_args: list[str],
           extra: tuple[str, ...] = (), nnodes: str = "2", script: str = SCRIPT) -> AgentProcess:
     agent = AgentProcess(etcd_endpoint, job_id, node, nnodes, script_args, nproc=2,
-                         extra=STRAGGLERS + extra, script=script)
+                         extra=STRAGGLERS + extra, script=script,
+                         env=PLAIN_TORCH_ENV if script == SCRIPT else None)
     agents.append(agent)
     return agent
 
@@ -99,6 +104,13 @@ def first_published(store, job_id: str, rank: int, timeout_s: float,
     raise AssertionError(f"no {measure} of rank {rank} published within {timeout_s} s")
 
 
+def published_by(store, job_id: str, node: str, after_round: int) -> bool:
+    """Whether ``node`` published step times of a round after ``after_round``."""
+    kv = store.get(JobKeys(job_id).step_times_of(node))
+    record = json.loads(kv.value) if kv is not None else {}
+    return record.get("round", 0) > after_round and bool(record.get("step_s"))
+
+
 def wait_for(predicate, timeout_s: float, what: str):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -135,8 +147,8 @@ def test_a_rank_slowed_on_purpose_is_named_with_its_node_within_its_window(
         agents, etcd_endpoint, etcd_store, job_id, tmp_path):
     over = tmp_path / "over"
     args = ["--run-s", str(RUN_S), "--slow-rank", "3", "--over-when", str(over)]
-    a = start(agents, etcd_endpoint, job_id, "a", args)
-    b = start(agents, etcd_endpoint, job_id, "b", args)
+    a = start(agents, etcd_endpoint, job_id, "a", args, NO_RESTART)
+    b = start(agents, etcd_endpoint, job_id, "b", args, NO_RESTART)
 
     published_at = first_published(etcd_store, job_id, rank=3, timeout_s=60)
     leader, node, named = named_a_window_after(published_at, etcd_store, job_id, (a, b), rank=3)
@@ -158,8 +170,8 @@ def test_a_rank_slowed_on_purpose_is_named_with_its_node_within_its_window(
 def test_a_healthy_run_as_long_as_naming_takes_names_nobody(agents, etcd_endpoint, etcd_store,
                                                        job_id):
     args = ["--run-s", str(HEALTHY_RUN_S)]
-    a = start(agents, etcd_endpoint, job_id, "a", args)
-    b = start(agents, etcd_endpoint, job_id, "b", args)
+    a = start(agents, etcd_endpoint, job_id, "a", args, NO_RESTART)
+    b = start(agents, etcd_endpoint, job_id, "b", args, NO_RESTART)
 
     first_published(etcd_store, job_id, rank=3, timeout_s=60)  # judged, not idle
 
@@ -173,8 +185,8 @@ def test_in_lockstep_nobody_is_named_until_a_rank_slows_and_then_it_is_by_its_bu
         agents, etcd_endpoint, etcd_store, job_id, tmp_path):
     slow, over = tmp_path / "slow", tmp_path / "over"
     args = ["--slow-rank", "3", "--slow-when", str(slow), "--over-when", str(over)]
-    a = start(agents, etcd_endpoint, job_id, "a", args, script=LOCKSTEP)
-    b = start(agents, etcd_endpoint, job_id, "b", args, script=LOCKSTEP)
+    a = start(agents, etcd_endpoint, job_id, "a", args, NO_RESTART, script=LOCKSTEP)
+    b = start(agents, etcd_endpoint, job_id, "b", args, NO_RESTART, script=LOCKSTEP)
 
     # Healthy: every rank's busy time published, then judged for a whole window
     # and one of the leader's periods (window / 6) more.
@@ -202,12 +214,14 @@ def test_in_lockstep_nobody_is_named_until_a_rank_slows_and_then_it_is_by_its_bu
 
 @pytest.mark.names_stragglers
 def test_replace_drains_the_slow_node_when_a_standby_waits(agents, etcd_endpoint, etcd_store,
-                                                           job_id):
-    args = ["--run-s", "15", "--slow-node", "b"]
+                                                           job_id, tmp_path):
+    over = tmp_path / "over"
+    args = ["--run-s", str(RUN_S), "--slow-node", "b", "--over-when", str(over)]
     replace = ("--straggler-action", "replace")
     a = start(agents, etcd_endpoint, job_id, "a", args, replace)
     b = start(agents, etcd_endpoint, job_id, "b", args, replace)
     first_published(etcd_store, job_id, rank=0, timeout_s=60)
+    slow_round = read_round(etcd_store, JobKeys(job_id)).number
     c = start(agents, etcd_endpoint, job_id, "c", args, replace)  # the standby
     c.wait_output("STANDBY", timeout_s=30)
 
@@ -217,6 +231,14 @@ def test_replace_drains_the_slow_node_when_a_standby_waits(agents, etcd_endpoint
                         r"waits to take its place", drained[0]), drained
 
     assert b.wait_exit(30) == 0, "b leaves as a drained node does"
+    # c trains in b's place: once its step times are published, judged for a whole
+    # window and one of the leader's periods more, the job names nobody else.
+    wait_for(lambda: published_by(etcd_store, job_id, "c", after_round=slow_round), 60,
+             "step times of c in a round without b")
+    time.sleep(WINDOW_S * 7 / 6)
+    over.touch()
     assert a.wait_exit(60) == 0 and c.wait_exit(30) == 0
     assert read_round(etcd_store, JobKeys(job_id)).node_ids in (("a", "c"), ("c", "a"))
-    assert len([e for e in straggler_events(etcd_store, job_id) if "drained node" in e]) == 1
+    events = straggler_events(etcd_store, job_id)
+    assert len([e for e in events if "drained node" in e]) == 1
+    assert all("(node b)" in e for e in events), events

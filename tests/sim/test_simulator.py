@@ -2,7 +2,8 @@
 against the invariants in :mod:`tests.sim.cluster`; and proof that the
 simulator is deterministic and that its oracles catch planted bugs.
 
-``SIM_SEEDS`` sets how many schedules the big test runs (default 10,000),
+``SIM_SEEDS`` sets how many schedules the big test runs (default 10,000, in
+four parts of consecutive seeds, each a test of its own),
 ``SIM_PROFILE_SEEDS`` how many of each other profile (default 300: the
 ``budget``, ``partition`` and ``memory`` profiles see what the mixed
 schedules almost never do); ``make sim SEEDS=N`` runs more outside pytest.
@@ -24,7 +25,7 @@ from elastic.checkpoint.memory.choice import MEMORY, Choice, DiskLatest, choose
 from elastic.rendezvous import buckets, decisions, round_record
 from elastic.rendezvous.api import Outcome
 from elastic.rendezvous.decisions import Action, Decision
-from tests.marks import CPU_BOUND
+from tests.marks import STARTS_FIRST
 from tests.sim import cluster
 from tests.sim.faults import Fault
 from tests.sim.runner import REPLAY, replay_command, run_many
@@ -35,25 +36,38 @@ PROFILE_SEEDS = int(os.environ.get("SIM_PROFILE_SEEDS", "300"))
 JOBS = max(1, min(2, os.cpu_count() or 1))
 
 
-def _every_schedule_passes(seeds: int, profile: str = "mixed"):
-    """Run ``seeds`` schedules of ``profile``; their summary, once none failed."""
+# The SEEDS mixed schedules in PARTS runs of consecutive seeds: a failure names its part,
+# and each part's time shows in --durations.
+PARTS = 4
+SEED_PARTS = [range(SEEDS * i // PARTS, SEEDS * (i + 1) // PARTS) for i in range(PARTS)]
+
+
+def _every_schedule_passes(seeds: int | range, profile: str = "mixed"):
+    """Run the schedules of ``profile`` for ``seeds`` (a count: the first ones);
+    their summary, once none failed."""
+    seeds = range(seeds) if isinstance(seeds, int) else seeds
     started = time.monotonic()
-    summary = run_many(range(seeds), jobs=JOBS, profile=profile)
+    summary = run_many(seeds, jobs=JOBS, profile=profile)
     print("\n" + summary.describe(time.monotonic() - started))
-    assert summary.runs == seeds
+    assert summary.runs == len(seeds)
     assert not summary.failures, summary.describe(time.monotonic() - started)
     return summary
 
 
-@CPU_BOUND
-@pytest.mark.timeout(600)
-def test_every_schedule_keeps_every_invariant():
-    summary = _every_schedule_passes(SEEDS)
+def test_the_parts_run_every_seed_once():
+    assert [s for part in SEED_PARTS for s in part] == list(range(SEEDS))
+
+
+@STARTS_FIRST
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("seeds", SEED_PARTS, ids=lambda r: f"seeds-{r.start}-{r.stop - 1}")
+def test_every_schedule_keeps_every_invariant(seeds):
+    summary = _every_schedule_passes(seeds)
     # The schedules reach both ends: most jobs succeed, some spend their budget.
-    assert summary.outcomes[Outcome.SUCCEEDED] > SEEDS // 2
+    assert summary.outcomes[Outcome.SUCCEEDED] > len(seeds) // 2
 
 
-@CPU_BOUND
+@STARTS_FIRST
 @pytest.mark.timeout(300)
 def test_more_failures_than_the_budget_fail_the_job_and_every_agent_exits():
     # The job-failure path: restart budgets of 1 to 3, one to three failures more.
@@ -64,13 +78,13 @@ def test_more_failures_than_the_budget_fail_the_job_and_every_agent_exits():
     assert any("restart budget spent" in r.reason for r in spent), [r.reason for r in spent]
 
 
-@CPU_BOUND
+@STARTS_FIRST
 @pytest.mark.timeout(300)
 def test_partitions_without_the_leaders_fence_never_leave_a_zombie_group():
     _every_schedule_passes(PROFILE_SEEDS, "partition")
 
 
-@CPU_BOUND
+@STARTS_FIRST
 @pytest.mark.timeout(300)
 def test_the_memory_tier_keeps_its_invariants_through_node_losses():
     _every_schedule_passes(PROFILE_SEEDS, "memory")
@@ -101,8 +115,16 @@ def test_an_unknown_profile_is_refused():
 PLANTED_SEEDS = range(200)
 
 
-def _violations(seeds, profile: str = "mixed") -> list[str]:
-    return [v for seed in seeds for v in cluster.run(seed, profile=profile).violations]
+def _violations(seeds, profile: str = "mixed", *, until: str | None = None,
+                **run) -> list[str]:
+    """The violations of the schedules of ``seeds``, in order; with ``until``, up to the
+    first schedule that has one saying it (a planted bug caught needs no more seeds)."""
+    found: list[str] = []
+    for seed in seeds:
+        found += cluster.run(seed, profile=profile, **run).violations
+        if until is not None and any(until in v for v in found):
+            break
+    return found
 
 
 def test_a_cut_off_node_that_keeps_training_is_caught(monkeypatch):
@@ -117,7 +139,7 @@ def test_a_cut_off_node_that_keeps_training_is_caught(monkeypatch):
 
     monkeypatch.setattr(reactor, "react", no_fail_stop)
     monkeypatch.setattr(FakeMesh, "fence", lambda self, addrs, asker: True)
-    found = _violations(PLANTED_SEEDS)
+    found = _violations(PLANTED_SEEDS, until="train at the same time")
     assert any("train at the same time" in v for v in found), found[:5]
 
 
@@ -133,7 +155,7 @@ def test_success_declared_before_every_member_finished_is_caught(monkeypatch):
         return real(observed, now, config)
 
     monkeypatch.setattr(decisions, "decide", eager)
-    found = _violations(PLANTED_SEEDS)
+    found = _violations(PLANTED_SEEDS, until="declared succeeded")
     assert any("declared succeeded" in v for v in found), found[:5]
 
 
@@ -143,7 +165,7 @@ def test_an_unfenced_checkpoint_commit_is_caught(monkeypatch):
 
     monkeypatch.setattr(etcd_log, "fenced_txn",
                         lambda store, keys, number, ops, also=(): store.txn([], ops))
-    found = _violations(PLANTED_SEEDS)
+    found = _violations(PLANTED_SEEDS, until="was committed while the job was in round")
     assert any("was committed while the job was in round" in v for v in found), found[:5]
 
 
@@ -152,7 +174,7 @@ def test_a_cut_off_node_stopping_after_its_lease_expired_is_caught_without_the_f
     # The partition rule's stop at 1.5 TTL instead of 0.7: the mixed schedules
     # caught it on 4 of 10,000 seeds (the leader's fence hides it).
     monkeypatch.setattr(reactor, "STOP_AT_TTL_FRACTION", 1.5)
-    found = _violations(range(60), profile="partition")
+    found = _violations(range(60), profile="partition", until="train at the same time")
     assert any("train at the same time" in v for v in found), found[:5]
 
 
@@ -163,7 +185,7 @@ def test_a_budget_never_spent_is_caught(monkeypatch):
         return real(observed, now, dataclasses.replace(config, max_restarts=10**6))
 
     monkeypatch.setattr(decisions, "decide", no_budget)
-    found = _violations(range(20), profile="budget")
+    found = _violations(range(20), profile="budget", until="over the budget")
     assert any("over the budget" in v for v in found), found[:5]
 
 
@@ -175,7 +197,7 @@ def test_a_budget_spent_one_failure_early_is_caught(monkeypatch):
                                                        max_restarts=config.max_restarts - 1))
 
     monkeypatch.setattr(decisions, "decide", eager)
-    found = _violations(range(20), profile="budget")
+    found = _violations(range(20), profile="budget", until="failed for its budget")
     assert any("failed for its budget" in v for v in found), found[:5]
 
 
@@ -192,7 +214,7 @@ def test_buckets_that_rank_a_node_otherwise_than_its_roster_are_caught(monkeypat
 
     monkeypatch.setattr(buckets, "split", shifted)
     round_record.roster_buckets.cache_clear()
-    found = _violations(range(1, 6, 2))
+    found = _violations(range(1, 6, 2), until="bucket says")
     round_record.roster_buckets.cache_clear()
     assert any("bucket says" in v for v in found), found[:5]
 
@@ -262,24 +284,25 @@ def choose_over_a_newer_disk_round(seen, disk):
     return choose(seen, DiskLatest(disk.step, -1) if disk is not None else None)
 
 
-def _memory_violations(seeds, choose_rule, profile: str = "memory") -> list[str]:
-    return [v for seed in seeds
-            for v in cluster.run(seed, profile=profile, memory=True,
-                                 choose=choose_rule).violations]
+def _memory_violations(seeds, choose_rule, profile: str = "memory", *,
+                       until: str | None = None) -> list[str]:
+    return _violations(seeds, profile, until=until, memory=True, choose=choose_rule)
 
 
 def test_a_memory_set_missing_a_rank_is_caught():
-    found = _memory_violations(range(10), choose_incomplete_sets_too)
+    found = _memory_violations(range(10), choose_incomplete_sets_too,
+                               until="incomplete: no slot of rank(s)")
     assert any("incomplete: no slot of rank(s)" in v for v in found), found[:5]
 
 
 def test_a_memory_set_of_mixed_rounds_is_caught():
-    found = _memory_violations(MIXED_ROUNDS_SEEDS, choose_ignoring_rounds)
+    found = _memory_violations(MIXED_ROUNDS_SEEDS, choose_ignoring_rounds, until="mixing in slot")
     assert any("mixing in slot" in v for v in found), found[:5]
 
 
 def test_memory_over_a_disk_commit_of_a_newer_round_is_caught():
-    found = _memory_violations(NEWER_DISK_ROUND_SEEDS, choose_over_a_newer_disk_round)
+    found = _memory_violations(NEWER_DISK_ROUND_SEEDS, choose_over_a_newer_disk_round,
+                               until="over the newer disk commit")
     assert any("over the newer disk commit" in v for v in found), found[:5]
 
 
