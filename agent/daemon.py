@@ -92,6 +92,10 @@ LOOP_STALL_S = 30.0
 # stop their workers meanwhile; it holds the stop up for no longer than this when
 # etcd is slow or out of reach (it then goes with the pass's flush, after the stop).
 REQUEST_AT_ONCE_S = 0.25
+# A node that joins a running job registers once its warm workers are ready
+# (the round that admits it stops every member's workers until its own start),
+# or after this long (a pool that cannot warm must not keep it out).
+JOIN_WARM_WAIT_S = 60.0
 
 
 class Supervisor(Protocol):
@@ -212,10 +216,7 @@ class Agent:
                                    config.node_id)
         # Before anything serves: a memory root that cannot be used ends the start here.
         memory = _open_memory_tier(config, built, clock)
-        metrics: NoMetrics = NO_METRICS
-        if config.metrics_port:
-            metrics = AgentMetrics(config.job_id, config.node_id)
-            metrics.serve(HostPort.parse(config.listen).host, config.metrics_port)
+        metrics = _serve_metrics(config)
         server = AgentServer(config.listen, files.socket_path,
                              control=_Later(lambda: built[0].service if built else None),
                              heartbeats=_Later(lambda: built[0].channel if built else None),
@@ -237,7 +238,8 @@ class Agent:
             and not peers.answers(old.addr),
             fence=lambda addrs: peers.fence(addrs, config.node_id),
             running_round=lambda: built[0].view.running_round if built else 0,
-            probe=lambda addr: peers.answers(addr, LEADER_CHECK_S))
+            probe=lambda addr: peers.answers(addr, LEADER_CHECK_S),
+            ready_to_join=_join_gate(lambda: supervisor, clock))
         supervisor = WorkerSupervisor(
             **config.supervisor_options(), log_dir=files.log_dir,
             on_exit=lambda e: inbox.put(_exit_event(e)),
@@ -537,6 +539,23 @@ class Agent:
             self.memory.close()  # no snapshot outlives the agent (the job's end included)
         self.metrics.close()
         self.gpus.close()
+
+
+def _serve_metrics(config: agent_config.AgentConfig) -> NoMetrics:
+    """The agent's metrics, served at ``--metrics-port`` (none without one)."""
+    if not config.metrics_port:
+        return NO_METRICS
+    metrics = AgentMetrics(config.job_id, config.node_id)
+    metrics.serve(HostPort.parse(config.listen).host, config.metrics_port)
+    return metrics
+
+
+def _join_gate(supervisor: Callable[[], WorkerSupervisor], clock: Clock) -> Callable[[], bool]:
+    """Whether this node joins a running job now: its warm workers are ready,
+    or JOIN_WARM_WAIT_S passed since this gate was made."""
+    made_at = clock.monotonic()
+    return lambda: (supervisor().ready_for_a_round()
+                    or clock.monotonic() - made_at > JOIN_WARM_WAIT_S)
 
 
 def _open_memory_tier(config: agent_config.AgentConfig, built: list["Agent"],

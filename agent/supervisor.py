@@ -311,6 +311,14 @@ class WorkerSupervisor:
         """The warm workers waiting for a round."""
         return self._pool.warm_workers()
 
+    def ready_for_a_round(self) -> bool:
+        """Whether a round would start this node's workers at once: warm ones
+        ready for every local rank, or none to wait for (warm workers off, or
+        given up after repeated failures)."""
+        if not self.warm_enabled:
+            return True
+        return sum(1 for w in self.warm_workers() if w.ready) >= self.nproc
+
     def warm_template(self) -> WarmStatus | None:
         """The template new warm workers are forked from (``ready`` once it may fork),
         or None: none started yet, being replaced, or forking found unsafe."""

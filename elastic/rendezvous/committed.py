@@ -63,6 +63,12 @@ class CommittedRound:
             return self._round
 
     @property
+    def running(self) -> bool:
+        """Whether the latest round is one whose workers run (it has no outcome)."""
+        with self._cond:
+            return self._round is not None and not self._round.outcome
+
+    @property
     def version(self) -> int:
         """The round key's version as last applied: the next commit's fence."""
         return self._version

@@ -34,13 +34,16 @@ Takeover = Callable[[NodeInfo], bool]
 @dataclasses.dataclass(frozen=True)
 class MembershipSettings:
     """How a node joins: who decides a takeover, which port it offers, which
-    round its workers run (for a registration after a lost lease), and the
-    flag its user gave the job id with, as errors name it."""
+    round its workers run (for a registration after a lost lease), the flag
+    its user gave the job id with, as errors name it, and whether it may
+    register now (``may_join``: False defers the registration, see
+    ``RendezvousNode``'s ``ready_to_join``)."""
 
     takeover: Takeover | None = None
     port_picker: Callable[[str], int] = lambda host: 0
     running_round: Callable[[], int] = lambda: 0
     job_flag: str = "--job-id"
+    may_join: Callable[[], bool] = lambda: True
 
 
 class Membership:
@@ -82,13 +85,13 @@ class Membership:
         return self.session_live and self.registered and not self.advertise_pending
 
     def open(self) -> None:
-        """Check the job's settings, open a session and try to register.
+        """Check the job's settings and open a session (the caller then
+        registers, see :meth:`try_register`).
 
         Raises ConfigError if the job already runs with other settings,
         JobEndedError if it has ended, and the store's errors."""
         self._check_job_settings()
         self.session = self._told_when_lost(self.store.session(self.config.lease_ttl_s))
-        self.try_register()
 
     def close(self) -> None:
         """Close the session (revoking its lease: peers see the node leave at once)."""
@@ -119,7 +122,12 @@ class Membership:
 
     def try_register(self) -> None:
         """Register under the current session, taking over or waiting out a
-        previous agent's registration of this id (see the module docstring)."""
+        previous agent's registration of this id (see the module docstring);
+        not yet while ``may_join`` says no."""
+        if not self._settings.may_join():
+            self.problem = ("waiting for this node's workers to be ready before it joins the "
+                            "running job")
+            return
         key = self.keys.node(self.node_id)
         lease = self.session.lease_id
         self.info = dataclasses.replace(self.info, running_round=self._settings.running_round())

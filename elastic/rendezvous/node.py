@@ -131,13 +131,19 @@ class RendezvousNode:
         job_flag: str = "--job-id",
         inbox: Inbox | None = None,
         probe: Probe | None = None,
+        ready_to_join: Callable[[], bool] = lambda: True,
     ):
         """``on_round``: called on the node's loop thread with each new
         round, which may hold this node's line alone (see
         :attr:`Round.holds_members`; :attr:`latest_round` has the list whole).
         ``inbox``: where watches and the session post (a fresh one unless
         given). ``probe``: whether an agent answers a health check now, for
-        the freeze rule (None: this node confirms no report made by another)."""
+        the freeze rule (None: this node confirms no report made by another).
+        ``ready_to_join``: whether this node could start its workers at once
+        (an agent's are warm): a node that joins a job whose round runs
+        registers only once it is, since the round that admits it stops every
+        member's workers until its own start; with no round running (the
+        first round waits for every node anyway) it registers at once."""
         self.store = store
         self.config = config
         self.keys = JobKeys(config.job_id)
@@ -148,8 +154,9 @@ class RendezvousNode:
                              lambda: self._rounds.latest.number if self._rounds.latest else 0)
         report_bad = BadRecords(self.log)
         self._membership = Membership(
-            store, config, info, MembershipSettings(takeover, port_picker, running_round,
-                                                    job_flag),
+            store, config, info, MembershipSettings(
+                takeover, port_picker, running_round, job_flag,
+                lambda: not self._rounds.running or ready_to_join()),
             self.log, lambda: self._inbox.post(SessionLost()))
         self._rounds = CommittedRound(
             clock, info.node_id, self.log, report_bad,
@@ -250,6 +257,7 @@ class RendezvousNode:
         self._membership.open()
         for part in (PartName.ROUND, PartName.LEADER, PartName.STANDBYS):
             self._follower.resync(part)
+        self._membership.try_register()  # knowing whether a round runs
         if thread:
             self._thread = threading.Thread(target=self._run, name=f"rendezvous-{self.node_id}",
                                             daemon=True)

@@ -184,9 +184,11 @@ def test_warm_worker_deaths_are_not_failures_and_a_broken_pool_goes_cold(supervi
     monkeypatch.setenv(worker_env.PRELOAD, "json")  # warm in milliseconds
     sup, exits = supervise("import os; print('ran', os.environ['RANK'])", nproc=2,
                            prestart=True)
+    assert not sup.ready_for_a_round()  # a round now would start its workers cold
     sup.warm_up()
     first = wait_until(lambda: len(sup.warm_workers()) == 2 and all(
         w.ready for w in sup.warm_workers()) and sup.warm_workers(), 10, "pool warm")
+    assert sup.ready_for_a_round()
     # A template becoming ready resets the count of failures in a row: let it first.
     wait_until(lambda: (t := sup.warm_template()) and t.ready, 10, "template ready")
     os.kill(first[0].pid, signal.SIGKILL)
@@ -200,6 +202,7 @@ def test_warm_worker_deaths_are_not_failures_and_a_broken_pool_goes_cold(supervi
     for w in sup.warm_workers():
         os.kill(w.pid, signal.SIGKILL)
     wait_until(lambda: not sup.warm_enabled, 15, "warm workers given up")
+    assert sup.ready_for_a_round()  # nothing left to wait for
     assert exits.seen == []
     sup.start_round(1, round_envs(2))
     assert [e.exit_code for e in exits.wait(2)] == [0, 0]

@@ -88,12 +88,14 @@ class Cluster:
         self.inboxes: dict[str, Inbox] = {}
         self.nodes = {i: self.add(i) for i in ids}
 
-    def add(self, node_id, fence=None, on_round=None, inbox=None, probe=None):
+    def add(self, node_id, fence=None, on_round=None, inbox=None, probe=None,
+            ready_to_join=lambda: True):
         self.inboxes[node_id] = inbox or Inbox()
         node = RendezvousNode(self.store, self.config,
                               NodeInfo(node_id=node_id, host="h", addr=f"{node_id}:1"),
                               clock=self.clock, port_picker=lambda _h: 1, fence=fence,
-                              on_round=on_round, inbox=self.inboxes[node_id], probe=probe)
+                              on_round=on_round, inbox=self.inboxes[node_id], probe=probe,
+                              ready_to_join=ready_to_join)
         return node.start(thread=False)
 
     def settle(self, passes=4):
@@ -105,6 +107,24 @@ class Cluster:
 
     def round(self):
         return self.nodes[next(iter(self.nodes))].latest_round
+
+
+def test_a_node_joins_a_running_job_once_ready_and_the_first_round_at_once():
+    # Not ready (its workers still warming): a first round still waits for it...
+    warm = {"b": False, "c": False}
+    c = Cluster(min_nodes=2, max_nodes=3)
+    c.nodes = {"a": c.add("a"), "b": c.add("b", ready_to_join=lambda: warm["b"])}
+    c.settle()
+    assert c.round().node_ids == ("a", "b")
+    # ...but a round that runs goes on without it until it is ready: the round
+    # that admits it would stop every member's workers until its own start.
+    c.nodes["c"] = c.add("c", ready_to_join=lambda: warm["c"])
+    c.settle()
+    assert not c.nodes["c"].registered and "ready" in c.nodes["c"].registration_problem
+    assert c.round().node_ids == ("a", "b")
+    warm["c"] = True
+    c.settle()
+    assert c.nodes["c"].registered and c.round().node_ids == ("a", "b", "c")
 
 
 def test_a_store_error_while_taking_over_as_leader_is_retried_until_it_leads():
