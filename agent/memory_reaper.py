@@ -57,13 +57,17 @@ def reap(path: str, base: str, token: str) -> bool:
     except OSError:
         return False
     shutil.rmtree(doomed, ignore_errors=True)
-    parent = os.path.dirname(path)
-    if inside(parent, base):
-        try:
-            os.rmdir(parent)  # the job's directory, once no node's is left in it
-        except OSError:
-            pass
+    if inside(os.path.dirname(path), base):
+        remove_job_dir(path)
     return True
+
+
+def remove_job_dir(node_dir: str) -> None:
+    """Remove the job's directory above ``node_dir`` once no node's is left in it."""
+    try:
+        os.rmdir(os.path.dirname(node_dir))
+    except OSError:
+        pass
 
 
 class Reaper:

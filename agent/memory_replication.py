@@ -190,10 +190,11 @@ class Replicator:
         placed = current.placement(self._node_id) if current else None
         buddy = placed.buddy if placed else None
         source = placed.source.node_id if placed and placed.source else None
-        changed = (buddy.node_id if buddy else None) != self._buddy
+        buddy_id = buddy.node_id if buddy else None
+        changed = buddy_id != self._buddy
         if changed:
-            self._buddy, self._acked = (buddy.node_id if buddy else None), {}
-            self._log.info("memory tier: replicating to %s.", self._buddy or "nobody (one member)")
+            self._buddy, self._acked = buddy_id, {}
+            self._log.info("memory tier: replicating to %s.", buddy_id or "nobody (one member)")
         own, own_changed = self._own.look()
         if now - self._scanned_at >= FULL_SCAN_S:
             self._scanned_at = now

@@ -24,7 +24,7 @@ import secrets
 import shutil
 import stat
 
-from agent.memory_reaper import OWNER_FILE, Reaper, owned_by, start_reaper
+from agent.memory_reaper import OWNER_FILE, Reaper, owned_by, remove_job_dir, start_reaper
 from agent.memory_rules import SlotSeen
 from elastic.checkpoint.memory import capacity, layout
 from elastic.errors import ConfigError
@@ -158,10 +158,7 @@ def free(memory: MemoryDir) -> None:
     directory once no node's is left in it."""
     if owned_by(memory.path, memory.token):
         remove_tree(memory.path, memory.base)
-    try:
-        os.rmdir(os.path.dirname(memory.path))  # only when empty
-    except OSError:
-        pass
+    remove_job_dir(memory.path)
 
 
 def remove_slot(slot_dir: str) -> None:

@@ -727,9 +727,9 @@ def main() -> int:
                     help="the largest roster a round record carries itself (default: the "
                          "tree's; 0: every roster stored and read)")
     ap.add_argument("--loops", default="pump", choices=("pump", "thread"),
-                    help="run each process's nodes' loops from one thread (pump: what the "
-                         "fault simulator does), or one thread per node (as agents do, each "
-                         "on its own machine)")
+                    help=f"run each process's nodes' loops from {PUMP_THREADS} threads (pump: "
+                         "as the fault simulator does), or one thread per node (as agents do, "
+                         "each on its own machine)")
     ap.add_argument("--tree", default=None,
                     help="import the library from this checkout (default: this one)")
     ap.add_argument("--json", default=None, help="also write the results to this file")

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import zlib
-from typing import Iterator, NamedTuple, Sequence
+from typing import Iterator, Sequence
 
 from elastic.errors import ConfigError, MalformedRecordError
 from elastic.records import valid_addr, validate_id
@@ -60,29 +60,16 @@ def bucket_of(node_id: str, count: int) -> int:
     return zlib.crc32(node_id.encode()) & (count - 1)
 
 
-class _Row(NamedTuple):
-    """What placing a member reads of its roster line."""
-
-    node_id: str
-    nproc: int
-    addr: str
-    rack: str
-
-
 def split(raw: bytes, count: int) -> list[bytes]:
     """The roster ``raw`` (its uncompressed lines, :func:`roster.canonical`,
-    written by this process's leader: trusted) as ``count`` buckets of
+    made by this process's leader) as ``count`` buckets of
     ``rank TAB line TAB placement`` lines, uncompressed."""
-    lines = raw.split(b"\n")[:-1]
-    rows = []
-    for line in lines:
-        node_id, _, nproc, addr, rack = line.decode().split("\t")
-        rows.append(_Row(node_id, int(nproc), addr, rack))
-    placed = placements(rows)
+    members = roster.own_members(raw)
+    placed = placements(members)
     parts: list[list[bytes]] = [[] for _ in range(count)]
-    for rank, (line, row) in enumerate(zip(lines, rows)):
-        where = _placement_text(placed[row.node_id]).encode()
-        parts[bucket_of(row.node_id, count)].append(b"%d\t%s\t%s\n" % (rank, line, where))
+    for line, m in zip(raw.split(b"\n"), members):
+        where = _placement_text(placed[m.node_id]).encode()
+        parts[bucket_of(m.node_id, count)].append(b"%d\t%s\t%s\n" % (m.node_rank, line, where))
     return [b"".join(p) for p in parts]
 
 

@@ -148,8 +148,7 @@ class SnapshotWriter:
         """The slot's manifest template for ``plan``, made anew when the objects'
         names changed."""
         names = tuple(plan.objects) if plan.objects_key is None else plan.objects_key[0]
-        if mapped.manifest is None or (mapped.manifest[0] is not names
-                                       and mapped.manifest[0] != names):
+        if mapped.manifest is None or mapped.manifest[0] != names:
             ident = self.identity
             head = layout.Manifest(
                 job_id=ident.job_id, node_id=ident.node_id, round=ident.round, step=0,
