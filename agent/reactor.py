@@ -497,10 +497,13 @@ def react(view: AgentView, event: Event, now: float, settings: Settings) -> Resu
 
 def _stop(view: AgentView, reason: str, grace: StopGrace, cause: StopCause,
           detect_s: float | None = None) -> Result:
-    """Stop this node's workers and wait for the next round."""
+    """Stop this node's workers and wait for the next round. The ring peer
+    stays watched until the next round: when the peer's death broke this
+    node's workers, its silence is what gets the job going again (see
+    _on_silent)."""
     number = view.round_number
     return (dataclasses.replace(view, state=S.JOINING, peer_unhealthy=None),
-            [Transition(S.STOPPING, reason, number), WatchPeer(None),
+            [Transition(S.STOPPING, reason, number),
              StopWorkers(reason, grace, cause, detect_s),
              Transition(S.JOINING, "workers stopped", number)])
 
@@ -560,7 +563,7 @@ def _on_round(view: AgentView, event: RoundCommitted, now: float, settings: Sett
                                          f"{r.continues}, whose workers this node never "
                                          "started", failure=False)]
         return view, []
-    commands = []
+    commands: list[Command] = []
     me = r.member(settings.node_id)
     if view.state in (S.RUNNING, S.STARTING, S.DONE):
         cause = _replacement_cause(view.round, r)
@@ -568,6 +571,7 @@ def _on_round(view: AgentView, event: RoundCommitted, now: float, settings: Sett
                                      f"{r.reason}", _replacement_grace(cause),
                                StopCause.LEAVING if me is None and event.drain_requested
                                else cause)
+    commands.append(WatchPeer(None))  # the old round's peer; a new one once workers start
     if me is None:
         if event.drain_requested:
             view, more = _drain(view, "drain requested")
@@ -693,8 +697,14 @@ def _on_peer(view: AgentView, event: PeerHealthChanged, now: float) -> Result:
 
 
 def _on_silent(view: AgentView, event: PeerSilent, settings: Settings) -> Result:
+    """Report the ring peer of the round this node runs, or ran until its
+    workers stopped and no round followed yet (JOINING), once it was silent
+    for the freeze timeout. The stopped case matters as much as the running
+    one: a dead peer breaks this node's collectives at once, and when that
+    peer led the job, nobody else would form the next round before its lease
+    expired."""
     timeout = settings.freeze_timeout_s
-    if view.state is not S.RUNNING or view.round is None or timeout <= 0 \
+    if view.state not in (S.RUNNING, S.JOINING) or view.round is None or timeout <= 0 \
             or event.silent_s < timeout or event.node_id in view.frozen_reported:
         return view, []
     peer = ring_peer(view.round, settings.node_id)

@@ -49,9 +49,9 @@ def cluster(etcd_endpoint, job_id, tmp_path):
         c.teardown()
 
 
-def start_three(cluster: Cluster) -> tuple[dict, int]:
+def start_three(cluster: Cluster, lease_ttl_s: float = LEASE_TTL_S) -> tuple[dict, int]:
     """Three agents training in one round: the agents by node id, and the round."""
-    agents = {n: cluster.start(n, "2:3", extra=("--lease-ttl", f"{LEASE_TTL_S:g}"))
+    agents = {n: cluster.start(n, "2:3", extra=("--lease-ttl", f"{lease_ttl_s:g}"))
               for n in NODES}
     together = cluster.wait_until(
         lambda: _round_with(cluster.records(), set(NODES)), 60,
@@ -145,6 +145,37 @@ def test_a_frozen_node_is_dropped_within_the_freeze_timeout_and_fail_stops_when_
     cluster.wait_until(lambda: _round_with(cluster.records(), set(NODES)) not in (None, r0),
                        30, f"{frozen_id} to train again with the others in a new round",
                        running=tuple(agents.values()))
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_leader_whose_death_broke_the_survivors_workers_is_replaced_within_the_freeze_timeout(
+        cluster, etcd_store):
+    # A lease TTL whose expiry (at least 2/3 of it) lies far beyond the bound.
+    agents, r0 = start_three(cluster, lease_ttl_s=10.0)
+    leader = leader_of(etcd_store, cluster)
+    survivors = {n for n in NODES if n != leader}
+    doomed = node_pids(cluster, agents[leader])
+    # A dead node's peers see their collectives fail at once and stop their
+    # workers: the survivors are no longer running when the leader's silence counts.
+    broken = [p for n in survivors for p in node_pids(cluster, agents[n])[1:]]
+    assert broken, "the survivors run no worker whose collective could break"
+
+    died_at = time.time()
+    for pid in doomed + broken:
+        os.kill(pid, signal.SIGKILL)
+    first = cluster.wait_until(
+        lambda: [r for r in cluster.records()
+                 if r["node"] in survivors and r["round"] > r0 and r["t"] > died_at],
+        20, f"the survivors to train without the dead leader {leader}",
+        running=tuple(agents[n] for n in survivors))[0]
+
+    recovery_s = first["t"] - died_at
+    assert f"revoked the lease of {leader}" in "".join(agents[n].text for n in survivors), (
+        f"a survivor must have revoked the lease of {leader}\n{cluster.tails()}")
+    assert recovery_s <= RECOVERY_BOUND_S, (
+        f"the survivors trained again {recovery_s:.2f} s after the leader {leader} died: more "
+        f"than {RECOVERY_BOUND_S:g} s (freeze timeout {FREEZE_TIMEOUT_S:g} s)\n"
+        f"{cluster.tails()}")
 
 
 def _rounds_since(cluster: Cluster, r0: int, since: float) -> list[dict]:

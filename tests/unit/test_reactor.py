@@ -329,9 +329,31 @@ class TestFrozenPeer:
         # earlier round) reports nothing.
         view = running(3, "a", "b", "c")
         assert react(view, PeerSilent("c", 2.0), 10.0, self.FREEZE)[1] == []
-        for state in (S.STARTING, S.JOINING, S.STANDBY, S.DONE):
+        for state in (S.STARTING, S.STANDBY, S.DONE):
             stopped = dataclasses.replace(running(3), state=state)
             assert react(stopped, PeerSilent("b", 2.0), 10.0, self.FREEZE)[1] == []
+        joining_afresh = AgentView(state=S.JOINING)
+        assert react(joining_afresh, PeerSilent("b", 2.0), 10.0, self.FREEZE)[1] == []
+
+    def test_a_peer_whose_death_broke_the_workers_is_still_watched_and_reported(self):
+        # The dead peer b leads: a's workers fail on the broken collective
+        # before a's probes count b silent, and only a can end b's lease.
+        view, commands = react(running(3), WorkerExited(3, 0, 0, 9, 1), 10.0, self.FREEZE)
+        assert view.state is S.JOINING
+        assert not any(isinstance(c, WatchPeer) for c in commands)  # b is still probed
+        view, commands = react(view, PeerSilent("b", 1.0), 10.8, self.FREEZE)
+        assert Report(ReportKind.FROZEN, 3, about="b", silent_s=1.0) in commands
+        assert react(view, PeerSilent("b", 1.25), 11.0, self.FREEZE)[1] == []  # once
+
+    def test_the_old_rounds_peer_is_let_go_when_the_next_round_comes(self):
+        stopped, _ = react(running(3), WorkerExited(3, 0, 0, 9, 1), 10.0, self.FREEZE)
+        view, commands = react(stopped, RoundCommitted(round_of(4, "a", "c")), 11.0,
+                               self.FREEZE)
+        assert commands.index(WatchPeer(None)) < commands.index(WatchPeer("c", "c:1"))
+        standby, commands = react(stopped, RoundCommitted(round_of(4, "b", "c")), 11.0,
+                                  self.FREEZE)
+        assert standby.state is S.STANDBY and WatchPeer(None) in commands
+        assert react(standby, PeerSilent("b", 2.0), 12.0, self.FREEZE)[1] == []
 
 
 class TestPartition:
