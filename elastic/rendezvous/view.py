@@ -191,10 +191,7 @@ class LeaderView:
                                                           self.started.get(info.node_id, 0))
                                         for info, _ in joined if info.running_round}},
             done=dict(self.done),
-            suspects={**{n: at for n, (at, rev) in self.suspects.items()
-                         if rev > registered_at.get(n, 0)},
-                      **{n: at for n, (report, _, at) in self.frozen.items()
-                         if report.confirmed_by}},
+            suspects=self._suspected_since(registered_at),
             registered_since_round=frozenset(
                 info.node_id for info, rev in joined if rev > round_revision
                 and (current is None
@@ -202,6 +199,17 @@ class LeaderView:
             checkpointed_since=frozenset(
                 info.node_id for info, rev in joined if rev < self.checkpoint_revision),
         )
+
+    def _suspected_since(self, registered_at: dict[str, int]) -> dict[str, float]:
+        """When each suspect was last suspected: by an unreachable report about
+        its current registration, or by a confirmed frozen report, whichever
+        came later (an old revocation must not hide a new suspicion)."""
+        since = {n: at for n, (at, rev) in self.suspects.items()
+                 if rev > registered_at.get(n, 0)}
+        for n, (report, _, at) in self.frozen.items():
+            if report.confirmed_by:
+                since[n] = max(at, since.get(n, at))
+        return since
 
     def standby_addrs(self, members: AbstractSet[str]) -> tuple[str, ...]:
         """Agent addresses of the registered nodes that are not ``members``,

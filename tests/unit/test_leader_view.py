@@ -80,6 +80,18 @@ class TestFrozenReports:
         register(view, "b", 30, now=101.0)
         assert view.observed(round_of(5, "a")).suspects == {"b": 100.0}
 
+    def test_an_old_revocation_does_not_hide_a_new_suspicion(self):
+        # b was revoked as frozen at 100, came back, and died again at 500:
+        # the unreachable report of 500 keeps it out, not the revocation of 100.
+        view, _ = leader_view()
+        register(view, "b", 10)
+        view.apply_request(KEYS.frozen_report("b"), FrozenReport(
+            round=4, by="a", silent_s=1.2, confirmed_by="a").to_json(), 20, 100.0)
+        view.apply_node(KEYS.node("b"), None, 0, 100.5)
+        register(view, "b", 30, now=110.0)
+        report(view, KEYS.suspect_report("b"), "b", 6, revision=40, now=500.0)
+        assert view.observed(round_of(6, "a", "b")).suspects == {"b": 500.0}
+
     def test_garbage_at_a_report_key_is_reported_and_replaces_the_report(self):
         view, bad = leader_view()
         register(view, "b", 10)
