@@ -466,6 +466,8 @@ class Agent:
             self._start_workers(command.round, command.restart_count)
         elif isinstance(command, reactor.StopWorkers):
             self.server.set_serving(False)
+            if command.grace is reactor.StopGrace.DRAIN and self.memory is not None:
+                self.memory.before_planned_stop(self.supervisor.workers())
             self.supervisor.stop(timeout_s=command.grace_s(self.config.stop_grace_s,
                                                           self.config.failure_stop_grace_s))
         elif isinstance(command, (reactor.RequestRestart, reactor.Report)):

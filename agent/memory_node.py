@@ -19,6 +19,7 @@ from agent.memory_reaper import Reaper
 from agent.memory_receiver import ReplicaReceiver
 from agent.memory_replication import Replicator, SnapshotsTaken
 from agent.status_record import MemoryTierRow, human_bytes
+from agent.supervisor import WorkerStatus
 from agent.tls import AgentTLS
 from elastic.checkpoint.memory import capacity
 from elastic.clock import SYSTEM_CLOCK, Clock
@@ -74,6 +75,13 @@ class MemoryTier:
     def heard(self, taken: SnapshotsTaken) -> None:
         """A worker's heartbeat told its snapshot count (:meth:`Replicator.heard`)."""
         self.replicator.heard(taken)
+
+    def before_planned_stop(self, workers: list[WorkerStatus]) -> bool:
+        """Before a planned stop of ``workers`` (a scale-up, a drain): let them
+        train on to their next snapshot, which the next round resumes from,
+        rather than redo the steps since the last one
+        (:meth:`SnapshotPace.wait_for_next`). Whether they all took it."""
+        return any(w.alive for w in workers) and self.replicator.pace.wait_for_next()
 
     def status(self) -> MemoryTierRow:
         return self.replicator.status()

@@ -47,6 +47,10 @@ from elastic.rendezvous.placement import Peer
 
 log = logging.getLogger(__name__)
 
+# A planned stop waits for the workers' next snapshot at most this many of
+# their recent snapshot intervals, and never longer than the cap.
+NEXT_SNAPSHOT_INTERVALS = 1.5
+NEXT_SNAPSHOT_CAP_S = 1.0
 POLL_RUNNING_S = 0.25
 POLL_IDLE_S = 0.5
 FULL_SCAN_S = 1.0
@@ -62,6 +66,58 @@ class SnapshotsTaken:
     local_rank: int
     pid: int
     count: int
+
+
+class SnapshotPace:
+    """Each local worker's snapshot count, as its heartbeats tell it, and the
+    time between its recent snapshots; any thread.
+
+    A planned stop (a scale-up, a drain) loses no step when it lands just
+    after a snapshot: :meth:`wait_for_next` blocks until every worker
+    completed one more snapshot than it had when called. Snapshots fall on the
+    same steps on every rank of the job, so every node that waits so stops
+    its workers after the same snapshot; a node that hears of the stop late,
+    when its workers wait in a collective for workers already stopped, waits
+    no longer than about one interval."""
+
+    def __init__(self, clock: Clock = SYSTEM_CLOCK):
+        self._clock = clock
+        self._moved = threading.Condition()
+        self._counts: dict[int, tuple[int, int]] = {}  # local rank -> (pid, count)
+        self._heard_at: dict[int, float] = {}
+        self._interval: dict[int, float] = {}  # local rank -> seconds per snapshot
+
+    def heard(self, taken: SnapshotsTaken) -> bool:
+        """A heartbeat's count; whether it moved."""
+        now = self._clock.monotonic()
+        with self._moved:
+            before = self._counts.get(taken.local_rank)
+            if before == (taken.pid, taken.count):
+                return False
+            if before is not None and before[0] == taken.pid and taken.count > before[1]:
+                self._interval[taken.local_rank] = \
+                    (now - self._heard_at[taken.local_rank]) / (taken.count - before[1])
+            elif before is not None:
+                self._interval.pop(taken.local_rank, None)  # another process: a new pace
+            self._counts[taken.local_rank] = (taken.pid, taken.count)
+            self._heard_at[taken.local_rank] = now
+            self._moved.notify_all()
+            return True
+
+    def wait_for_next(self) -> bool:
+        """Block until every worker heard from completed another snapshot, at
+        most :data:`NEXT_SNAPSHOT_INTERVALS` of the slowest one's interval
+        (:data:`NEXT_SNAPSHOT_CAP_S` at most). Returns at once, False, when a
+        worker's pace is not known yet (fewer than two snapshots heard);
+        else whether they all did."""
+        with self._moved:
+            before = dict(self._counts)
+            paces = [self._interval.get(rank) for rank in before]
+            if not before or None in paces:
+                return False
+            wait_s = min(NEXT_SNAPSHOT_CAP_S, NEXT_SNAPSHOT_INTERVALS * max(paces))
+            return self._moved.wait_for(lambda: all(
+                self._counts[rank] != seen for rank, seen in before.items()), wait_s)
 
 
 class _OwnSlots:
@@ -143,7 +199,7 @@ class Replicator:
         self._row = MemoryTierRow()
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._taken: dict[int, tuple[int, int]] = {}  # local rank -> (pid, count) heard
+        self.pace = SnapshotPace(clock)
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -160,9 +216,7 @@ class Replicator:
 
     def heard(self, taken: SnapshotsTaken) -> None:
         """A worker's snapshot count (any thread): a pass at once when it moved."""
-        seen = (taken.pid, taken.count)
-        if self._taken.get(taken.local_rank) != seen:
-            self._taken[taken.local_rank] = seen
+        if self.pace.heard(taken):
             self._wake.set()
 
     def status(self) -> MemoryTierRow:

@@ -313,8 +313,9 @@ class GoodputRun(Run):
             args += ["--checkpoint-dir", self.ckpt_dir]
         return args
 
-    def start_job(self) -> None:
-        """Both nodes' launchers (a first: it leads, or hosts the rendezvous)."""
+    def start_job(self, at_once: bool = False) -> None:
+        """Both nodes' launchers (a first: it leads, or hosts the rendezvous). ``at_once``
+        (replacement machines): b does not wait for a to lead, only for torchrun's store."""
         if self.bench.agents:
             if self.etcd is None:
                 self.etcd = EtcdServer().start()
@@ -322,7 +323,7 @@ class GoodputRun(Run):
         else:
             self.rdzv = (free_port(), new_job_id())
         first = self.start_node(0)
-        if self.bench.agents:
+        if self.bench.agents and not at_once:
             try:
                 wait_for("node a to lead", lambda: first.find(r"node a round \d+: elected leader"),
                          30, 0.05)
@@ -524,7 +525,7 @@ class Chaos:
             f.injected_at = time.time()
             f.pids = [p for n in range(len(NODES)) for p in self.run.kill_node(n)]
             f.target = f"nodes {' and '.join(NODES)} ({len(f.pids)} processes)"
-            self.run.start_job()  # replacement machines, at once
+            self.run.start_job(at_once=True)  # replacement machines
             f.back_at = time.time()
         f.at_s = round(f.injected_at - self.t_start, 2)
         self.active = f

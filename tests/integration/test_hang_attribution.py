@@ -17,6 +17,9 @@ wait together needs torch's flight recorder on: a job of its own.
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
+import json
 import os
 import re
 import signal
@@ -87,15 +90,16 @@ class Job:
     job_id: str
     text: str  # both agents' logs
     progress: Path
+    events: list[str]  # the messages of the job's events in etcd
+    stragglers: list[str]  # those of its straggler events
 
 
-@pytest.fixture(scope="module")
-def stuck_job(etcd_server, tmp_path_factory):
+def run_stuck_job(endpoint: str, directory: Path) -> Job:
     """The job that runs PLAN to its end; the test freezes (SIGSTOP) rank FROZEN_RANK in
     the run of scenario "none" once it made step 3."""
-    progress = tmp_path_factory.mktemp("hangs") / "progress.jsonl"
+    progress = directory / "progress.jsonl"
     job_id = "test-" + uuid.uuid4().hex[:8]
-    agents = start_nodes(etcd_server.endpoint, job_id, PLAN, progress)
+    agents = start_nodes(endpoint, job_id, PLAN, progress)
     frozen = None
     try:
         records = wait_progress(progress, lambda rs: any(
@@ -108,12 +112,34 @@ def stuck_job(etcd_server, tmp_path_factory):
         if frozen is not None and alive(frozen):
             os.kill(frozen, signal.SIGKILL)
         stop_and_show(agents)
-    yield Job(job_id, text, progress)
-    # As for every job in the session's etcd (conftest.no_straggler_named_unless_expected).
     keys = JobKeys(job_id)
-    with EtcdStore(etcd_server.endpoint) as store:
+    with EtcdStore(endpoint) as store:
         events, _ = parse_events(keys, store.get_prefix(keys.events)[0])
-    assert not [e.message for _, e in events if e.kind == "straggler"]
+    return Job(job_id, text, progress, [e.message for _, e in events],
+               [e.message for _, e in events if e.kind == "straggler"])
+
+
+@pytest.fixture(scope="module")
+def stuck_job(etcd_server, tmp_path_factory):
+    """The job of run_stuck_job, run once per session: `make test`'s two xdist workers
+    each run some of this module's tests, and the first to ask runs the job while the
+    other waits for its record (one cold start of torch on the suite's two cores, not two
+    at once)."""
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    directory = (tmp_path_factory.getbasetemp().parent / f"stuck-job-{run_id}" if run_id
+                 else tmp_path_factory.mktemp("hangs"))
+    directory.mkdir(exist_ok=True)
+    record = directory / "job.json"
+    with open(directory / "job.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not record.exists():
+            job = run_stuck_job(etcd_server.endpoint, directory)
+            record.write_text(json.dumps({**dataclasses.asdict(job),
+                                          "progress": str(job.progress)}))
+    job = Job(**json.loads(record.read_text()))
+    # As for every job in the session's etcd (conftest.no_straggler_named_unless_expected).
+    assert not job.stragglers
+    return dataclasses.replace(job, progress=Path(job.progress))
 
 
 def node_of(rank: int, text: str, round_number: int) -> str:
@@ -152,7 +178,7 @@ def test_a_rank_sleeping_in_native_code_is_named_with_its_place(stuck_job):
     stuck_at_step_5_then_completed(stuck_job.progress, range(RUN["native"], RUN["native"] + 2))
 
 
-def test_a_rank_stuck_in_data_loading_is_named_with_its_place(stuck_job, etcd_store):
+def test_a_rank_stuck_in_data_loading_is_named_with_its_place(stuck_job):
     round_number = RUN["data"] + 1
     node = node_of(3, stuck_job.text, round_number)
     reason = (f"rank 3 (node {node}) is in stuck_rank.py:{line_of('time.sleep(3600)')} in "
@@ -162,9 +188,7 @@ def test_a_rank_stuck_in_data_loading_is_named_with_its_place(stuck_job, etcd_st
                      stuck_job.text), stuck_job.text[-3000:]
     stuck_at_step_5_then_completed(stuck_job.progress, range(RUN["data"], RUN["data"] + 1))
     # The reason is in the job's events (elasticctl events, status) ...
-    events = [kv.value.decode()
-              for kv in etcd_store.get_prefix(JobKeys(stuck_job.job_id).events)[0]]
-    assert any(reason in e for e in events), events
+    assert any(reason in e for e in stuck_job.events), stuck_job.events
     # ... and the full stacks are kept beside the rank's log.
     kept = re.search(rf"node {node} round {round_number}: stack of rank 3 at the hang: .* "
                      r"\(full stacks: (\S+)\)", stuck_job.text)

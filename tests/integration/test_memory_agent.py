@@ -1,9 +1,11 @@
 """The memory tier's agent side end to end: real agents, a real etcd, workers that
-stage snapshots (tests/integration/scripts/memory_worker.py), real SIGKILLs.
+stage snapshots (tests/integration/scripts/memory_worker.py, or examples/ddp.py
+where the snapshots' steps matter), real SIGKILLs.
 
 Each node's snapshots reach its buddy byte for byte; ``elasticctl status``
 shows the tier; the node's memory directory is freed when the agent exits,
-and when it is SIGKILLed (by its reaper, which does not outlive it)."""
+and when it is SIGKILLed (by its reaper, which does not outlive it); a planned
+stop waits for the next snapshot, so a scale-up redoes no step."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from agent.status_record import human_bytes
 from elastic.checkpoint.memory import layout
 from elastic.keyspace import JobKeys
 from elastic.rendezvous.round_record import read_round
-from tests.integration.procs import AgentProcess
+from tests.integration.procs import AgentProcess, wait_progress
 from tests.proctable import alive
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -174,3 +176,32 @@ def test_a_new_round_frees_the_old_rounds_snapshots_own_and_replicated(
     # Once every worker of a node staged in the new round, the old round is gone there.
     wait_until(lambda: all(rounds_in(p) and min(rounds_in(p)) > first for p in places), 30,
                "the old round's slots freed on both nodes", lambda: [rounds_in(p) for p in places])
+
+
+@pytest.mark.timeout(300)
+def test_a_scale_up_stops_the_workers_after_a_snapshot_so_no_step_is_redone(
+        etcd_endpoint, job_id, tmp_path):
+    # A snapshot every 3 steps: a stop at a random moment would redo up to 2.
+    progress = str(tmp_path / "progress.jsonl")
+    script_args = ["--steps", "100000", "--step-time", "0.2", "--memory-every", "3",
+                   "--checkpoint-dir", str(tmp_path / "ckpt"), "--ckpt-every", "100000",
+                   "--progress-file", progress]
+    started = []
+    try:
+        started.append(AgentProcess(etcd_endpoint, job_id, "a", "1:2", script_args, nproc=1,
+                                    extra=MEMORY))
+        wait_progress(progress, lambda records: sum(r["world"] == 1 for r in records) >= 8)
+
+        started.append(AgentProcess(etcd_endpoint, job_id, "b", "1:2", script_args, nproc=1,
+                                    extra=MEMORY))  # a planned scale-up: a stops for it
+        records = wait_progress(progress, lambda records: any(r["world"] == 2 for r in records))
+    finally:
+        for a in started:
+            a.stop()
+        shutil.rmtree(os.path.join(user_base("/dev/shm"), job_id), ignore_errors=True)
+
+    alone = [r["step"] for r in records if r["world"] == 1]
+    together = [r["step"] for r in records if r["world"] == 2]
+    assert together[0] > alone[-1], (
+        f"the scale-up redid steps {together[0]}..{alone[-1]}: a's workers were stopped "
+        f"between snapshots\n" + "".join(started[0].output[-30:]))

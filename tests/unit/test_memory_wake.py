@@ -1,6 +1,8 @@
 """The replicator wakes when a worker says it completed a snapshot
 (agent.memory_replication.Replicator.heard), not at its next look: its safety-net
-polls are set an hour apart here, so only the wake can send a new snapshot in time."""
+polls are set an hour apart here, so only the wake can send a new snapshot in time.
+The same counts pace a planned stop (SnapshotPace): it waits for the next snapshot,
+about one interval at most."""
 
 from __future__ import annotations
 
@@ -101,3 +103,57 @@ def test_a_negative_count_is_no_heartbeat_a_worker_sends():
     check_heartbeat(agent_pb2.WorkerChannelHeartbeatRequest(step=3, snapshots=4))
     with pytest.raises(InvalidRequestError, match="snapshots"):
         check_heartbeat(agent_pb2.WorkerChannelHeartbeatRequest(step=3, snapshots=-1))
+
+
+class StepClock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def monotonic(self):
+        return self.now
+
+
+def paced(clock, interval_s, *ranks):
+    """A pace that heard two snapshots of each rank ``interval_s`` apart."""
+    pace = memory_replication.SnapshotPace(clock)
+    for count in (1, 2):
+        for rank in ranks:
+            pace.heard(SnapshotsTaken(local_rank=rank, pid=40 + rank, count=count))
+        clock.now += interval_s
+    return pace
+
+
+def test_a_planned_stop_waits_until_every_worker_took_its_next_snapshot():
+    clock = StepClock()
+    pace = paced(clock, 0.13, 0, 1)
+    waited = []
+    waiter = threading.Thread(target=lambda: waited.append(pace.wait_for_next()))
+    waiter.start()
+    time.sleep(0.05)
+    pace.heard(SnapshotsTaken(local_rank=0, pid=40, count=3))
+    time.sleep(0.02)
+    assert not waited  # rank 1 has not taken it yet
+    pace.heard(SnapshotsTaken(local_rank=1, pid=41, count=3))
+    waiter.join(timeout=1)
+    assert waited == [True]
+
+
+def test_workers_that_take_no_snapshot_hold_a_stop_about_one_interval_only():
+    pace = paced(StepClock(), 0.1, 0, 1)  # stuck in a collective: no snapshot comes
+    started = time.monotonic()
+    assert pace.wait_for_next() is False
+    assert 0.15 - 0.02 <= time.monotonic() - started < 0.5  # 1.5 intervals
+
+
+def test_a_pace_not_known_yet_holds_nothing():
+    clock = StepClock()
+    pace = memory_replication.SnapshotPace(clock)
+    assert pace.wait_for_next() is False  # no worker heard from
+    pace.heard(SnapshotsTaken(local_rank=0, pid=40, count=1))
+    assert pace.wait_for_next() is False  # one snapshot: no interval
+    clock.now += 0.1
+    pace.heard(SnapshotsTaken(local_rank=0, pid=41, count=2))  # a new process: a new pace
+    started = time.monotonic()
+    assert pace.wait_for_next() is False and time.monotonic() - started < 0.05
