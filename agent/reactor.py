@@ -571,7 +571,8 @@ def _on_round(view: AgentView, event: RoundCommitted, now: float, settings: Sett
                                      f"{r.reason}", _replacement_grace(cause),
                                StopCause.LEAVING if me is None and event.drain_requested
                                else cause)
-    commands.append(WatchPeer(None))  # the old round's peer; a new one once workers start
+    if view.round is not None:
+        commands.append(WatchPeer(None))  # the old round's peer; a new one once workers start
     if me is None:
         if event.drain_requested:
             view, more = _drain(view, "drain requested")
