@@ -426,7 +426,7 @@ class Agent:
             return None
         drain = (latest.member(self.config.node_id) is None and not latest.outcome
                  and self.drain_key.requested())
-        return reactor.RoundCommitted(latest, drain_requested=drain)
+        return reactor.RoundCommitted(latest, drain, self.rdzv.registered)
 
     def _tick(self) -> reactor.Tick:
         now = self.clock.monotonic()

@@ -125,10 +125,12 @@ class GaveUp:
 @dataclass(frozen=True)
 class RoundCommitted:
     """A round was committed. ``drain_requested``: a drain of this node is
-    pending (read by the loop only when the round leaves this node out)."""
+    pending (read by the loop only when the round leaves this node out).
+    ``registered``: whether this agent is registered now."""
 
     round: Round
     drain_requested: bool = False
+    registered: bool = True
 
 
 @dataclass(frozen=True)
@@ -548,23 +550,16 @@ def _on_round(view: AgentView, event: RoundCommitted, now: float, settings: Sett
     if view.round is not None and r.number <= view.round.number:
         return view, []
     if r.continues:
-        if view.state in (S.RUNNING, S.DONE) and view.round.continued_by(r):
-            return dataclasses.replace(view, round=r), [Note(
-                f"round {r.number} continues round {view.round.workers_round} ({r.reason}); "
-                "its workers run on")]
-        # Its workers are the ones of round r.continues, which this node does
-        # not run (any more): never start workers that no group waits for.
-        # The leader forms a new round for what this node requested or reported;
-        # a member that never saw that round has neither, and its group waits
-        # for workers that will not come: it asks for the round.
-        ran = view.round.workers_round if view.round else 0
-        if view.state is S.JOINING and ran < r.continues and r.member(settings.node_id):
-            return view, [RequestRestart(r.number, f"round {r.number} continues round "
-                                         f"{r.continues}, whose workers this node never "
-                                         "started", failure=False)]
-        return view, []
+        return _on_continuing_round(view, r, settings)
     commands: list[Command] = []
     me = r.member(settings.node_id)
+    if me is not None and not event.registered \
+            and view.state not in (S.RUNNING, S.STARTING, S.DONE):
+        # A round this agent is not registered for: it was formed for an earlier
+        # registration of this id (an agent that died, or this one before it lost
+        # its lease), whose workers are gone. Starting them again would join a group
+        # formed without this agent; the leader forms a new round once it registers.
+        return view, []
     if view.state in (S.RUNNING, S.STARTING, S.DONE):
         cause = _replacement_cause(view.round, r)
         view, commands = _stop(view, f"round {r.number} replaces round {view.round_number}: "
@@ -594,6 +589,26 @@ def _on_round(view: AgentView, event: RoundCommitted, now: float, settings: Sett
                                             r.number), CheckGpus(r.number, now)]
     view, start = _start_workers(view, settings)
     return view, commands + [Transition(S.STARTING, starting, r.number)] + start
+
+
+def _on_continuing_round(view: AgentView, r: Round, settings: Settings) -> Result:
+    """Round ``r`` is round ``r.continues`` written again (a malformed record
+    replaced): the workers of that round run on in it."""
+    if view.state in (S.RUNNING, S.DONE) and view.round.continued_by(r):
+        return dataclasses.replace(view, round=r), [Note(
+            f"round {r.number} continues round {view.round.workers_round} ({r.reason}); "
+            "its workers run on")]
+    # Its workers are the ones of round r.continues, which this node does
+    # not run (any more): never start workers that no group waits for.
+    # The leader forms a new round for what this node requested or reported;
+    # a member that never saw that round has neither, and its group waits
+    # for workers that will not come: it asks for the round.
+    ran = view.round.workers_round if view.round else 0
+    if view.state is S.JOINING and ran < r.continues and r.member(settings.node_id):
+        return view, [RequestRestart(r.number, f"round {r.number} continues round "
+                                     f"{r.continues}, whose workers this node never "
+                                     "started", failure=False)]
+    return view, []
 
 
 def _start_workers(view: AgentView, settings: Settings) -> Result:

@@ -91,6 +91,16 @@ def _under(pid: int, ancestor: int) -> bool:
     return False
 
 
+def seconds_to_train_again(cluster: Cluster, agents: dict, survivors: set[str], r0: int,
+                           since: float, how: str) -> float:
+    """From ``since`` to the survivors' first step in a round after ``r0``."""
+    first = cluster.wait_until(
+        lambda: [r for r in cluster.records()
+                 if r["node"] in survivors and r["round"] > r0 and r["t"] > since],
+        20, f"the survivors to train {how}", running=tuple(agents[n] for n in survivors))[0]
+    return first["t"] - since
+
+
 def freeze(pids: list[int]) -> float:
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
@@ -117,12 +127,8 @@ def test_a_frozen_node_is_dropped_within_the_freeze_timeout_and_fail_stops_when_
     assert old_workers, f"{frozen_id} runs no worker to freeze"
 
     frozen_at = freeze(pids)
-    first = cluster.wait_until(
-        lambda: [r for r in cluster.records()
-                 if r["node"] in survivors and r["round"] > r0 and r["t"] > frozen_at],
-        20, f"the survivors to train without the frozen {frozen_id}",
-        running=tuple(agents[n] for n in survivors))[0]
-    recovery_s = first["t"] - frozen_at
+    recovery_s = seconds_to_train_again(cluster, agents, survivors, r0, frozen_at,
+                                        f"without the frozen {frozen_id}")
     survivor_text = "".join(agents[n].text for n in survivors)
     assert f"revoked the lease of {frozen_id}" in survivor_text, (
         f"the lease of {frozen_id} must have been revoked\n{cluster.tails()}")
@@ -163,13 +169,8 @@ def test_a_dead_leader_whose_death_broke_the_survivors_workers_is_replaced_withi
     died_at = time.time()
     for pid in doomed + broken:
         os.kill(pid, signal.SIGKILL)
-    first = cluster.wait_until(
-        lambda: [r for r in cluster.records()
-                 if r["node"] in survivors and r["round"] > r0 and r["t"] > died_at],
-        20, f"the survivors to train without the dead leader {leader}",
-        running=tuple(agents[n] for n in survivors))[0]
-
-    recovery_s = first["t"] - died_at
+    recovery_s = seconds_to_train_again(cluster, agents, survivors, r0, died_at,
+                                        f"without the dead leader {leader}")
     assert f"revoked the lease of {leader}" in "".join(agents[n].text for n in survivors), (
         f"a survivor must have revoked the lease of {leader}\n{cluster.tails()}")
     assert recovery_s <= RECOVERY_BOUND_S, (

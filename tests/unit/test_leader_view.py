@@ -69,26 +69,28 @@ class TestFrozenReports:
         assert view.revoked_as_frozen(round_of(4, "a", "b")) == {"b"}
         assert view.revoked_as_frozen(round_of(5, "a", "b")) == frozenset()
 
+    @staticmethod
+    def revoked_at_100_and_back(back_at):
+        """A view in which a revoked b's lease as frozen at 100 (revision 20) and
+        b registered again at ``back_at`` (revision 30)."""
+        view, _ = leader_view()
+        register(view, "b", 10)
+        view.apply_request(KEYS.frozen_report("b"), FrozenReport(
+            round=4, by="a", silent_s=1.2, confirmed_by="a").to_json(), 20, 100.0)
+        view.apply_node(KEYS.node("b"), None, 0, 100.5)
+        register(view, "b", 30, now=back_at)
+        return view
+
     def test_a_revoked_node_stays_a_suspect_when_it_registers_again(self):
         # It thawed: the same agent, back with a new lease; kept out as a
         # suspect, or a node cut off from its peers only is revoked at every round.
-        view, _ = leader_view()
-        register(view, "b", 10)
-        view.apply_request(KEYS.frozen_report("b"), FrozenReport(
-            round=4, by="a", silent_s=1.2, confirmed_by="a").to_json(), 20, 100.0)
-        view.apply_node(KEYS.node("b"), None, 0, 100.5)
-        register(view, "b", 30, now=101.0)
+        view = self.revoked_at_100_and_back(101.0)
         assert view.observed(round_of(5, "a")).suspects == {"b": 100.0}
 
     def test_an_old_revocation_does_not_hide_a_new_suspicion(self):
-        # b was revoked as frozen at 100, came back, and died again at 500:
-        # the unreachable report of 500 keeps it out, not the revocation of 100.
-        view, _ = leader_view()
-        register(view, "b", 10)
-        view.apply_request(KEYS.frozen_report("b"), FrozenReport(
-            round=4, by="a", silent_s=1.2, confirmed_by="a").to_json(), 20, 100.0)
-        view.apply_node(KEYS.node("b"), None, 0, 100.5)
-        register(view, "b", 30, now=110.0)
+        # b came back, and died again at 500: the unreachable report of 500
+        # keeps it out, not the revocation of 100.
+        view = self.revoked_at_100_and_back(110.0)
         report(view, KEYS.suspect_report("b"), "b", 6, revision=40, now=500.0)
         assert view.observed(round_of(6, "a", "b")).suspects == {"b": 500.0}
 
