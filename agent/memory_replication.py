@@ -48,9 +48,10 @@ from elastic.rendezvous.placement import Peer
 log = logging.getLogger(__name__)
 
 # A planned stop waits for the workers' next snapshot at most this many of
-# their recent snapshot intervals, and never longer than the cap.
-NEXT_SNAPSHOT_INTERVALS = 1.5
-NEXT_SNAPSHOT_CAP_S = 1.0
+# their recent snapshot intervals (steps slow down when a joining node starts
+# beside them), and never longer than the cap.
+NEXT_SNAPSHOT_INTERVALS = 3.0
+NEXT_SNAPSHOT_CAP_S = 2.0
 POLL_RUNNING_S = 0.25
 POLL_IDLE_S = 0.5
 FULL_SCAN_S = 1.0
@@ -78,7 +79,7 @@ class SnapshotPace:
     same steps on every rank of the job, so every node that waits so stops
     its workers after the same snapshot; a node that hears of the stop late,
     when its workers wait in a collective for workers already stopped, waits
-    no longer than about one interval."""
+    no longer than a few intervals."""
 
     def __init__(self, clock: Clock = SYSTEM_CLOCK):
         self._clock = clock

@@ -94,13 +94,16 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            # Cleared before the beat reads what it sends: a wake set after the clear
+            # sends again at once (cleared after the wait, one set in between was lost
+            # and a snapshot waited a whole interval to be told).
+            self._wake.clear()
             timed = self.timer.take()
             self.client.heartbeat(self.rank, self.local_rank, os.getpid(), self.round, self.step,
                                   max(0.0, self.saving_until - time.monotonic()),
                                   snapshots=self.snapshots, step_time_s=timed.wall_s,
                                   step_busy_s=timed.busy_s if busy_tells(torch.cuda) else 0.0)
             self._wake.wait(self.interval_s)
-            self._wake.clear()
 
     def wait_until_confirmed(self, hold_after_s: float) -> None:
         """Block while the agent has not vouched for this round for

@@ -183,14 +183,16 @@ def test_a_scale_up_stops_the_workers_after_a_snapshot_so_no_step_is_redone(
         etcd_endpoint, job_id, tmp_path):
     # A snapshot every 3 steps: a stop at a random moment would redo up to 2.
     progress = str(tmp_path / "progress.jsonl")
-    script_args = ["--steps", "100000", "--step-time", "0.2", "--memory-every", "3",
+    script_args = ["--steps", "100000", "--step-time", "0.1", "--memory-every", "3",
                    "--checkpoint-dir", str(tmp_path / "ckpt"), "--ckpt-every", "100000",
                    "--progress-file", progress]
     started = []
     try:
         started.append(AgentProcess(etcd_endpoint, job_id, "a", "1:2", script_args, nproc=1,
                                     extra=MEMORY))
-        wait_progress(progress, lambda records: sum(r["world"] == 1 for r in records) >= 8)
+        # Past the tier's first 10 steps (a snapshot at each, to time them), so that
+        # the agent knows the pace of one every 3 steps when it stops a's worker.
+        wait_progress(progress, lambda records: sum(r["world"] == 1 for r in records) >= 25)
 
         started.append(AgentProcess(etcd_endpoint, job_id, "b", "1:2", script_args, nproc=1,
                                     extra=MEMORY))  # a planned scale-up: a stops for it

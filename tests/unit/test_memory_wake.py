@@ -2,7 +2,7 @@
 (agent.memory_replication.Replicator.heard), not at its next look: its safety-net
 polls are set an hour apart here, so only the wake can send a new snapshot in time.
 The same counts pace a planned stop (SnapshotPace): it waits for the next snapshot,
-about one interval at most."""
+a few intervals at most."""
 
 from __future__ import annotations
 
@@ -140,11 +140,11 @@ def test_a_planned_stop_waits_until_every_worker_took_its_next_snapshot():
     assert waited == [True]
 
 
-def test_workers_that_take_no_snapshot_hold_a_stop_about_one_interval_only():
+def test_workers_that_take_no_snapshot_hold_a_stop_a_few_intervals_only():
     pace = paced(StepClock(), 0.1, 0, 1)  # stuck in a collective: no snapshot comes
     started = time.monotonic()
     assert pace.wait_for_next() is False
-    assert 0.15 - 0.02 <= time.monotonic() - started < 0.5  # 1.5 intervals
+    assert 0.3 - 0.02 <= time.monotonic() - started < 0.8  # 3 intervals
 
 
 def test_a_pace_not_known_yet_holds_nothing():
