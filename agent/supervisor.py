@@ -63,6 +63,9 @@ log = logging.getLogger(__name__)
 
 _CALLBACK_WAIT_S = 2.0  # how long stop() waits for on_exit of the workers it stopped
 _SPAWN_TIMEOUT_S = 30.0
+# How long a round waits for an importing template before it spawns its workers cold:
+# under the spawn timeout, so the forks that follow still fit in it.
+TEMPLATE_WAIT_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -213,9 +216,12 @@ class WorkerSupervisor:
         """Start one worker per local rank; ``envs[i]`` is added to ``os.environ`` for local rank i.
 
         Returns once every worker process exists (not once the scripts run).
-        The next warm set is forked from the template at once when it is ready
-        (warm at birth), else as soon as it is; without a template (forking
-        unsafe) it is spawned and imports at the lowest CPU and I/O priority
+        Short of warm workers while the template imports (a cold start), it
+        waits for the template, up to TEMPLATE_WAIT_S, and takes forks of it:
+        a cold worker would import beside it and finish no sooner. The next
+        warm set is forked from the template at once when it is ready (warm at
+        birth), else as soon as it is; without a template (forking unsafe) it
+        is spawned and imports at the lowest CPU and I/O priority
         (:mod:`elastic.worker.priority`), taking only what this round's start
         leaves, so a failure in the round's first seconds finds it partly warm.
         Raises ValueError if ``len(envs) != nproc``, RuntimeError if a worker of the
@@ -335,6 +341,7 @@ class WorkerSupervisor:
         self._make_round_dir(number)
         base = self._base_env()
         rnd = _Round(number, [])
+        self._pool.await_template({**base, **envs[0]}, self.nproc, TEMPLATE_WAIT_S)
         warm = self._pool.take()
         differing: set[str] = set()  # startup variables that made warm workers unusable
         cold_ranks: list[int] = []

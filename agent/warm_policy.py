@@ -13,11 +13,13 @@ The rules:
   would see the same startup variables.
 * Warm workers are forked from one template per startup environment; a
   template with other startup variables than the next warm set needs is
-  retired. While the template imports, missing warm workers are spawned only
-  before the first round (which takes them); once a round started the pool
-  waits for the template (a spawned worker would import beside it and the
-  round's workers, to serve only a failure within the template's import).
-  Without a template (forking found unsafe, or it cannot start) they are spawned.
+  retired. While the template imports, no warm worker is spawned: the pool
+  waits for it, and so does a round that finds too few warm workers
+  (:meth:`agent.warm_pool.WarmPool.await_template`), since a spawned worker
+  would import beside the template and finish no sooner. One import per node,
+  not ``nproc + 1``, is what makes a cold start (a whole job's, or a node's
+  that comes back) fast. Without a template (forking found unsafe, or it
+  cannot start) warm workers are spawned.
 * A template that finds forking unsafe turns forking off for good (logged once)
   and is retired; the pool is refilled by spawning.
 * A warm worker or a template that dies unrequested counts as a warm failure;
@@ -235,7 +237,6 @@ class WarmState:
     warm_disabled: bool = False  # gave up: rounds start cold
     fork_disabled: bool = False  # a template found forking unsafe: spawn, for good
     learned_env: Mapping[str, str] = field(default_factory=dict)
-    round_started: bool = False
     closed: bool = False
     filling: tuple[int, Mapping[str, str]] | None = None  # a fill waiting for its template
 
@@ -296,7 +297,7 @@ class WarmPolicy:
             case RoundStarted(envs=envs):
                 learned = common_startup_env(list(envs)) if self.prestart and envs is not None \
                     else s.learned_env
-                self.state = replace(s, round_started=True, learned_env=learned)
+                self.state = replace(s, learned_env=learned)
                 return []
             case Closed():
                 self.state = replace(s, closed=True)
@@ -328,7 +329,7 @@ class WarmPolicy:
             return []
         if tpl is not None and tpl.usable:
             return [ForkWarm(tpl.pid, missing)]
-        if tpl is not None and not tpl.ready and self.state.round_started:
+        if tpl is not None and not tpl.ready:
             return []  # the template fills the pool the moment it is ready
         return [SpawnWarm(missing, env)]
 

@@ -30,7 +30,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, Mapping, NamedTuple
 
 from agent.spawn import KILL_WAIT_S, POLL_S, Launcher, SpawnerThread, WorkerProcess, \
     process_running, signal_worker
@@ -40,11 +40,13 @@ from agent.warm_policy import (Closed, DiscardWarm, FillAsked, ForkFailed, ForkW
                                RetireTemplate, RoundStarted, SpawnWarm, StartTemplate,
                                TemplateDied, TemplateFoundUnsafe, TemplateReadied,
                                TemplateStarted, TemplateStartFailed, TemplateView, WarmAction,
-                               WarmEvent, WarmPolicy, WarmWorkerDied, WarmWorkerReady)
+                               WarmEvent, WarmPolicy, WarmWorkerDied, WarmWorkerReady,
+                               startup_differences)
 from agent.worker_output import last_lines
 from elastic.clock import Clock
 from elastic.errors import WorkerSpawnError
 from elastic.joblog import JobLogger
+from elastic.worker import priority
 
 FORK_TIMEOUT_S = 10.0  # a fork costs ~10 ms of CPU; this is for a node loaded to a crawl
 
@@ -106,6 +108,7 @@ class WarmPool:
         self._clock = clock
         self.log = log
         self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)  # after each event the policy saw
         self._warm: list[WorkerProcess] = []
         self._template: _Template | None = None  # the one new warm workers are forked from
         self._templates: list[_Template] = []  # every live one, retired ones included
@@ -139,6 +142,37 @@ class WarmPool:
         # takes the set that finished importing, not the one still warming.
         warm.sort(key=lambda w: not w.ready)
         return warm
+
+    def await_template(self, env: Mapping[str, str], wanted: int, timeout_s: float) -> bool:
+        """Before a round takes its workers (on the spawner thread): with fewer than
+        ``wanted`` live warm workers and a template still importing that started with
+        ``env``'s startup variables, wait up to ``timeout_s`` for it, then fork what is
+        missing. A template that dies, is retired or finds forking unsafe ends the
+        wait, and so does :meth:`close`. The template's import, lowered to idle
+        priority so it takes only spare time, is raised back while a round waits for
+        it (where this process may: root or ``CAP_SYS_NICE``). Returns whether it
+        waited: False when there was nothing to wait for."""
+        with self._lock:
+            tpl = self._template
+            live = sum(1 for w in self._warm if not w.exited)
+            if (live >= wanted or tpl is None or tpl.ready or tpl.link.dead
+                    or startup_differences(tpl.worker.startup_env, env)):
+                return False
+        started = self._clock.monotonic()
+        priority.restore_process(tpl.pid)
+        with self._changed:
+            self._changed.wait_for(lambda: self._template is not tpl or tpl.ready
+                                   or tpl.link.dead or self._policy.state.closed, timeout_s)
+            ready = self._template is tpl and tpl.ready
+        waited = self._clock.monotonic() - started
+        if not ready:
+            self.log.warning("the round waited %.1f s for template pid %d, which is not ready "
+                             "to fork; its workers start cold.", waited, tpl.pid)
+            return True
+        self.log.info("the round waited %.1f s for template pid %d to finish importing.",
+                      waited, tpl.pid)
+        self.fill()
+        return True
 
     def give_back(self, workers: list[WorkerProcess]) -> None:
         with self._lock:
@@ -306,6 +340,7 @@ class WarmPool:
         state before its actions (a pool given up still holding warm workers)."""
         with self._lock:
             self._carry_out(self._decide(event))
+            self._changed.notify_all()
 
     def _carry_out(self, actions: list[WarmAction]) -> None:
         for action in actions:

@@ -93,11 +93,12 @@ def io_class(thread_id: int) -> int | None:
     return None if value < 0 else value >> _IOPRIO_CLASS_SHIFT
 
 
-def restore_process() -> None:
-    """Restore every thread of this process that runs at ``SCHED_IDLE``: the
-    preload's own thread and any thread a preloaded module started from it."""
+def restore_process(pid: int | None = None) -> None:
+    """Restore every thread of process ``pid`` (this one by default) that runs at
+    ``SCHED_IDLE``: the preload's own thread and any thread a preloaded module
+    started from it. Another process's threads need root or ``CAP_SYS_NICE``."""
     try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
+        tids = [int(t) for t in os.listdir(f"/proc/{pid or 'self'}/task")]
     except OSError:
         return
     for tid in tids:

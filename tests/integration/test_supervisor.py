@@ -8,6 +8,7 @@ test pays for real ``import torch``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -18,10 +19,12 @@ import time
 
 import pytest
 
+from agent import supervisor
 from agent.spawn import signal_worker
 from agent.supervisor import Entrypoint, WorkerSupervisor
 from elastic.clock import SystemClock
 from elastic import worker_env
+from elastic.worker import priority
 from tests.integration.supervising import REPO, Exits, check_exits_reported, kill, round_envs
 from tests.waiting import wait_until
 from tests.proctable import alive, parent, state
@@ -211,11 +214,14 @@ def test_warm_worker_deaths_are_not_failures_and_a_broken_pool_goes_cold(supervi
 
 def test_giving_up_the_warm_pool_ends_the_warm_workers_still_importing(supervise, tmp_path,
                                                                       monkeypatch):
-    # Once the marker exists, the first import of `badpre` fails and every later one hangs:
-    # the verdict "go cold" comes while a replacement is still importing.
+    # `badpre` starts a thread, so the template finds forking unsafe and warm workers
+    # are spawned, each importing on its own. Once the marker exists, the first import
+    # fails and every later one hangs: the verdict "go cold" comes while a replacement
+    # is still importing.
     marker, claimed = tmp_path / "broken", tmp_path / "claimed"
     (tmp_path / "badpre.py").write_text(textwrap.dedent(f"""
-        import os, time
+        import os, threading, time
+        threading.Thread(target=time.sleep, args=(1000,), daemon=True).start()
         if os.path.exists({str(marker)!r}):
             try:
                 os.close(os.open({str(claimed)!r}, os.O_CREAT | os.O_EXCL))
@@ -229,19 +235,13 @@ def test_giving_up_the_warm_pool_ends_the_warm_workers_still_importing(supervise
     sup, exits = supervise("print('ran')", nproc=2, prestart=True)
     sup.warm_up()
     warm = wait_until(lambda: len(sup.warm_workers()) == 2 and all(
-        w.ready for w in sup.warm_workers()) and sup.warm_workers(), 10, "pool warm")
-    template = wait_until(lambda: (t := sup.warm_template()) and t.ready and t, 10, "template ready")
+        w.ready for w in sup.warm_workers()) and sup.warm_template() is None
+        and sup.warm_workers(), 20, "two spawned warm workers ready")
     marker.touch()
 
-    # The template's death and the two warm workers': three in a row, while their
-    # replacements (a new template, spawned warm workers) fail or hang in `badpre`.
-    # The warm workers die once a replacement has started: the test needs the three
-    # deaths judged while replacements are being made, and three at once may all be
-    # judged before the spawner starts any.
-    first = {template.pid, *(w.pid for w in warm)}
-    os.kill(template.pid, signal.SIGKILL)
-    wait_until(lambda: [pid for pid in sup.pids() if pid not in first], 15,
-               "a replacement for the template")
+    # Three deaths in a row: the two warm workers, then the replacement that claims
+    # the marker; the other replacement hangs in `badpre` when the verdict comes.
+    first = set(sup.pids())
     for w in warm:
         os.kill(w.pid, signal.SIGKILL)
     wait_until(lambda: not sup.warm_enabled, 15, "warm workers given up")
@@ -249,58 +249,73 @@ def test_giving_up_the_warm_pool_ends_the_warm_workers_still_importing(supervise
     assert sup.warm_workers() == []
     assert sup.warm_template() is None
     hanging = [pid for pid in sup.pids() if pid not in first]
-    assert hanging, "no replacement was started"
-    wait_until(lambda: not any(alive(pid) for pid in hanging), 5, "the hanging replacements ended")
+    assert len(hanging) == 2, "the replacements were not started"
+    wait_until(lambda: not any(alive(pid) for pid in hanging), 5, "the hanging replacement ended")
     assert exits.seen == []
 
 
-def test_a_second_warm_set_serves_a_restart_while_the_template_imports_and_it_forks_the_rest(
-        supervise, tmp_path, monkeypatch):
-    # Warm workers import `slowpre` at once; the template waits in it for `release`:
-    # both sets are spawned before round 1, and the template imports through rounds 1 and 2.
-    release = tmp_path / "release"
+def _slow_preload(tmp_path, monkeypatch, release) -> None:
+    """ELASTIC_PRELOAD is `slowpre`, which waits for ``release`` to exist."""
     (tmp_path / "slowpre.py").write_text(
         f"import os, time\n"
-        f"while os.environ.get({worker_env.BOOTSTRAP_TEMPLATE_FD!r}) and not os.path.exists({str(release)!r}):\n"
+        f"while not os.path.exists({str(release)!r}):\n"
         f"    time.sleep(0.05)\n")
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{REPO}")
     monkeypatch.setenv(worker_env.PRELOAD, "slowpre")
-    sup, exits = supervise("import time\nwhile True: time.sleep(0.05)", prestart=True,
-                           warm_sets=2)
+
+
+def test_a_round_short_of_warm_workers_waits_for_the_importing_template_and_takes_its_forks(
+        supervise, tmp_path, monkeypatch, caplog):
+    release = tmp_path / "release"
+    _slow_preload(tmp_path, monkeypatch, release)
+    caplog.set_level(logging.INFO, logger="agent.supervisor")
+    sup, exits = supervise("import time\nwhile True: time.sleep(0.05)", nproc=2, prestart=True)
     sup.warm_up()
-    ready = {w.pid for w in wait_until(lambda: len(sup.warm_workers()) == 2 and all(
-        w.ready for w in sup.warm_workers()) and sup.warm_workers(), 20, "two sets warm")}
+    template = wait_until(lambda: sup.warm_template(), 10, "the template started")
 
-    sup.start_round(1, round_envs(1))  # takes one ready set
-    first = sup.workers()[0].pid
-    sup.stop()
-    sup.start_round(2, round_envs(1))  # at once: the second set serves it
-    assert first in ready and sup.workers()[0].pid in ready - {first}
-
-    # Once rounds run, nothing is spawned to import beside the template...
+    starting = threading.Thread(target=sup.start_round, args=(1, round_envs(2)))
+    starting.start()
     time.sleep(1.0)
-    assert sup.warm_workers() == [] and len(sup.pids()) == 3  # two spawned, the template
-    # ...which forks the pool the moment it is ready.
+    # Nothing imports beside the template, and the round waits for it.
+    assert starting.is_alive() and sup.workers() == []
+    assert sup.pids() == [template.pid]
     release.touch()
-    template = wait_until(lambda: (t := sup.warm_template()) and t.ready and t, 20,
-                          "the template ready")
+    starting.join(10)
+    assert not starting.is_alive()
+    assert [parent(w.pid) for w in sup.workers()] == [template.pid] * 2
+    assert "the round waited" in caplog.text
     refilled = wait_until(lambda: len(sup.warm_workers()) == 2 and sup.warm_workers(), 10,
-                          "the pool forked")
+                          "the next set forked")
     assert [parent(w.pid) for w in refilled] == [template.pid] * 2
 
 
-def test_warm_workers_import_at_idle_priority_and_the_script_runs_at_normal_priority(
+def test_a_template_that_is_not_ready_in_time_leaves_the_round_to_start_cold(
+        supervise, tmp_path, monkeypatch, caplog):
+    _slow_preload(tmp_path, monkeypatch, tmp_path / "never")
+    monkeypatch.setattr(supervisor, "TEMPLATE_WAIT_S", 1.0)
+    sup, exits = supervise("print('ran')", prestart=True)
+    sup.warm_up()
+    template = wait_until(lambda: sup.warm_template(), 10, "the template started")
+    t0 = time.monotonic()
+    sup.start_round(1, round_envs(1))
+    assert 1.0 <= time.monotonic() - t0 < 5.0
+    assert parent(sup.workers()[0].pid) != template.pid
+    assert exits.wait(1)[0].exit_code == 0  # a cold worker: it never imported `slowpre`
+    assert "which is not ready to fork; its workers start cold" in caplog.text
+
+
+def test_the_template_imports_at_idle_priority_until_a_round_waits_for_it(
         supervise, tmp_path, monkeypatch):
-    # The preload records the priority of the thread importing it, then waits
-    # for the marker: the round takes this warm worker in the middle of its import,
-    # while the template imports it too (so the warm worker is a spawned one).
+    # The preload records the priority of the thread importing it, then waits for the
+    # marker: the round that waits for the template raises that thread (as root).
     marker = tmp_path / "go"
     (tmp_path / "idlepre.py").write_text(textwrap.dedent(f"""
         import json, os, threading, time
         from elastic.worker import priority
         tid = threading.get_native_id()
         with open(os.path.join({str(tmp_path)!r}, "preload-%d.json" % os.getpid()), "w") as f:
-            json.dump({{"idle": priority.is_idle(tid), "io_class": priority.io_class(tid),
+            json.dump({{"tid": tid, "idle": priority.is_idle(tid),
+                        "io_class": priority.io_class(tid),
                         "main_idle": priority.is_idle(os.getpid())}}, f)
         while not os.path.exists({str(marker)!r}):
             time.sleep(0.01)
@@ -315,23 +330,23 @@ def test_warm_workers_import_at_idle_priority_and_the_script_runs_at_normal_prio
                                    "idle_threads": [t for t in tids if priority.is_idle(t)]}))
     """, prestart=True)
     sup.warm_up()
-    seen = wait_until(lambda: len(list(tmp_path.glob("preload-*.json"))) == 2 and
-                 list(tmp_path.glob("preload-*.json")), 20,
-                 "the warm worker and the template to start importing")
-    assert not sup.warm_template().ready
-    sup.start_round(1, round_envs(1))  # the assignment arrives while it imports
-    marker.touch()
-    assert exits.wait(1)[0].exit_code == 0
+    seen = wait_until(lambda: list(tmp_path.glob("preload-*.json")), 20,
+                      "the template to start importing")
+    at_import = json.loads(seen[0].read_text())
+    assert at_import["idle"] and not at_import["main_idle"]
+    assert at_import["io_class"] in (3, None)  # idle I/O, where this machine has the syscall
 
-    for path in seen:
-        at_import = json.loads(path.read_text())
-        assert at_import["idle"] and not at_import["main_idle"], path.name
-        assert at_import["io_class"] in (3, None)  # idle I/O, where this machine has the syscall
+    starting = threading.Thread(target=sup.start_round, args=(1, round_envs(1)))
+    starting.start()
+    if os.geteuid() == 0:  # unprivileged, a lowered thread cannot be raised
+        wait_until(lambda: not priority.is_idle(at_import["tid"]), 5,
+                   "the waiting round to raise the template's import")
+    marker.touch()
+    starting.join(10)
+    assert exits.wait(1)[0].exit_code == 0
     log = (tmp_path / "logs" / "round-1" / "rank-10.log").read_text()
     ran = json.loads(log.split("RUN ", 1)[1].splitlines()[0])
-    assert not ran["main_idle"]
-    if os.geteuid() == 0:  # unprivileged, the finished preload thread may stay idle: it is gone
-        assert ran["idle_threads"] == []
+    assert not ran["main_idle"] and ran["idle_threads"] == []
 
 
 def test_a_round_sets_startup_variables_so_it_starts_cold_and_the_next_set_learns_them(

@@ -62,19 +62,15 @@ def fail(p: WarmPolicy, times: int, now: float = 0.0):
 
 # ------------------------------------------------------------------ filling
 
-def test_the_first_fill_starts_a_template_and_spawns_the_set_while_it_imports():
+def test_the_first_fill_starts_a_template_and_spawns_nothing_to_import_beside_it():
     p = policy(nproc=2, warm_sets=2)
-    assert p.on(FillAsked(0, BASE, None), 0.0) == [StartTemplate(BASE)]
-    # Before the first round the spawned set serves it, mid-import if need be.
-    assert p.on(TemplateStarted(50), 0.0) == [SpawnWarm(4, BASE)]
-
-
-def test_once_a_round_started_the_pool_waits_for_the_importing_template():
-    p = policy()
-    p.on(RoundStarted(({},)), 0.0)
     assert p.on(FillAsked(0, BASE, None), 0.0) == [StartTemplate(BASE)]
     assert p.on(TemplateStarted(50), 0.0) == []
     assert p.on(FillAsked(0, BASE, TemplateView(50, BASE)), 1.0) == []
+    # Rounds change nothing: the pool still waits for the template.
+    p.on(RoundStarted(({}, {})), 2.0)
+    assert p.on(FillAsked(0, BASE, TemplateView(50, BASE)), 3.0) == []
+    assert p.on(FillAsked(0, BASE, ready_template()), 4.0) == [ForkWarm(50, 4)]
 
 
 def test_a_ready_template_forks_what_is_missing():
@@ -212,7 +208,7 @@ def test_a_round_teaches_the_startup_variables_all_its_ranks_share():
                        {"OMP_NUM_THREADS": "1", "RANK": "1", "TORCH_X": "b"})), 0.0)
     assert p.learned_env == {"OMP_NUM_THREADS": "1"}
     p.on(RoundStarted(None), 0.0)  # a start that failed part way teaches nothing
-    assert p.learned_env == {"OMP_NUM_THREADS": "1"} and p.state.round_started
+    assert p.learned_env == {"OMP_NUM_THREADS": "1"}
     cold = policy(prestart=False)
     cold.on(RoundStarted(({"OMP_NUM_THREADS": "1"},)), 0.0)
     assert cold.learned_env == {}
