@@ -143,36 +143,37 @@ class WarmPool:
         warm.sort(key=lambda w: not w.ready)
         return warm
 
-    def await_template(self, env: Mapping[str, str], wanted: int, timeout_s: float) -> bool:
+    def await_template(self, env: Mapping[str, str], wanted: int, timeout_s: float) -> None:
         """Before a round takes its workers (on the spawner thread): with fewer than
         ``wanted`` live warm workers and a template still importing that started with
         ``env``'s startup variables, wait up to ``timeout_s`` for it, then fork what is
         missing. A template that dies, is retired or finds forking unsafe ends the
         wait, and so does :meth:`close`. The template's import, lowered to idle
         priority so it takes only spare time, is raised back while a round waits for
-        it (where this process may: root or ``CAP_SYS_NICE``). Returns whether it
-        waited: False when there was nothing to wait for."""
+        it (where this process may: root or ``CAP_SYS_NICE``)."""
         with self._lock:
             tpl = self._template
             live = sum(1 for w in self._warm if not w.exited)
             if (live >= wanted or tpl is None or tpl.ready or tpl.link.dead
                     or startup_differences(tpl.worker.startup_env, env)):
-                return False
+                return
         started = self._clock.monotonic()
         priority.restore_process(tpl.pid)
         with self._changed:
             self._changed.wait_for(lambda: self._template is not tpl or tpl.ready
                                    or tpl.link.dead or self._policy.state.closed, timeout_s)
             ready = self._template is tpl and tpl.ready
+            closed = self._policy.state.closed
         waited = self._clock.monotonic() - started
+        if closed:
+            return
         if not ready:
             self.log.warning("the round waited %.1f s for template pid %d, which is not ready "
                              "to fork; its workers start cold.", waited, tpl.pid)
-            return True
+            return
         self.log.info("the round waited %.1f s for template pid %d to finish importing.",
                       waited, tpl.pid)
         self.fill()
-        return True
 
     def give_back(self, workers: list[WorkerProcess]) -> None:
         with self._lock:
