@@ -426,7 +426,7 @@ class Agent:
             return None
         drain = (latest.member(self.config.node_id) is None and not latest.outcome
                  and self.drain_key.requested())
-        return reactor.RoundCommitted(latest, drain, self.rdzv.registered)
+        return reactor.RoundCommitted(latest, drain, self.rdzv.registered_after)
 
     def _tick(self) -> reactor.Tick:
         now = self.clock.monotonic()
@@ -515,8 +515,11 @@ class Agent:
                            lease_ttl_s=self.config.lease_ttl_s, role=self.config.role,
                            memory_dir=self.memory.path if self.memory else None)
         self.workers.reset([int(env["RANK"]) for env in envs], self.clock.monotonic())
-        self.supervisor.start_round(r.number, envs)
+        # Serving before the start returns: it may wait seconds for the warm template,
+        # and the round's other members count a member that is not serving for a lease
+        # TTL as failed. (A start that raises ends the agent.)
         self.server.set_serving(True)
+        self.supervisor.start_round(r.number, envs)
 
     def _watch_peer(self, node_id: str | None, addr: str) -> None:
         """Follow the peer's health, and probe it when --freeze-timeout is on."""

@@ -126,11 +126,13 @@ class GaveUp:
 class RoundCommitted:
     """A round was committed. ``drain_requested``: a drain of this node is
     pending (read by the loop only when the round leaves this node out).
-    ``registered``: whether this agent is registered now."""
+    ``registered_after``: the round committed when this agent registered
+    (rounds up to it were formed without this registration), None while it
+    is not registered."""
 
     round: Round
     drain_requested: bool = False
-    registered: bool = True
+    registered_after: int | None = 0
 
 
 @dataclass(frozen=True)
@@ -553,12 +555,13 @@ def _on_round(view: AgentView, event: RoundCommitted, now: float, settings: Sett
         return _on_continuing_round(view, r, settings)
     commands: list[Command] = []
     me = r.member(settings.node_id)
-    if me is not None and not event.registered \
-            and view.state not in (S.RUNNING, S.STARTING, S.DONE):
-        # A round this agent is not registered for: it was formed for an earlier
-        # registration of this id (an agent that died, or this one before it lost
-        # its lease), whose workers are gone. Starting them again would join a group
-        # formed without this agent; the leader forms a new round once it registers.
+    if me is not None and view.state not in (S.RUNNING, S.STARTING, S.DONE) and (
+            event.registered_after is None or r.number <= event.registered_after):
+        # A round not formed for this agent's registration (none yet, or it came
+        # later): it was formed for an earlier registration of this id (an agent
+        # that died, or this one before it lost its lease), whose workers are gone.
+        # Starting them again would join a group formed without this agent; the
+        # leader forms a new round once it registers.
         return view, []
     if view.state in (S.RUNNING, S.STARTING, S.DONE):
         cause = _replacement_cause(view.round, r)

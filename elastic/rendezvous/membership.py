@@ -61,6 +61,9 @@ class Membership:
         self._on_session_lost = on_session_lost
         self.session: Session | None = None
         self.registered = False
+        # The round number committed when this registration was made: rounds up to it
+        # were formed for an earlier registration of this id, never for this one.
+        self.registered_after = 0
         self.problem = ""  # why the node is not registered yet, for errors
         self.advertise_pending = False
 
@@ -131,14 +134,19 @@ class Membership:
         key = self.keys.node(self.node_id)
         lease = self.session.lease_id
         self.info = dataclasses.replace(self.info, running_round=self._settings.running_round())
-        result = self.store.txn([Compare.absent(key)], [Put(key, self.info.to_json(), lease=lease)],
+        result = self.store.txn([Compare.absent(key)],
+                                [Put(key, self.info.to_json(), lease=lease), Get(self.keys.round)],
                                 [Get(key)])
         existing = None if result.succeeded else (result.results[0] or [None])[0]
         if result.succeeded or (existing is not None and existing.lease == lease):
-            # (The same lease: ours, resumed.)
+            # (The same lease: ours, resumed, and so is the round it registered after.)
+            if result.succeeded:
+                round_kv = (result.results[1] or [None])[0]
+                self.registered_after = round_kv.version if round_kv is not None else 0
             self.registered = True
             self.problem = ""
-            self._log.info("registered (nproc %d, host %s)", self.info.nproc, self.info.host)
+            self._log.info("registered (nproc %d, host %s) after round %d", self.info.nproc,
+                           self.info.host, self.registered_after)
             return
         if existing is not None and self._provably_gone(existing):
             self._log.warning("the agent that registered this id before (lease %x, "

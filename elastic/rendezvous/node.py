@@ -204,6 +204,13 @@ class RendezvousNode:
         return self._membership.registered and self.lease_id is not None
 
     @property
+    def registered_after(self) -> int | None:
+        """The round number committed when this node registered: rounds up to it
+        were formed for an earlier registration of its id. None while it is not
+        registered."""
+        return self._membership.registered_after if self.registered else None
+
+    @property
     def registration_problem(self) -> str:
         """Why the node is not registered yet ("" once it is), for errors."""
         return self._membership.problem

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,11 +13,13 @@ import time
 import pytest
 
 from agent import peers
+from elastic import worker_env
 from elastic.keyspace import JobKeys
 from elastic.rendezvous.api import DrainRequest, NodeInfo, Round
 from elastic.rendezvous.round_record import read_round
 from tests.integration.procs import REPO, AgentProcess, read_progress, wait_progress
 from tests.proctable import alive
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -119,6 +122,50 @@ def test_agent_sigkill_survivor_reforms_alone_and_no_worker_is_left(agents, tmp_
     assert after and max(r["step"] for r in after) == 59
     # Gone by its lease, or left out earlier because its agent did not answer.
     assert "lost b" in a.text or "left out b (agent does not answer)" in a.text
+
+
+def test_an_agent_restarted_at_once_starts_no_worker_for_the_round_of_its_predecessor(
+        agents, tmp_path, job_id):
+    # b's agent is killed and started again at once, while a's workers are stopped (so
+    # they cannot see b's fail and a keeps the round): without warm workers to wait for,
+    # the new agent takes over the dead one's registration and registers while the
+    # round its predecessor ran still names b. That round's group is gone: b starts
+    # nothing for it, only for the round formed after it registered.
+    progress, a, b, _ = two_nodes_training(agents, tmp_path)
+    a_pids = {r["pid"] for r in read_progress(progress) if r["world"] == 4 and r["rank"] < 2}
+    for pid in a_pids:
+        os.kill(pid, signal.SIGSTOP)
+    b.proc.kill()
+    _, args = train_args(tmp_path, steps=60)
+    fresh = agents("b", args, nnodes="1:2", extra=NO_RESTART_HERE)
+    registered = wait_until(lambda: re.search(r"registered \(nproc 2, host [^)]*\) after round "
+                                              r"(\d+)", fresh.text), 30, "b registered again")
+    for pid in a_pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGCONT)
+    after = int(registered.group(1))
+    assert a.wait_exit(150) == 0, a.text
+    assert fresh.wait_exit(30) == 0, fresh.text
+    started = [int(n) for n in re.findall(r"round (\d+): \w+ -> STARTING", fresh.text)]
+    assert started and min(started) > after, (after, started)
+    assert max(r["step"] for r in read_progress(progress)) == 59
+
+
+def test_a_node_whose_first_round_waits_for_its_template_is_not_taken_for_a_failed_one(
+        agents, tmp_path, job_id):
+    # a's template imports for 3 s, longer than the lease TTL (2 s) after which the
+    # other members count a member that does not serve as failed; a's first round
+    # waits for that template.
+    (tmp_path / "slowpre.py").write_text("import time\ntime.sleep(3)\n")
+    progress, args = train_args(tmp_path, steps=20)
+    a = agents("a", args, env={worker_env.PRELOAD: "slowpre",
+                               "PYTHONPATH": f"{tmp_path}:{REPO}"})
+    b = agents("b", args, extra=NO_RESTART_HERE)
+    assert a.wait_exit(120) == 0, a.text
+    assert b.wait_exit(30) == 0, b.text
+    assert "the round waited" in a.text
+    assert "NOT_SERVING" not in b.text
+    assert {r["restart"] for r in read_progress(progress)} == {0}
 
 
 def test_frozen_node_survivor_reforms(agents, tmp_path, job_id):

@@ -93,20 +93,22 @@ def transitions(commands):
 class TestRounds:
     def test_a_round_this_agent_is_not_registered_for_starts_no_worker(self):
         # A fresh agent of node a (its predecessor died) sees the round formed with
-        # the predecessor before it registered: its workers would join a group
-        # formed without it. The round formed once it registered starts them.
-        stale = RoundCommitted(round_of(3, "a", "b"), registered=False)
-        view, commands = react(AgentView(), stale, 10.0, SETTINGS)
-        assert commands == [] and view.state is S.JOINING
-        view, commands = react(view, RoundCommitted(round_of(4, "a", "b")), 11.0, SETTINGS)
+        # the predecessor, before it registered or after: its workers would join a
+        # group formed without it. The round formed once it registered starts them.
+        for registered_after in (None, 3):
+            stale = RoundCommitted(round_of(3, "a", "b"), registered_after=registered_after)
+            view, commands = react(AgentView(), stale, 10.0, SETTINGS)
+            assert commands == [] and view.state is S.JOINING
+        view, commands = react(view, RoundCommitted(round_of(4, "a", "b"), registered_after=3),
+                               11.0, SETTINGS)
         assert view.state is S.RUNNING and StartWorkers(round_of(4, "a", "b"), 0) in commands
         # A node whose workers run is not held by it (its lease may be lost while etcd
         # is down), nor is a round that leaves this node out, nor the job's end.
         running_view, commands = react(running(3), RoundCommitted(
-            round_of(4, "a", "b"), registered=False), 12.0, SETTINGS)
+            round_of(4, "a", "b"), registered_after=None), 12.0, SETTINGS)
         assert running_view.round.number == 4 and "StartWorkers" in kinds(commands)
         ended, _ = react(AgentView(), RoundCommitted(round_of(5, "a", "b", outcome="failed"),
-                                                     registered=False), 13.0, SETTINGS)
+                                                     registered_after=None), 13.0, SETTINGS)
         assert ended.state is S.FAILED
 
     def test_first_round_starts_workers_reports_started_and_watches_the_ring_peer(self):

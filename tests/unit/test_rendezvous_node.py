@@ -127,6 +127,22 @@ def test_a_node_joins_a_running_job_once_ready_and_the_first_round_at_once():
     assert c.nodes["c"].registered and c.round().node_ids == ("a", "b", "c")
 
 
+def test_a_node_knows_which_round_was_committed_when_it_registered():
+    # Rounds up to that one were formed for an earlier registration of its id.
+    c = Cluster(min_nodes=2, max_nodes=3)
+    c.nodes = {"a": c.add("a"), "b": c.add("b")}
+    c.settle()
+    assert c.round().number == 1
+    assert c.nodes["a"].registered_after == c.nodes["b"].registered_after == 0
+    ready = [False]
+    c.nodes["c"] = c.add("c", ready_to_join=lambda: ready[0])
+    c.settle()
+    assert c.nodes["c"].registered_after is None  # not registered yet
+    ready[0] = True
+    c.settle()
+    assert c.nodes["c"].registered_after == 1 and c.round().number == 2
+
+
 def test_a_store_error_while_taking_over_as_leader_is_retried_until_it_leads():
     # Before: the takeover's failed read left a leader with no watches whose
     # key lived on (kept alive by its lease): no round ever formed again.
