@@ -74,9 +74,11 @@ class HangReporter:
         stacks = self._collector.collect(round_number, workers, self._health_of(),
                                          self._clock.monotonic(), STACKS_TIMEOUT_S)
         self._latest = (round_number, stacks)
+        # Named by the workers' round: the next one may be committed while they are read.
+        round_log = self._log.at_round(round_number)
         for s in stacks:
             where = self._collector.path(round_number, s.rank) if s.dumped else "no dump"
-            self._log.info("stack of rank %d at the hang: %s (full stacks: %s)", s.rank,
+            round_log.info("stack of rank %d at the hang: %s (full stacks: %s)", s.rank,
                            s.where(), where)
         return stacks
 

@@ -93,6 +93,14 @@ def test_once_the_workers_are_stopped_a_peer_gets_the_stacks_read_last():
     assert collector.calls == 2
 
 
+def test_the_stacks_are_logged_under_the_round_of_the_workers_not_the_latest(caplog):
+    # The logger's current round is 4 (the next round, committed while they were read).
+    caplog.set_level(logging.INFO, logger="test")
+    reporter(Peers([])).local(3)
+    assert ("job j node a round 3: stack of rank 0 at the hang: waits in all_reduce "
+            "(t.py:9 in main) (full stacks: /logs/round-3/rank-0.stacks)") in caplog.messages
+
+
 class SlowPeers(Peers):
     """Peers whose answer waits until the test releases it."""
 
