@@ -289,7 +289,7 @@ class Agent:
         self.rdzv.start(thread=threaded)
         self.supervisor.warm_up()
         self._react(reactor.Joined("registered with the rendezvous" if self.rdzv.registered
-                                   else f"joined the rendezvous; {self.rdzv.registration_problem}"))
+                                   else f"joined the rendezvous; {self.rdzv.registration.problem}"))
         self.inbox.put(RoundChanged())
 
     @property
@@ -361,10 +361,7 @@ class Agent:
         self._last_pass = self.clock.monotonic()
         self.notifier.watchdog()
         status = summary_line(self.lifecycle.published, self.view)
-        if self.rdzv.registered:
-            self.notifier.ready(status)
-        else:
-            self.notifier.status(status)
+        (self.notifier.ready if self.rdzv.registered else self.notifier.status)(status)
 
     def flush(self) -> None:
         """Tell etcd what is pending: intents first, then the events and the status (when
@@ -426,7 +423,7 @@ class Agent:
             return None
         drain = (latest.member(self.config.node_id) is None and not latest.outcome
                  and self.drain_key.requested())
-        return reactor.RoundCommitted(latest, drain, self.rdzv.registered_after)
+        return reactor.RoundCommitted(latest, drain, self.rdzv.registration.after)
 
     def _tick(self) -> reactor.Tick:
         now = self.clock.monotonic()
@@ -441,7 +438,7 @@ class Agent:
             next_hang_at=next_hang_verdict_at(workers, timeouts, count_from),
             lease_unconfirmed_s=reactor.lease_unconfirmed_s(self.rdzv.lease_confirmed_at, now),
             workers_stepped=bool(workers) and all(w.step >= 0 for w in workers),
-            registration_problem=self.rdzv.registration_problem,
+            registration_problem=self.rdzv.registration.problem,
             standby_addrs=self.rdzv.standby_addrs)
         self._last_tick = (tick, now)
         return tick
@@ -515,9 +512,7 @@ class Agent:
                            lease_ttl_s=self.config.lease_ttl_s, role=self.config.role,
                            memory_dir=self.memory.path if self.memory else None)
         self.workers.reset([int(env["RANK"]) for env in envs], self.clock.monotonic())
-        # Serving before the start returns: it may wait seconds for the warm template,
-        # and the round's other members count a member that is not serving for a lease
-        # TTL as failed. (A start that raises ends the agent.)
+        # Before the start, which may wait for the template: peers fail a member not serving.
         self.server.set_serving(True)
         self.supervisor.start_round(r.number, envs)
 

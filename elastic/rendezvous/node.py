@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from elastic.clock import SYSTEM_CLOCK, Clock
 from elastic.errors import (
@@ -103,6 +103,16 @@ SESSION_CHECK_S = 0.5
 SETTLED_CHECK_S = 5.0
 # After a store error the thread waits this long before the next pass.
 _ERROR_BACKOFF_S = 0.2
+
+
+class Registration(NamedTuple):
+    """``after``: the round number committed when the node registered (rounds up
+    to it were formed for an earlier registration of its id), None while it is
+    not registered; ``problem``: why it is not registered yet ("" once it is),
+    for errors."""
+
+    after: int | None
+    problem: str
 
 
 class RendezvousNode:
@@ -204,16 +214,10 @@ class RendezvousNode:
         return self._membership.registered and self.lease_id is not None
 
     @property
-    def registered_after(self) -> int | None:
-        """The round number committed when this node registered: rounds up to it
-        were formed for an earlier registration of its id. None while it is not
-        registered."""
-        return self._membership.registered_after if self.registered else None
-
-    @property
-    def registration_problem(self) -> str:
-        """Why the node is not registered yet ("" once it is), for errors."""
-        return self._membership.problem
+    def registration(self) -> "Registration":
+        """Where this node's registration stands."""
+        return Registration(self._membership.registered_after if self.registered else None,
+                            self._membership.problem)
 
     @property
     def leader_id(self) -> str | None:
@@ -325,7 +329,7 @@ class RendezvousNode:
             self._stopping.wait(0.05)
         if not self.registered:
             raise DuplicateNodeError(
-                f"job {self.config.job_id}: {self.registration_problem or 'not registered'} "
+                f"job {self.config.job_id}: {self.registration.problem or 'not registered'} "
                 f"after {timeout_s:g} s")
 
     def wait_for_round(self, after: int = 0, timeout_s: float | None = None) -> Round:

@@ -120,7 +120,7 @@ def test_a_node_joins_a_running_job_once_ready_and_the_first_round_at_once():
     # that admits it would stop every member's workers until its own start.
     c.nodes["c"] = c.add("c", ready_to_join=lambda: warm["c"])
     c.settle()
-    assert not c.nodes["c"].registered and "ready" in c.nodes["c"].registration_problem
+    assert not c.nodes["c"].registered and "ready" in c.nodes["c"].registration.problem
     assert c.round().node_ids == ("a", "b")
     warm["c"] = True
     c.settle()
@@ -133,14 +133,14 @@ def test_a_node_knows_which_round_was_committed_when_it_registered():
     c.nodes = {"a": c.add("a"), "b": c.add("b")}
     c.settle()
     assert c.round().number == 1
-    assert c.nodes["a"].registered_after == c.nodes["b"].registered_after == 0
+    assert c.nodes["a"].registration.after == c.nodes["b"].registration.after == 0
     ready = [False]
     c.nodes["c"] = c.add("c", ready_to_join=lambda: ready[0])
     c.settle()
-    assert c.nodes["c"].registered_after is None  # not registered yet
+    assert c.nodes["c"].registration.after is None  # not registered yet
     ready[0] = True
     c.settle()
-    assert c.nodes["c"].registered_after == 1 and c.round().number == 2
+    assert c.nodes["c"].registration.after == 1 and c.round().number == 2
 
 
 def test_a_store_error_while_taking_over_as_leader_is_retried_until_it_leads():
