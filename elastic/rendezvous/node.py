@@ -214,7 +214,7 @@ class RendezvousNode:
         return self._membership.registered and self.lease_id is not None
 
     @property
-    def registration(self) -> "Registration":
+    def registration(self) -> Registration:
         """Where this node's registration stands."""
         return Registration(self._membership.registered_after if self.registered else None,
                             self._membership.problem)
